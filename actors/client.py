@@ -1,0 +1,88 @@
+"""ClientActor: hosts one or more clients over one frozen backbone built once.
+
+For every hosted client it keeps that client's state (personal parameters, method state) and
+its data, loaded here rather than pushed through the driver. Per round it swaps each sampled
+client's parameters into the one resident model, runs the method's local update, and returns
+the uploads. The class is plain Python; the simulation wraps it with ``ray.remote``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayfed.config import RunConfig, build_config, method_params
+from rayfed.data.clients import build_federation
+from rayfed.method import ClientState, Method, TensorDict, Upload
+from rayfed.methods import METHODS
+from rayfed.models import build_backbone, build_client_model
+from rayfed.seeding import SERVER, torch_seed
+from rayfed.training import ClientContext
+
+Payloads = dict[int, TensorDict | None]
+
+
+class ClientActor:
+    def __init__(self, config: dict, client_ids: list[int]):
+        self.config: RunConfig = build_config(config)
+        torch.set_num_threads(max(1, int(self.config.placement.cpus_per_actor)))
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.client_ids = list(client_ids)
+        federation = build_federation(self.config.data, self.config.seed)
+        self.num_classes = federation.dataset.num_classes
+        self.backbone = build_backbone(self.config.model, torch_seed(self.config.seed, 0, SERVER, "backbone"))
+        self.data = {cid: federation.client_data(cid, self.backbone) for cid in self.client_ids}
+        self.method: Method | None = None
+        self.states: dict[int, ClientState] = {}
+
+    def start_method(self, method_index: int) -> TensorDict:
+        """Build the method's client model and every hosted client's initial state; return the initial shared params."""
+        entry = self.config.methods[method_index]
+        self.method = METHODS[entry.name](method_params(entry, method_index))
+        init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
+        self.model = build_client_model(self.backbone, self.config.model, self.num_classes, init_seed).to(self.device)
+        initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
+        self.states = {cid: self.method.init_client(initial) for cid in self.client_ids}
+        shared, _ = self.method.split(initial)
+        return shared
+
+    def _context(self, client_id: int, round_idx: int) -> ClientContext:
+        return ClientContext(
+            client_id, round_idx, self.config.seed, self.data[client_id], self.model,
+            self.config.train, self.device,
+        )
+
+    def train(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> list[Upload]:
+        uploads = []
+        for cid in client_ids:
+            result = self.method.local_update(self._context(cid, round_idx), self.states[cid], payloads[cid])
+            self.states[cid] = _to_cpu(result.state)
+            uploads.append(Upload(cid, self.data[cid].num_train, _to_cpu(result.upload), result.train_loss))
+        return uploads
+
+    def evaluate(self, round_idx: int, payloads: Payloads) -> dict[int, dict[str, float]]:
+        return {
+            cid: self._context(cid, round_idx).evaluate(self.method.eval_params(self.states[cid], payloads[cid]))
+            for cid in self.client_ids
+        }
+
+    def finish(self, round_idx: int, payloads: Payloads, post_train_steps: int) -> dict[int, dict[str, float]]:
+        """The post-FL stages: the method's own, then optional fine-tuning; returns final metrics."""
+        metrics = {}
+        for cid in self.client_ids:
+            client = self._context(cid, round_idx)
+            state = self.method.after_federation(client, self.states[cid], payloads[cid])
+            params = self.method.eval_params(state, payloads[cid])
+            if post_train_steps:
+                params = client.train(params, steps=post_train_steps, purpose="post_train").params
+            metrics[cid] = client.evaluate(params)
+        return metrics
+
+    def get_states(self) -> dict[int, ClientState]:
+        return self.states
+
+    def set_states(self, states: dict[int, ClientState]) -> None:
+        self.states = {cid: states[cid] for cid in self.client_ids}
+
+
+def _to_cpu(slots: dict[str, TensorDict]) -> dict[str, TensorDict]:
+    return {slot: {n: v.detach().cpu() for n, v in values.items()} for slot, values in slots.items()}

@@ -1,0 +1,48 @@
+"""DriverActor: holds the server state and runs the method's aggregation.
+
+Uploads arrive as ObjectRefs resolved by Ray, so client updates never pass through the
+process running the round loop.
+"""
+
+from __future__ import annotations
+
+from rayfed.config import build_config, method_params
+from rayfed.method import ServerState, TensorDict, Upload, tensor_bytes
+from rayfed.methods import METHODS
+
+
+class DriverActor:
+    def __init__(self, config: dict):
+        self.config = build_config(config)
+        self.down_bytes = 0
+
+    def start_method(self, method_index: int, initial_shared: TensorDict) -> None:
+        """The method's initial server state, after its pre-federation stage."""
+        entry = self.config.methods[method_index]
+        self.method = METHODS[entry.name](method_params(entry, method_index))
+        self.server: ServerState = self.method.before_federation(self.method.init_server(initial_shared))
+        self.down_bytes = 0
+
+    def payloads(self, client_ids: list[int], count_bytes: bool = True) -> dict[int, TensorDict | None]:
+        payloads = {cid: self.method.payload(self.server, cid) for cid in client_ids}
+        if count_bytes:
+            self.down_bytes += sum(tensor_bytes(p) for p in payloads.values())
+        return payloads
+
+    def aggregate(self, *upload_lists: list[Upload]) -> dict[str, float]:
+        """Aggregate one round's uploads (in client-id order); return the round's statistics."""
+        uploads = sorted((u for batch in upload_lists for u in batch), key=lambda u: u.client_id)
+        self.server = self.method.aggregate(self.server, uploads)
+        stats = {
+            "up_bytes": sum(u.nbytes for u in uploads),
+            "down_bytes": self.down_bytes,
+            "train_loss": sum(u.train_loss for u in uploads) / len(uploads) if uploads else float("nan"),
+        }
+        self.down_bytes = 0
+        return stats
+
+    def get_state(self) -> ServerState:
+        return self.server
+
+    def set_state(self, server: ServerState) -> None:
+        self.server = server

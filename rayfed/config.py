@@ -1,0 +1,288 @@
+"""Run configuration: YAML -> validated, frozen pydantic objects.
+
+Every invalid value is reported as one sentence naming the field, the value and what is
+allowed (see :func:`load_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rayfed.errors import ConfigError, choice_error, suggest
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PartitionConfig(_Section):
+    """How the pooled dataset is split into clients (see ``rayfed.data.partition``)."""
+
+    name: str = "iid"
+    alpha: float | None = Field(None, gt=0, description="Dirichlet concentration (dirichlet)")
+    classes_per_client: int | None = Field(None, gt=0, description="classes each client holds (shards)")
+    samples_per_client: int | None = Field(None, gt=0, description="exact samples per client (shards)")
+    column: str | None = Field(None, description="the column whose values are the clients (natural)")
+    min_samples: int = Field(2, ge=2, description="fewest samples a client may hold (train + test)")
+
+
+class DataConfig(_Section):
+    source: str = "sklearn:digits"
+    path: str | None = None
+    split: str | None = None
+    image_column: str = "image"
+    label_column: str = "label"
+    num_clients: int = Field(10, gt=0)
+    test_fraction: float = Field(0.25, gt=0, lt=1)
+    max_samples: int | None = Field(None, gt=0)
+    partition: PartitionConfig = PartitionConfig()
+    synthetic: dict[str, Any] | None = None
+
+
+class LoraConfig(_Section):
+    rank: int = Field(4, gt=0)
+    alpha: float = Field(8.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+
+
+class ModelConfig(_Section):
+    backbone: str = "tiny:vit"
+    lora: LoraConfig | None = LoraConfig()
+    image_size: int | None = Field(None, gt=0, description="input size; default: the backbone's own")
+
+
+class FederationConfig(_Section):
+    rounds: int = Field(10, gt=0)
+    clients_per_round: int = Field(10, gt=0)
+    eval_every: int = Field(1, gt=0)
+    checkpoint_every: int = Field(0, ge=0, description="0 = only restart points kept in memory")
+    max_failures: int = Field(3, ge=0, description="actor failures survived before giving up")
+
+
+class TrainConfig(_Section):
+    local_steps: int | None = Field(10, gt=0)
+    local_epochs: int | None = Field(None, gt=0)
+    batch_size: int = Field(16, gt=0)
+    lr: float = Field(0.05, gt=0)
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    eval_batch_size: int = Field(256, gt=0)
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> TrainConfig:
+        if self.local_epochs is not None:
+            object.__setattr__(self, "local_steps", None)
+        return self
+
+
+class PlacementConfig(_Section):
+    clients_per_actor: int = Field(1, gt=0)
+    cpus_per_actor: float = Field(1.0, gt=0)
+    gpus_per_actor: float = Field(0.0, ge=0)
+    driver_cpus: float = Field(0.0, ge=0)
+
+
+class RayConfig(_Section):
+    address: str | None = None
+    num_cpus: int | None = Field(None, gt=0)
+    num_gpus: int | None = Field(None, ge=0)
+    object_store_memory: int | None = Field(10**9, gt=0)
+
+
+class MethodEntry(_Section):
+    """One method to run: its registered name, a label for results, and its hyperparameters."""
+
+    name: str
+    label: str = ""
+    post_train_steps: int = Field(0, ge=0)
+    params: dict[str, Any] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_yaml(cls, raw: Any) -> Any:
+        if isinstance(raw, str):
+            return {"name": raw}
+        if isinstance(raw, dict):
+            known = {"name", "label", "post_train_steps", "params"}
+            extra = {k: v for k, v in raw.items() if k not in known}
+            entry = {k: v for k, v in raw.items() if k in known}
+            entry["params"] = {**raw.get("params", {}), **extra}
+            return entry
+        return raw
+
+    @model_validator(mode="after")
+    def _default_label(self) -> MethodEntry:
+        if not self.label:
+            label = self.name + ("+post" if self.post_train_steps else "")
+            object.__setattr__(self, "label", label)
+        return self
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    federation: FederationConfig = FederationConfig()
+    train: TrainConfig = TrainConfig()
+    methods: tuple[MethodEntry, ...] = Field((MethodEntry(name="fedavg"),), min_length=1)
+    placement: PlacementConfig = PlacementConfig()
+    ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        if self.federation.clients_per_round > self.data.num_clients:
+            raise ValueError(
+                f"federation.clients_per_round = {self.federation.clients_per_round} is larger than "
+                f"data.num_clients = {self.data.num_clients}; it must be at most the number of clients"
+            )
+        labels = [m.label for m in self.methods]
+        for label in labels:
+            if labels.count(label) > 1:
+                raise ValueError(f"methods: the label {label!r} is used twice; give each entry a distinct `label`")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def method_params(entry: MethodEntry, index: int) -> Any:
+    """Validate a method entry against the method's registered hyperparameter dataclass."""
+    from rayfed.methods import METHODS
+
+    if entry.name not in METHODS:
+        raise choice_error(f"methods[{index}].name", entry.name, METHODS)
+    params_cls = METHODS[entry.name].Params
+    allowed = [f.name for f in dataclasses.fields(params_cls)]
+    for key in entry.params:
+        if key not in allowed:
+            hint = f"allowed: {', '.join(allowed)}" if allowed else "it takes no hyperparameters"
+            raise ConfigError(
+                f"methods[{index}] ({entry.name}) has no hyperparameter {key!r}{suggest(key, allowed)}; {hint}."
+            )
+    try:
+        return pydantic.TypeAdapter(params_cls).validate_python(entry.params)
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "params"
+        value = entry.params.get(field, first.get("input"))
+        raise ConfigError(
+            f"methods[{index}] ({entry.name}).{field} = {value!r} is invalid: {_clean_msg(first['msg'])}."
+        ) from None
+
+
+def _clean_msg(msg: str) -> str:
+    return msg.removeprefix("Value error, ").rstrip(".")
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: Any = RunConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        fields = getattr(model, "model_fields", {})
+        if part not in fields:
+            return None
+        annotation = fields[part].annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return None
+    return model
+
+
+def _format_error(err: pydantic.ValidationError) -> str:
+    first = err.errors()[0]
+    loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    path = ".".join(str(p) for p in loc)
+    if first["type"] == "extra_forbidden":
+        parent = _model_at(loc[:-1]) or RunConfig
+        allowed = list(parent.model_fields)
+        return (
+            f"unknown config field {path!r}{suggest(str(loc[-1]), allowed)}; "
+            f"allowed here: {', '.join(allowed)}."
+        )
+    if not path:  # a model-level check: the message already names its fields
+        return _clean_msg(first["msg"]) + "."
+    return f"{path} = {first.get('input')!r} is invalid: {_clean_msg(first['msg'])}."
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
+    parsed = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key.sub=value.")
+        parsed.append((key.strip().split("."), yaml.safe_load(value)))
+    return parsed
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set ``a.b.c=value`` items (values parsed as YAML; list items by index) into ``raw``."""
+    for keys, value in parse_overrides(overrides):
+        node: Any = raw
+        for depth, key in enumerate(keys):
+            path = ".".join(keys[: depth + 1])
+            if isinstance(node, list):
+                if not key.isdigit() or int(key) >= len(node):
+                    raise ConfigError(f"override {path}: {key!r} is not an index below {len(node)}.")
+                key = int(key)
+                if isinstance(node[key], str) and depth < len(keys) - 1:
+                    node[key] = {"name": node[key]}  # a method given by name only
+            elif not isinstance(node, dict):
+                raise ConfigError(f"override {path}: {'.'.join(keys[:depth])} is not a section.")
+            if depth == len(keys) - 1:
+                node[key] = value
+            else:
+                if isinstance(node, dict) and node.get(key) is None:
+                    node[key] = {}
+                node = node[key]
+    return raw
+
+
+def build_config(raw: dict[str, Any]) -> RunConfig:
+    """Validate a nested dict; raise :class:`ConfigError` with one sentence on the first problem."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a mapping of sections, not {type(raw).__name__}.")
+    try:
+        config = RunConfig.model_validate(raw)
+    except pydantic.ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+    for index, entry in enumerate(config.methods):
+        method_params(entry, index)
+    return config
+
+
+def load_config(
+    source: str | os.PathLike | dict[str, Any] | RunConfig,
+    overrides: list[str] | None = None,
+) -> RunConfig:
+    """Load a config from a YAML path, a dict or a RunConfig, then apply ``key=value`` overrides."""
+    if isinstance(source, RunConfig):
+        raw = source.to_dict()
+    elif isinstance(source, dict):
+        raw = dict(source)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist.")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}".replace("\n", " ")) from None
+    return build_config(apply_overrides(raw, overrides or []))
+
+
+def dump_config(config: RunConfig, path: str | os.PathLike) -> None:
+    from rayfed.io import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -1,0 +1,56 @@
+"""From a data config to per-client datasets: load the source, partition, split train/test."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rayfed.config import DataConfig
+from rayfed.data.partition import partition, split_train_test
+from rayfed.data.sources import ArrayDataset, load_source
+from rayfed.models import Backbone, prepare_images
+from rayfed.training import ClientData
+
+
+@dataclass(frozen=True)
+class Federation:
+    """The pooled dataset and, for every client, its (train, test) sample indices."""
+
+    dataset: ArrayDataset
+    splits: list[tuple[np.ndarray, np.ndarray]]
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.splits)
+
+    def sizes(self, client_id: int) -> dict[str, int]:
+        train, test = self.splits[client_id]
+        return {"num_train": len(train), "num_test": len(test)}
+
+    def client_data(self, client_id: int, backbone: Backbone) -> ClientData:
+        train, test = self.splits[client_id]
+        labels = torch.as_tensor(self.dataset.labels, dtype=torch.long)
+        return ClientData(
+            train_x=prepare_images(self.dataset.images[train], backbone),
+            train_y=labels[train],
+            test_x=prepare_images(self.dataset.images[test], backbone),
+            test_y=labels[test],
+        )
+
+
+def build_federation(config: DataConfig, seed: int) -> Federation:
+    """Deterministic in (config, seed): every actor that calls it gets the same clients."""
+    dataset = load_source(
+        config.source, path=config.path, split=config.split, image_column=config.image_column,
+        label_column=config.label_column, group_column=config.partition.column,
+        max_samples=config.max_samples, seed=seed, synthetic=config.synthetic,
+    )
+    part = config.partition
+    client_indices = partition(
+        dataset.labels, config.num_clients, part.name, seed=seed, alpha=part.alpha,
+        classes_per_client=part.classes_per_client, groups=dataset.groups,
+        min_samples=part.min_samples, samples_per_client=part.samples_per_client,
+    )
+    return Federation(dataset, split_train_test(client_indices, dataset.labels, config.test_fraction, seed=seed))

@@ -1,0 +1,263 @@
+"""Split a labelled dataset into federated clients, and each client into train and test.
+
+All functions are pure: the same inputs and seed give the same index arrays. Every random draw
+uses its own stream ``np.random.SeedSequence([seed, purpose, ...])``, never the global RNG.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rayfed.data.sources import DataError
+from rayfed.errors import suggest
+
+PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "shards", "natural")
+
+_DIRICHLET_ATTEMPTS = 100
+
+# Fixed stream ids, one per kind of random draw.
+_PURPOSE_IID = 2001
+_PURPOSE_DIRICHLET = 2002
+_PURPOSE_SHARD_CLASSES = 2003
+_PURPOSE_SHARD_SPLIT = 2004
+_PURPOSE_SHARD_SUBSET = 2005
+_PURPOSE_TRAIN_TEST = 2006
+
+
+def _rng(seed: int, purpose: int, *extra: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed, purpose, *extra]))
+
+
+def partition(
+    labels: np.ndarray,
+    num_clients: int,
+    method: str,
+    *,
+    seed: int,
+    alpha: float | None = None,
+    classes_per_client: int | None = None,
+    groups: np.ndarray | None = None,
+    min_samples: int = 2,
+    samples_per_client: int | None = None,
+) -> list[np.ndarray]:
+    """Index arrays (sorted, int64, disjoint) one per client, client i = list index i.
+
+    Every client must end with at least ``min_samples`` samples, else :class:`DataError`.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise DataError(f"data.label_column: labels must be one value per sample, got shape {labels.shape}.")
+    if num_clients <= 0:
+        raise DataError(f"data.num_clients = {num_clients} is invalid: it must be >= 1.")
+    if min_samples < 1:
+        raise DataError(f"data.partition.min_samples = {min_samples} is invalid: it must be >= 1.")
+
+    if method == "iid":
+        clients = _iid(len(labels), num_clients, seed)
+        reason = f"iid split of {len(labels)} samples over {num_clients} clients"
+    elif method == "dirichlet":
+        clients = _dirichlet(labels, num_clients, alpha, min_samples, seed)
+        reason = f"Dirichlet split with data.partition.alpha = {alpha}"
+    elif method == "shards":
+        clients = _shards(labels, num_clients, classes_per_client, samples_per_client, seed)
+        reason = f"shards of {classes_per_client} classes over {num_clients} clients"
+    elif method == "natural":
+        clients = _natural(labels, num_clients, groups)
+        reason = "one client per group of data.partition.column"
+    else:
+        raise DataError(
+            f"data.partition.name = {method!r} is not known{suggest(method, PARTITIONERS)}; "
+            f"allowed: {', '.join(PARTITIONERS)}."
+        )
+    _check_client_sizes(clients, min_samples, reason)
+    return [np.sort(indices).astype(np.int64) for indices in clients]
+
+
+def _check_client_sizes(clients: list[np.ndarray], min_samples: int, reason: str) -> None:
+    sizes = [len(indices) for indices in clients]
+    smallest = int(np.argmin(sizes))
+    if sizes[smallest] == 0:
+        raise DataError(
+            f"data.partition: client {smallest} has no samples ({reason}); "
+            f"use fewer data.num_clients or more data."
+        )
+    if sizes[smallest] < min_samples:
+        raise DataError(
+            f"data.partition: client {smallest} has only {sizes[smallest]} sample(s), fewer than "
+            f"data.partition.min_samples = {min_samples} ({reason}); use fewer data.num_clients or more data."
+        )
+
+
+def _iid(num_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
+    order = _rng(seed, _PURPOSE_IID).permutation(num_samples)
+    return np.array_split(order, num_clients)
+
+
+def _dirichlet(
+    labels: np.ndarray, num_clients: int, alpha: float | None, min_samples: int, seed: int
+) -> list[np.ndarray]:
+    """Each class split over the clients with proportions ~ Dir(alpha); redrawn until all are large enough."""
+    if alpha is None:
+        raise DataError("data.partition.alpha is required for data.partition.name = 'dirichlet'; set it > 0.")
+    if not alpha > 0:
+        raise DataError(f"data.partition.alpha = {alpha} is invalid: it must be > 0.")
+    rng = _rng(seed, _PURPOSE_DIRICHLET)
+    class_members = [np.flatnonzero(labels == c) for c in np.unique(labels)]
+    for _ in range(_DIRICHLET_ATTEMPTS):
+        shares: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        for members in class_members:
+            proportions = rng.dirichlet(np.full(num_clients, alpha))
+            cuts = (np.cumsum(proportions)[:-1] * len(members)).astype(np.int64)
+            for client, part in enumerate(np.split(rng.permutation(members), cuts)):
+                shares[client].append(part)
+        clients = [np.concatenate(parts) for parts in shares]
+        sizes = [len(indices) for indices in clients]
+        if min(sizes) >= min_samples:
+            return clients
+    smallest = int(np.argmin(sizes))
+    held = f"only {sizes[smallest]} sample(s)" if sizes[smallest] else "no samples"
+    raise DataError(
+        f"data.partition: client {smallest} has {held} (data.partition.min_samples = {min_samples}) after "
+        f"{_DIRICHLET_ATTEMPTS} Dirichlet draws with data.partition.alpha = {alpha}; "
+        f"use a larger data.partition.alpha or fewer data.num_clients."
+    )
+
+
+def _shards(
+    labels: np.ndarray,
+    num_clients: int,
+    classes_per_client: int | None,
+    samples_per_client: int | None,
+    seed: int,
+) -> list[np.ndarray]:
+    """Every client holds exactly ``classes_per_client`` classes; a class is split evenly among its holders."""
+    classes = np.unique(labels)
+    if classes_per_client is None:
+        raise DataError("data.partition.classes_per_client is required for data.partition.name = 'shards'.")
+    if not 1 <= classes_per_client <= len(classes):
+        raise DataError(
+            f"data.partition.classes_per_client = {classes_per_client} is invalid: "
+            f"it must be between 1 and the {len(classes)} classes present."
+        )
+    if samples_per_client is not None and samples_per_client < classes_per_client:
+        raise DataError(
+            f"data.partition.samples_per_client = {samples_per_client} is invalid: it must be at least "
+            f"data.partition.classes_per_client = {classes_per_client} so every class is kept."
+        )
+
+    # Round-robin over a shuffled class order: C consecutive slots are distinct classes, and each
+    # class is held by floor or ceil of num_clients * C / num_classes clients.
+    class_order = _rng(seed, _PURPOSE_SHARD_CLASSES).permutation(classes)
+    client_classes = [
+        [class_order[(client * classes_per_client + slot) % len(classes)] for slot in range(classes_per_client)]
+        for client in range(num_clients)
+    ]
+    split_rng = _rng(seed, _PURPOSE_SHARD_SPLIT)
+    shard_of: dict[tuple[int, int], np.ndarray] = {}
+    for label in classes:
+        holders = [client for client, held in enumerate(client_classes) if label in held]
+        members = split_rng.permutation(np.flatnonzero(labels == label))
+        for client, part in zip(holders, np.array_split(members, len(holders))):
+            if len(part) == 0:
+                raise DataError(
+                    f"data.partition: client {client} has no samples of class {label} (it has {len(members)} "
+                    f"samples shared by {len(holders)} clients); use fewer data.num_clients or a smaller "
+                    f"data.partition.classes_per_client."
+                )
+            shard_of[client, int(label)] = part
+
+    subset_rng = _rng(seed, _PURPOSE_SHARD_SUBSET)
+    clients = []
+    for client, held in enumerate(client_classes):
+        shards = [shard_of[client, int(label)] for label in held]
+        if samples_per_client is not None:
+            quotas = _balanced_quotas(samples_per_client, len(held))
+            for label, shard, quota in zip(held, shards, quotas):
+                if len(shard) < quota:
+                    raise DataError(
+                        f"data.partition.samples_per_client = {samples_per_client} is too large: client {client} "
+                        f"has only {len(shard)} samples of class {label} and needs {quota}; use a smaller value "
+                        f"or fewer data.num_clients."
+                    )
+            shards = [subset_rng.choice(shard, size=quota, replace=False) for shard, quota in zip(shards, quotas)]
+        clients.append(np.concatenate(shards))
+    return clients
+
+
+def _balanced_quotas(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` counts that differ by at most one, larger first."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if part < extra else 0) for part in range(parts)]
+
+
+def _natural(labels: np.ndarray, num_clients: int, groups: np.ndarray | None) -> list[np.ndarray]:
+    """One client per distinct group value, in sorted order; the first ``num_clients`` groups are used."""
+    if groups is None:
+        raise DataError(
+            "data.partition.column must name a column whose values are the clients for "
+            "data.partition.name = 'natural'; this dataset has no groups."
+        )
+    groups = np.asarray(groups)
+    if groups.shape != labels.shape:
+        raise DataError(
+            f"data.partition.column: the dataset has {groups.size} group values for {labels.size} samples; "
+            f"there must be one per sample."
+        )
+    group_values = np.unique(groups)
+    if num_clients > len(group_values):
+        raise DataError(
+            f"data.num_clients = {num_clients} is more than the {len(group_values)} groups in "
+            f"data.partition.column; use at most {len(group_values)} clients with 'natural'."
+        )
+    return [np.flatnonzero(groups == value) for value in group_values[:num_clients]]
+
+
+def split_train_test(
+    client_indices: list[np.ndarray], labels: np.ndarray, test_fraction: float, *, seed: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Split each client's own indices into (train, test), per class (stratified) so each client's
+    test set follows its own label distribution; each client must end with >= 1 train and >= 1 test
+    sample, else DataError naming the client.
+
+    A class keeps at least one training sample whenever the client's test size allows it.
+    """
+    if not 0 < test_fraction < 1:
+        raise DataError(f"data.test_fraction = {test_fraction} is invalid: it must be between 0 and 1 (exclusive).")
+    labels = np.asarray(labels)
+    splits = []
+    for client, indices in enumerate(client_indices):
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) < 2:
+            raise DataError(
+                f"data.partition: client {client} has {len(indices)} sample(s), too few to split into train and "
+                f"test (data.test_fraction = {test_fraction}); it needs at least 2."
+            )
+        rng = _rng(seed, _PURPOSE_TRAIN_TEST, client)
+        client_labels = labels[indices]
+        classes, class_sizes = np.unique(client_labels, return_counts=True)
+        test_counts = _stratified_test_counts(class_sizes, test_fraction)
+        train_parts, test_parts = [], []
+        for label, test_count in zip(classes, test_counts):
+            members = rng.permutation(indices[client_labels == label])
+            test_parts.append(members[:test_count])
+            train_parts.append(members[test_count:])
+        splits.append((np.sort(np.concatenate(train_parts)), np.sort(np.concatenate(test_parts))))
+    return splits
+
+
+def _stratified_test_counts(class_sizes: np.ndarray, test_fraction: float) -> np.ndarray:
+    """Per-class test counts summing to round(test_fraction * n), clamped to 1..n-1 (largest remainder).
+
+    Classes first keep one training sample each; only if that cannot reach the total is it relaxed.
+    """
+    total = int(class_sizes.sum())
+    target = min(max(round(test_fraction * total), 1), total - 1)
+    ideal = test_fraction * class_sizes
+    counts = np.floor(ideal).astype(np.int64)
+    for caps in (class_sizes - 1, class_sizes):
+        while counts.sum() < target:
+            room = counts < caps
+            if not room.any():
+                break
+            counts[np.argmax(np.where(room, ideal - counts, -np.inf))] += 1
+    return counts

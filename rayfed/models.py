@@ -1,0 +1,172 @@
+"""Backbones and client models.
+
+A *backbone* is a frozen feature extractor built once per ClientActor. A *client model* is the
+backbone plus what a method trains: LoRA adapters (through peft) and a classification head.
+Every parameter of a client model is either trainable (its value lives in client or server
+state and is swapped in per client) or frozen (shared by every client the actor hosts).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import peft
+import torch
+import transformers
+from torch import nn
+
+from rayfed.config import LoraConfig, ModelConfig
+from rayfed.errors import ConfigError, choice_error
+
+TensorDict = dict[str, torch.Tensor]
+
+BACKBONES = ("tiny:vit", "tiny:clip-vision", "hf:<name or local path> (ViT or CLIP vision tower)")
+
+_TINY_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+
+
+@dataclass
+class Backbone:
+    """A frozen image encoder: ``encoder(pixel_values)`` -> features of size ``feature_dim``."""
+
+    encoder: nn.Module
+    feature_dim: int
+    image_size: int
+    num_channels: int
+    pooling: str  # "cls": first token of last_hidden_state; "pooler": the model's pooler_output
+
+
+def build_backbone(config: ModelConfig, seed: int) -> Backbone:
+    """Build (or load) the backbone named by ``model.backbone``; random parts seeded by ``seed``."""
+    name = config.backbone
+    torch.manual_seed(seed)
+    if name == "tiny:vit":
+        vit_config = transformers.ViTConfig(
+            **_TINY_SIZES, image_size=config.image_size or 16, patch_size=4, num_channels=3,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+        encoder = transformers.ViTModel(vit_config, add_pooling_layer=False)
+        return _frozen(Backbone(encoder, vit_config.hidden_size, vit_config.image_size, 3, "cls"))
+    if name == "tiny:clip-vision":
+        clip_config = transformers.CLIPVisionConfig(
+            **_TINY_SIZES, image_size=config.image_size or 16, patch_size=4, num_channels=3
+        )
+        encoder = transformers.CLIPVisionModel(clip_config)
+        return _frozen(Backbone(encoder, clip_config.hidden_size, clip_config.image_size, 3, "pooler"))
+    if name.startswith("hf:"):
+        return _frozen(_load_hf_backbone(name.removeprefix("hf:"), config))
+    raise choice_error("model.backbone", name, ["tiny:vit", "tiny:clip-vision", "hf:<name or path>"])
+
+
+def _load_hf_backbone(name_or_path: str, config: ModelConfig) -> Backbone:
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(name_or_path)
+    except OSError as err:
+        raise ConfigError(
+            f"model.backbone = 'hf:{name_or_path}' could not be loaded (not a local model folder, "
+            f"and the hub is unreachable or has no such model): {str(err).splitlines()[0]}"
+        ) from None
+    if hf_config.model_type == "vit":
+        encoder = transformers.ViTModel.from_pretrained(name_or_path, add_pooling_layer=False)
+        vision = hf_config
+        pooling = "cls"
+    elif hf_config.model_type in ("clip", "clip_vision_model"):
+        encoder = transformers.CLIPVisionModel.from_pretrained(name_or_path)
+        vision = hf_config.vision_config if hf_config.model_type == "clip" else hf_config
+        pooling = "pooler"
+    else:
+        raise ConfigError(
+            f"model.backbone = 'hf:{name_or_path}' is a {hf_config.model_type!r} model; "
+            "allowed hf: backbones are ViT and CLIP (vision tower) models."
+        )
+    if config.image_size and config.image_size != vision.image_size:
+        raise ConfigError(
+            f"model.image_size = {config.image_size} does not match the pretrained backbone's "
+            f"{vision.image_size}; leave model.image_size unset for pretrained backbones."
+        )
+    return Backbone(encoder, vision.hidden_size, vision.image_size, vision.num_channels, pooling)
+
+
+def _frozen(backbone: Backbone) -> Backbone:
+    backbone.encoder.requires_grad_(False)
+    backbone.encoder.eval()
+    return backbone
+
+
+class ClientModel(nn.Module):
+    """Backbone (+ adapters) -> features -> linear head. ``trainable`` lists what methods train."""
+
+    def __init__(self, backbone: Backbone, num_classes: int):
+        super().__init__()
+        self.encoder = backbone.encoder
+        self.pooling = backbone.pooling
+        self.head = nn.Linear(backbone.feature_dim, num_classes)
+
+    def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        out = self.encoder(pixel_values=pixel_values)
+        if self.pooling == "pooler":
+            return out.pooler_output
+        return out.last_hidden_state[:, 0]
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(pixel_values))
+
+    def trainable_names(self) -> list[str]:
+        return [name for name, param in self.named_parameters() if param.requires_grad]
+
+    def trainable_params(self) -> TensorDict:
+        return {name: param.detach().clone() for name, param in self.named_parameters() if param.requires_grad}
+
+    @torch.no_grad()
+    def load_trainable(self, values: TensorDict) -> None:
+        params = dict(self.named_parameters())
+        for name, value in values.items():
+            params[name].copy_(value)
+
+
+def build_client_model(backbone: Backbone, config: ModelConfig, num_classes: int, seed: int) -> ClientModel:
+    """A fresh client model over a private copy of ``backbone``; initial values depend on ``seed`` only."""
+    torch.manual_seed(seed)
+    model = ClientModel(copy.deepcopy(backbone), num_classes)
+    if config.lora is not None:
+        _inject_lora(model, config.lora)
+    model.head.requires_grad_(True)
+    return model
+
+
+def _inject_lora(model: ClientModel, lora: LoraConfig) -> None:
+    module_names = {name.rsplit(".", 1)[-1] for name, _ in model.encoder.named_modules()}
+    missing = [t for t in lora.targets if t not in module_names]
+    if missing:
+        linear_names = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.encoder.named_modules() if isinstance(m, nn.Linear)}
+        )
+        raise ConfigError(
+            f"model.lora.targets = {list(lora.targets)!r} names modules the backbone lacks ({', '.join(missing)}); "
+            f"its linear layers are: {', '.join(linear_names)}."
+        )
+    peft_config = peft.LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.targets)
+    )
+    model.encoder = peft.inject_adapter_in_model(peft_config, model.encoder)
+    for name, param in model.encoder.named_parameters():
+        param.requires_grad_("lora_" in name)
+
+
+def prepare_images(images: np.ndarray, backbone: Backbone) -> torch.Tensor:
+    """(N, H, W, C) floats in [0, 1] -> (N, C, S, S) normalized to [-1, 1] at the backbone's size."""
+    pixels = torch.as_tensor(images, dtype=torch.float32).permute(0, 3, 1, 2)
+    if pixels.shape[1] != backbone.num_channels:
+        if pixels.shape[1] != 1:
+            raise ConfigError(
+                f"data has {pixels.shape[1]} image channels but model.backbone expects "
+                f"{backbone.num_channels}; only 1-channel images are converted automatically."
+            )
+        pixels = pixels.expand(-1, backbone.num_channels, -1, -1)
+    if pixels.shape[-1] != backbone.image_size or pixels.shape[-2] != backbone.image_size:
+        pixels = nn.functional.interpolate(
+            pixels, size=(backbone.image_size, backbone.image_size), mode="bilinear", align_corners=False
+        )
+    return (pixels - 0.5) / 0.5

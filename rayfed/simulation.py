@@ -1,0 +1,394 @@
+"""The round loop: sample clients, send work to the actors hosting them, aggregate, evaluate,
+log, checkpoint. Runs in the user's process (driver script or CLI).
+
+Only ObjectRefs of payloads and uploads pass through this process; client data is loaded by
+the actors that host the clients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tqdm.auto import tqdm
+
+import rayfed
+from rayfed.actors.client import ClientActor
+from rayfed.actors.driver import DriverActor
+from rayfed.checkpoint import load_checkpoint, save_checkpoint
+from rayfed.config import RunConfig, dump_config, load_config
+from rayfed.data.clients import build_federation
+from rayfed.errors import ConfigError
+from rayfed.io import atomic_write_json, atomic_write_text
+from rayfed.models import build_backbone, build_client_model
+from rayfed.seeding import sample_clients
+
+RoundCallback = Callable[["Simulation", str, int], None]
+"""Called as ``callback(simulation, method_label, rounds_done)`` after every round."""
+
+COUNT_KEYS = ("num_train", "num_test")
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per event; rewritten atomically when a restart drops events."""
+
+    def __init__(self, path: Path, events: list[dict[str, Any]] | None = None):
+        self.path = path
+        self.events = events or []
+        if events is not None:
+            self._rewrite()
+
+    @classmethod
+    def read(cls, path: Path) -> list[dict[str, Any]]:
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def append(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(event) + "\n")
+
+    def restart_method(self, label: str, from_round: int) -> None:
+        """Forget ``label``'s events after ``from_round`` (they will be produced again)."""
+        self.events = [
+            e for e in self.events
+            if e["method"] != label or (e["round"] <= from_round and not e.get("final"))
+        ]
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        atomic_write_text(self.path, "".join(json.dumps(e) + "\n" for e in self.events))
+
+
+class Simulation:
+    """One run: every configured method on the same clients, partitions and seed.
+
+    >>> summary = rayfed.Simulation("configs/quickstart.yaml").run()
+    """
+
+    def __init__(
+        self,
+        config: RunConfig | dict | str | os.PathLike,
+        *,
+        overrides: list[str] | None = None,
+        out_dir: str | os.PathLike | None = None,
+        callbacks: list[RoundCallback] | None = None,
+        progress: bool = True,
+    ):
+        self.config = load_config(config, overrides)
+        self.callbacks = list(callbacks or [])
+        self.progress = progress
+        self.run_dir = _fresh_run_dir(self.config.name, out_dir)
+        self._resuming = False
+        self.actors: list[Any] = []
+        self.driver: Any = None
+
+    @classmethod
+    def resume(cls, run_dir: str | os.PathLike, **kwargs: Any) -> Simulation:
+        """Continue the run in ``run_dir`` from its checkpoints; ends with the uninterrupted run's numbers."""
+        run_dir = Path(run_dir)
+        config_path = run_dir / "config.yaml"
+        if not config_path.is_file():
+            raise ConfigError(f"--resume {str(run_dir)!r}: no config.yaml there, so it is not a rayfed run directory.")
+        sim = cls.__new__(cls)
+        sim.config = load_config(config_path)
+        sim.callbacks = list(kwargs.get("callbacks") or [])
+        sim.progress = kwargs.get("progress", True)
+        sim.run_dir = run_dir
+        sim._resuming = True
+        sim.actors, sim.driver = [], None
+        return sim
+
+    # Public API ------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Run every method, write the results contract into ``run_dir``, return the summary."""
+        started = time.perf_counter()
+        self.federation = build_federation(self.config.data, self.config.seed)
+        self._check_model()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(self.config, self.run_dir / "config.yaml")
+        previous = MetricsLog.read(self.run_dir / "metrics.jsonl") if self._resuming else []
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", previous)
+        owns_ray = _init_ray(self.config)
+        try:
+            self._check_resources()
+            for index, entry in enumerate(self.config.methods):
+                if self._resuming and (self._results_dir / f"{entry.label}.json").is_file():
+                    continue
+                self._run_method(index)
+        finally:
+            self._stop_actors()
+            if owns_ray:
+                ray.shutdown()
+        summary = self._summary(time.perf_counter() - started)
+        atomic_write_json(self.run_dir / "summary.json", summary)
+        from rayfed.report import write_report
+
+        write_report(self.run_dir, summary, self.log.events)
+        return summary
+
+    # Setup ------------------------------------------------------------------------------
+    @property
+    def _results_dir(self) -> Path:
+        return self.run_dir / "results"
+
+    @property
+    def _checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def _check_model(self) -> None:
+        """Fail here, with one sentence, rather than inside an actor: build the model once."""
+        backbone = build_backbone(self.config.model, 0)
+        build_client_model(backbone, self.config.model, self.federation.dataset.num_classes, 0)
+
+    def _actor_client_ids(self) -> list[list[int]]:
+        per_actor = self.config.placement.clients_per_actor
+        ids = list(range(self.config.data.num_clients))
+        return [ids[i:i + per_actor] for i in range(0, len(ids), per_actor)]
+
+    def _check_resources(self) -> None:
+        placement = self.config.placement
+        num_actors = len(self._actor_client_ids())
+        available = ray.cluster_resources()
+        for resource, per_actor, extra in (
+            ("CPU", placement.cpus_per_actor, placement.driver_cpus),
+            ("GPU", placement.gpus_per_actor, 0.0),
+        ):
+            needed = num_actors * per_actor + extra
+            if needed > available.get(resource, 0.0) + 1e-9:
+                raise ConfigError(
+                    f"placement: {num_actors} ClientActors x {per_actor:g} {resource} (+ {extra:g} for the driver) "
+                    f"need {needed:g} {resource} but the Ray cluster has {available.get(resource, 0.0):g}; "
+                    "raise placement.clients_per_actor or lower placement."
+                    f"{'cpus' if resource == 'CPU' else 'gpus'}_per_actor."
+                )
+
+    def _start_actors(self) -> None:
+        """One actor per ``clients_per_actor`` clients, in client-id order; each builds the backbone once."""
+        placement = self.config.placement
+        config = self.config.to_dict()
+        client_cls = ray.remote(ClientActor)
+        self.actors, self.host_of = [], {}
+        for actor_index, client_ids in enumerate(self._actor_client_ids()):
+            options = _placed({"num_cpus": placement.cpus_per_actor, "num_gpus": placement.gpus_per_actor},
+                              bundle_index=actor_index + 1)
+            self.actors.append(client_cls.options(**options).remote(config, client_ids))
+            self.host_of.update({cid: actor_index for cid in client_ids})
+        options = _placed({"num_cpus": placement.driver_cpus}, bundle_index=0)
+        self.driver = ray.remote(DriverActor).options(**options).remote(config)
+
+    def _start_method(self, method_index: int) -> None:
+        """Fresh client state on every actor and the method's initial server state on the DriverActor."""
+        if not self.actors:
+            self._start_actors()
+        initial = [actor.start_method.remote(method_index) for actor in self.actors]
+        ray.get([*initial, self.driver.start_method.remote(method_index, initial[0])])
+
+    def _stop_actors(self) -> None:
+        for actor in [*self.actors, self.driver]:
+            if actor is not None:
+                ray.kill(actor)
+        self.actors, self.driver = [], None
+
+    # The round loop ---------------------------------------------------------------------
+    def _run_method(self, method_index: int) -> None:
+        entry = self.config.methods[method_index]
+        failures = 0
+        while True:
+            try:
+                self._start_method(method_index)
+                start_round, counters = self._restore(entry.label)
+                self._rounds(method_index, start_round, counters)
+                return
+            except Exception as err:  # noqa: BLE001 - only actor/node deaths are retried
+                if not _is_actor_failure(err):
+                    raise _unwrap(err) from None
+                failures += 1
+                self._stop_actors()
+                if failures > self.config.federation.max_failures:
+                    raise RuntimeError(
+                        f"method {entry.label!r}: {failures} actor failures, more than "
+                        f"federation.max_failures = {self.config.federation.max_failures}; last: {err}"
+                    ) from err
+                tqdm.write(f"[rayfed] {entry.label}: an actor died ({type(err).__name__}); restoring from the last checkpoint")
+
+    def _restore(self, label: str) -> tuple[int, dict[str, float]]:
+        checkpoint = load_checkpoint(self._checkpoint_dir, label)
+        if checkpoint is None:
+            self.log.restart_method(label, 0)
+            return 0, {"up_bytes": 0, "down_bytes": 0, "wall_time_s": 0.0}
+        ray.get([actor.set_states.remote(checkpoint.clients) for actor in self.actors]
+                + [self.driver.set_state.remote(checkpoint.server)])
+        self.log.restart_method(label, checkpoint.round)
+        return checkpoint.round, dict(checkpoint.meta["counters"])
+
+    def _rounds(self, method_index: int, start_round: int, counters: dict[str, float]) -> None:
+        config, entry = self.config, self.config.methods[method_index]
+        federation = config.federation
+        bar = tqdm(total=federation.rounds, initial=start_round, desc=entry.label, unit="round",
+                   disable=not self.progress, dynamic_ncols=True)
+        for round_idx in range(start_round, federation.rounds):
+            started = time.perf_counter()
+            sampled = sample_clients(config.seed, round_idx, config.data.num_clients, federation.clients_per_round)
+            upload_refs = []
+            for actor_index, client_ids in self._group_by_actor(sampled).items():
+                payload_ref = self.driver.payloads.remote(client_ids)
+                upload_refs.append(self.actors[actor_index].train.remote(round_idx, client_ids, payload_ref))
+            stats = ray.get(self.driver.aggregate.remote(*upload_refs))
+            rounds_done = round_idx + 1
+            wall = time.perf_counter() - started
+            counters["up_bytes"] += stats["up_bytes"]
+            counters["down_bytes"] += stats["down_bytes"]
+            counters["wall_time_s"] += wall
+            self.log.append({"event": "round", "method": entry.label, "round": rounds_done, "clients": sampled,
+                             **stats, "wall_s": round(wall, 4)})
+            postfix = {"loss": f"{stats['train_loss']:.3f}"}
+            if rounds_done % federation.eval_every == 0 and rounds_done < federation.rounds:
+                means = self._evaluate(entry.label, rounds_done)
+                postfix.update({k: f"{v:.3f}" for k, v in means.items() if k.endswith("acc")})
+            if federation.checkpoint_every and rounds_done % federation.checkpoint_every == 0:
+                self._checkpoint(entry.label, rounds_done, counters)
+            bar.set_postfix(postfix)
+            bar.update(1)
+            for callback in self.callbacks:
+                callback(self, entry.label, rounds_done)
+        final = self._finish(method_index, counters)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in final.items() if k.endswith("acc")})
+        bar.close()
+
+    def _group_by_actor(self, client_ids: list[int]) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for cid in client_ids:
+            groups.setdefault(self.host_of[cid], []).append(cid)
+        return groups
+
+    def _all_client_metrics(self, method: str, round_idx: int, post_train_steps: int | None) -> dict[int, dict]:
+        refs = []
+        for actor_index, actor in enumerate(self.actors):
+            client_ids = [cid for cid, host in self.host_of.items() if host == actor_index]
+            payload_ref = self.driver.payloads.remote(client_ids, False)
+            if post_train_steps is None:
+                refs.append(actor.evaluate.remote(round_idx, payload_ref))
+            else:
+                refs.append(actor.finish.remote(round_idx, payload_ref, post_train_steps))
+        merged: dict[int, dict] = {}
+        for part in ray.get(refs):
+            merged.update(part)
+        return {cid: {**merged[cid], **self.federation.sizes(cid)} for cid in sorted(merged)}
+
+    def _evaluate(self, label: str, rounds_done: int) -> dict[str, float]:
+        clients = self._all_client_metrics(label, rounds_done, None)
+        means, _ = _mean_std(clients)
+        self.log.append({"event": "eval", "method": label, "round": rounds_done, **means,
+                         "clients": {str(c): m for c, m in clients.items()}})
+        return means
+
+    def _finish(self, method_index: int, counters: dict[str, float]) -> dict[str, float]:
+        entry = self.config.methods[method_index]
+        rounds = self.config.federation.rounds
+        clients = self._all_client_metrics(entry.label, rounds, entry.post_train_steps)
+        means, stds = _mean_std(clients)
+        self.log.append({"event": "eval", "method": entry.label, "round": rounds, "final": True, **means,
+                         "clients": {str(c): m for c, m in clients.items()}})
+        atomic_write_json(self._results_dir / f"{entry.label}.json", {
+            "clients": {str(c): m for c, m in clients.items()}, "mean": means, "std": stds,
+            "comm_bytes": {"up": int(counters["up_bytes"]), "down": int(counters["down_bytes"])},
+            "wall_time_s": counters["wall_time_s"],
+        })
+        return means
+
+    def _checkpoint(self, label: str, rounds_done: int, counters: dict[str, float]) -> None:
+        state_refs = [actor.get_states.remote() for actor in self.actors]
+        clients: dict = {}
+        for part in ray.get(state_refs):
+            clients.update(part)
+        server = ray.get(self.driver.get_state.remote())
+        save_checkpoint(self._checkpoint_dir, label, rounds_done, server, clients,
+                        {"counters": counters, "config": self.config.to_dict(), "method": label})
+
+    # Results -----------------------------------------------------------------------------
+    def _summary(self, wall_time_s: float) -> dict[str, Any]:
+        methods, comm = {}, {}
+        for entry in self.config.methods:
+            result = json.loads((self._results_dir / f"{entry.label}.json").read_text())
+            methods[entry.label] = {"clients": result["clients"], "mean": result["mean"], "std": result["std"]}
+            comm[entry.label] = result["comm_bytes"]
+        return {
+            "rayfed_version": rayfed.__version__,
+            "config": self.config.to_dict(),
+            "methods": methods,
+            "wall_time_s": round(wall_time_s, 3),
+            "comm_bytes": comm,
+        }
+
+
+def _mean_std(clients: dict[int, dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:
+    """Mean and std over clients (each client counts once) of every metric."""
+    names = [k for k in next(iter(clients.values())) if k not in COUNT_KEYS]
+    values = {name: np.array([clients[c][name] for c in sorted(clients)], dtype=np.float64) for name in names}
+    return ({n: float(v.mean()) for n, v in values.items()}, {n: float(v.std()) for n, v in values.items()})
+
+
+def _placed(options: dict[str, Any], bundle_index: int) -> dict[str, Any]:
+    """Inside a Ray Tune trial, put the actor in the trial's placement group (bundle 0: the driver)."""
+    group = ray.util.get_current_placement_group()
+    if group is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index)
+    return options
+
+
+def _fresh_run_dir(name: str, out_dir: str | os.PathLike | None) -> Path:
+    if out_dir is not None:
+        path = Path(out_dir)
+        if (path / "config.yaml").exists():
+            raise ConfigError(
+                f"--out {str(path)!r} already holds a run; pass --resume {str(path)!r} to continue it, "
+                "or choose another --out (nothing there is overwritten)."
+            )
+        return path
+    base = Path("runs") / name
+    path, suffix = base, 1
+    while path.exists() and any(path.iterdir()):
+        suffix += 1
+        path = base.with_name(f"{base.name}-{suffix}")
+    return path
+
+
+def _init_ray(config: RunConfig) -> bool:
+    """Start local Ray (loopback only, no dashboard) or attach to ``ray.address``; True if we started it."""
+    if ray.is_initialized():
+        return False
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return True
+    ray.init(
+        num_cpus=config.ray.num_cpus, num_gpus=config.ray.num_gpus,
+        object_store_memory=config.ray.object_store_memory, include_dashboard=False,
+        log_to_driver=False, _node_ip_address="127.0.0.1",
+    )
+    return True
+
+
+def _is_actor_failure(err: BaseException) -> bool:
+    if isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError)):
+        return True
+    if isinstance(err, ray.exceptions.RayTaskError):
+        return isinstance(err.cause, (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError))
+    return isinstance(err, ray.exceptions.ObjectLostError)
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """A user-facing error raised inside an actor, without Ray's wrapping."""
+    if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, ValueError):
+        return err.cause
+    return err
+

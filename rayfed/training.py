@@ -1,0 +1,147 @@
+"""Local training and evaluation of one client, as methods call them from their hooks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rayfed import seeding
+from rayfed.config import TrainConfig
+from rayfed.method import TensorDict
+from rayfed.models import ClientModel
+
+# An extra loss term computed from the live trainable parameters (e.g. a proximal term).
+Penalty = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+
+@dataclass
+class ClientData:
+    """A client's own examples, already preprocessed for the backbone."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_y)
+
+    @property
+    def num_test(self) -> int:
+        return len(self.test_y)
+
+
+@dataclass
+class TrainResult:
+    params: TensorDict
+    loss: float  # mean training loss over the steps taken
+
+
+def proximal_penalty(anchor: TensorDict | None, strength: float) -> Penalty | None:
+    """``strength / 2 * ||w - anchor||^2`` over the parameters present in ``anchor``."""
+    if anchor is None or strength == 0:
+        return None
+
+    def penalty(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return 0.5 * strength * sum(((params[n] - a) ** 2).sum() for n, a in anchor.items())
+
+    return penalty
+
+
+class ClientContext:
+    """One client as a method sees it inside its actor: its data, the model, a seeded trainer."""
+
+    def __init__(
+        self, client_id: int, round_idx: int, seed: int, data: ClientData,
+        model: ClientModel, train_config: TrainConfig, device: torch.device,
+    ):
+        self.client_id = client_id
+        self.round = round_idx
+        self.seed = seed
+        self.data = data
+        self.model = model
+        self.train_config = train_config
+        self.device = device
+
+    @property
+    def num_samples(self) -> int:
+        return self.data.num_train
+
+    def default_steps(self) -> int:
+        config = self.train_config
+        if config.local_epochs is not None:
+            return config.local_epochs * math.ceil(self.data.num_train / config.batch_size)
+        return config.local_steps
+
+    def train(
+        self, params: TensorDict, *, steps: int | None = None, purpose: str = "train",
+        extra_loss: Penalty | None = None, lr: float | None = None,
+    ) -> TrainResult:
+        """Run ``steps`` minibatch steps from ``params``; batches and dropout seeded by (round, client, purpose)."""
+        config = self.train_config
+        steps = self.default_steps() if steps is None else steps
+        self.model.load_trainable(params)
+        named = {name: p for name, p in self.model.named_parameters() if name in params}
+        optimizer = _optimizer(config, list(named.values()), lr or config.lr)
+        generator = seeding.torch_generator(self.seed, self.round, self.client_id, purpose + ":batches")
+        torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
+        self.model.train()
+        total_loss = 0.0
+        for indices in _batches(self.data.num_train, config.batch_size, steps, generator):
+            x = self.data.train_x[indices].to(self.device, non_blocking=True)
+            y = self.data.train_y[indices].to(self.device, non_blocking=True)
+            with _autocast(self.device):
+                loss = nn.functional.cross_entropy(self.model(x), y)
+            total_loss += loss.item()
+            if extra_loss is not None:
+                loss = loss + extra_loss(named)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1))
+
+    @torch.no_grad()
+    def evaluate(self, params: TensorDict) -> dict[str, float]:
+        """Accuracy and loss on the client's own test set (personalization)."""
+        self.model.load_trainable(params)
+        self.model.eval()
+        correct, loss_sum = 0, 0.0
+        size = self.train_config.eval_batch_size
+        for start in range(0, self.data.num_test, size):
+            x = self.data.test_x[start:start + size].to(self.device)
+            y = self.data.test_y[start:start + size].to(self.device)
+            with _autocast(self.device):
+                logits = self.model(x).float()
+            loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").item()
+            correct += (logits.argmax(dim=1) == y).sum().item()
+        return {"local_acc": correct / self.data.num_test, "local_loss": loss_sum / self.data.num_test}
+
+
+def _optimizer(config: TrainConfig, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    if config.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay)
+
+
+def _batches(num_samples: int, batch_size: int, steps: int, generator: torch.Generator):
+    """``steps`` batches from successive seeded permutations (epochs) of the client's samples."""
+    batch_size = min(batch_size, num_samples)
+    order = torch.randperm(num_samples, generator=generator)
+    position = 0
+    for _ in range(steps):
+        if position + batch_size > num_samples:
+            order = torch.randperm(num_samples, generator=generator)
+            position = 0
+        yield order[position:position + batch_size]
+        position += batch_size
+
+
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")

@@ -1,0 +1,45 @@
+"""Shared fixtures: offline environment, one local Ray instance, tiny run configs."""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+import ray  # noqa: E402
+
+TINY_RUN = {
+    "name": "tiny",
+    "seed": 3,
+    "data": {
+        "source": "synthetic",
+        "synthetic": {"num_samples": 240, "num_classes": 4, "image_size": 8},
+        "num_clients": 4,
+        "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 12},
+    },
+    "model": {"backbone": "tiny:vit", "image_size": 8, "lora": {"rank": 2, "alpha": 4}},
+    "federation": {"rounds": 4, "clients_per_round": 3, "eval_every": 2},
+    "train": {"local_steps": 3, "batch_size": 8, "lr": 0.01, "optimizer": "adam"},
+    "methods": ["fedavg"],
+    "placement": {"clients_per_actor": 2, "cpus_per_actor": 0.5},
+}
+
+
+@pytest.fixture
+def tiny_run() -> dict:
+    """A config dict that runs in a few seconds; tests edit their own copy."""
+    return copy.deepcopy(TINY_RUN)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for the whole session (starting Ray costs seconds)."""
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=5 * 10**8,
+             log_to_driver=False, _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import pytest
+
+from rayfed.config import load_config
+from rayfed.errors import ConfigError
+
+
+def _error(raw: dict, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(raw, overrides)
+    message = str(info.value)
+    assert "\n" not in message and message.endswith((".", "?")), message
+    return message
+
+
+def test_overrides_set_nested_fields_and_method_params(tiny_run):
+    tiny_run["methods"] = ["fedavg", {"name": "fedprox", "mu": 0.1}]
+    config = load_config(tiny_run, ["federation.rounds=7", "data.partition.alpha=0.2", "methods.1.mu=0.5", "seed=9"])
+    assert config.federation.rounds == 7
+    assert config.data.partition.alpha == 0.2
+    assert config.methods[1].params == {"mu": 0.5}
+    assert config.seed == 9
+
+
+def test_override_can_replace_the_method_list(tiny_run):
+    config = load_config(tiny_run, ["methods=[local, {name: ditto, lam: 1.0}]"])
+    assert [m.label for m in config.methods] == ["local", "ditto"]
+
+
+def test_unknown_method_lists_the_methods(tiny_run):
+    message = _error(tiny_run, ["methods=[fedavgg]"])
+    assert "methods[0].name" in message and "'fedavgg'" in message
+    assert "did you mean 'fedavg'" in message and "ditto" in message and "local" in message
+
+
+def test_rounds_must_be_positive(tiny_run):
+    message = _error(tiny_run, ["federation.rounds=0"])
+    assert message.startswith("federation.rounds = 0 is invalid") and "greater than 0" in message
+
+
+def test_alpha_must_be_positive(tiny_run):
+    message = _error(tiny_run, ["data.partition.alpha=-1"])
+    assert "data.partition.alpha = -1" in message and "greater than 0" in message
+
+
+def test_clients_per_round_cannot_exceed_clients(tiny_run):
+    message = _error(tiny_run, ["federation.clients_per_round=5"])
+    assert "federation.clients_per_round = 5" in message and "data.num_clients = 4" in message
+
+
+def test_misspelt_field_gets_a_suggestion(tiny_run):
+    message = _error(tiny_run, ["federation.rouns=3"])
+    assert "'federation.rouns'" in message and "did you mean 'rounds'" in message
+
+
+def test_method_hyperparameters_are_validated(tiny_run):
+    assert "mu" in _error(tiny_run, ["methods=[{name: fedprox, mu: -0.1}]"])
+    message = _error(tiny_run, ["methods=[{name: ditto, lamda: 0.1}]"])
+    assert "no hyperparameter 'lamda'" in message and "did you mean 'lam'" in message
+
+
+def test_labels_must_be_distinct(tiny_run):
+    assert "label 'fedavg' is used twice" in _error(tiny_run, ["methods=[fedavg, fedavg]"])
+
+
+def test_post_train_gets_its_own_label(tiny_run):
+    config = load_config(tiny_run, ["methods=[fedavg, {name: fedavg, post_train_steps: 5}]"])
+    assert [m.label for m in config.methods] == ["fedavg", "fedavg+post"]
+
+
+def test_bad_override_syntax(tiny_run):
+    assert "key.sub=value" in _error(tiny_run, ["federation.rounds"])
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_quickstart_config_is_valid():
+    config = load_config("configs/quickstart.yaml")
+    assert config.data.num_clients >= 20 and config.data.partition.name == "dirichlet"
+    assert {m.label for m in config.methods} == {"local", "fedavg", "fedavg+post", "ditto"}
+    assert config.model.lora is not None

@@ -1,0 +1,160 @@
+"""End-to-end runs on local Ray: results contract, reproducibility, resume, actor failure."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import ray
+import yaml
+
+from rayfed.config import load_config
+from rayfed.errors import ConfigError
+from rayfed.simulation import Simulation
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+RESUMABLE = {"methods": ["fedavg", {"name": "ditto", "lam": 0.5}], "federation": {"checkpoint_every": 1}}
+
+
+def _merge(base: dict, changes: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _run(config: dict, out_dir, **kwargs) -> dict:
+    return Simulation(config, out_dir=out_dir, progress=False, **kwargs).run()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The uninterrupted run that packing, resume and failure runs must reproduce."""
+    from conftest import TINY_RUN
+
+    config = _merge(TINY_RUN, RESUMABLE)
+    return {"config": config, "summary": _run(config, tmp_path_factory.mktemp("reference"))}
+
+
+def _results(summary: dict) -> dict:
+    return {"methods": summary["methods"], "comm_bytes": summary["comm_bytes"]}
+
+
+def test_run_writes_the_results_contract(tiny_run, tmp_path):
+    tiny_run["methods"] = ["local", "fedavg", {"name": "fedavg", "post_train_steps": 4}, "ditto"]
+    summary = _run(tiny_run, tmp_path)
+
+    assert set(summary) == {"rayfed_version", "config", "methods", "wall_time_s", "comm_bytes"}
+    assert list(summary["methods"]) == ["local", "fedavg", "fedavg+post", "ditto"]
+    for label, result in summary["methods"].items():
+        assert sorted(result["clients"], key=int) == ["0", "1", "2", "3"]
+        accs = [client["local_acc"] for client in result["clients"].values()]
+        assert result["mean"]["local_acc"] == pytest.approx(sum(accs) / len(accs))
+        assert all(0.0 <= acc <= 1.0 for acc in accs)
+        assert all(client["num_test"] > 0 for client in result["clients"].values())
+    assert summary["comm_bytes"]["local"] == {"up": 0, "down": 0}
+    assert summary["comm_bytes"]["fedavg"]["up"] > 0 and summary["comm_bytes"]["fedavg"]["down"] > 0
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all({"event", "method", "round"} <= set(e) for e in events)
+    rounds = [e for e in events if e["event"] == "round" and e["method"] == "fedavg"]
+    assert [e["round"] for e in rounds] == [1, 2, 3, 4]
+    assert all(len(e["clients"]) == 3 and e["up_bytes"] > 0 for e in rounds)
+    evals = [e for e in events if e["event"] == "eval" and e["method"] == "fedavg"]
+    assert [e["round"] for e in evals] == [2, 4] and evals[-1]["final"]
+
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert load_config(saved) == load_config(tiny_run)
+    report = (tmp_path / "report.md").read_text()
+    assert "fedavg+post" in report and "ditto" in report
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    assert (tmp_path / "clients.png").stat().st_size > 1000
+
+
+def test_packing_does_not_change_results(reference, tmp_path):
+    one_per_actor = _run(_merge(reference["config"], {"placement": {"clients_per_actor": 1}}), tmp_path / "a")
+    all_in_one = _run(_merge(reference["config"], {"placement": {"clients_per_actor": 4}}), tmp_path / "b")
+    assert _results(one_per_actor) == _results(reference["summary"])
+    assert _results(all_in_one) == _results(reference["summary"])
+
+
+def test_another_seed_changes_results(reference, tmp_path):
+    other = _run(_merge(reference["config"], {"seed": 4}), tmp_path)
+    assert other["methods"]["fedavg"]["clients"] != reference["summary"]["methods"]["fedavg"]["clients"]
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_resume_ends_with_the_uninterrupted_numbers(reference, tmp_path):
+    def interrupt(sim, label, rounds_done):
+        if label == "ditto" and rounds_done == 2:
+            raise _Interrupt
+
+    with pytest.raises(_Interrupt):
+        _run(reference["config"], tmp_path, callbacks=[interrupt])
+    assert (tmp_path / "results" / "fedavg.json").is_file()
+    assert not (tmp_path / "summary.json").exists()
+
+    resumed = Simulation.resume(tmp_path, progress=False).run()
+    assert _results(resumed) == _results(reference["summary"])
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    ditto_rounds = [e["round"] for e in events if e["method"] == "ditto" and e["event"] == "round"]
+    assert ditto_rounds == [1, 2, 3, 4]
+
+
+def test_a_killed_actor_is_replaced_and_results_match(reference, tmp_path):
+    killed = []
+
+    def kill_an_actor(sim, label, rounds_done):
+        if label == "fedavg" and rounds_done == 2 and not killed:
+            ray.kill(sim.actors[1], no_restart=True)
+            killed.append(rounds_done)
+
+    summary = _run(reference["config"], tmp_path, callbacks=[kill_an_actor])
+    assert killed == [2]
+    assert _results(summary) == _results(reference["summary"])
+
+
+def test_fedavg_with_one_client_equals_local_training(tiny_run, tmp_path):
+    tiny_run["data"].update(num_clients=1, partition={"name": "iid"})
+    tiny_run["federation"]["clients_per_round"] = 1
+    tiny_run["methods"] = ["local", "fedavg"]
+    summary = _run(tiny_run, tmp_path)
+    assert summary["methods"]["fedavg"]["clients"] == summary["methods"]["local"]["clients"]
+    assert summary["comm_bytes"]["fedavg"]["up"] > 0
+
+
+def test_fedprox_with_zero_mu_equals_fedavg(tiny_run, tmp_path):
+    tiny_run["methods"] = ["fedavg", {"name": "fedprox", "mu": 0.0}, {"name": "fedprox", "mu": 1.0, "label": "prox1"}]
+    summary = _run(tiny_run, tmp_path)
+    assert summary["methods"]["fedprox"]["clients"] == summary["methods"]["fedavg"]["clients"]
+    assert summary["methods"]["prox1"]["clients"] != summary["methods"]["fedavg"]["clients"]
+
+
+def test_missing_data_path_is_one_sentence(tiny_run, tmp_path):
+    tiny_run["data"] = {"source": "fashion_mnist", "path": str(tmp_path / "missing"), "num_clients": 4}
+    with pytest.raises(ConfigError, match=r"data\.path"):
+        _run(tiny_run, tmp_path / "out")
+
+
+def test_partition_that_leaves_a_client_empty_names_the_client(tiny_run, tmp_path):
+    tiny_run["data"]["num_clients"] = 30
+    tiny_run["data"]["partition"] = {"name": "shards", "classes_per_client": 1, "samples_per_client": 10}
+    tiny_run["data"]["synthetic"]["num_samples"] = 40
+    with pytest.raises(ConfigError, match=r"client \d+"):
+        _run(tiny_run, tmp_path)
+
+
+def test_existing_out_dir_is_never_overwritten(tiny_run, tmp_path):
+    (tmp_path / "config.yaml").write_text("name: earlier\n")
+    with pytest.raises(ConfigError, match="--resume"):
+        Simulation(tiny_run, out_dir=tmp_path)
+    assert (tmp_path / "config.yaml").read_text() == "name: earlier\n"
