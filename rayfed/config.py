@@ -86,6 +86,7 @@ class TrainConfig(_Section):
 
 class PlacementConfig(_Section):
     clients_per_actor: int = Field(1, gt=0)
+    strategy: Literal["DEFAULT", "SPREAD"] = Field("DEFAULT", description="how Ray places ClientActors on nodes")
     cpus_per_actor: float = Field(1.0, gt=0)
     gpus_per_actor: float = Field(0.0, ge=0)
     driver_cpus: float = Field(0.0, ge=0)
@@ -137,6 +138,7 @@ class RunConfig(_Section):
     methods: tuple[MethodEntry, ...] = Field((MethodEntry(name="fedavg"),), min_length=1)
     placement: PlacementConfig = PlacementConfig()
     ray: RayConfig = RayConfig()
+    tune: dict[str, Any] | None = Field(None, description="search spaces for `rayfed tune` (rayfed.tune)")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:

@@ -178,8 +178,8 @@ class Simulation:
         client_cls = ray.remote(ClientActor)
         self.actors, self.host_of = [], {}
         for actor_index, client_ids in enumerate(self._actor_client_ids()):
-            options = _placed({"num_cpus": placement.cpus_per_actor, "num_gpus": placement.gpus_per_actor},
-                              bundle_index=actor_index + 1)
+            options = _placed({"num_cpus": placement.cpus_per_actor, "num_gpus": placement.gpus_per_actor,
+                               "scheduling_strategy": placement.strategy}, bundle_index=actor_index + 1)
             self.actors.append(client_cls.options(**options).remote(config, client_ids))
             self.host_of.update({cid: actor_index for cid in client_ids})
         options = _placed({"num_cpus": placement.driver_cpus}, bundle_index=0)
