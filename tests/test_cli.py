@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from rayfed.cli import main
+
+
+@pytest.fixture
+def config_file(tiny_run, tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_run))
+    return path
+
+
+def test_list_prints_one_line_per_registered_thing(capsys):
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    kinds = {line.split()[0] for line in lines}
+    assert kinds == {"method", "backbone", "dataset", "partitioner"}
+    assert {"local", "fedavg", "fedprox", "ditto"} <= {line.split()[1] for line in lines if line.startswith("method")}
+    assert any(line.split()[1] == "dirichlet" for line in lines if line.startswith("partitioner"))
+
+
+def test_bad_value_prints_one_sentence_and_exits_2(config_file, capsys):
+    assert main(["run", str(config_file), "data.partition.alpha=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rayfed: error: data.partition.alpha = 0 is invalid") and "\n" not in err
+
+
+def test_resume_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
+    assert main(["run", "--resume", str(tmp_path)]) == 2
+    assert "no config.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_run_applies_overrides_and_seed(config_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["run", str(config_file), "federation.rounds=2", "--seed", "11", "--out", str(out), "--quiet"]) == 0
+    assert f"results: {out}" in capsys.readouterr().out
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["federation"]["rounds"] == 2 and saved["seed"] == 11
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["seed"] == 11 and "fedavg" in summary["methods"]

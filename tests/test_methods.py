@@ -1,0 +1,98 @@
+"""Method invariants, checked in-process on a ClientActor (plain Python, no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rayfed.actors.client import ClientActor
+from rayfed.config import load_config
+from rayfed.method import Upload, weighted_mean
+
+
+def _actor(tiny_run: dict, methods: list, **train) -> ClientActor:
+    tiny_run["methods"] = methods
+    tiny_run["train"].update(optimizer="sgd", **train)
+    return ClientActor(load_config(tiny_run).to_dict(), [0, 1])
+
+
+def test_local_uploads_nothing_and_fedavg_uploads_every_trainable_parameter(tiny_run):
+    actor = _actor(tiny_run, ["local", "fedavg"])
+    assert actor.start_method(0) == {}
+    [local_upload] = actor.train(0, [0], {0: None})
+    assert local_upload.tensors == {} and local_upload.nbytes == 0
+
+    shared = actor.start_method(1)
+    assert set(shared) == set(actor.model.trainable_names())
+    assert any("lora_A" in n for n in shared) and "head.weight" in shared
+    assert not any("lora" not in n and not n.startswith("head.") for n in shared)
+    [fedavg_upload] = actor.train(0, [0], {0: shared})
+    assert set(fedavg_upload.tensors["shared"]) == set(shared)
+
+
+def test_training_never_changes_the_frozen_backbone(tiny_run):
+    actor = _actor(tiny_run, ["fedavg"])
+    shared = actor.start_method(0)
+    frozen = {n: p.clone() for n, p in actor.model.named_parameters() if not p.requires_grad}
+    actor.train(0, [0, 1], {0: shared, 1: shared})
+    after = dict(actor.model.named_parameters())
+    assert all(torch.equal(after[n], value) for n, value in frozen.items())
+    assert set(frozen).isdisjoint(shared)
+
+
+def test_ditto_personal_update_includes_the_proximal_term(tiny_run):
+    """One SGD step: v' = v - lr * (grad CE(v) + lam * (v - w_global)), so lam=L minus lam=0 is -lr*L*(v - w)."""
+    lam, lr = 2.0, 0.05
+    actor = _actor(
+        tiny_run, [{"name": "ditto", "lam": lam, "personal_steps": 1}, {"name": "ditto", "lam": 0.0, "label": "d0", "personal_steps": 1}],
+        lr=lr, local_steps=1,
+    )
+    personal_after = {}
+    for index in (0, 1):
+        initial = actor.start_method(index)
+        global_weights = {n: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for n, v in initial.items()}
+        actor.train(0, [0], {0: global_weights})
+        personal_after[index] = actor.states[0]["personal_model"]
+    for name, v0 in initial.items():
+        expected = -lr * lam * (v0 - global_weights[name])
+        assert torch.allclose(personal_after[0][name] - personal_after[1][name], expected, atol=1e-6), name
+    assert any(not torch.allclose(personal_after[0][n], personal_after[1][n]) for n in initial)
+
+
+def test_ditto_evaluates_the_personal_model_and_uploads_the_global_one(tiny_run):
+    actor = _actor(tiny_run, [{"name": "ditto", "lam": 0.1}])
+    initial = actor.start_method(0)
+    [upload] = actor.train(0, [0], {0: initial})
+    personal = actor.states[0]["personal_model"]
+    assert any(not torch.equal(upload.tensors["shared"][n], personal[n]) for n in initial)
+    assert actor.method.eval_params(actor.states[0], initial) is personal
+
+
+def test_fedprox_penalty_pulls_toward_the_global_model(tiny_run):
+    actor = _actor(tiny_run, [{"name": "fedprox", "mu": 0.0}, {"name": "fedprox", "mu": 50.0, "label": "strong"}], lr=0.01)
+    distances = []
+    for index in (0, 1):
+        start = actor.start_method(index)
+        [upload] = actor.train(0, [0], {0: start})
+        distances.append(sum(((upload.tensors["shared"][n] - v) ** 2).sum().item() for n, v in start.items()))
+    assert distances[1] < distances[0]
+
+
+def test_weighted_mean_is_sample_weighted_and_order_independent():
+    a = Upload(2, 30, {"shared": {"w": torch.tensor([1.0, 0.0])}}, 0.0)
+    b = Upload(0, 10, {"shared": {"w": torch.tensor([0.0, 4.0])}}, 0.0)
+    forward, backward = weighted_mean([a, b], "shared"), weighted_mean([b, a], "shared")
+    assert torch.equal(forward["w"], backward["w"])
+    assert torch.allclose(forward["w"], torch.tensor([0.75, 1.0]))
+
+
+@pytest.mark.parametrize("packing", [[0], [0, 1]])
+def test_a_client_trains_the_same_whichever_actor_hosts_it(tiny_run, packing):
+    reference = _actor(tiny_run, ["fedavg"])
+    start = reference.start_method(0)
+    [expected] = reference.train(5, [0], {0: start})
+    tiny_run["placement"]["clients_per_actor"] = len(packing)
+    other = ClientActor(load_config(tiny_run).to_dict(), packing)
+    other.start_method(0)
+    [got] = other.train(5, [0], {0: start})
+    assert all(torch.equal(got.tensors["shared"][n], v) for n, v in expected.tensors["shared"].items())

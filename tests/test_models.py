@@ -1,0 +1,82 @@
+"""Backbones load through the real from_pretrained path; LoRA and head are the only trainables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from rayfed.config import LoraConfig, ModelConfig
+from rayfed.errors import ConfigError
+from rayfed.models import build_backbone, build_client_model, prepare_images
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=8)
+
+
+def test_hf_vit_loads_from_a_save_pretrained_folder(tmp_path):
+    torch.manual_seed(0)
+    saved = transformers.ViTModel(transformers.ViTConfig(**TINY), add_pooling_layer=False)
+    saved.save_pretrained(tmp_path)
+    backbone = build_backbone(ModelConfig(backbone=f"hf:{tmp_path}", lora=None), seed=123)
+    loaded = dict(backbone.encoder.named_parameters())
+    assert all(torch.equal(loaded[n], p) for n, p in saved.named_parameters())
+    assert (backbone.feature_dim, backbone.image_size, backbone.pooling) == (32, 16, "cls")
+
+
+def test_hf_clip_vision_tower_loads_from_a_full_clip_folder(tmp_path):
+    config = transformers.CLIPConfig(
+        text_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                         vocab_size=100, eos_token_id=2, bos_token_id=1, pad_token_id=0),
+        vision_config=TINY, projection_dim=16,
+    )
+    transformers.CLIPModel(config).save_pretrained(tmp_path)
+    backbone = build_backbone(ModelConfig(backbone=f"hf:{tmp_path}"), seed=0)
+    assert backbone.pooling == "pooler" and backbone.feature_dim == 32
+    model = build_client_model(backbone, ModelConfig(backbone=f"hf:{tmp_path}"), num_classes=5, seed=0)
+    assert model(torch.zeros(2, 3, 16, 16)).shape == (2, 5)
+
+
+def test_missing_hf_backbone_is_one_sentence(tmp_path):
+    with pytest.raises(ConfigError, match=r"model\.backbone = 'hf:.*could not be loaded"):
+        build_backbone(ModelConfig(backbone=f"hf:{tmp_path / 'absent'}"), seed=0)
+
+
+def test_unknown_backbone_suggests_a_name():
+    with pytest.raises(ConfigError, match="did you mean 'tiny:vit'"):
+        build_backbone(ModelConfig(backbone="tiny:vitt"), seed=0)
+
+
+def test_lora_and_head_are_the_only_trainable_parameters():
+    config = ModelConfig(backbone="tiny:vit", lora=LoraConfig(rank=2, targets=("q_proj", "v_proj")))
+    model = build_client_model(build_backbone(config, seed=0), config, num_classes=10, seed=0)
+    trainable = model.trainable_names()
+    lora = [n for n in trainable if "lora_" in n]
+    # 2 blocks x (q, v) x (A, B), no biases
+    assert len(lora) == 2 * 2 * 2
+    assert sorted(set(trainable) - set(lora)) == ["head.bias", "head.weight"]
+    rank_2 = [p for n, p in model.named_parameters() if "lora_A" in n]
+    assert all(p.shape[0] == 2 for p in rank_2)
+
+
+def test_client_model_initialisation_depends_only_on_the_seed():
+    config = ModelConfig()
+    backbone = build_backbone(config, seed=0)
+    first = build_client_model(backbone, config, 4, seed=7).trainable_params()
+    second = build_client_model(backbone, config, 4, seed=7).trainable_params()
+    third = build_client_model(backbone, config, 4, seed=8).trainable_params()
+    assert all(torch.equal(first[n], second[n]) for n in first)
+    assert any(not torch.equal(first[n], third[n]) for n in first)
+
+
+def test_bad_lora_target_lists_the_linear_layers():
+    config = ModelConfig(lora=LoraConfig(targets=("query",)))
+    with pytest.raises(ConfigError, match=r"model\.lora\.targets.*q_proj"):
+        build_client_model(build_backbone(config, seed=0), config, 4, seed=0)
+
+
+def test_prepare_images_resizes_and_replicates_gray_channels():
+    backbone = build_backbone(ModelConfig(image_size=16), seed=0)
+    pixels = prepare_images(np.ones((3, 8, 8, 1), dtype=np.float32), backbone)
+    assert pixels.shape == (3, 3, 16, 16)
+    assert torch.allclose(pixels, torch.ones_like(pixels))
