@@ -29,14 +29,16 @@ class DriverActor:
             self.down_bytes += sum(tensor_bytes(p) for p in payloads.values())
         return payloads
 
-    def aggregate(self, *upload_lists: list[Upload]) -> dict[str, float]:
+    def aggregate(self, weight_scale: dict[int, float], *upload_lists: list[Upload]) -> dict[str, float | None]:
         """Aggregate one round's uploads (in client-id order); return the round's statistics."""
         uploads = sorted((u for batch in upload_lists for u in batch), key=lambda u: u.client_id)
+        for upload in uploads:
+            upload.weight_scale = weight_scale[upload.client_id]
         self.server = self.method.aggregate(self.server, uploads)
         stats = {
             "up_bytes": sum(u.nbytes for u in uploads),
             "down_bytes": self.down_bytes,
-            "train_loss": sum(u.train_loss for u in uploads) / len(uploads) if uploads else float("nan"),
+            "train_loss": sum(u.train_loss for u in uploads) / len(uploads) if uploads else None,
         }
         self.down_bytes = 0
         return stats

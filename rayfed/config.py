@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
@@ -84,6 +84,29 @@ class TrainConfig(_Section):
         return self
 
 
+Probability = Annotated[float, Field(ge=0, le=1)]
+Positive = Annotated[float, Field(gt=0)]
+
+
+class SystemConfig(_Section):
+    """System heterogeneity, independent of the method; seeded and recorded in metrics.jsonl.
+
+    A sampled client drops out of a round with probability ``dropout`` (``dropout_by_round``
+    overrides it for given 1-based rounds) and then sends nothing. Each client has a speed
+    factor (``speeds``, else LogNormal(0, ``speed_sigma``), fixed per client); its simulated
+    time in a round is its local steps / speed. With a ``deadline`` (same units), later
+    clients are dropped, or kept with ``late_weight`` times their aggregation weight.
+    """
+
+    dropout: float = Field(0.0, ge=0, le=1)
+    dropout_by_round: dict[int, Probability] = {}
+    speed_sigma: float = Field(0.0, ge=0)
+    speeds: dict[int, Positive] = {}
+    deadline: float | None = Field(None, gt=0)
+    late_policy: Literal["drop", "downweight"] = "drop"
+    late_weight: float = Field(0.5, gt=0, le=1)
+
+
 class PlacementConfig(_Section):
     clients_per_actor: int = Field(1, gt=0)
     strategy: Literal["DEFAULT", "SPREAD"] = Field("DEFAULT", description="how Ray places ClientActors on nodes")
@@ -134,6 +157,7 @@ class RunConfig(_Section):
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     federation: FederationConfig = FederationConfig()
+    system: SystemConfig = SystemConfig()
     train: TrainConfig = TrainConfig()
     methods: tuple[MethodEntry, ...] = Field((MethodEntry(name="fedavg"),), min_length=1)
     placement: PlacementConfig = PlacementConfig()
@@ -147,6 +171,11 @@ class RunConfig(_Section):
                 f"federation.clients_per_round = {self.federation.clients_per_round} is larger than "
                 f"data.num_clients = {self.data.num_clients}; it must be at most the number of clients"
             )
+        for client_id in self.system.speeds:
+            if not 0 <= client_id < self.data.num_clients:
+                raise ValueError(
+                    f"system.speeds names client {client_id}, but clients are 0..{self.data.num_clients - 1}"
+                )
         labels = [m.label for m in self.methods]
         for label in labels:
             if labels.count(label) > 1:

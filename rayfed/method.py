@@ -39,6 +39,11 @@ class Upload:
     num_samples: int
     tensors: dict[str, TensorDict]
     train_loss: float
+    weight_scale: float = 1.0  # < 1 for a late upload that the system config down-weights
+
+    @property
+    def weight(self) -> float:
+        return self.num_samples * self.weight_scale
 
     @property
     def nbytes(self) -> int:
@@ -65,10 +70,10 @@ def tensor_bytes(tree: Any) -> int:
 def weighted_mean(uploads: Sequence[Upload], slot: str) -> TensorDict:
     """Sample-count weighted mean of one upload slot, summed in client-id order (order-independent)."""
     ordered = sorted(uploads, key=lambda u: u.client_id)
-    total = sum(u.num_samples for u in ordered)
+    total = sum(u.weight for u in ordered)
     mean: TensorDict = {}
     for upload in ordered:
-        weight = upload.num_samples / total
+        weight = upload.weight / total
         for name, value in upload.tensors[slot].items():
             mean[name] = mean[name] + weight * value if name in mean else weight * value
     return mean

@@ -29,6 +29,7 @@ from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.models import build_backbone, build_client_model
 from rayfed.seeding import sample_clients
+from rayfed.system import plan_round
 
 RoundCallback = Callable[["Simulation", str, int], None]
 """Called as ``callback(simulation, method_label, rounds_done)`` after every round."""
@@ -112,6 +113,7 @@ class Simulation:
         """Run every method, write the results contract into ``run_dir``, return the summary."""
         started = time.perf_counter()
         self.federation = build_federation(self.config.data, self.config.seed)
+        self.num_train = {cid: self.federation.sizes(cid)["num_train"] for cid in range(self.federation.num_clients)}
         self._check_model()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(self.config, self.run_dir / "config.yaml")
@@ -238,19 +240,21 @@ class Simulation:
         for round_idx in range(start_round, federation.rounds):
             started = time.perf_counter()
             sampled = sample_clients(config.seed, round_idx, config.data.num_clients, federation.clients_per_round)
+            plan = plan_round(config, round_idx, sampled, self.num_train)
             upload_refs = []
-            for actor_index, client_ids in self._group_by_actor(sampled).items():
+            for actor_index, client_ids in self._group_by_actor(plan.participants).items():
                 payload_ref = self.driver.payloads.remote(client_ids)
                 upload_refs.append(self.actors[actor_index].train.remote(round_idx, client_ids, payload_ref))
-            stats = ray.get(self.driver.aggregate.remote(*upload_refs))
+            stats = ray.get(self.driver.aggregate.remote(plan.weight_scale, *upload_refs))
             rounds_done = round_idx + 1
             wall = time.perf_counter() - started
             counters["up_bytes"] += stats["up_bytes"]
             counters["down_bytes"] += stats["down_bytes"]
             counters["wall_time_s"] += wall
             self.log.append({"event": "round", "method": entry.label, "round": rounds_done, "clients": sampled,
-                             **stats, "wall_s": round(wall, 4)})
-            postfix = {"loss": f"{stats['train_loss']:.3f}"}
+                             "participants": plan.participants, "dropped": plan.dropped, "late": plan.late,
+                             "sim_time": plan.sim_time, **stats, "wall_s": round(wall, 4)})
+            postfix = {"loss": "-" if stats["train_loss"] is None else f"{stats['train_loss']:.3f}"}
             if rounds_done % federation.eval_every == 0 and rounds_done < federation.rounds:
                 means = self._evaluate(entry.label, rounds_done)
                 postfix.update({k: f"{v:.3f}" for k, v in means.items() if k.endswith("acc")})
@@ -371,6 +375,7 @@ def _init_ray(config: RunConfig) -> bool:
         ray.init(address=address, log_to_driver=False)
         return True
     ray.init(
+        address="local",  # a new private instance, even if another Ray runs on this machine
         num_cpus=config.ray.num_cpus, num_gpus=config.ray.num_gpus,
         object_store_memory=config.ray.object_store_memory, include_dashboard=False,
         log_to_driver=False, _node_ip_address="127.0.0.1",

@@ -73,10 +73,7 @@ class ClientContext:
         return self.data.num_train
 
     def default_steps(self) -> int:
-        config = self.train_config
-        if config.local_epochs is not None:
-            return config.local_epochs * math.ceil(self.data.num_train / config.batch_size)
-        return config.local_steps
+        return local_steps(self.train_config, self.data.num_train)
 
     def train(
         self, params: TensorDict, *, steps: int | None = None, purpose: str = "train",
@@ -120,6 +117,13 @@ class ClientContext:
             loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").item()
             correct += (logits.argmax(dim=1) == y).sum().item()
         return {"local_acc": correct / self.data.num_test, "local_loss": loss_sum / self.data.num_test}
+
+
+def local_steps(config: TrainConfig, num_train: int) -> int:
+    """Steps of one local update: ``local_steps``, or ``local_epochs`` passes over the client's data."""
+    if config.local_epochs is not None:
+        return config.local_epochs * math.ceil(num_train / config.batch_size)
+    return config.local_steps
 
 
 def _optimizer(config: TrainConfig, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:

@@ -39,7 +39,7 @@ def tiny_run() -> dict:
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray instance for the whole session (starting Ray costs seconds)."""
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=5 * 10**8,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=5 * 10**8,
              log_to_driver=False, _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
