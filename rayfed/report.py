@@ -152,7 +152,7 @@ def _client_values(method_summary: Mapping, metric: str) -> dict[str, float]:
 
 
 def _best_method(methods_summary: Mapping[str, dict], methods: list[str], metric: str) -> str | None:
-    """Method with the best client-weighted mean on metric; ties go to the earlier method."""
+    """Method with the best mean over clients on metric; ties go to the earlier method."""
     means = {m: methods_summary.get(m, {}).get("mean", {}).get(metric) for m in methods}
     scored = [(float(v), m) for m, v in means.items() if _is_number(v) and not math.isnan(v)]
     if not scored:
@@ -219,7 +219,7 @@ def _render_markdown(
         out.append(f"rayfed version {summary['rayfed_version']}.\n")
 
     out.append("## Method comparison\n")
-    out.append("Metrics are client-weighted mean ± std over clients; communication is the run total.\n")
+    out.append("Metrics are mean ± std over clients (each client counts once); communication is the run total.\n")
     header = ["method", *metrics, "upload", "download"]
     rows = []
     for method in methods:
