@@ -96,22 +96,38 @@ def _frozen(backbone: Backbone) -> Backbone:
 
 
 class ClientModel(nn.Module):
-    """Backbone (+ adapters) -> features -> linear head. ``trainable`` lists what methods train."""
+    """Backbone (+ adapters) -> features -> linear head. ``trainable`` lists what methods train.
+
+    Inputs are raw images, (N, C, H, W) floats in [0, 1] at any size: the model resizes and
+    normalizes them on its own device, so clients keep only their small raw images in memory.
+    """
 
     def __init__(self, backbone: Backbone, num_classes: int):
         super().__init__()
         self.encoder = backbone.encoder
         self.pooling = backbone.pooling
+        self.image_size = backbone.image_size
+        self.num_channels = backbone.num_channels
         self.head = nn.Linear(backbone.feature_dim, num_classes)
 
-    def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        out = self.encoder(pixel_values=pixel_values)
+    def pixels(self, images: torch.Tensor) -> torch.Tensor:
+        """Raw [0, 1] images -> the backbone's size and channels, normalized to [-1, 1]."""
+        if images.shape[1] != self.num_channels:
+            images = images.expand(-1, self.num_channels, -1, -1)
+        if images.shape[-2:] != (self.image_size, self.image_size):
+            images = nn.functional.interpolate(
+                images, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False
+            )
+        return (images - 0.5) / 0.5
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        out = self.encoder(pixel_values=self.pixels(images))
         if self.pooling == "pooler":
             return out.pooler_output
         return out.last_hidden_state[:, 0]
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(pixel_values))
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images))
 
     def trainable_names(self) -> list[str]:
         return [name for name, param in self.named_parameters() if param.requires_grad]
@@ -155,18 +171,14 @@ def _inject_lora(model: ClientModel, lora: LoraConfig) -> None:
         param.requires_grad_("lora_" in name)
 
 
-def prepare_images(images: np.ndarray, backbone: Backbone) -> torch.Tensor:
-    """(N, H, W, C) floats in [0, 1] -> (N, C, S, S) normalized to [-1, 1] at the backbone's size."""
-    pixels = torch.as_tensor(images, dtype=torch.float32).permute(0, 3, 1, 2)
-    if pixels.shape[1] != backbone.num_channels:
-        if pixels.shape[1] != 1:
-            raise ConfigError(
-                f"data has {pixels.shape[1]} image channels but model.backbone expects "
-                f"{backbone.num_channels}; only 1-channel images are converted automatically."
-            )
-        pixels = pixels.expand(-1, backbone.num_channels, -1, -1)
-    if pixels.shape[-1] != backbone.image_size or pixels.shape[-2] != backbone.image_size:
-        pixels = nn.functional.interpolate(
-            pixels, size=(backbone.image_size, backbone.image_size), mode="bilinear", align_corners=False
+def check_image_channels(num_channels: int, backbone: Backbone) -> None:
+    if num_channels not in (1, backbone.num_channels):
+        raise ConfigError(
+            f"data has {num_channels}-channel images but model.backbone expects {backbone.num_channels}; "
+            "only 1-channel images are converted automatically."
         )
-    return (pixels - 0.5) / 0.5
+
+
+def to_tensor_images(images: np.ndarray) -> torch.Tensor:
+    """(N, H, W, C) numpy floats in [0, 1] -> (N, C, H, W) float32 tensor."""
+    return torch.as_tensor(images, dtype=torch.float32).permute(0, 3, 1, 2).contiguous()

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import ray
+import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm.auto import tqdm
 
@@ -149,7 +150,10 @@ class Simulation:
     def _check_model(self) -> None:
         """Fail here, with one sentence, rather than inside an actor: build the model once."""
         backbone = build_backbone(self.config.model, 0)
-        build_client_model(backbone, self.config.model, self.federation.dataset.num_classes, 0)
+        model = build_client_model(backbone, self.config.model, self.federation.dataset.num_classes, 0)
+        sample = self.federation.client_data(0, backbone).train_x[:1]
+        with torch.no_grad():
+            model(sample)
 
     def _actor_client_ids(self) -> list[list[int]]:
         per_actor = self.config.placement.clients_per_actor
@@ -159,6 +163,24 @@ class Simulation:
     def _check_resources(self) -> None:
         placement = self.config.placement
         num_actors = len(self._actor_client_ids())
+        group = ray.util.get_current_placement_group()
+        if group is not None:  # a Ray Tune trial: the actors must fit the bundles _placed puts them in
+            bundles = group.bundle_specs
+            needs = [{"CPU": placement.driver_cpus}]
+            needs += [{"CPU": placement.cpus_per_actor, "GPU": placement.gpus_per_actor}] * num_actors
+            if len(bundles) < len(needs):
+                raise ConfigError(
+                    f"placement: the DriverActor and {num_actors} ClientActors need {len(needs)} bundles but the "
+                    f"trial's placement group has {len(bundles)}; size it with rayfed.tune.trial_resources(config)."
+                )
+            for index, (need, have) in enumerate(zip(needs, bundles)):
+                if any(amount > have.get(resource, 0.0) + 1e-9 for resource, amount in need.items()):
+                    actor = "the DriverActor" if index == 0 else f"ClientActor {index - 1}"
+                    raise ConfigError(
+                        f"placement: {actor} needs {need} but bundle {index} of the trial's placement group holds "
+                        f"{have}; size the group with rayfed.tune.trial_resources(config)."
+                    )
+            return
         available = ray.cluster_resources()
         for resource, per_actor, extra in (
             ("CPU", placement.cpus_per_actor, placement.driver_cpus),

@@ -20,7 +20,7 @@ Penalty = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
 @dataclass
 class ClientData:
-    """A client's own examples, already preprocessed for the backbone."""
+    """A client's own examples: raw (N, C, H, W) images in [0, 1] (the model resizes them) and labels."""
 
     train_x: torch.Tensor
     train_y: torch.Tensor

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import transformers
 
 from rayfed.config import LoraConfig, ModelConfig
 from rayfed.errors import ConfigError
-from rayfed.models import build_backbone, build_client_model, prepare_images
+from rayfed.models import build_backbone, build_client_model, check_image_channels
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=8)
 
@@ -75,8 +74,17 @@ def test_bad_lora_target_lists_the_linear_layers():
         build_client_model(build_backbone(config, seed=0), config, 4, seed=0)
 
 
-def test_prepare_images_resizes_and_replicates_gray_channels():
-    backbone = build_backbone(ModelConfig(image_size=16), seed=0)
-    pixels = prepare_images(np.ones((3, 8, 8, 1), dtype=np.float32), backbone)
-    assert pixels.shape == (3, 3, 16, 16)
+def test_client_model_resizes_and_replicates_gray_images():
+    config = ModelConfig(image_size=16)
+    model = build_client_model(build_backbone(config, seed=0), config, num_classes=3, seed=0)
+    pixels = model.pixels(torch.ones(2, 1, 8, 8))
+    assert pixels.shape == (2, 3, 16, 16)
     assert torch.allclose(pixels, torch.ones_like(pixels))
+    assert model(torch.rand(2, 1, 8, 8)).shape == (2, 3)
+
+
+def test_colour_images_on_a_gray_only_mismatch_are_refused():
+    backbone = build_backbone(ModelConfig(), seed=0)
+    check_image_channels(1, backbone)
+    with pytest.raises(ConfigError, match="2-channel images"):
+        check_image_channels(2, backbone)

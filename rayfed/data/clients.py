@@ -10,7 +10,7 @@ import torch
 from rayfed.config import DataConfig
 from rayfed.data.partition import partition, split_train_test
 from rayfed.data.sources import ArrayDataset, load_source
-from rayfed.models import Backbone, prepare_images
+from rayfed.models import Backbone, check_image_channels, to_tensor_images
 from rayfed.training import ClientData
 
 
@@ -30,12 +30,13 @@ class Federation:
         return {"num_train": len(train), "num_test": len(test)}
 
     def client_data(self, client_id: int, backbone: Backbone) -> ClientData:
+        check_image_channels(self.dataset.images.shape[-1], backbone)
         train, test = self.splits[client_id]
         labels = torch.as_tensor(self.dataset.labels, dtype=torch.long)
         return ClientData(
-            train_x=prepare_images(self.dataset.images[train], backbone),
+            train_x=to_tensor_images(self.dataset.images[train]),
             train_y=labels[train],
-            test_x=prepare_images(self.dataset.images[test], backbone),
+            test_x=to_tensor_images(self.dataset.images[test]),
             test_y=labels[test],
         )
 
