@@ -8,11 +8,12 @@ the uploads. The class is plain Python; the simulation wraps it with ``ray.remot
 
 from __future__ import annotations
 
+import psutil
 import torch
 
 from rayfed.config import RunConfig, build_config, method_params
 from rayfed.data.clients import build_federation
-from rayfed.method import ClientState, Method, TensorDict, Upload
+from rayfed.method import ClientState, Method, TensorDict, Upload, tensor_bytes
 from rayfed.methods import METHODS
 from rayfed.models import build_backbone, build_client_model
 from rayfed.seeding import SERVER, torch_seed
@@ -76,6 +77,17 @@ class ClientActor:
                 params = client.train(params, steps=post_train_steps, purpose="post_train").params
             metrics[cid] = client.evaluate(params)
         return metrics
+
+    def resource_usage(self) -> dict[str, int]:
+        """Peak GPU memory, resident host memory, and the bytes of hosted client state and data."""
+        gpu_peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        return {
+            "num_clients": len(self.client_ids),
+            "gpu_peak_bytes": gpu_peak,
+            "rss_bytes": psutil.Process().memory_info().rss,
+            "state_bytes": tensor_bytes(self.states),
+            "data_bytes": sum(tensor_bytes(vars(data)) for data in self.data.values()),
+        }
 
     def get_states(self) -> dict[int, ClientState]:
         return self.states

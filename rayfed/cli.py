@@ -32,6 +32,56 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from rayfed.tune import resume, tune
+
+    if args.resume:
+        if args.config or args.overrides or args.out:
+            raise ConfigError("--resume continues a sweep with its own sweep.yaml; give no CONFIG, key=value or --out with it.")
+        result = resume(args.resume)
+    else:
+        if not args.config:
+            raise ConfigError("rayfed tune needs a CONFIG file with a tune: section (or --resume RUN_DIR).")
+        overrides = list(args.overrides)
+        if args.address:
+            overrides.append(f"ray.address={args.address}")
+        result = tune(args.config, overrides=overrides, out_dir=args.out, verbose=0 if args.quiet else 1)
+    print(f"results: {result.tune_dir}")
+    count = {status: sum(t.status == status for t in result.trials) for status in ("completed", "stopped early", "error")}
+    print(f"  trials: {count['completed']} completed, {count['stopped early']} stopped early, {count['error']} errored")
+    values = ", ".join(f"{path}={value}" for path, value in result.best.params.items())
+    print(f"  best: {result.metric}={result.best.metric:.4f} ({values})")
+    print(f"  best config: {result.best_config}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rayfed.benchmarks.overhead import GPU_WORKLOAD, Workload, run_bench
+
+    workload = GPU_WORKLOAD if args.workload == "gpu" else Workload()
+    results = run_bench(workload, tuple(args.actors_per_gpu), Path(args.out))
+    print((Path(args.out) / "bench.md").read_text())
+    print(f"results: {args.out}/bench.json, {args.out}/bench.md ({len(results['runs'])} runs)")
+    return 0
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    from rayfed import zoo
+    from rayfed.errors import choice_error
+
+    if args.family != "all" and args.family not in zoo.FAMILIES:
+        raise choice_error("family", args.family, [*zoo.FAMILIES, "all"])
+    for name in zoo.FAMILIES if args.family == "all" else [args.family]:
+        folder = zoo.pretrained(name)
+        manifest = zoo.read_manifest(folder)
+        before, after = manifest["metrics"]["before"], manifest["metrics"]["after"]
+        changes = ", ".join(f"{metric} {before[metric]:.3f} -> {after[metric]:.3f}" for metric in after)
+        print(f"{name}: {folder} ({manifest['params']:,} params, built in {manifest['build_seconds']} s); {changes}")
+    return 0
+
+
 def _list(_: argparse.Namespace) -> int:
     from rayfed.data import PARTITIONERS, SOURCES
     from rayfed.methods import METHODS
@@ -62,6 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoints")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.set_defaults(handler=_run)
+
+    sweep = commands.add_parser("tune", help="sweep hyperparameters with Ray Tune (the config's tune: section)")
+    sweep.add_argument("config", nargs="?", help="YAML config file with a tune: section")
+    sweep.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the file")
+    sweep.add_argument("--out", help="results go to OUT/tune (default: runs/<name>/tune)")
+    sweep.add_argument("--address", help="attach to a Ray cluster (default: $RAY_ADDRESS, else local Ray)")
+    sweep.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted sweep (RUN_DIR or RUN_DIR/tune)")
+    sweep.add_argument("--quiet", action="store_true", help="no Ray Tune status output")
+    sweep.set_defaults(handler=_tune)
+
+    bench = commands.add_parser("bench", help="time a fixed FL workload against a plain PyTorch loop")
+    bench.add_argument("--workload", choices=["cpu", "gpu"], default="cpu",
+                       help="cpu: a tiny ViT smoke size; gpu: open_clip ViT-B/16 + LoRA, 100 clients, 16 per round")
+    bench.add_argument("--actors-per-gpu", type=int, nargs="+", default=[1, 2, 4], help="packings to sweep")
+    bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
+    bench.set_defaults(handler=_bench)
+
+    pretrain = commands.add_parser("pretrain", help="build the tiny pretrained model of a family (cached in $RAYFED_CACHE)")
+    pretrain.add_argument("family", help="a model family (clip, open_clip, vit, ..., see docs/offline_models.md) or 'all'")
+    pretrain.set_defaults(handler=_pretrain)
 
     listing = commands.add_parser("list", help="registered methods, backbones, datasets and partitioners")
     listing.set_defaults(handler=_list)

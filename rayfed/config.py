@@ -55,6 +55,7 @@ class LoraConfig(_Section):
 
 class ModelConfig(_Section):
     backbone: str = "tiny:vit"
+    pretrained: str | None = Field(None, description="open_clip: a pretrained tag (openai, ...) or a weights file")
     lora: LoraConfig | None = LoraConfig()
     image_size: int | None = Field(None, gt=0, description="input size; default: the backbone's own")
 

@@ -22,7 +22,11 @@ from rayfed.errors import ConfigError, choice_error
 
 TensorDict = dict[str, torch.Tensor]
 
-BACKBONES = ("tiny:vit", "tiny:clip-vision", "hf:<name or local path> (ViT or CLIP vision tower)")
+BACKBONES = (
+    "tiny:vit", "tiny:clip-vision", "tiny-pretrained:vit", "tiny-pretrained:clip-vision",
+    "hf:<name or local path> (ViT or CLIP vision tower)",
+    "open_clip:<arch> (image tower; model.pretrained = tag or file)",
+)
 
 _TINY_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 
@@ -35,7 +39,7 @@ class Backbone:
     feature_dim: int
     image_size: int
     num_channels: int
-    pooling: str  # "cls": first token of last_hidden_state; "pooler": the model's pooler_output
+    pooling: str  # "cls": first token of last_hidden_state; "pooler": pooler_output; "output": the output tensor
 
 
 def build_backbone(config: ModelConfig, seed: int) -> Backbone:
@@ -55,9 +59,18 @@ def build_backbone(config: ModelConfig, seed: int) -> Backbone:
         )
         encoder = transformers.CLIPVisionModel(clip_config)
         return _frozen(Backbone(encoder, clip_config.hidden_size, clip_config.image_size, 3, "pooler"))
+    if name in ("tiny-pretrained:vit", "tiny-pretrained:clip-vision"):
+        from rayfed.zoo import pretrained  # built once on first use, then read from the cache
+
+        return _frozen(_load_hf_backbone(str(pretrained(name.removeprefix("tiny-pretrained:"))), config))
     if name.startswith("hf:"):
         return _frozen(_load_hf_backbone(name.removeprefix("hf:"), config))
-    raise choice_error("model.backbone", name, ["tiny:vit", "tiny:clip-vision", "hf:<name or path>"])
+    if name.startswith("open_clip:"):
+        return _frozen(_load_open_clip_visual(name.removeprefix("open_clip:"), config))
+    raise choice_error(
+        "model.backbone", name,
+        ["tiny:vit", "tiny:clip-vision", "tiny-pretrained:vit", "tiny-pretrained:clip-vision", "hf:<name or path>", "open_clip:<arch>"],
+    )  # fmt: skip
 
 
 def _load_hf_backbone(name_or_path: str, config: ModelConfig) -> Backbone:
@@ -87,6 +100,23 @@ def _load_hf_backbone(name_or_path: str, config: ModelConfig) -> Backbone:
             f"{vision.image_size}; leave model.image_size unset for pretrained backbones."
         )
     return Backbone(encoder, vision.hidden_size, vision.image_size, vision.num_channels, pooling)
+
+
+def _load_open_clip_visual(arch: str, config: ModelConfig) -> Backbone:
+    """The image tower of an open_clip model; ``model.pretrained`` is a tag (e.g. openai) or a weights file."""
+    import open_clip
+
+    if arch not in open_clip.list_models():
+        raise choice_error("model.backbone", f"open_clip:{arch}", [f"open_clip:{a}" for a in open_clip.list_models()])
+    try:
+        visual = open_clip.create_model(arch, pretrained=config.pretrained).visual
+    except (RuntimeError, OSError) as err:
+        raise ConfigError(
+            f"model.pretrained = {config.pretrained!r} could not be loaded for open_clip:{arch} "
+            f"({str(err).splitlines()[0]})."
+        ) from None
+    image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
+    return Backbone(visual, visual.output_dim, image_size, 3, "output")
 
 
 def _frozen(backbone: Backbone) -> Backbone:
@@ -121,6 +151,8 @@ class ClientModel(nn.Module):
         return (images - 0.5) / 0.5
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
+        if self.pooling == "output":
+            return self.encoder(self.pixels(images))
         out = self.encoder(pixel_values=self.pixels(images))
         if self.pooling == "pooler":
             return out.pooler_output

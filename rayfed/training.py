@@ -47,8 +47,12 @@ def proximal_penalty(anchor: TensorDict | None, strength: float) -> Penalty | No
     if anchor is None or strength == 0:
         return None
 
+    anchor_on_device: TensorDict = {}
+
     def penalty(params: dict[str, torch.Tensor]) -> torch.Tensor:
-        return 0.5 * strength * sum(((params[n] - a) ** 2).sum() for n, a in anchor.items())
+        if not anchor_on_device:  # payloads arrive on the CPU; move them once, not every step
+            anchor_on_device.update({n: a.to(params[n].device) for n, a in anchor.items()})
+        return 0.5 * strength * sum(((params[n] - a) ** 2).sum() for n, a in anchor_on_device.items())
 
     return penalty
 

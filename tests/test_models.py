@@ -88,3 +88,21 @@ def test_colour_images_on_a_gray_only_mismatch_are_refused():
     check_image_channels(1, backbone)
     with pytest.raises(ConfigError, match="2-channel images"):
         check_image_channels(2, backbone)
+
+
+def test_open_clip_image_tower_with_lora_on_its_mlp(tmp_path):
+    import open_clip
+    import safetensors.torch
+
+    config = ModelConfig(backbone="open_clip:ViT-B-16", lora=LoraConfig(rank=8, targets=("c_fc", "c_proj")))
+    backbone = build_backbone(config, seed=0)
+    assert (backbone.feature_dim, backbone.image_size) == (512, 224)
+    model = build_client_model(backbone, config, num_classes=10, seed=0)
+    lora = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
+    assert lora == 12 * 8 * ((768 + 3072) + (3072 + 768))  # rank 8 on c_fc (768->3072) and c_proj in 12 blocks
+
+    weights = tmp_path / "clip.safetensors"
+    full = open_clip.create_model("ViT-B-16", pretrained=None)
+    safetensors.torch.save_file({k: v.contiguous() for k, v in full.state_dict().items()}, weights)
+    loaded = build_backbone(config.model_copy(update={"pretrained": str(weights)}), seed=1)
+    assert torch.equal(loaded.encoder.conv1.weight, full.visual.conv1.weight)

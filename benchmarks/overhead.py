@@ -1,0 +1,212 @@
+"""`rayfed bench`: rayfed's wall time per round against the ideal on the same device.
+
+The ideal is one process running the same client training steps back to back with the same
+model (no Ray, no actors, no aggregation): what a hand-written single-GPU loop would cost.
+overhead ratio = rayfed's round wall time / the ideal's, over the same rounds (the first
+round is a warm-up for both and is left out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import ray
+import torch
+
+from rayfed.actors.client import ClientActor
+from rayfed.config import RunConfig, load_config
+from rayfed.io import atomic_write_json, atomic_write_text
+from rayfed.method import tensor_bytes
+from rayfed.report import format_table
+from rayfed.seeding import sample_clients
+from rayfed.simulation import Simulation
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One fixed FL workload; the defaults are the CPU smoke size, `--gpu` the issue's CLIP size."""
+
+    backbone: str = "tiny:vit"
+    lora_rank: int = 8
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    image_size: int = 16
+    num_clients: int = 20
+    clients_per_round: int = 4
+    local_steps: int = 5
+    batch_size: int = 16
+    samples_per_client: int = 32
+    rounds: int = 3
+    method: str = "fedavg"
+
+    def config(self, clients_per_actor: int, gpus_per_actor: float, seed: int = 0) -> RunConfig:
+        return load_config({
+            "name": "bench",
+            "seed": seed,
+            "data": {
+                "source": "synthetic",
+                "synthetic": {"num_samples": self.num_clients * self.samples_per_client, "num_classes": 10,
+                              "image_size": self.image_size, "channels": 3},
+                "num_clients": self.num_clients,
+                "partition": {"name": "iid"},
+            },
+            "model": {"backbone": self.backbone, "lora": {"rank": self.lora_rank, "alpha": self.lora_rank,
+                                                          "targets": list(self.lora_targets)}},
+            "federation": {"rounds": self.rounds, "clients_per_round": self.clients_per_round,
+                           "eval_every": self.rounds + 1},
+            "train": {"local_steps": self.local_steps, "batch_size": self.batch_size, "optimizer": "adam", "lr": 1e-3},
+            "methods": [self.method],
+            "placement": {"clients_per_actor": clients_per_actor, "cpus_per_actor": 1, "gpus_per_actor": gpus_per_actor},
+        })
+
+
+GPU_WORKLOAD = Workload(
+    backbone="open_clip:ViT-B-16", lora_rank=16, lora_targets=("c_fc", "c_proj"), image_size=32,
+    num_clients=100, clients_per_round=16, local_steps=10, batch_size=64, samples_per_client=64, rounds=6,
+)
+
+
+def measure_ideal(workload: Workload) -> dict[str, Any]:
+    """The same training steps, clients and rounds, back to back in this process."""
+    config = workload.config(clients_per_actor=workload.num_clients, gpus_per_actor=0)
+    host = ClientActor(config.to_dict(), list(range(workload.num_clients)))
+    shared = host.start_method(0)
+    round_times = []
+    for round_idx in range(workload.rounds):
+        sampled = sample_clients(config.seed, round_idx, workload.num_clients, workload.clients_per_round)
+        _sync(host.device)
+        started = time.perf_counter()
+        for cid in sampled:
+            host._context(cid, round_idx).train(shared)
+        _sync(host.device)
+        round_times.append(time.perf_counter() - started)
+    return {"round_s": round_times[1:], "device": str(host.device), "state_bytes_per_client": tensor_bytes(shared)}
+
+
+def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int) -> dict[str, Any]:
+    devices = max(num_gpus, 1)
+    num_actors = actors_per_gpu * devices
+    config = workload.config(
+        clients_per_actor=math.ceil(workload.num_clients / num_actors),
+        gpus_per_actor=1 / actors_per_gpu if num_gpus else 0,
+    )
+    usage: list[dict] = []
+
+    def record_usage(sim: Simulation, label: str, rounds_done: int) -> None:
+        if rounds_done == workload.rounds:
+            usage.extend(ray.get([actor.resource_usage.remote() for actor in sim.actors]))
+
+    out_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"rayfed-bench-{os.getpid()}-{actors_per_gpu}-{num_gpus}"
+    started = time.perf_counter()
+    summary = Simulation(config, out_dir=out_dir, callbacks=[record_usage], progress=False).run()
+    total = time.perf_counter() - started
+    events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    round_times = [e["wall_s"] for e in events if e["event"] == "round"][1:]
+    return {
+        "actors_per_gpu": actors_per_gpu, "num_gpus": num_gpus, "num_actors": len(usage),
+        "round_s": round_times, "total_s": total, "usage": usage,
+        "local_acc": summary["methods"][workload.method]["mean"]["local_acc"],
+    }
+
+
+def host_bytes_per_client(workload: Workload, num_clients: int = 40) -> dict[str, float]:
+    """Host memory each hosted client's own state adds (Ditto: a personal LoRA + head), next to its tensors' size."""
+    config = workload.config(clients_per_actor=num_clients, gpus_per_actor=0)
+    config = load_config(config.to_dict(), [f"data.num_clients={num_clients}", "methods=[ditto]",
+                                            f"federation.clients_per_round={min(num_clients, 4)}"])
+    host = ClientActor(config.to_dict(), list(range(num_clients)))
+    initial = host.start_method(0)
+    payloads = {cid: initial for cid in range(num_clients)}
+    host.train(0, [0], payloads)  # warm-up: allocator pools, optimizer code paths
+    process = psutil.Process()
+    gc.collect()
+    before = process.memory_info().rss
+    host.train(1, list(range(1, num_clients)), payloads)  # every client now holds tensors of its own
+    gc.collect()
+    after = process.memory_info().rss
+    return {"rss_per_client": (after - before) / (num_clients - 1),
+            "state_bytes_per_client": tensor_bytes(host.states[1])}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path) -> dict[str, Any]:
+    """Alternate ideal and rayfed runs; each ratio uses the ideals timed just before and after it.
+
+    GPU hosts drift by tens of percent within minutes (launch-bound steps on shared CPUs), so a
+    single ideal measured once would make the ratios meaningless.
+    """
+    num_gpus = torch.cuda.device_count()
+    if not ray.is_initialized():
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+                 object_store_memory=2 * 10**9)
+    results: dict[str, Any] = {
+        "workload": dataclasses.asdict(workload),
+        "machine": {"gpu": torch.cuda.get_device_name(0) if num_gpus else None, "num_gpus": num_gpus,
+                    "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "ideals": [measure_ideal(workload)],
+        "runs": [],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for gpus in sorted({1, num_gpus}) if num_gpus > 1 else [num_gpus]:
+        for per_gpu in actors_per_gpu:
+            result = measure_rayfed(workload, per_gpu, gpus)
+            results["ideals"].append(measure_ideal(workload))
+            ideal_round = _mean([_mean(i["round_s"]) for i in results["ideals"][-2:]])
+            mean_round = _mean(result["round_s"])
+            updates = workload.clients_per_round
+            result.update(
+                mean_round_s=mean_round,
+                ideal_round_s=ideal_round,
+                overhead_ratio=mean_round / ideal_round if gpus <= 1 else None,
+                client_updates_per_s=updates / mean_round,
+                samples_per_s=updates * workload.local_steps * workload.batch_size / mean_round,
+                peak_gpu_mib_per_actor=max(u["gpu_peak_bytes"] for u in result["usage"]) / 2**20,
+                peak_host_mib_per_actor=max(u["rss_bytes"] for u in result["usage"]) / 2**20,
+            )
+            results["runs"].append(result)
+            atomic_write_json(out_dir / "bench.json", results)  # partial results survive a later failure
+            print(f"[bench] {gpus} GPU(s) x {per_gpu} actors: {mean_round:.3f} s/round "
+                  f"(ideal around it {ideal_round:.3f})", flush=True)
+    results["host_memory"] = host_bytes_per_client(workload)
+    atomic_write_json(out_dir / "bench.json", results)
+    atomic_write_text(out_dir / "bench.md", markdown(results))
+    return results
+
+
+def markdown(results: dict[str, Any]) -> str:
+    machine, memory = results["machine"], results["host_memory"]
+    ideals = ", ".join(f"{_mean(i['round_s']):.3f}" for i in results["ideals"])
+    rows = [[
+        str(run["num_gpus"]), str(run["actors_per_gpu"]), f"{run['mean_round_s']:.3f}", f"{run['ideal_round_s']:.3f}",
+        "-" if run["overhead_ratio"] is None else f"{run['overhead_ratio']:.3f}",
+        f"{run['client_updates_per_s']:.1f}", f"{run['samples_per_s']:.0f}",
+        f"{run['peak_gpu_mib_per_actor']:.0f}", f"{run['peak_host_mib_per_actor']:.0f}",
+    ] for run in results["runs"]]
+    header = ["GPUs", "actors/GPU", "s/round", "ideal s/round", "overhead ratio", "client updates/s", "samples/s",
+              "peak GPU MiB/actor", "peak host MiB/actor"]
+    return (
+        f"Workload: `{json.dumps(results['workload'])}`\n\n"
+        f"Machine: {machine['gpu'] or 'CPU only'}, {machine['cpus']} CPUs, torch {machine['torch']}\n\n"
+        f"Ideal (one process, the same steps back to back on {results['ideals'][0]['device']}), timed before, "
+        f"between and after the rayfed runs: {ideals} s/round; each ratio uses the two around its run.\n\n"
+        + format_table(rows, header)
+        + f"\nHost memory per hosted client (Ditto personal state): {memory['rss_per_client'] / 2**20:.2f} MiB "
+        f"RSS for {memory['state_bytes_per_client'] / 2**20:.2f} MiB of tensors.\n"
+    )
