@@ -29,7 +29,7 @@ from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.method import tensor_bytes
 from rayfed.report import format_table
 from rayfed.seeding import sample_clients
-from rayfed.simulation import Simulation
+from rayfed.simulation import Simulation, init_local_ray
 
 
 @dataclass(frozen=True)
@@ -120,9 +120,8 @@ def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int) -> di
 
 def host_bytes_per_client(workload: Workload, num_clients: int = 40) -> dict[str, float]:
     """Host memory each hosted client's own state adds (Ditto: a personal LoRA + head), next to its tensors' size."""
-    config = workload.config(clients_per_actor=num_clients, gpus_per_actor=0)
-    config = load_config(config.to_dict(), [f"data.num_clients={num_clients}", "methods=[ditto]",
-                                            f"federation.clients_per_round={min(num_clients, 4)}"])
+    sized = dataclasses.replace(workload, num_clients=num_clients, clients_per_round=4, method="ditto")
+    config = sized.config(clients_per_actor=num_clients, gpus_per_actor=0)
     host = ClientActor(config.to_dict(), list(range(num_clients)))
     initial = host.start_method(0)
     payloads = {cid: initial for cid in range(num_clients)}
@@ -154,8 +153,7 @@ def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path
     """
     num_gpus = torch.cuda.device_count()
     if not ray.is_initialized():
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-                 object_store_memory=2 * 10**9)
+        init_local_ray(object_store_memory=2 * 10**9)
     results: dict[str, Any] = {
         "workload": dataclasses.asdict(workload),
         "machine": {"gpu": torch.cuda.get_device_name(0) if num_gpus else None, "num_gpus": num_gpus,

@@ -254,7 +254,12 @@ def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key.sub=value.")
-        parsed.append((key.strip().split("."), yaml.safe_load(value)))
+        try:
+            parsed_value = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"override {key.strip()}: the value {value!r} is not valid YAML ({problem}).") from None
+        parsed.append((key.strip().split("."), parsed_value))
     return parsed
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import ray
@@ -396,13 +397,18 @@ def _init_ray(config: RunConfig) -> bool:
     if address:
         ray.init(address=address, log_to_driver=False)
         return True
-    ray.init(
-        address="local",  # a new private instance, even if another Ray runs on this machine
-        num_cpus=config.ray.num_cpus, num_gpus=config.ray.num_gpus,
-        object_store_memory=config.ray.object_store_memory, include_dashboard=False,
-        log_to_driver=False, _node_ip_address="127.0.0.1",
-    )
+    init_local_ray(num_cpus=config.ray.num_cpus, num_gpus=config.ray.num_gpus,
+                   object_store_memory=config.ray.object_store_memory)
     return True
+
+
+def init_local_ray(**kwargs: Any) -> None:
+    """A new private Ray instance on this machine, reachable on 127.0.0.1 only, without a dashboard."""
+    # Ray 2.60 rewrites a loopback node address to the machine's routable IP
+    # (services.resolve_ip_for_localhost), after which its servers listen on every interface.
+    with mock.patch.object(ray._private.services, "resolve_ip_for_localhost", lambda host: host):
+        ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1", **kwargs)
 
 
 def _is_actor_failure(err: BaseException) -> bool:

@@ -13,6 +13,8 @@ import copy  # noqa: E402
 import pytest  # noqa: E402
 import ray  # noqa: E402
 
+from rayfed.simulation import init_local_ray  # noqa: E402
+
 TINY_RUN = {
     "name": "tiny",
     "seed": 3,
@@ -39,7 +41,6 @@ def tiny_run() -> dict:
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray instance for the whole session (starting Ray costs seconds)."""
-    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=5 * 10**8,
-             log_to_driver=False, _node_ip_address="127.0.0.1")
+    init_local_ray(num_cpus=4, object_store_memory=5 * 10**8)
     yield
     ray.shutdown()
