@@ -36,8 +36,11 @@ def _tune(args: argparse.Namespace) -> int:
     from rayfed.tune import resume, tune
 
     if args.resume:
-        if args.config or args.overrides or args.out:
-            raise ConfigError("--resume continues a sweep with its own sweep.yaml; give no CONFIG, key=value or --out with it.")
+        if args.config or args.overrides or args.out or args.address:
+            raise ConfigError(
+                "--resume continues a sweep with its own sweep.yaml; give no CONFIG, key=value, --out or --address "
+                "with it (RAY_ADDRESS attaches it to a cluster)."
+            )
         result = resume(args.resume)
     else:
         if not args.config:
@@ -47,8 +50,10 @@ def _tune(args: argparse.Namespace) -> int:
             overrides.append(f"ray.address={args.address}")
         result = tune(args.config, overrides=overrides, out_dir=args.out, verbose=0 if args.quiet else 1)
     print(f"results: {result.tune_dir}")
-    count = {status: sum(t.status == status for t in result.trials) for status in ("completed", "stopped early", "error")}
-    print(f"  trials: {count['completed']} completed, {count['stopped early']} stopped early, {count['error']} errored")
+    statuses = [trial.status for trial in result.trials]
+    count = {status: statuses.count(status) for status in ("completed", "stopped early", "error")}
+    print(f"  trials: {count['completed']} completed, {count['stopped early']} stopped early, "
+          f"{count['error']} errored")
     values = ", ".join(f"{path}={value}" for path, value in result.best.params.items())
     print(f"  best: {result.metric}={result.best.metric:.4f} ({values})")
     print(f"  best config: {result.best_config}")
@@ -73,8 +78,7 @@ def _pretrain(args: argparse.Namespace) -> int:
 
     if args.family != "all" and args.family not in zoo.FAMILIES:
         raise choice_error("family", args.family, [*zoo.FAMILIES, "all"])
-    for name in zoo.FAMILIES if args.family == "all" else [args.family]:
-        folder = zoo.pretrained(name)
+    for name, folder in zoo.build_all(None if args.family == "all" else [args.family], args.jobs).items():
         manifest = zoo.read_manifest(folder)
         before, after = manifest["metrics"]["before"], manifest["metrics"]["after"]
         changes = ", ".join(f"{metric} {before[metric]:.3f} -> {after[metric]:.3f}" for metric in after)
@@ -131,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pretrain = commands.add_parser("pretrain", help="build the tiny pretrained model of a family (cached in $RAYFED_CACHE)")
     pretrain.add_argument("family", help="a model family (clip, open_clip, vit, ..., see docs/offline_models.md) or 'all'")
+    pretrain.add_argument("--jobs", type=int, default=1, help="families built at once, one process and core each")
     pretrain.set_defaults(handler=_pretrain)
 
     listing = commands.add_parser("list", help="registered methods, backbones, datasets and partitioners")

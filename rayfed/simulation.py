@@ -121,7 +121,7 @@ class Simulation:
         dump_config(self.config, self.run_dir / "config.yaml")
         previous = MetricsLog.read(self.run_dir / "metrics.jsonl") if self._resuming else []
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", previous)
-        owns_ray = _init_ray(self.config)
+        owns_ray = init_ray(self.config)
         try:
             self._check_resources()
             for index, entry in enumerate(self.config.methods):
@@ -389,7 +389,7 @@ def _fresh_run_dir(name: str, out_dir: str | os.PathLike | None) -> Path:
     return path
 
 
-def _init_ray(config: RunConfig) -> bool:
+def init_ray(config: RunConfig) -> bool:
     """Start local Ray (loopback only, no dashboard) or attach to ``ray.address``; True if we started it."""
     if ray.is_initialized():
         return False
