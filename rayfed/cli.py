@@ -103,27 +103,29 @@ def _list(_: argparse.Namespace) -> int:
     return 0
 
 
+def _add_config_arguments(parser: argparse.ArgumentParser, out_help: str, resume_help: str, quiet_help: str) -> None:
+    parser.add_argument("config", nargs="?", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the file")
+    parser.add_argument("--out", help=out_help)
+    parser.add_argument("--address", help="attach to a Ray cluster (default: $RAY_ADDRESS, else local Ray)")
+    parser.add_argument("--resume", metavar="RUN_DIR", help=resume_help)
+    parser.add_argument("--quiet", action="store_true", help=quiet_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayfed", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run every method of a config on the same clients")
-    run.add_argument("config", nargs="?", help="YAML config file")
-    run.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the file")
+    _add_config_arguments(run, out_help="run directory (default: runs/<name>)",
+                          resume_help="continue an interrupted run from its checkpoints", quiet_help="no progress bars")
     run.add_argument("--seed", type=int, help="shorthand for seed=N")
-    run.add_argument("--out", help="run directory (default: runs/<name>)")
-    run.add_argument("--address", help="attach to a Ray cluster (default: $RAY_ADDRESS, else local Ray)")
-    run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoints")
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.set_defaults(handler=_run)
 
     sweep = commands.add_parser("tune", help="sweep hyperparameters with Ray Tune (the config's tune: section)")
-    sweep.add_argument("config", nargs="?", help="YAML config file with a tune: section")
-    sweep.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the file")
-    sweep.add_argument("--out", help="results go to OUT/tune (default: runs/<name>/tune)")
-    sweep.add_argument("--address", help="attach to a Ray cluster (default: $RAY_ADDRESS, else local Ray)")
-    sweep.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted sweep (RUN_DIR or RUN_DIR/tune)")
-    sweep.add_argument("--quiet", action="store_true", help="no Ray Tune status output")
+    _add_config_arguments(sweep, out_help="results go to OUT/tune (default: runs/<name>/tune)",
+                          resume_help="continue an interrupted sweep (RUN_DIR or RUN_DIR/tune)",
+                          quiet_help="no Ray Tune status output")
     sweep.set_defaults(handler=_tune)
 
     bench = commands.add_parser("bench", help="time a fixed FL workload against a plain PyTorch loop")
