@@ -78,7 +78,7 @@ def _pretrain(args: argparse.Namespace) -> int:
 
     if args.family != "all" and args.family not in zoo.FAMILIES:
         raise choice_error("family", args.family, [*zoo.FAMILIES, "all"])
-    for name, folder in zoo.build_all(None if args.family == "all" else [args.family], args.jobs).items():
+    for name, folder in zoo.build_all(None if args.family == "all" else [args.family], args.jobs):
         manifest = zoo.read_manifest(folder)
         before, after = manifest["metrics"]["before"], manifest["metrics"]["after"]
         changes = ", ".join(f"{metric} {before[metric]:.3f} -> {after[metric]:.3f}" for metric in after)
@@ -135,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
     bench.set_defaults(handler=_bench)
 
-    pretrain = commands.add_parser("pretrain", help="build the tiny pretrained model of a family (cached in $RAYFED_CACHE)")
-    pretrain.add_argument("family", help="a model family (clip, open_clip, vit, ..., see docs/offline_models.md) or 'all'")
+    pretrain = commands.add_parser("pretrain", help="build a family's tiny pretrained model, cached in $RAYFED_CACHE")
+    pretrain.add_argument("family", help="a model family (docs/offline_models.md lists them) or 'all'")
     pretrain.add_argument("--jobs", type=int, default=1, help="families built at once, one process and core each")
     pretrain.set_defaults(handler=_pretrain)
 

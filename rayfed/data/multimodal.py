@@ -1,0 +1,565 @@
+"""Deterministic synthetic multi-modal, multi-task data: shape images, captions, VQA, topic texts and
+text generation, as ``datasets.Dataset`` objects.
+
+Every generator returns the same columns (:func:`features`), so datasets of different tasks can be
+concatenated into one multi-task client: ``image`` (uint8 ``(S, S, 3)``, ``None`` for text-only
+tasks), ``text`` (caption, question or input text), ``target`` (answer or output text), ``label``
+(class id within the task, -1 if none), ``class_name``, ``task``, ``modality`` (``image``,
+``text`` or ``image+text``), ``domain`` (render style for images; topic or subject for texts) and
+the object attributes ``shape``, ``color``, ``texture``, ``count``.
+
+Pretraining and federated fine-tuning draw from different distributions (:data:`PRETRAIN`,
+:data:`FINETUNE`): images of pretraining use the styles "plain" and "gradient" and only the 48
+:data:`SEEN_CLASSES`; fine-tuning images use the held-out styles "textured", "noisy" and "sketch" and
+all 64 classes, 16 of which (:data:`NOVEL_CLASSES`) no pretrained model has seen. Text models pretrain
+on plain statements (the ``statements`` task); the fine-tuning text tasks (topic labels, descriptions,
+multiple-choice answers) and their output formats never occur in pretraining.
+
+Same arguments and seed give the same dataset, bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import numpy as np
+
+from rayfed.errors import ConfigError, choice_error
+
+VERSION = 1  # bump when the same arguments generate different samples (pretrained models then rebuild)
+
+SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond", "star", "bar")
+_COLOR_RGB = {
+    "red": (225, 35, 35),
+    "green": (40, 170, 40),
+    "blue": (40, 70, 230),
+    "yellow": (240, 220, 30),
+    "purple": (150, 40, 190),
+    "cyan": (30, 210, 220),
+    "orange": (250, 135, 0),
+    "pink": (250, 130, 190),
+}
+COLORS = tuple(_COLOR_RGB)
+TEXTURES = ("solid", "striped", "checkered")
+PRETRAIN_STYLES = ("plain", "gradient")
+FINETUNE_STYLES = ("textured", "noisy", "sketch")
+STYLES = PRETRAIN_STYLES + FINETUNE_STYLES
+NUMBERS = ("one", "two", "three", "four", "five", "six", "seven", "eight")
+MAX_OBJECTS = 4  # VQA scenes hold 1..4 objects on a 2x2 grid
+
+CLASSES = tuple(f"{color} {shape}" for shape in SHAPES for color in COLORS)  # id = shape * 8 + color
+# Held out of every pretraining set: two colours per shape and two shapes per colour, so each word is
+# still seen in pretraining and only the combination is new.
+NOVEL_CLASSES = tuple(
+    f"{color} {shape}" for s, shape in enumerate(SHAPES) for c, color in enumerate(COLORS) if (c - s) % 8 in (0, 3)
+)
+SEEN_CLASSES = tuple(name for name in CLASSES if name not in NOVEL_CLASSES)
+
+TOPICS = {  # 8 nouns, then 4 verbs
+    "sports": ("team", "match", "coach", "goal", "season", "player", "league", "stadium",
+               "won", "scored", "trained", "defeated"),
+    "science": ("researchers", "study", "cells", "planet", "energy", "experiment", "telescope", "genes",
+                "discovered", "measured", "observed", "tested"),
+    "business": ("company", "market", "shares", "profit", "bank", "investors", "prices", "sales",
+                 "rose", "reported", "bought", "sold"),
+    "world": ("leaders", "government", "election", "border", "minister", "treaty", "capital", "protest",
+              "agreed", "announced", "visited", "signed"),
+}  # fmt: skip
+_TOPIC_NOUNS = 8
+_FILLER_OPENERS = ("the", "a new", "this week the", "on monday the", "after a long day the")
+_FILLER_MIDDLE = ("with the", "near the", "and the", "over the", "against the")
+_FILLER_ENDINGS = ("today", "again", "last night", "this year", "on friday", "after all")
+
+# (question, answer, statement) facts of the multiple-choice subjects; statements go to pretraining.
+_COLOR_FACTS = (("tomato", "red"), ("leaf", "green"), ("sky", "blue"), ("lemon", "yellow"),
+                ("plum", "purple"), ("ice", "cyan"), ("carrot", "orange"), ("flamingo", "pink"))  # fmt: skip
+_SHAPE_FACTS = (
+    ("has three corners", "triangle"), ("has four equal sides", "square"), ("is perfectly round", "circle"),
+    ("has a hole in the middle", "ring"), ("has five points", "star"), ("looks like a plus sign", "cross"),
+    ("is a square turned on its corner", "diamond"), ("is long and flat", "bar"),
+)  # fmt: skip
+SUBJECTS = ("colors", "shapes", "numbers")
+_LETTERS = ("A", "B", "C", "D")
+
+_CAPTION_TEMPLATES = (
+    "a photo of a {color} {shape}.",
+    "a {texture} {color} {shape}.",
+    "a {color} {shape} on a {style} background.",
+    "there is a {color} {shape} in the picture.",
+)
+CLASS_PROMPT = "a photo of a {}."
+_VQA_QUESTIONS = {
+    "color": "what color is the object?",
+    "shape": "what shape is the object?",
+    "count": "how many objects are there?",
+}
+QUESTION_TYPES = tuple(_VQA_QUESTIONS)
+VQA_ANSWERS = COLORS + SHAPES + NUMBERS[:MAX_OBJECTS]
+_FORMATS = (
+    "Answer: {answer}",
+    "Concepts: {concepts}",
+    "Description: {description}",
+    "Question: {question} Options: {options}",
+    "Correct answer on {subject}: {letter}. {answer}",
+    "what color is the {thing}?",
+    "which shape {property}?",
+    "what is {a} plus {b}?",
+    "the {thing} is {color}.",
+    "the {shape} {property}.",
+    "{a} plus {b} is {total}.",
+    "a {texture} {color} {shape}.",
+)
+
+TASKS = ("shapes", "vqa", "topics", "description", "multiple-choice", "statements")
+_MODALITY = {"shapes": "image+text", "vqa": "image+text", "topics": "text", "description": "text",
+             "multiple-choice": "text", "statements": "text"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Which classes and render styles images come from, and which tasks are drawn."""
+
+    classes: tuple[str, ...]
+    styles: tuple[str, ...]
+    tasks: tuple[str, ...]
+
+
+PRETRAIN = Distribution(SEEN_CLASSES, PRETRAIN_STYLES, ("shapes", "statements"))
+FINETUNE = Distribution(CLASSES, FINETUNE_STYLES, ("shapes", "vqa", "topics", "description", "multiple-choice"))
+
+
+def features(image_size: int = 32) -> datasets.Features:
+    """The columns every generator returns."""
+    string, integer = datasets.Value("string"), datasets.Value("int64")
+    return datasets.Features({
+        "image": datasets.Array3D((image_size, image_size, 3), "uint8"),
+        "text": string, "target": string, "label": integer, "class_name": string,
+        "task": string, "modality": string, "domain": string,
+        "shape": string, "color": string, "texture": string, "count": integer,
+    })  # fmt: skip
+
+
+def vocabulary() -> list[str]:
+    """Every word and punctuation mark the generators can emit, sorted (no special tokens)."""
+    texts: list[str] = [*_CAPTION_TEMPLATES, *_VQA_QUESTIONS.values(), *_FORMATS, CLASS_PROMPT]
+    texts += [*SHAPES, *COLORS, *TEXTURES, *STYLES, *NUMBERS, *SUBJECTS, *_LETTERS]
+    texts += [*_FILLER_OPENERS, *_FILLER_MIDDLE, *_FILLER_ENDINGS]
+    texts += [word for words in TOPICS.values() for word in words] + list(TOPICS)
+    texts += [thing for thing, _ in _COLOR_FACTS] + [prop for prop, _ in _SHAPE_FACTS]
+    words = {token for text in texts for token in _split_words(re.sub(r"\{\w+\}", " ", text))}
+    return sorted(words)
+
+
+def _split_words(text: str) -> list[str]:
+    """The same split as the tokenizers' ``Whitespace`` pre-tokenizer."""
+    return re.findall(r"\w+|[^\w\s]+", text)
+
+
+def class_prompts(classes: Sequence[str] = CLASSES, template: str = CLASS_PROMPT) -> list[str]:
+    """Zero-shot prompts, one per class name: ``"a photo of a red circle."``."""
+    return [template.format(name) for name in classes]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def _rng(seed: int, purpose: str) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(purpose.encode())]))
+
+
+_SHAPE_MASKS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    # dx, dy: pixel offsets from the object's centre, in object radii (y grows downwards)
+    "circle": lambda dx, dy: dx**2 + dy**2 <= 1.0,
+    "square": lambda dx, dy: np.maximum(np.abs(dx), np.abs(dy)) <= 0.8,
+    "triangle": lambda dx, dy: (dy >= -0.85) & (dy <= 0.75) & (np.abs(dx) <= (dy + 0.85) * 0.6),
+    "cross": lambda dx, dy: (np.minimum(np.abs(dx), np.abs(dy)) <= 0.3) & (np.maximum(np.abs(dx), np.abs(dy)) <= 1.0),
+    "ring": lambda dx, dy: (dx**2 + dy**2 <= 1.0) & (dx**2 + dy**2 >= 0.3),
+    "diamond": lambda dx, dy: np.abs(dx) + np.abs(dy) <= 1.0,
+    "star": lambda dx, dy: np.hypot(dx, dy) <= 0.4 + 0.6 * ((1 + np.sin(5 * np.arctan2(dy, dx))) / 2) ** 2,
+    "bar": lambda dx, dy: (np.abs(dy) <= 0.35) & (np.abs(dx) <= 1.0),
+}
+
+
+def render(
+    shape_ids: np.ndarray,
+    color_ids: np.ndarray,
+    texture_ids: np.ndarray,
+    style_ids: np.ndarray,
+    counts: np.ndarray,
+    rng: np.random.Generator,
+    image_size: int = 32,
+) -> np.ndarray:
+    """uint8 images (N, S, S, 3): ``counts[i]`` identical objects on a background of style ``style_ids[i]``.
+
+    A single object is placed anywhere; several objects take distinct cells of a 2x2 grid.
+    """
+    n, size = len(shape_ids), image_size
+    # Every random draw happens here, in a fixed order, so images depend on the seed only.
+    gray = rng.uniform(0.7, 0.95, n).astype(np.float32)
+    direction = rng.uniform(0, 2 * np.pi, n)
+    blotches = rng.uniform(0.25, 0.85, (n, 4, 4, 3)).astype(np.float32)
+    dark = rng.uniform(0.0, 0.15, n).astype(np.float32)
+    color_noise = rng.normal(0.0, 1.0, (n, 3))
+    period = rng.integers(3, 5, n)
+    cell_order = np.argsort(rng.random((n, MAX_OBJECTS)), axis=1)  # which grid cells the objects take
+    radius = np.where(counts == 1, rng.uniform(0.22, 0.34, n), rng.uniform(0.13, 0.19, n))
+    single_centre = 0.5 + rng.uniform(-0.8, 0.8, (2, n)) * (0.5 - radius)
+    cell_jitter = rng.uniform(-0.05, 0.05, (MAX_OBJECTS, 2, n))
+    pixel_noise = rng.standard_normal((n, size, size, 3), dtype=np.float32)
+
+    styles = np.asarray(STYLES)[style_ids]
+    coords = (np.arange(size, dtype=np.float32) + 0.5) / size
+    yy, xx = np.meshgrid(coords, coords, indexing="ij")
+    images = np.broadcast_to(gray[:, None, None, None], (n, size, size, 3)).copy()
+    for i in np.flatnonzero(styles == "gradient"):
+        ramp = np.cos(direction[i]) * (xx - 0.5) + np.sin(direction[i]) * (yy - 0.5)
+        images[i] += 0.5 * ramp[..., None]
+    textured = styles == "textured"
+    cell = -(-size // 4)
+    images[textured] = blotches[textured].repeat(cell, 1).repeat(cell, 2)[:, :size, :size]
+    sketch = styles == "sketch"
+    images[sketch] = dark[sketch, None, None, None]
+
+    jitter = np.where(styles == "noisy", 0.12, 0.04)[:, None]
+    palette = np.asarray([_COLOR_RGB[c] for c in COLORS]) / 255.0
+    paint = np.clip(palette[color_ids] + color_noise * jitter, 0, 1).astype(np.float32)[:, None, None, :]
+    pixel_y, pixel_x = np.meshgrid(np.arange(size), np.arange(size), indexing="ij")
+    stripes = ((pixel_x + pixel_y)[None] // period[:, None, None]) % 2 == 1
+    checks = ((pixel_x[None] // period[:, None, None]) + (pixel_y[None] // period[:, None, None])) % 2 == 1
+    texture = texture_ids[:, None, None]
+    dimmed = np.where(texture == 1, stripes, np.where(texture == 2, checks, False))
+    dimmed &= ~sketch[:, None, None]  # sketches have no fill
+
+    for slot in range(MAX_OBJECTS):
+        for shape_id, shape in enumerate(SHAPES):
+            idx = np.flatnonzero((counts > slot) & (shape_ids == shape_id))
+            if not len(idx):
+                continue
+            slot_cell = cell_order[idx, slot]
+            grid_x = 0.25 + 0.5 * (slot_cell % 2) + cell_jitter[slot, 0, idx]
+            grid_y = 0.25 + 0.5 * (slot_cell // 2) + cell_jitter[slot, 1, idx]
+            cx = np.where(counts[idx] == 1, single_centre[0, idx], grid_x).astype(np.float32)
+            cy = np.where(counts[idx] == 1, single_centre[1, idx], grid_y).astype(np.float32)
+            r = radius[idx, None, None].astype(np.float32)
+            mask = _SHAPE_MASKS[shape]((xx - cx[:, None, None]) / r, (yy - cy[:, None, None]) / r)
+            inner = mask & np.roll(mask, 1, 1) & np.roll(mask, -1, 1) & np.roll(mask, 1, 2) & np.roll(mask, -1, 2)
+            mask &= ~(inner & sketch[idx, None, None])  # sketches keep only the outline
+            colour = paint[idx] * np.where(dimmed[idx], 0.45, 1.0)[..., None]
+            images[idx] = np.where(mask[..., None], colour, images[idx])
+
+    noise = np.where(styles == "noisy", 0.15, 0.02).astype(np.float32)[:, None, None, None]
+    images += pixel_noise * noise
+    return np.round(np.clip(images, 0, 1) * 255).astype(np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generators: column dicts (numpy images) and datasets.Dataset wrappers
+
+
+def _class_ids(classes: Sequence[str]) -> np.ndarray:
+    unknown = [name for name in classes if name not in CLASSES]
+    if unknown:
+        raise choice_error("classes", unknown[0], CLASSES)
+    if not classes:
+        raise ConfigError("classes = () is empty; give at least one 'color shape' class name.")
+    return np.asarray([CLASSES.index(name) for name in classes])
+
+
+def _style_ids(styles: Sequence[str]) -> np.ndarray:
+    unknown = [name for name in styles if name not in STYLES]
+    if unknown:
+        raise choice_error("styles", unknown[0], STYLES)
+    if not styles:
+        raise ConfigError(f"styles = () is empty; give at least one of {', '.join(STYLES)}.")
+    return np.asarray([STYLES.index(name) for name in styles])
+
+
+def _columns(n: int, task: str, **values: Any) -> dict[str, Any]:
+    """Fill the columns a task does not set with their empty values."""
+    columns: dict[str, Any] = {
+        "image": [None] * n, "text": [""] * n, "target": [""] * n, "label": np.full(n, -1, np.int64),
+        "class_name": [""] * n, "task": [task] * n, "modality": [_MODALITY[task]] * n, "domain": [""] * n,
+        "shape": [""] * n, "color": [""] * n, "texture": [""] * n, "count": np.zeros(n, np.int64),
+    }  # fmt: skip
+    columns.update(values)
+    return columns
+
+
+def _objects(n: int, rng: np.random.Generator, distribution: Distribution) -> dict[str, np.ndarray]:
+    """Class, shape, colour, texture and style ids of ``n`` images drawn from ``distribution``."""
+    class_ids = _class_ids(distribution.classes)[rng.integers(0, len(distribution.classes), n)]
+    style_ids = _style_ids(distribution.styles)[rng.integers(0, len(distribution.styles), n)]
+    return {
+        "class": class_ids, "shape": class_ids // len(COLORS), "color": class_ids % len(COLORS),
+        "texture": rng.integers(0, len(TEXTURES), n), "style": style_ids,
+    }  # fmt: skip
+
+
+def _captions(objects: dict[str, np.ndarray], rng: np.random.Generator) -> list[str]:
+    templates = rng.integers(0, len(_CAPTION_TEMPLATES), len(objects["class"]))
+    return [
+        _CAPTION_TEMPLATES[t].format(color=COLORS[c], shape=SHAPES[s], texture=TEXTURES[x], style=STYLES[y])
+        for t, c, s, x, y in zip(templates, objects["color"], objects["shape"], objects["texture"], objects["style"])
+    ]
+
+
+def _object_columns(objects: dict[str, np.ndarray], counts: np.ndarray, images: np.ndarray) -> dict[str, Any]:
+    return {
+        "image": images,
+        "domain": [STYLES[i] for i in objects["style"]],
+        "shape": [SHAPES[i] for i in objects["shape"]],
+        "color": [COLORS[i] for i in objects["color"]],
+        "texture": [TEXTURES[i] for i in objects["texture"]],
+        "count": counts.astype(np.int64),
+    }
+
+
+def shape_columns(n: int, *, seed: int, distribution: Distribution = FINETUNE, image_size: int = 32) -> dict[str, Any]:
+    """Columns of :func:`shapes` (images as one uint8 array), for code that trains on arrays directly."""
+    rng = _rng(seed, "shapes")
+    objects = _objects(n, rng, distribution)
+    counts = np.ones(n, np.int64)
+    images = render(objects["shape"], objects["color"], objects["texture"], objects["style"], counts, rng, image_size)
+    return _columns(
+        n, "shapes", **_object_columns(objects, counts, images), text=_captions(objects, rng),
+        label=objects["class"].astype(np.int64), class_name=[CLASSES[k] for k in objects["class"]],
+    )  # fmt: skip
+
+
+def vqa_columns(
+    n: int,
+    *,
+    seed: int,
+    distribution: Distribution = FINETUNE,
+    question_types: Sequence[str] = QUESTION_TYPES,
+    image_size: int = 32,
+) -> dict[str, Any]:
+    """Columns of :func:`vqa`."""
+    unknown = [q for q in question_types if q not in QUESTION_TYPES]
+    if unknown or not question_types:
+        raise choice_error("question_types", unknown[0] if unknown else "", QUESTION_TYPES)
+    rng = _rng(seed, "vqa")
+    objects = _objects(n, rng, distribution)
+    counts = rng.integers(1, MAX_OBJECTS + 1, n)
+    images = render(objects["shape"], objects["color"], objects["texture"], objects["style"], counts, rng, image_size)
+    kinds = np.asarray(question_types)[rng.integers(0, len(question_types), n)]
+    answers = [
+        COLORS[c] if kind == "color" else SHAPES[s] if kind == "shape" else NUMBERS[k - 1]
+        for kind, c, s, k in zip(kinds, objects["color"], objects["shape"], counts)
+    ]
+    return _columns(
+        n, "vqa", **_object_columns(objects, counts, images), text=[_VQA_QUESTIONS[k] for k in kinds],
+        target=[f"Answer: {a}" for a in answers], class_name=answers,
+        label=np.asarray([VQA_ANSWERS.index(a) for a in answers], np.int64),
+    )  # fmt: skip
+
+
+def _topic_sentences(n: int, rng: np.random.Generator, topic_ids: np.ndarray) -> list[str]:
+    sentences = []
+    for topic in topic_ids:
+        words = TOPICS[list(TOPICS)[topic]]
+        nouns, verbs = words[:_TOPIC_NOUNS], words[_TOPIC_NOUNS:]
+        parts = (_FILLER_OPENERS, nouns, verbs, _FILLER_MIDDLE, nouns, _FILLER_ENDINGS)
+        sentences.append(" ".join(part[rng.integers(len(part))] for part in parts) + ".")
+    return sentences
+
+
+def topic_columns(n: int, *, seed: int, label_noise: float = 0.0) -> dict[str, Any]:
+    """Columns of :func:`topics`."""
+    if not 0.0 <= label_noise < 1.0:
+        raise ConfigError(f"label_noise = {label_noise} is invalid: it must be in [0, 1).")
+    rng = _rng(seed, "topics")
+    topic_ids = rng.integers(0, len(TOPICS), n)
+    texts = _topic_sentences(n, rng, topic_ids)
+    flip = rng.random(n) < label_noise
+    labels = np.where(flip, (topic_ids + rng.integers(1, len(TOPICS), n)) % len(TOPICS), topic_ids)
+    names = [list(TOPICS)[k] for k in labels]
+    return _columns(n, "topics", text=texts, label=labels.astype(np.int64), class_name=names, domain=["news"] * n)
+
+
+def description_columns(n: int, *, seed: int, distribution: Distribution = FINETUNE) -> dict[str, Any]:
+    """Columns of :func:`description`."""
+    rng = _rng(seed, "description")
+    objects = _objects(n, rng, distribution)
+    texts, targets = [], []
+    for c, s, x in zip(objects["color"], objects["shape"], objects["texture"]):
+        concepts = [COLORS[c], SHAPES[s], TEXTURES[x]]
+        texts.append("Concepts: " + " ".join(concepts[i] for i in rng.permutation(3)))
+        targets.append(f"Description: a {TEXTURES[x]} {COLORS[c]} {SHAPES[s]}.")
+    return _columns(
+        n, "description", text=texts, target=targets, class_name=[CLASSES[k] for k in objects["class"]],
+        domain=["concepts"] * n, shape=[SHAPES[s] for s in objects["shape"]],
+        color=[COLORS[c] for c in objects["color"]], texture=[TEXTURES[x] for x in objects["texture"]],
+    )  # fmt: skip
+
+
+def _facts(subject: str) -> list[tuple[str, str, str]]:
+    """(question, answer, statement) triples of one multiple-choice subject."""
+    if subject == "colors":
+        return [(f"what color is the {t}?", c, f"the {t} is {c}.") for t, c in _COLOR_FACTS]
+    if subject == "shapes":
+        return [(f"which shape {p}?", s, f"the {s} {p}.") for p, s in _SHAPE_FACTS]
+    sums = [(NUMBERS[a], NUMBERS[b], NUMBERS[a + b + 1]) for a in range(4) for b in range(4)]
+    return [(f"what is {a} plus {b}?", total, f"{a} plus {b} is {total}.") for a, b, total in sums]
+
+
+def multiple_choice_columns(n: int, *, seed: int, subjects: Sequence[str] = SUBJECTS) -> dict[str, Any]:
+    """Columns of :func:`multiple_choice`."""
+    unknown = [s for s in subjects if s not in SUBJECTS]
+    if unknown or not subjects:
+        raise choice_error("subjects", unknown[0] if unknown else "", SUBJECTS)
+    rng = _rng(seed, "multiple-choice")
+    texts, targets, labels, answers, domains = [], [], [], [], []
+    for subject in np.asarray(subjects)[rng.integers(0, len(subjects), n)]:
+        facts = _facts(str(subject))
+        question, answer, _ = facts[rng.integers(len(facts))]
+        distractors = sorted({a for _, a, _ in facts} - {answer})
+        options = [distractors[i] for i in rng.permutation(len(distractors))[:3]]
+        correct = int(rng.integers(4))
+        options.insert(correct, answer)
+        listing = " ".join(f"{letter}. {option}" for letter, option in zip(_LETTERS, options))
+        texts.append(f"Question: {question} Options: {listing}")
+        targets.append(f"Correct answer on {subject}: {_LETTERS[correct]}. {answer}")
+        labels.append(correct)
+        answers.append(answer)
+        domains.append(str(subject))
+    return _columns(
+        n, "multiple-choice", text=texts, target=targets, label=np.asarray(labels, np.int64),
+        class_name=answers, domain=domains,
+    )  # fmt: skip
+
+
+def statement_columns(n: int, *, seed: int, distribution: Distribution = PRETRAIN) -> dict[str, Any]:
+    """Columns of :func:`statements`: a text-only corpus of captions, facts and news sentences."""
+    rng = _rng(seed, "statements")
+    facts = [statement for subject in SUBJECTS for _, _, statement in _facts(subject)]
+    kinds = rng.integers(0, 3, n)  # 0: caption of an image class, 1: fact, 2: news sentence
+    captions = _captions(_objects(n, rng, distribution), rng)
+    news = _topic_sentences(n, rng, rng.integers(0, len(TOPICS), n))
+    fact_ids = rng.integers(0, len(facts), n)
+    texts = [captions[i] if kind == 0 else facts[fact_ids[i]] if kind == 1 else news[i] for i, kind in enumerate(kinds)]
+    domains = [("captions", "facts", "news")[kind] for kind in kinds]
+    return _columns(n, "statements", text=texts, domain=domains)
+
+
+_COLUMN_MAKERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "shapes": shape_columns,
+    "vqa": vqa_columns,
+    "topics": topic_columns,
+    "description": description_columns,
+    "multiple-choice": multiple_choice_columns,
+    "statements": statement_columns,
+}
+
+
+def generate(task: str, n: int, *, seed: int, image_size: int = 32, **options: Any) -> datasets.Dataset:
+    """``n`` samples of ``task`` (one of :data:`TASKS`) as a ``datasets.Dataset`` with :func:`features`.
+
+    ``options`` go to the task's column maker (e.g. ``distribution=PRETRAIN``, ``label_noise=0.1``).
+    """
+    if task not in _COLUMN_MAKERS:
+        raise choice_error("task", task, TASKS)
+    if n < 1:
+        raise ConfigError(f"n = {n} is invalid: a dataset needs at least one sample.")
+    if task in ("shapes", "vqa"):
+        options["image_size"] = image_size
+    columns = _COLUMN_MAKERS[task](n, seed=seed, **options)
+    return datasets.Dataset.from_dict(columns, features=features(image_size))
+
+
+def shapes(n: int, *, seed: int, distribution: Distribution = FINETUNE, image_size: int = 32) -> datasets.Dataset:
+    """Images of one object, its class (``"red circle"``, id in :data:`CLASSES`) and a caption."""
+    return generate("shapes", n, seed=seed, distribution=distribution, image_size=image_size)
+
+
+def vqa(
+    n: int,
+    *,
+    seed: int,
+    distribution: Distribution = FINETUNE,
+    question_types: Sequence[str] = QUESTION_TYPES,
+    image_size: int = 32,
+) -> datasets.Dataset:
+    """(image of 1-4 identical objects, question, ``"Answer: red"``); label = id in :data:`VQA_ANSWERS`."""
+    return generate(
+        "vqa", n, seed=seed, distribution=distribution, question_types=question_types, image_size=image_size
+    )
+
+
+def topics(n: int, *, seed: int, label_noise: float = 0.0) -> datasets.Dataset:
+    """News-like sentences labelled with one of :data:`TOPICS` (an AG News stand-in)."""
+    return generate("topics", n, seed=seed, label_noise=label_noise)
+
+
+def description(n: int, *, seed: int, distribution: Distribution = FINETUNE) -> datasets.Dataset:
+    """``"Concepts: circle red striped"`` -> ``"Description: a striped red circle."`` (a CommonGen stand-in)."""
+    return generate("description", n, seed=seed, distribution=distribution)
+
+
+def multiple_choice(n: int, *, seed: int, subjects: Sequence[str] = SUBJECTS) -> datasets.Dataset:
+    """Question with options A-D -> ``"Correct answer on colors: C. red"`` (an MMLU stand-in)."""
+    return generate("multiple-choice", n, seed=seed, subjects=subjects)
+
+
+def statements(n: int, *, seed: int, distribution: Distribution = PRETRAIN) -> datasets.Dataset:
+    """The text pretraining corpus: captions of ``distribution``'s classes, facts and news sentences."""
+    return generate("statements", n, seed=seed, distribution=distribution)
+
+
+def multitask(
+    counts: Mapping[str, int], *, seed: int, distribution: Distribution = FINETUNE, image_size: int = 32
+) -> datasets.Dataset:
+    """One dataset holding ``counts[task]`` samples of each task (in the given order), e.g. for a
+    multi-task client; image tasks and ``description`` draw from ``distribution``."""
+    parts = []
+    for task, n in counts.items():
+        options: dict[str, Any] = {}
+        if task in ("shapes", "vqa", "description", "statements"):
+            options["distribution"] = distribution
+        parts.append(generate(task, n, seed=seed, image_size=image_size, **options))
+    if not parts:
+        raise ConfigError("counts = {} names no task; give at least one of " + ", ".join(TASKS) + ".")
+    return datasets.concatenate_datasets(parts)
+
+
+def task_mix(round_idx: int, tasks: Sequence[str], rounds_per_task: int, blend_rounds: int = 0) -> dict[str, float]:
+    """The share of each task in round ``round_idx`` of a task stream (FedMosaic's PFL-Dynamic).
+
+    Task k is active during rounds ``[k * rounds_per_task, (k + 1) * rounds_per_task)``; over the last
+    ``blend_rounds`` rounds of that window the mix moves linearly towards task k + 1. After the last
+    window the last task stays.
+    """
+    if not tasks:
+        raise ConfigError("tasks = () is empty; a task stream needs at least one task.")
+    if rounds_per_task < 1 or not 0 <= blend_rounds <= rounds_per_task:
+        raise ConfigError(
+            f"rounds_per_task = {rounds_per_task}, blend_rounds = {blend_rounds} are invalid: "
+            "need rounds_per_task >= 1 and 0 <= blend_rounds <= rounds_per_task."
+        )
+    if round_idx < 0:
+        raise ConfigError(f"round_idx = {round_idx} is invalid: rounds count from 0.")
+    current = min(round_idx // rounds_per_task, len(tasks) - 1)
+    into_window = round_idx - current * rounds_per_task
+    blend_start = rounds_per_task - blend_rounds
+    mix = {task: 0.0 for task in tasks}
+    if current + 1 < len(tasks) and blend_rounds and into_window >= blend_start:
+        share_next = (into_window - blend_start + 1) / (blend_rounds + 1)
+        mix[tasks[current + 1]] += share_next
+        mix[tasks[current]] += 1.0 - share_next
+    else:
+        mix[tasks[current]] += 1.0
+    return mix
+
+
+def image_array(dataset: datasets.Dataset) -> np.ndarray:
+    """The ``image`` column as uint8 ``(N, S, S, 3)``; every row must have an image."""
+    modalities = set(dataset["modality"])
+    if "text" in modalities:
+        raise ConfigError("dataset has text-only rows (modality 'text'); select the image rows before image_array.")
+    return np.asarray(dataset.with_format("numpy")[:]["image"], dtype=np.uint8)

@@ -1,0 +1,167 @@
+"""Build each pretrained tiny model once and keep it in the cache folder.
+
+Layout: ``$RAYFED_CACHE/pretrained/<family>-<recipe hash>/`` holds the model in its family's own format
+and ``manifest.json``. A build writes into a temporary folder renamed into place when complete, under a
+file lock, so parallel processes (Ray actors) build a model once and never see half a model.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import filelock
+
+from rayfed.data import multimodal
+from rayfed.errors import ConfigError, choice_error, suggest
+from rayfed.zoo.families import FAMILIES
+from rayfed.zoo.registry import Family
+from rayfed.zoo.training import deterministic_cpu
+
+MANIFEST = "manifest.json"
+log = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    """``$RAYFED_CACHE``, else ``~/.cache/rayfed``."""
+    return Path(os.environ.get("RAYFED_CACHE") or Path.home() / ".cache" / "rayfed").expanduser()
+
+
+def family(name: str) -> Family:
+    """The registered family ``name``; a clear error with a close match if there is none."""
+    if name not in FAMILIES:
+        raise choice_error("family", name, FAMILIES)
+    return FAMILIES[name]
+
+
+def recipe(name: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The family's recipe with ``overrides`` merged in (nested keys must exist in the recipe)."""
+    merged = copy.deepcopy(dict(family(name).recipe))
+    _merge(merged, overrides or {}, f"{name} recipe")
+    return merged
+
+
+def _merge(into: dict[str, Any], overrides: Mapping[str, Any], where: str) -> None:
+    for key, value in overrides.items():
+        if key not in into:
+            raise ConfigError(f"{where} has no key {key!r}{suggest(key, into)}; its keys are: {', '.join(into)}.")
+        if isinstance(into[key], dict):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{where}.{key} = {value!r} must be a mapping of {', '.join(into[key])}.")
+            _merge(into[key], value, f"{where}.{key}")
+        else:
+            into[key] = value
+
+
+def recipe_hash(name: str, overrides: Mapping[str, Any] | None = None) -> str:
+    """12 hex digits of SHA-256 over the family, its recipe, the data generators' version and the hashes
+    of the families it starts from."""
+    spec = {
+        "family": name,
+        "recipe": recipe(name, overrides),
+        "data_version": multimodal.VERSION,
+        "requires": {dep: recipe_hash(dep) for dep in family(name).requires},
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def pretrained(name: str, overrides: Mapping[str, Any] | None = None) -> Path:
+    """The folder of the pretrained tiny model of family ``name``, built on first use.
+
+    ``overrides`` change the recipe (e.g. ``{"model": {"num_hidden_layers": 12}}``) and give a separate
+    cache entry; the families this one starts from keep their default recipes.
+    """
+    digest = recipe_hash(name, overrides)
+    folder = cache_root() / "pretrained" / f"{name}-{digest}"
+    if not folder.is_dir():
+        dependencies = {dep: pretrained(dep) for dep in family(name).requires}
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with filelock.FileLock(folder.with_name(f"{folder.name}.lock")):
+            if not folder.is_dir():  # another process may have built it while we waited
+                _build(name, recipe(name, overrides), digest, folder, dependencies)
+    read_manifest(folder)
+    return folder
+
+
+def build_all(names: Sequence[str] | None = None, processes: int = 1) -> Iterator[tuple[str, Path]]:
+    """(family, folder) of :func:`pretrained` for each family in ``names`` (default: all), as each is ready.
+
+    Each build runs on one thread, so ``processes`` worker processes build that many families at once on
+    as many cores; the file locks make a worker that needs a family another one is building wait for it.
+    """
+    names = list(FAMILIES if names is None else names)
+    for name in names:
+        family(name)
+    if processes <= 1:
+        yield from ((name, pretrained(name)) for name in names)
+        return
+    # Families that start from others go last, so that workers rarely wait on each other's locks.
+    ordered = sorted(names, key=lambda name: bool(family(name).requires))
+    with multiprocessing.get_context("spawn").Pool(min(processes, len(names))) as pool:
+        yield from zip(ordered, pool.imap(pretrained, ordered, chunksize=1))
+
+
+def _build(name: str, full_recipe: dict[str, Any], digest: str, folder: Path, dependencies: Mapping[str, Path]) -> None:
+    spec = family(name)
+    scratch = folder.with_name(f".{folder.name}.building")  # only the lock's holder writes here
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    log.info("building tiny-pretrained:%s in %s", name, folder)
+    wall, cpu = time.perf_counter(), time.process_time()
+    with deterministic_cpu(full_recipe["seed"]):
+        report = spec.build(scratch, full_recipe, dependencies)
+    manifest = {
+        "family": name,
+        "stands_in_for": spec.stands_in_for,
+        "objective": spec.objective,
+        "recipe_hash": digest,
+        "recipe": full_recipe,
+        "seed": full_recipe["seed"],
+        "requires": {dep: path.name for dep, path in dependencies.items()},
+        "params": report.params,
+        "metrics": {"before": report.before, "after": report.after},
+        "build_seconds": round(time.perf_counter() - wall, 2),
+        "build_cpu_seconds": round(time.process_time() - cpu, 2),
+        "versions": _versions(),
+    }
+    (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(scratch, folder)
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {package: version(package) for package in ("rayfed", "torch", "transformers", "open_clip_torch")}
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a built model folder; a clear error if it is missing or not valid JSON."""
+    path = Path(folder) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"pretrained model cache file {path} is unreadable ({type(err).__name__}: {err}); "
+            f"delete {path.parent} to rebuild it."
+        ) from None
+    if not isinstance(manifest, dict) or "metrics" not in manifest:
+        raise ConfigError(
+            f"pretrained model cache file {path} is not a rayfed manifest; delete {path.parent} to rebuild it."
+        )
+    return manifest
+
+
+def evaluate(name: str, folder: Path) -> dict[str, float]:
+    """The family's held-out metrics of the model saved in ``folder``, loaded through its real loader."""
+    full_recipe = read_manifest(folder)["recipe"]
+    with deterministic_cpu(full_recipe["seed"]):
+        return family(name).evaluate(Path(folder), full_recipe)

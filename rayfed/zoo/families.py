@@ -1,0 +1,55 @@
+"""The registry of pretrainable tiny model families (``tiny-pretrained:<family>``)."""
+
+from __future__ import annotations
+
+from rayfed.zoo import causal_lm, clip, flava, llava, openclip, vilt, vit
+from rayfed.zoo.registry import Family
+
+_CAUSAL_LM = {
+    "llama-small": "Llama-3 style LLM, shallow and narrow (FedMosaic's small clients)",
+    "llama-large": "Llama-3 style LLM, deep and wide (FedMosaic's large clients)",
+    "qwen": "Qwen2.5 style LLM (qkv bias; another width and depth)",
+}
+
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        Family(
+            "clip", "HF CLIPModel (openai/clip-vit-base-patch16)", "symmetric image-text contrastive loss",
+            clip.RECIPE, clip.build, clip.evaluate, clip.load,
+        ),
+        Family(
+            "clip-vision", "HF CLIPVisionModel, the image tower of the tiny CLIP", "none (clip's vision tower)",
+            clip.VISION_RECIPE, clip.build_vision, clip.evaluate_vision, clip.load_vision, requires=("clip",),
+        ),
+        Family(
+            "open_clip", "open_clip CLIP ViT-B-16 (pretrained='openai'), pFedMMA's backbone",
+            "symmetric image-text contrastive loss (open_clip.ClipLoss)",
+            openclip.RECIPE, openclip.build, openclip.evaluate, openclip.load_folder,
+        ),
+        Family(
+            "vit", "HF ViT (google/vit-base-patch16-224), FedYolo's backbone", "supervised image classification",
+            vit.RECIPE, vit.build, vit.evaluate, vit.load,
+        ),
+        Family(
+            "vilt", "HF ViLT (dandelin/vilt-b32-mlm), FedDAT's backbone",
+            "masked language modelling + image-text matching",
+            vilt.RECIPE, vilt.build, vilt.evaluate, vilt.load,
+        ),
+        Family(
+            "flava", "HF FLAVA (facebook/flava-full), a TAP backbone",
+            "image-text contrastive + multimodal masked language modelling + image-text matching",
+            flava.RECIPE, flava.build, flava.evaluate, flava.load,
+        ),
+        *(
+            Family(name, stands_in_for, "next-token prediction", causal_lm.RECIPES[name], causal_lm.build,
+                   causal_lm.evaluate, causal_lm.load)
+            for name, stands_in_for in _CAUSAL_LM.items()
+        ),
+        Family(
+            "llava", "HF LLaVA (llava-hf/llava-1.5-7b-hf), FedMosaic's and TAP's multi-modal LLM",
+            "image-conditioned next-token prediction (captions), vision tower frozen",
+            llava.RECIPE, llava.build, llava.evaluate, llava.load, requires=("clip-vision", "llama-small"),
+        ),
+    )
+}  # fmt: skip
