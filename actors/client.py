@@ -15,7 +15,7 @@ from rayfed.config import RunConfig, build_config, method_params
 from rayfed.data.clients import build_federation
 from rayfed.method import ClientState, Method, TensorDict, Upload, tensor_bytes
 from rayfed.methods import METHODS
-from rayfed.models import build_backbone, build_client_model
+from rayfed.models import build_backbone
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.training import ClientContext
 
@@ -29,7 +29,7 @@ class ClientActor:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.client_ids = list(client_ids)
         federation = build_federation(self.config.data, self.config.seed)
-        self.num_classes = federation.dataset.num_classes
+        self.tasks = federation.tasks
         self.backbone = build_backbone(self.config.model, torch_seed(self.config.seed, 0, SERVER, "backbone"))
         self.data = {cid: federation.client_data(cid, self.backbone) for cid in self.client_ids}
         self.method: Method | None = None
@@ -40,7 +40,7 @@ class ClientActor:
         entry = self.config.methods[method_index]
         self.method = METHODS[entry.name](method_params(entry, method_index))
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
-        self.model = build_client_model(self.backbone, self.config.model, self.num_classes, init_seed).to(self.device)
+        self.model = self.method.build_model(self.backbone, self.config.model, self.tasks, init_seed).to(self.device)
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
         self.states = {cid: self.method.init_client(initial) for cid in self.client_ids}
         shared, _ = self.method.split(initial)

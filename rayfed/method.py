@@ -17,8 +17,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
+    from rayfed.config import ModelConfig
+    from rayfed.models import Backbone
+    from rayfed.tasks import Task
     from rayfed.training import ClientContext
 
 TensorDict = dict[str, torch.Tensor]
@@ -68,14 +72,21 @@ def tensor_bytes(tree: Any) -> int:
 
 
 def weighted_mean(uploads: Sequence[Upload], slot: str) -> TensorDict:
-    """Sample-count weighted mean of one upload slot, summed in client-id order (order-independent)."""
+    """Sample-count weighted mean of one upload slot, summed in client-id order (order-independent).
+
+    Each tensor is averaged over the uploads that contain it, so a per-task head is averaged over
+    that task's clients only.
+    """
     ordered = sorted(uploads, key=lambda u: u.client_id)
-    total = sum(u.weight for u in ordered)
+    totals: dict[str, float] = {}
+    for upload in ordered:
+        for name in upload.tensors.get(slot, {}):
+            totals[name] = totals.get(name, 0.0) + upload.weight
     mean: TensorDict = {}
     for upload in ordered:
-        weight = upload.weight / total
-        for name, value in upload.tensors[slot].items():
-            mean[name] = mean[name] + weight * value if name in mean else weight * value
+        for name, value in upload.tensors.get(slot, {}).items():
+            weighted = (upload.weight / totals[name]) * value
+            mean[name] = mean[name] + weighted if name in mean else weighted
     return mean
 
 
@@ -91,6 +102,17 @@ class Method:
 
     def __init__(self, params: Any = None):
         self.params = params if params is not None else self.Params()
+
+    # The model -------------------------------------------------------------------------
+    def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
+        """The client model this method trains over a private copy of ``backbone``.
+
+        Default: the config's LoRA (if any) and one linear head over the first task's classes.
+        Initial values must depend on ``seed`` only, so every actor builds the same model.
+        """
+        from rayfed.models import build_client_model
+
+        return build_client_model(backbone, config, tasks[0].num_classes, seed)
 
     # Parameter roles -------------------------------------------------------------------
     def is_shared(self, name: str) -> bool:
@@ -138,7 +160,8 @@ class Method:
         with_shared = [u for u in uploads if u.tensors.get("shared")]
         if not with_shared:
             return server
-        return {**server, "global": weighted_mean(with_shared, "shared")}
+        # A tensor nobody uploaded this round keeps its value.
+        return {**server, "global": {**server["global"], **weighted_mean(with_shared, "shared")}}
 
     def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
         """What client ``client_id`` receives from the server (None = nothing)."""

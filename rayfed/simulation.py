@@ -25,11 +25,12 @@ import rayfed
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.checkpoint import load_checkpoint, save_checkpoint
-from rayfed.config import RunConfig, dump_config, load_config
+from rayfed.config import RunConfig, dump_config, load_config, method_params
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json, atomic_write_text
-from rayfed.models import build_backbone, build_client_model
+from rayfed.methods import METHODS
+from rayfed.models import build_backbone
 from rayfed.seeding import sample_clients
 from rayfed.system import plan_round
 
@@ -149,12 +150,14 @@ class Simulation:
         return self.run_dir / "checkpoints"
 
     def _check_model(self) -> None:
-        """Fail here, with one sentence, rather than inside an actor: build the model once."""
+        """Fail here, with one sentence, rather than inside an actor: build every method's model once."""
         backbone = build_backbone(self.config.model, 0)
-        model = build_client_model(backbone, self.config.model, self.federation.dataset.num_classes, 0)
         sample = self.federation.client_data(0, backbone).train_x[:1]
-        with torch.no_grad():
-            model(sample)
+        for index, entry in enumerate(self.config.methods):
+            method = METHODS[entry.name](method_params(entry, index))
+            model = method.build_model(backbone, self.config.model, self.federation.tasks, 0)
+            with torch.no_grad():
+                model(sample)
 
     def _actor_client_ids(self) -> list[list[int]]:
         per_actor = self.config.placement.clients_per_actor

@@ -86,6 +86,17 @@ def test_weighted_mean_is_sample_weighted_and_order_independent():
     assert torch.allclose(forward["w"], torch.tensor([0.75, 1.0]))
 
 
+def test_each_tensor_is_averaged_over_the_uploads_that_contain_it_and_the_rest_keep_their_value():
+    from rayfed.methods import METHODS
+
+    a = Upload(0, 10, {"shared": {"w": torch.tensor([1.0]), "head_a": torch.tensor([2.0])}}, 0.0)
+    b = Upload(1, 30, {"shared": {"w": torch.tensor([5.0]), "head_b": torch.tensor([8.0])}}, 0.0)
+    mean = weighted_mean([a, b], "shared")
+    assert mean == {"w": torch.tensor([4.0]), "head_a": torch.tensor([2.0]), "head_b": torch.tensor([8.0])}
+    server = {"global": {"w": torch.zeros(1), "head_a": torch.zeros(1), "head_b": torch.zeros(1), "head_c": torch.ones(1)}}
+    assert METHODS["fedavg"]().aggregate(server, [a, b])["global"]["head_c"] == torch.ones(1)
+
+
 @pytest.mark.parametrize("packing", [[0], [0, 1]])
 def test_a_client_trains_the_same_whichever_actor_hosts_it(tiny_run, packing):
     reference = _actor(tiny_run, ["fedavg"])

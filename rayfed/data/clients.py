@@ -11,6 +11,7 @@ from rayfed.config import DataConfig
 from rayfed.data.partition import partition, split_train_test
 from rayfed.data.sources import ArrayDataset, load_source
 from rayfed.models import Backbone, check_image_channels, to_tensor_images
+from rayfed.tasks import Task
 from rayfed.training import ClientData
 
 
@@ -20,6 +21,10 @@ class Federation:
 
     dataset: ArrayDataset
     splits: list[tuple[np.ndarray, np.ndarray]]
+
+    @property
+    def tasks(self) -> list[Task]:
+        return [Task(0, "task", self.dataset.class_names)]
 
     @property
     def num_clients(self) -> int:
