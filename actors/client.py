@@ -8,18 +8,29 @@ the uploads. The class is plain Python; the simulation wraps it with ``ray.remot
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import psutil
 import torch
 
 from rayfed.config import RunConfig, build_config, method_params
 from rayfed.data.clients import build_federation
-from rayfed.method import ClientState, Method, TensorDict, Upload, tensor_bytes
+from rayfed.method import ClientState, Method, TensorDict, Upload, presum, tensor_bytes
 from rayfed.methods import METHODS
 from rayfed.models import build_backbone
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.training import ClientContext
 
 Payloads = dict[int, TensorDict | None]
+
+
+@dataclass
+class RoundUploads:
+    """One actor's part of a round: what goes to the server, and what its clients sent and lost."""
+
+    uploads: list[Upload]
+    up_bytes: int  # bytes the clients uploaded (a partial sum's own size is a simulator detail)
+    train_losses: dict[int, float]
 
 
 class ClientActor:
@@ -42,9 +53,22 @@ class ClientActor:
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
         self.model = self.method.build_model(self.backbone, self.config.model, self.tasks, init_seed).to(self.device)
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
-        self.states = {cid: self.method.init_client(initial) for cid in self.client_ids}
+        self.state_device = self._state_device(initial)
+        self.states = {cid: _to(self.method.init_client(initial), self.state_device) for cid in self.client_ids}
         shared, _ = self.method.split(initial)
         return shared
+
+    def _state_device(self, initial: TensorDict) -> torch.device:
+        """The GPU when asked, or (auto) when three copies of every hosted client's parameters use under a
+        quarter of its free memory; else host memory. Saves two copies per client per round on the GPU."""
+        setting = self.config.placement.client_state
+        if self.device.type != "cuda" or setting == "host":
+            return torch.device("cpu")
+        if setting == "device":
+            return self.device
+        free, _ = torch.cuda.mem_get_info(self.device)
+        needed = 3 * tensor_bytes(initial) * len(self.client_ids)
+        return self.device if needed < free / 4 else torch.device("cpu")
 
     def _context(self, client_id: int, round_idx: int) -> ClientContext:
         return ClientContext(
@@ -56,9 +80,20 @@ class ClientActor:
         uploads = []
         for cid in client_ids:
             result = self.method.local_update(self._context(cid, round_idx), self.states[cid], payloads[cid])
-            self.states[cid] = _to_cpu(result.state)
-            uploads.append(Upload(cid, self.data[cid].num_train, _to_cpu(result.upload), result.train_loss))
+            self.states[cid] = _to(result.state, self.state_device)
+            uploads.append(Upload(cid, self.data[cid].num_train, _to(result.upload, "cpu"), result.train_loss))
         return uploads
+
+    def train_round(
+        self, round_idx: int, client_ids: list[int], payloads: Payloads, weight_scale: dict[int, float],
+    ) -> RoundUploads:
+        """:meth:`train`, then one partial sum in place of the uploads when the method allows it."""
+        uploads = self.train(round_idx, client_ids, payloads)
+        for upload in uploads:
+            upload.weight_scale = weight_scale[upload.client_id]
+        shared = [u for u in uploads if u.tensors]
+        summed = [presum(shared)] if shared and self.method.presums_uploads else shared
+        return RoundUploads(summed, sum(u.nbytes for u in uploads), {u.client_id: u.train_loss for u in uploads})
 
     def evaluate(self, round_idx: int, payloads: Payloads) -> dict[int, dict[str, float]]:
         return {
@@ -90,11 +125,11 @@ class ClientActor:
         }
 
     def get_states(self) -> dict[int, ClientState]:
-        return self.states
+        return {cid: _to(state, "cpu") for cid, state in self.states.items()}
 
     def set_states(self, states: dict[int, ClientState]) -> None:
-        self.states = {cid: states[cid] for cid in self.client_ids}
+        self.states = {cid: _to(states[cid], self.state_device) for cid in self.client_ids}
 
 
-def _to_cpu(slots: dict[str, TensorDict]) -> dict[str, TensorDict]:
-    return {slot: {n: v.detach().cpu() for n, v in values.items()} for slot, values in slots.items()}
+def _to(slots: dict[str, TensorDict], device: torch.device | str) -> dict[str, TensorDict]:
+    return {slot: {n: v.detach().to(device) for n, v in values.items()} for slot, values in slots.items()}

@@ -6,8 +6,9 @@ process running the round loop.
 
 from __future__ import annotations
 
+from rayfed.actors.client import RoundUploads
 from rayfed.config import build_config, method_params
-from rayfed.method import ServerState, TensorDict, Upload, tensor_bytes
+from rayfed.method import ServerState, TensorDict, tensor_bytes
 from rayfed.methods import METHODS
 
 
@@ -29,16 +30,15 @@ class DriverActor:
             self.down_bytes += sum(tensor_bytes(p) for p in payloads.values())
         return payloads
 
-    def aggregate(self, weight_scale: dict[int, float], *upload_lists: list[Upload]) -> dict[str, float | None]:
+    def aggregate(self, *parts: RoundUploads) -> dict[str, float | None]:
         """Aggregate one round's uploads (in client-id order); return the round's statistics."""
-        uploads = sorted((u for batch in upload_lists for u in batch), key=lambda u: u.client_id)
-        for upload in uploads:
-            upload.weight_scale = weight_scale[upload.client_id]
+        uploads = sorted((u for part in parts for u in part.uploads), key=lambda u: u.client_id)
         self.server = self.method.aggregate(self.server, uploads)
+        losses = [loss for part in parts for loss in part.train_losses.values()]
         stats = {
-            "up_bytes": sum(u.nbytes for u in uploads),
+            "up_bytes": sum(part.up_bytes for part in parts),
             "down_bytes": self.down_bytes,
-            "train_loss": sum(u.train_loss for u in uploads) / len(uploads) if uploads else None,
+            "train_loss": sum(losses) / len(losses) if losses else None,
         }
         self.down_bytes = 0
         return stats

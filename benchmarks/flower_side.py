@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--out", default="runs/flower_side")
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="what to run, in this order")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the whole sequence this many times, alternating (hosts drift within minutes)")
     parser.add_argument("--documented-rounds", type=int, default=None,
                         help="rounds for the documented Flower client (default: the workload's; it is the slow one)")
     parser.add_argument("--rayfed-python", default=sys.executable)
@@ -184,29 +186,32 @@ def main(argv: list[str] | None = None) -> int:
         "workload": args.workload,
         "host": {"gpu": _gpu_names(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "versions": {"rayfed_env": versions(args.rayfed_python), "flower_env": versions(args.flower_python)},
-        "runs": {},
+        "runs": [],
     }
-    for run in args.runs:
-        if run == "rayfed":
-            cmd = [args.rayfed_python, "-m", "rayfed.cli", "bench", "--workload", args.workload,
-                   "--actors-per-gpu", "1", "--out", str(out / "rayfed")]
-        else:
-            cmd = [args.flower_python, str(HERE / "flower" / "run_flower.py"), "--variant", run,
-                   "--workload", args.workload, "--out", str(out)]
-            if run == "documented" and args.documented_rounds:
-                cmd += ["--rounds", str(args.documented_rounds)]
-        timeout = args.timeout if deadline is None else min(args.timeout, deadline - time.monotonic())
-        if timeout < 30:
-            print(f"[side] {run}: skipped, {timeout:.0f} s left before the deadline", flush=True)
-            continue
-        entry = run_sampled(run, cmd, out / f"{run}.log", timeout, cwd)
-        entry.update(_read_result(run, out))
-        results["runs"][run] = entry
-        _write(out, results)
+    for repeat in range(args.repeat):
+        for run in args.runs:
+            run_out = out / f"pass{repeat + 1}"
+            run_out.mkdir(exist_ok=True)
+            if run == "rayfed":
+                cmd = [args.rayfed_python, "-m", "rayfed.cli", "bench", "--workload", args.workload,
+                       "--actors-per-gpu", "1", "--out", str(run_out / "rayfed")]
+            else:
+                cmd = [args.flower_python, str(HERE / "flower" / "run_flower.py"), "--variant", run,
+                       "--workload", args.workload, "--out", str(run_out)]
+                if run == "documented" and args.documented_rounds:
+                    cmd += ["--rounds", str(args.documented_rounds)]
+            timeout = args.timeout if deadline is None else min(args.timeout, deadline - time.monotonic())
+            if timeout < 30:
+                print(f"[side] {run}: skipped, {timeout:.0f} s left before the deadline", flush=True)
+                continue
+            entry = {"run": run, "pass": repeat + 1, **run_sampled(run, cmd, run_out / f"{run}.log", timeout, cwd)}
+            entry.update(_read_result(run, run_out))
+            results["runs"].append(entry)
+            _write(out, results)
     _write(out, results)
     shutil.rmtree(cwd, ignore_errors=True)
     print((out / "side_by_side.md").read_text(), flush=True)
-    return 0 if all(r["rc"] == 0 for r in results["runs"].values()) else 1
+    return 0 if all(r["rc"] == 0 for r in results["runs"]) else 1
 
 
 def _read_result(run: str, out: Path) -> dict[str, Any]:
@@ -251,52 +256,59 @@ LABELS = {
 }
 
 
+def _mean_round(runs: list[dict[str, Any]], name: str) -> float | None:
+    """Mean s/round of every run of one kind, weighted by its timed rounds."""
+    rounds = [t for r in runs if r["run"] == name for t in r.get("round_s", [])]
+    return sum(rounds) / len(rounds) if rounds else None
+
+
 def markdown(results: dict[str, Any]) -> str:
     runs = results["runs"]
-    base = runs.get("rayfed", {}).get("mean_round_s")
-    machine = next((r["machine"] for r in runs.values() if r.get("machine")), results["host"])
+    base = _mean_round(runs, "rayfed")
+    machine = next((r["machine"] for r in runs if r.get("machine")), results["host"])
+
+    def fmt(value, spec=".0f"):
+        return "-" if value is None else format(value, spec)
+
     rows = []
-    for name, r in runs.items():
-        framework, client = LABELS[name]
+    for r in runs:
+        framework, client = LABELS[r["run"]]
         mean = r.get("mean_round_s")
         rounds = r.get("round_s", [])
-
-        def fmt(value, spec=".0f"):
-            return "-" if value is None else format(value, spec)
-
         rows.append("| " + " | ".join([
-            framework, client,
+            str(r["pass"]), framework, client,
             f"{len(rounds)}{' (stopped)' if r.get('partial') else ''}",
             fmt(mean, ".2f"),
             f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else "-",
-            "1.00" if name == "rayfed" and mean else (fmt(mean / base, ".2f") if mean and base else "-"),
+            fmt(mean / base, ".2f") if mean and base else "-",
             fmt(r.get("client_updates_per_s"), ".2f"),
             fmt(r.get("peak_gpu_mib_per_actor")), fmt(r.get("peak_host_mib_per_actor")),
             fmt(r.get("peak_gpu_used_mib")), fmt(r.get("peak_tree_rss_mib")), fmt(r.get("command_wall_s")),
         ]) + " |")
-    header = ("| framework | client code | timed rounds | s/round | min-max | x rayfed's s/round | client updates/s "
-              "| peak GPU MiB / actor (torch) | host MiB / actor (RSS) | peak GPU MiB used (device) "
-              "| peak RSS MiB (process tree) | command s |\n|" + "---|" * 12)
+    header = ("| pass | framework | client code | timed rounds | s/round | min-max | x rayfed's mean s/round "
+              "| client updates/s | peak GPU MiB / actor (torch) | host MiB / actor (RSS) | peak GPU MiB used (device) "
+              "| peak RSS MiB (process tree) | command s |\n|" + "---|" * 13)
     versions = results["versions"]
     lines = [
-        f"Workload: `{results['workload']}` ({json.dumps(next((r['workload_fields'] for r in runs.values() if r.get('workload_fields')), {}))})",
+        f"Workload: `{results['workload']}` ({json.dumps(next((r['workload_fields'] for r in runs if r.get('workload_fields')), {}))})",
         "",
         (f"Machine: {machine.get('gpu') or 'CPU only'}, {machine.get('cpus')} CPUs, Python {machine.get('python')}; "
         f"rayfed env: {_fmt_versions(versions['rayfed_env'])}; Flower env: {_fmt_versions(versions['flower_env'])}"),
         "",
         header, *rows, "",
-        ("s/round: mean over the timed rounds (the first round of each run is a warm-up and left out). "
+        ("s/round: mean over the timed rounds (the first round of each run is a warm-up and left out); the "
+        "ratio column divides by rayfed's mean over all its passes. "
         "Per-actor memory: PyTorch's peak allocated GPU memory and the actor's RSS, read inside the actor. "
         "Device and process-tree peaks: sampled every 0.5 s from outside over the whole command (for rayfed "
         "that includes `rayfed bench`'s ideal loop and host-memory probe in the driver)."),
     ]
-    doc = runs.get("documented", {}).get("mean_round_s")
+    doc = _mean_round(runs, "documented")
     if base and doc:
         speedup = doc / base
         verdict = "met" if speedup >= GOAL_SPEEDUP else "not met"
         lines += ["", (f"Goal (issue 8): rayfed >= {GOAL_SPEEDUP:.0f}x faster than Flower as documented: "
-                      f"{speedup:.2f}x, {verdict}.")]
-    cached = runs.get("cached", {}).get("mean_round_s")
+                      f"{speedup:.2f}x (means over all passes), {verdict}.")]
+    cached = _mean_round(runs, "cached")
     if base and cached:
         lines += [f"Against Flower with the model cached per actor: {cached / base:.2f}x."]
     return "\n".join(lines) + "\n"

@@ -48,7 +48,9 @@ class Workload:
     rounds: int = 3
     method: str = "fedavg"
 
-    def config(self, clients_per_actor: int, gpus_per_actor: float, seed: int = 0) -> RunConfig:
+    def config(
+        self, clients_per_actor: int, gpus_per_actor: float, seed: int = 0, client_state: str = "auto",
+    ) -> RunConfig:
         return load_config({
             "name": "bench",
             "seed": seed,
@@ -65,7 +67,8 @@ class Workload:
                            "eval_every": self.rounds + 1},
             "train": {"local_steps": self.local_steps, "batch_size": self.batch_size, "optimizer": "adam", "lr": 1e-3},
             "methods": [self.method],
-            "placement": {"clients_per_actor": clients_per_actor, "cpus_per_actor": 1, "gpus_per_actor": gpus_per_actor},
+            "placement": {"clients_per_actor": clients_per_actor, "cpus_per_actor": 1, "gpus_per_actor": gpus_per_actor,
+                          "client_state": client_state},
         })
 
 
@@ -118,21 +121,28 @@ def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int) -> di
     }
 
 
-def host_bytes_per_client(workload: Workload, num_clients: int = 40) -> dict[str, float]:
-    """Host memory each hosted client's own state adds (Ditto: a personal LoRA + head), next to its tensors' size."""
+def memory_per_client(workload: Workload, client_state: str, num_clients: int = 16) -> dict[str, float]:
+    """Memory each hosted client's own state adds (Ditto: a personal LoRA + head), next to its tensors' size.
+
+    ``client_state="host"`` measures resident host memory, ``"device"`` allocated GPU memory.
+    """
     sized = dataclasses.replace(workload, num_clients=num_clients, clients_per_round=4, method="ditto")
-    config = sized.config(clients_per_actor=num_clients, gpus_per_actor=0)
+    config = sized.config(clients_per_actor=num_clients, gpus_per_actor=0, client_state=client_state)
     host = ClientActor(config.to_dict(), list(range(num_clients)))
     initial = host.start_method(0)
     payloads = {cid: initial for cid in range(num_clients)}
     host.train(0, [0], payloads)  # warm-up: allocator pools, optimizer code paths
-    process = psutil.Process()
-    gc.collect()
-    before = process.memory_info().rss
+
+    def used() -> int:
+        gc.collect()
+        if client_state == "device":
+            return torch.cuda.memory_allocated(host.device)
+        return psutil.Process().memory_info().rss
+
+    before = used()
     host.train(1, list(range(1, num_clients)), payloads)  # every client now holds tensors of its own
-    gc.collect()
-    after = process.memory_info().rss
-    return {"rss_per_client": (after - before) / (num_clients - 1),
+    added = used() - before
+    return {"state_device": str(host.state_device), "bytes_per_client": added / (num_clients - 1),
             "state_bytes_per_client": tensor_bytes(host.states[1])}
 
 
@@ -152,8 +162,7 @@ def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path
     single ideal measured once would make the ratios meaningless.
     """
     num_gpus = torch.cuda.device_count()
-    if not ray.is_initialized():
-        init_local_ray(object_store_memory=2 * 10**9)
+    owns_ray = not ray.is_initialized()
     results: dict[str, Any] = {
         "workload": dataclasses.asdict(workload),
         "machine": {"gpu": torch.cuda.get_device_name(0) if num_gpus else None, "num_gpus": num_gpus,
@@ -163,6 +172,10 @@ def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     for gpus in sorted({1, num_gpus}) if num_gpus > 1 else [num_gpus]:
+        if num_gpus > 1 or not ray.is_initialized():
+            # A Ray instance that sees `gpus` GPUs, so fractional actors cannot spread to the others.
+            ray.shutdown()
+            init_local_ray(object_store_memory=2 * 10**9, num_gpus=gpus)
         for per_gpu in actors_per_gpu:
             result = measure_rayfed(workload, per_gpu, gpus)
             results["ideals"].append(measure_ideal(workload))
@@ -182,14 +195,18 @@ def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path
             atomic_write_json(out_dir / "bench.json", results)  # partial results survive a later failure
             print(f"[bench] {gpus} GPU(s) x {per_gpu} actors: {mean_round:.3f} s/round "
                   f"(ideal around it {ideal_round:.3f})", flush=True)
-    results["host_memory"] = host_bytes_per_client(workload)
+    if owns_ray or num_gpus > 1:
+        ray.shutdown()
+    results["client_memory"] = [memory_per_client(workload, "host")]
+    if num_gpus:
+        results["client_memory"].append(memory_per_client(workload, "device"))
     atomic_write_json(out_dir / "bench.json", results)
     atomic_write_text(out_dir / "bench.md", markdown(results))
     return results
 
 
 def markdown(results: dict[str, Any]) -> str:
-    machine, memory = results["machine"], results["host_memory"]
+    machine = results["machine"]
     ideals = ", ".join(f"{_mean(i['round_s']):.3f}" for i in results["ideals"])
     rows = [[
         str(run["num_gpus"]), str(run["actors_per_gpu"]), f"{run['mean_round_s']:.3f}", f"{run['ideal_round_s']:.3f}",
@@ -205,6 +222,10 @@ def markdown(results: dict[str, Any]) -> str:
         f"Ideal (one process, the same steps back to back on {results['ideals'][0]['device']}), timed before, "
         f"between and after the rayfed runs: {ideals} s/round; each ratio uses the two around its run.\n\n"
         + format_table(rows, header)
-        + f"\nHost memory per hosted client (Ditto personal state): {memory['rss_per_client'] / 2**20:.2f} MiB "
-        f"RSS for {memory['state_bytes_per_client'] / 2**20:.2f} MiB of tensors.\n"
+        + "".join(
+            f"\nMemory per hosted client (Ditto personal state kept on {memory['state_device']}): "
+            f"{memory['bytes_per_client'] / 2**20:.2f} MiB for {memory['state_bytes_per_client'] / 2**20:.2f} MiB "
+            "of tensors.\n"
+            for memory in results["client_memory"]
+        )
     )

@@ -114,6 +114,9 @@ class PlacementConfig(_Section):
     cpus_per_actor: float = Field(1.0, gt=0)
     gpus_per_actor: float = Field(0.0, ge=0)
     driver_cpus: float = Field(0.0, ge=0)
+    client_state: Literal["auto", "host", "device"] = Field(
+        "auto", description="where actors keep client state between rounds; auto: on the GPU when it fits"
+    )
 
 
 class RayConfig(_Section):

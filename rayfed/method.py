@@ -44,6 +44,10 @@ class Upload:
     tensors: dict[str, TensorDict]
     train_loss: float
     weight_scale: float = 1.0  # < 1 for a late upload that the system config down-weights
+    # Set on a partial sum made on an actor (see presum): ``tensors`` then hold, per tensor, the float64
+    # sum of weight * value over the actor's clients, and ``weight_sums`` the sum of their weights.
+    weight_sums: dict[str, dict[str, float]] | None = None
+    dtypes: dict[str, dict[str, torch.dtype]] | None = None
 
     @property
     def weight(self) -> float:
@@ -71,23 +75,48 @@ def tensor_bytes(tree: Any) -> int:
     return 0
 
 
-def weighted_mean(uploads: Sequence[Upload], slot: str) -> TensorDict:
-    """Sample-count weighted mean of one upload slot, summed in client-id order (order-independent).
+def weighted_sums(uploads: Sequence[Upload], slot: str) -> tuple[TensorDict, dict[str, float]]:
+    """Per tensor of one slot: the float64 sum of weight * value and the sum of weights, in client-id order.
 
-    Each tensor is averaged over the uploads that contain it, so a per-task head is averaged over
-    that task's clients only.
+    Each tensor is summed over the uploads that contain it (a per-task head over that task's clients
+    only). Products of float32 values and sample counts are exact in float64, and grouping the sums
+    differently (pre-summed per actor, see :func:`presum`) moves them only far below float32
+    precision: the packing tests check that the float32 means come out bitwise equal.
     """
-    ordered = sorted(uploads, key=lambda u: u.client_id)
+    sums: TensorDict = {}
     totals: dict[str, float] = {}
-    for upload in ordered:
-        for name in upload.tensors.get(slot, {}):
-            totals[name] = totals.get(name, 0.0) + upload.weight
-    mean: TensorDict = {}
-    for upload in ordered:
+    for upload in sorted(uploads, key=lambda u: u.client_id):
         for name, value in upload.tensors.get(slot, {}).items():
-            weighted = (upload.weight / totals[name]) * value
-            mean[name] = mean[name] + weighted if name in mean else weighted
-    return mean
+            if upload.weight_sums is None:
+                term, weight = value.double() * upload.weight, upload.weight
+            else:
+                term, weight = value, upload.weight_sums[slot][name]
+            sums[name] = sums[name] + term if name in sums else term
+            totals[name] = totals.get(name, 0.0) + weight
+    return sums, totals
+
+
+def weighted_mean(uploads: Sequence[Upload], slot: str) -> TensorDict:
+    """Sample-count weighted mean of one upload slot, each tensor over the uploads that contain it."""
+    sums, totals = weighted_sums(uploads, slot)
+    dtypes: dict[str, torch.dtype] = {}
+    for upload in uploads:
+        dtypes.update(upload.dtypes[slot] if upload.dtypes else
+                      {name: value.dtype for name, value in upload.tensors.get(slot, {}).items()})
+    return {name: (total / totals[name]).to(dtypes[name]) for name, total in sums.items()}
+
+
+def presum(uploads: Sequence[Upload]) -> Upload:
+    """One actor's uploads of a round as one partial sum, for methods whose aggregate is a weighted mean."""
+    slots = sorted({slot for upload in uploads for slot in upload.tensors})
+    sums, weights, dtypes = {}, {}, {}
+    for slot in slots:
+        sums[slot], weights[slot] = weighted_sums(uploads, slot)
+        dtypes[slot] = {n: v.dtype for u in uploads for n, v in u.tensors.get(slot, {}).items()}
+    return Upload(
+        client_id=min(u.client_id for u in uploads), num_samples=sum(u.num_samples for u in uploads),
+        tensors=sums, train_loss=float("nan"), weight_sums=weights, dtypes=dtypes,
+    )
 
 
 class Method:
@@ -149,6 +178,11 @@ class Method:
         return state
 
     # Server side -----------------------------------------------------------------------
+    @property
+    def presums_uploads(self) -> bool:
+        """Whether actors may pre-sum this method's uploads: it keeps the default weighted-mean aggregate."""
+        return type(self).aggregate is Method.aggregate
+
     def init_server(self, initial_shared: TensorDict) -> ServerState:
         return {"global": initial_shared}
 
@@ -157,6 +191,11 @@ class Method:
         return server
 
     def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
+        """The new server state from the round's uploads.
+
+        Methods that keep this default (a weighted mean per tensor) get their uploads pre-summed on
+        each actor (:func:`presum`); a method that overrides it receives every client's own upload.
+        """
         with_shared = [u for u in uploads if u.tensors.get("shared")]
         if not with_shared:
             return server

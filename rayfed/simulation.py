@@ -270,8 +270,11 @@ class Simulation:
             upload_refs = []
             for actor_index, client_ids in self._group_by_actor(plan.participants).items():
                 payload_ref = self.driver.payloads.remote(client_ids)
-                upload_refs.append(self.actors[actor_index].train.remote(round_idx, client_ids, payload_ref))
-            stats = ray.get(self.driver.aggregate.remote(plan.weight_scale, *upload_refs))
+                weight_scale = {cid: plan.weight_scale[cid] for cid in client_ids}
+                upload_refs.append(
+                    self.actors[actor_index].train_round.remote(round_idx, client_ids, payload_ref, weight_scale)
+                )
+            stats = ray.get(self.driver.aggregate.remote(*upload_refs))
             rounds_done = round_idx + 1
             wall = time.perf_counter() - started
             counters["up_bytes"] += stats["up_bytes"]

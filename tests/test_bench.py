@@ -24,6 +24,7 @@ def test_bench_writes_json_and_markdown_with_overhead_ratios(tmp_path):
         assert run["peak_host_mib_per_actor"] > 0
     # every packing trains the same clients with the same seeds
     assert results["runs"][0]["local_acc"] == results["runs"][1]["local_acc"]
-    assert saved["host_memory"]["state_bytes_per_client"] > 0
+    [memory] = saved["client_memory"]  # no GPU: host memory only
+    assert memory["state_device"] == "cpu" and memory["state_bytes_per_client"] > 0
     table = (tmp_path / "bench.md").read_text()
     assert table.count("\n| 0 |") == 2 and "overhead ratio" in table

@@ -7,7 +7,8 @@ import torch
 
 from rayfed.actors.client import ClientActor
 from rayfed.config import load_config
-from rayfed.method import Upload, weighted_mean
+from rayfed.method import Method, Upload, presum, weighted_mean
+from rayfed.methods import METHODS
 
 
 def _actor(tiny_run: dict, methods: list, **train) -> ClientActor:
@@ -87,14 +88,37 @@ def test_weighted_mean_is_sample_weighted_and_order_independent():
 
 
 def test_each_tensor_is_averaged_over_the_uploads_that_contain_it_and_the_rest_keep_their_value():
-    from rayfed.methods import METHODS
-
     a = Upload(0, 10, {"shared": {"w": torch.tensor([1.0]), "head_a": torch.tensor([2.0])}}, 0.0)
     b = Upload(1, 30, {"shared": {"w": torch.tensor([5.0]), "head_b": torch.tensor([8.0])}}, 0.0)
     mean = weighted_mean([a, b], "shared")
     assert mean == {"w": torch.tensor([4.0]), "head_a": torch.tensor([2.0]), "head_b": torch.tensor([8.0])}
     server = {"global": {"w": torch.zeros(1), "head_a": torch.zeros(1), "head_b": torch.zeros(1), "head_c": torch.ones(1)}}
     assert METHODS["fedavg"]().aggregate(server, [a, b])["global"]["head_c"] == torch.ones(1)
+
+
+def test_partial_sums_from_actors_give_the_same_float32_mean_as_every_upload():
+    generator = torch.Generator().manual_seed(0)
+    # values spread over many orders of magnitude and signs, as trained parameters are
+    uploads = [
+        Upload(cid, int(torch.randint(5, 500, (1,), generator=generator)),
+               {"shared": {"w": torch.randn(4096, generator=generator) * 10.0 ** torch.randint(-8, 3, (4096,), generator=generator)}},
+               0.0, weight_scale=0.5 if cid == 3 else 1.0)
+        for cid in range(8)
+    ]
+    expected = weighted_mean(uploads, "shared")
+    for groups in ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0], [1, 2], [3, 4, 5, 6], [7]], [[7, 0], [3, 1, 6], [2, 5, 4]]):
+        partials = [presum([uploads[cid] for cid in group]) for group in groups]
+        got = weighted_mean(partials, "shared")
+        assert got["w"].dtype == torch.float32 and torch.equal(got["w"], expected["w"])
+
+
+def test_only_methods_that_keep_the_weighted_mean_aggregate_are_pre_summed():
+    class CustomAggregate(Method):
+        def aggregate(self, server, uploads):
+            return server
+
+    assert METHODS["fedavg"]().presums_uploads and METHODS["ditto"]().presums_uploads
+    assert not CustomAggregate().presums_uploads
 
 
 @pytest.mark.parametrize("packing", [[0], [0, 1]])
