@@ -42,7 +42,9 @@ class ClientActor:
         federation = build_federation(self.config.data, self.config.seed)
         self.tasks = federation.tasks
         self.backbone = build_backbone(self.config.model, torch_seed(self.config.seed, 0, SERVER, "backbone"))
-        self.data = {cid: federation.client_data(cid, self.backbone) for cid in self.client_ids}
+        data = {cid: federation.client_data(cid, self.backbone) for cid in self.client_ids}
+        data_device = self._resident_device(tensor_bytes({cid: vars(d) for cid, d in data.items()}))
+        self.data = {cid: d.to(data_device) for cid, d in data.items()}
         self.method: Method | None = None
         self.states: dict[int, ClientState] = {}
 
@@ -53,22 +55,23 @@ class ClientActor:
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
         self.model = self.method.build_model(self.backbone, self.config.model, self.tasks, init_seed).to(self.device)
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
-        self.state_device = self._state_device(initial)
-        self.states = {cid: _to(self.method.init_client(initial), self.state_device) for cid in self.client_ids}
+        self.state_device = self._resident_device(3 * tensor_bytes(initial) * len(self.client_ids))
+        resident = {name: value.to(self.state_device) for name, value in initial.items()}  # one copy, shared
+        self.states = {cid: self.method.init_client(resident) for cid in self.client_ids}
         shared, _ = self.method.split(initial)
         return shared
 
-    def _state_device(self, initial: TensorDict) -> torch.device:
-        """The GPU when asked, or (auto) when three copies of every hosted client's parameters use under a
-        quarter of its free memory; else host memory. Saves two copies per client per round on the GPU."""
+    def _resident_device(self, nbytes: int) -> torch.device:
+        """Where hosted clients' data or state (``nbytes`` in all) live between rounds: the GPU when
+        ``placement.client_state`` says so, or (auto) when it takes under a quarter of the free GPU
+        memory; else host memory. On the GPU no step waits for a host-to-device copy."""
         setting = self.config.placement.client_state
         if self.device.type != "cuda" or setting == "host":
             return torch.device("cpu")
         if setting == "device":
             return self.device
         free, _ = torch.cuda.mem_get_info(self.device)
-        needed = 3 * tensor_bytes(initial) * len(self.client_ids)
-        return self.device if needed < free / 4 else torch.device("cpu")
+        return self.device if nbytes < free / 4 else torch.device("cpu")
 
     def _context(self, client_id: int, round_idx: int) -> ClientContext:
         return ClientContext(

@@ -8,6 +8,7 @@ round is a warm-up for both and is left out).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import json
@@ -137,6 +138,8 @@ def memory_per_client(workload: Workload, client_state: str, num_clients: int = 
         gc.collect()
         if client_state == "device":
             return torch.cuda.memory_allocated(host.device)
+        if hasattr(ctypes.CDLL(None), "malloc_trim"):  # glibc keeps freed heap resident; give it back first
+            ctypes.CDLL(None).malloc_trim(0)
         return psutil.Process().memory_info().rss
 
     before = used()

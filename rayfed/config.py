@@ -115,7 +115,7 @@ class PlacementConfig(_Section):
     gpus_per_actor: float = Field(0.0, ge=0)
     driver_cpus: float = Field(0.0, ge=0)
     client_state: Literal["auto", "host", "device"] = Field(
-        "auto", description="where actors keep client state between rounds; auto: on the GPU when it fits"
+        "auto", description="where actors keep clients' data and state: host, device (the actor's GPU), or auto (the GPU when it fits)"
     )
 
 

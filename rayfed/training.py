@@ -31,6 +31,12 @@ class ClientData:
     def num_train(self) -> int:
         return len(self.train_y)
 
+    def to(self, device: torch.device) -> ClientData:
+        """On ``device``; on the host, in pinned memory when a GPU will read it (asynchronous copies)."""
+        if device.type == "cpu" and torch.cuda.is_available():
+            return ClientData(*(t.pin_memory() for t in vars(self).values()))
+        return ClientData(*(t.to(device) for t in vars(self).values()))
+
     @property
     def num_test(self) -> int:
         return len(self.test_y)
@@ -92,19 +98,20 @@ class ClientContext:
         generator = seeding.torch_generator(self.seed, self.round, self.client_id, purpose + ":batches")
         torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
         self.model.train()
-        total_loss = 0.0
-        for indices in _batches(self.data.num_train, config.batch_size, steps, generator):
+        # Summed on the device: reading each step's loss would make the host wait for the GPU every step.
+        total_loss = torch.zeros((), device=self.device)
+        for indices in _batches(self.data.num_train, config.batch_size, steps, generator, self.data.train_x.device):
             x = self.data.train_x[indices].to(self.device, non_blocking=True)
             y = self.data.train_y[indices].to(self.device, non_blocking=True)
             with _autocast(self.device):
                 loss = nn.functional.cross_entropy(self.model(x), y)
-            total_loss += loss.item()
+            total_loss += loss.detach().float()
             if extra_loss is not None:
                 loss = loss + extra_loss(named)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-        return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1))
+        return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss.item() / max(steps, 1))
 
     @torch.no_grad()
     def evaluate(self, params: TensorDict) -> dict[str, float]:
@@ -138,14 +145,18 @@ def _optimizer(config: TrainConfig, params: list[torch.Tensor], lr: float) -> to
     return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay)
 
 
-def _batches(num_samples: int, batch_size: int, steps: int, generator: torch.Generator):
-    """``steps`` batches from successive seeded permutations (epochs) of the client's samples."""
+def _batches(num_samples: int, batch_size: int, steps: int, generator: torch.Generator, device: torch.device):
+    """``steps`` batches from successive seeded permutations (epochs) of the client's samples.
+
+    The permutations are drawn on the CPU (the same numbers on every device) and moved once per
+    epoch to where the data is, so indexing it never waits on a copy.
+    """
     batch_size = min(batch_size, num_samples)
-    order = torch.randperm(num_samples, generator=generator)
+    order = torch.randperm(num_samples, generator=generator).to(device)
     position = 0
     for _ in range(steps):
         if position + batch_size > num_samples:
-            order = torch.randperm(num_samples, generator=generator)
+            order = torch.randperm(num_samples, generator=generator).to(device)
             position = 0
         yield order[position:position + batch_size]
         position += batch_size
