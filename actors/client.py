@@ -32,6 +32,7 @@ class ClientActor:
         self.tasks = federation.tasks
         self.backbone = build_backbone(self.config.model, torch_seed(self.config.seed, 0, SERVER, "backbone"))
         self.data = {cid: federation.client_data(cid, self.backbone) for cid in self.client_ids}
+        self.eval_sets = federation.eval_sets(self.backbone)
         self.method: Method | None = None
         self.states: dict[int, ClientState] = {}
 
@@ -49,7 +50,7 @@ class ClientActor:
     def _context(self, client_id: int, round_idx: int) -> ClientContext:
         return ClientContext(
             client_id, round_idx, self.config.seed, self.data[client_id], self.model,
-            self.config.train, self.device,
+            self.config.train, self.device, self.eval_sets,
         )
 
     def train(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> list[Upload]:

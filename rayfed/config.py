@@ -33,6 +33,14 @@ class PartitionConfig(_Section):
     min_samples: int = Field(2, ge=2, description="fewest samples a client may hold (train + test)")
 
 
+class BaseNovelConfig(_Section):
+    """Base-to-novel split (pFedMMA; ``rayfed.data.base_novel``): clients hold chunks of the base classes."""
+
+    shots: int = Field(16, gt=0, description="training images per class on each client")
+    class_seed: int = Field(2023, description="seed of the shuffle that deals base classes to clients")
+    base_excludes_local: bool = Field(False, description="base_acc leaves out the client's own classes")
+
+
 class DataConfig(_Section):
     source: str = "sklearn:digits"
     path: str | None = None
@@ -44,6 +52,16 @@ class DataConfig(_Section):
     max_samples: int | None = Field(None, gt=0)
     partition: PartitionConfig = PartitionConfig()
     synthetic: dict[str, Any] | None = None
+    base_novel: BaseNovelConfig | None = None
+
+    @model_validator(mode="after")
+    def _base_novel_partition(self) -> DataConfig:
+        if self.base_novel is not None and self.partition != PartitionConfig():
+            raise ValueError(
+                f"data.partition.name = {self.partition.name!r} cannot be combined with data.base_novel, which deals "
+                "the base classes to clients itself; remove data.partition"
+            )
+        return self
 
 
 class LoraConfig(_Section):
