@@ -29,7 +29,8 @@ class PartitionConfig(_Section):
     alpha: float | None = Field(None, gt=0, description="Dirichlet concentration (dirichlet)")
     classes_per_client: int | None = Field(None, gt=0, description="classes each client holds (shards)")
     samples_per_client: int | None = Field(None, gt=0, description="exact samples per client (shards)")
-    column: str | None = Field(None, description="the column whose values are the clients (natural)")
+    column: str | None = Field(None, description="the column whose values are the clients (natural) or domains")
+    clients_per_domain: int | None = Field(None, gt=0, description="clients each domain is split over (domain_dirichlet)")
     min_samples: int = Field(2, ge=2, description="fewest samples a client may hold (train + test)")
 
 
@@ -50,6 +51,7 @@ class DataConfig(_Section):
     num_clients: int = Field(10, gt=0)
     test_fraction: float = Field(0.25, gt=0, lt=1)
     max_samples: int | None = Field(None, gt=0)
+    resize: int | None = Field(None, gt=0, description="hf: images converted to RGB and resized to this size on load")
     partition: PartitionConfig = PartitionConfig()
     synthetic: dict[str, Any] | None = None
     base_novel: BaseNovelConfig | None = None

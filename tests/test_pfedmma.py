@@ -305,3 +305,53 @@ def test_weighted_mean_over_participants_uses_sample_counts():
     uploads = [Upload(0, 30, {"shared": {"w": torch.ones(2)}}, 0.0), Upload(2, 10, {"shared": {"w": torch.zeros(2)}}, 0.0)]
     server = method.aggregate({"global": {"w": torch.full((2,), 5.0)}}, uploads)
     assert torch.allclose(server["global"]["w"], torch.full((2,), 0.75))
+
+
+@pytest.mark.parametrize("path", sorted(__import__("glob").glob("configs/pfedmma/*.yaml")))
+def test_paper_and_offline_configs_validate_without_downloading(path):
+    config = load_config(path)
+    assert {entry.name for entry in config.methods} >= {"clip_zeroshot", "promptfl", "pfedmma"}
+    if "offline" not in path:
+        assert config.model.backbone == "open_clip:ViT-B-16" and config.model.pretrained == "openai"
+
+
+def test_alpha_sweep_validates(tmp_path):
+    from rayfed.tune import _Sweep
+
+    sweep = _Sweep.build(load_config("configs/tune/pfedmma_alpha.yaml"), tmp_path, None)
+    assert sweep.spec.metric == "pfedmma/hm" and sweep.max_rounds == 20
+
+
+def test_labeldir_keeps_every_client_above_the_minimum_and_caps_sizes():
+    from rayfed.data.partition import partition
+
+    labels = np.repeat(np.arange(10), 60)
+    clients = partition(labels, 12, "labeldir", seed=0, alpha=0.1, min_samples=10)
+    assert sorted(np.concatenate(clients)) == list(range(600))
+    assert min(len(c) for c in clients) >= 10
+    assert partition(labels, 12, "labeldir", seed=0, alpha=0.1, min_samples=10)[3].tolist() == clients[3].tolist()
+    skew = [np.bincount(labels[c], minlength=10).max() / len(c) for c in clients]
+    assert np.mean(skew) > 0.4  # small beta: clients dominated by few classes
+
+
+def test_domain_dirichlet_gives_each_domain_its_own_clients():
+    from rayfed.data.partition import partition
+    from rayfed.data.sources import DataError
+
+    labels = np.tile(np.arange(5), 160)
+    groups = np.repeat(np.arange(4), 200)
+    clients = partition(labels, 8, "domain_dirichlet", seed=0, alpha=0.5, groups=groups, clients_per_domain=2, min_samples=10)
+    assert [set(groups[c]) for c in clients] == [{0}, {0}, {1}, {1}, {2}, {2}, {3}, {3}]
+    with pytest.raises(DataError, match="clients_per_domain = 3"):
+        partition(labels, 8, "domain_dirichlet", seed=0, alpha=0.5, groups=groups, clients_per_domain=3)
+
+
+def test_shapes_source_puts_a_colour_and_shape_covering_half_first():
+    from rayfed.data.sources import load_source
+
+    dataset = load_source("shapes", seed=0, synthetic={"num_samples": 256, "styles": ["sketch"]})
+    base = dataset.class_names[:32]
+    assert len(set(dataset.class_names)) == 64
+    assert {name.split()[0] for name in base} == {name.split()[0] for name in dataset.class_names}
+    assert {name.split()[1] for name in base} == {name.split()[1] for name in dataset.class_names}
+    assert dataset.images.shape == (256, 32, 32, 3) and dataset.images.max() <= 1.0

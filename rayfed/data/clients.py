@@ -64,7 +64,7 @@ def build_federation(config: DataConfig, seed: int) -> Federation:
     dataset = load_source(
         config.source, path=config.path, split=config.split, image_column=config.image_column,
         label_column=config.label_column, group_column=config.partition.column,
-        max_samples=config.max_samples, seed=seed, synthetic=config.synthetic,
+        max_samples=config.max_samples, seed=seed, synthetic=config.synthetic, resize=config.resize,
     )
     if config.base_novel is not None:
         relabelled, splits, tasks, shared_eval = base_novel_split(
@@ -76,5 +76,6 @@ def build_federation(config: DataConfig, seed: int) -> Federation:
         dataset.labels, config.num_clients, part.name, seed=seed, alpha=part.alpha,
         classes_per_client=part.classes_per_client, groups=dataset.groups,
         min_samples=part.min_samples, samples_per_client=part.samples_per_client,
+        clients_per_domain=part.clients_per_domain,
     )
     return Federation(dataset, split_train_test(client_indices, dataset.labels, config.test_fraction, seed=seed))
