@@ -45,7 +45,7 @@ DEEP_RECIPE: dict[str, Any] = {
         "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 64, "layers": 12, "head_width": 16},
         "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 64, "heads": 4, "layers": 12},
     },
-    "train": {"steps": 600, "batch_size": 128, "lr": 1e-3, "weight_decay": 0.1},
+    "train": {"steps": 600, "batch_size": 64, "lr": 2e-3, "weight_decay": 0.1},
     "data": {"train_samples": 8192, "eval_samples": 1024, "classes": "all", "styles": ["plain", "gradient", "noisy"]},
 }
 CONFIG_FILE = "open_clip_config.json"
