@@ -355,3 +355,19 @@ def test_shapes_source_puts_a_colour_and_shape_covering_half_first():
     assert {name.split()[0] for name in base} == {name.split()[0] for name in dataset.class_names}
     assert {name.split()[1] for name in base} == {name.split()[1] for name in dataset.class_names}
     assert dataset.images.shape == (256, 32, 32, 3) and dataset.images.max() <= 1.0
+
+
+def test_simulation_reports_base_novel_metrics_with_hm_of_the_means(tiny_hf_clip, tmp_path, ray_local):
+    import json
+
+    from rayfed.simulation import Simulation
+
+    run = _clip_run(tiny_hf_clip, ["clip_zeroshot", {"name": "pfedmma", "rank": 4, "first_layer": 3}])
+    Simulation(run, out_dir=tmp_path / "run", progress=False).run()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for label in ("clip_zeroshot", "pfedmma"):
+        means = summary["methods"][label]["mean"]
+        assert means["hm"] == pytest.approx(harmonic_mean([means["local_acc"], means["base_acc"], means["novel_acc"]]))
+    assert summary["comm_bytes"]["clip_zeroshot"] == {"up": 0, "down": 0}
+    # round 0: both clients upload m (r^2 + r) floats; round 1: the one sampled client
+    assert summary["comm_bytes"]["pfedmma"]["up"] == 3 * 2 * (4 * 4 + 4) * 4
