@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from rayfed.clip import build_classifier
@@ -64,8 +65,6 @@ class PFedMMA(Method):
     Params = PFedMMAParams
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
-        import torch
-
         model = build_classifier(config, [task.class_names for task in tasks])
         depths = {tower: len(model.blocks(tower)[0]) for tower in TOWERS}
         if depths["image"] != depths["text"]:

@@ -39,7 +39,7 @@ _SYNTHETIC_DEFAULTS: dict[str, float | int] = {
     "num_writers": 30,
 }
 SYNTHETIC_GROUP_COLUMN = "writer"  # the synthetic source's natural groups
-_SHAPES_DEFAULTS: dict[str, Any] = {"num_samples": 6400, "styles": ["textured", "sketch"], "image_size": 32}
+_SHAPES_DEFAULTS: dict[str, Any] = {"num_samples": 4800, "styles": ["noisy"], "image_size": 32}
 SHAPES_GROUP_COLUMN = "domain"  # the shapes source's natural groups: render styles
 _WRITER_STYLE_SCALE = 0.15
 
@@ -119,19 +119,11 @@ def load_source(
         dataset = _load_hf(source.removeprefix("hf:"), path, split, image_column, label_column, group_column, resize)
     elif source == "synthetic":
         _require_no_split(source, split)
-        if group_column not in (None, SYNTHETIC_GROUP_COLUMN):
-            raise DataError(
-                f"data.partition.column = {group_column!r} is not a column of 'synthetic'; "
-                f"its only group column is {SYNTHETIC_GROUP_COLUMN!r}."
-            )
+        _require_group_column(source, group_column, SYNTHETIC_GROUP_COLUMN)
         dataset = _make_synthetic(seed, synthetic or {})
     elif source == "shapes":
         _require_no_split(source, split)
-        if group_column not in (None, SHAPES_GROUP_COLUMN):
-            raise DataError(
-                f"data.partition.column = {group_column!r} is not a column of 'shapes'; "
-                f"its only group column is {SHAPES_GROUP_COLUMN!r}."
-            )
+        _require_group_column(source, group_column, SHAPES_GROUP_COLUMN)
         dataset = _make_shapes(seed, synthetic or {})
     else:
         raise DataError(
@@ -146,6 +138,13 @@ def load_source(
 def _require_no_split(source: str, split: str | None) -> None:
     if split is not None:
         raise DataError(f"data.split = {split!r} is not supported for source {source!r}: it has a single split.")
+
+
+def _require_group_column(source: str, group_column: str | None, only: str) -> None:
+    if group_column not in (None, only):
+        raise DataError(
+            f"data.partition.column = {group_column!r} is not a column of {source!r}; its only group column is {only!r}."
+        )
 
 
 def _require_no_group_column(source: str, group_column: str | None) -> None:

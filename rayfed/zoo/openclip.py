@@ -35,8 +35,8 @@ RECIPE: dict[str, Any] = {
 }
 # pFedMMA's offline backbone (spec pfedmma.md §9): 12 blocks per tower like ViT-B/16, so the paper's
 # first adapted layers (l = 10, l = 5) carry over, and pretraining sees all 64 classes (as real CLIP has
-# seen the novel concepts) in the pretraining styles plus "noisy"; federated fine-tuning then runs on the
-# held-out "textured" and "sketch" styles.
+# seen the novel concepts) in every render style but "noisy"; federated fine-tuning then runs on the
+# held-out "noisy" style (hue jitter and pixel noise).
 DEEP_RECIPE: dict[str, Any] = {
     "version": 1,
     "seed": 0,
@@ -45,8 +45,9 @@ DEEP_RECIPE: dict[str, Any] = {
         "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 64, "layers": 12, "head_width": 16},
         "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 64, "heads": 4, "layers": 12},
     },
-    "train": {"steps": 600, "batch_size": 64, "lr": 2e-3, "weight_decay": 0.1},
-    "data": {"train_samples": 8192, "eval_samples": 1024, "classes": "all", "styles": ["plain", "gradient", "noisy"]},
+    "train": {"steps": 800, "batch_size": 64, "lr": 2e-3, "weight_decay": 0.1},
+    "data": {"train_samples": 8192, "eval_samples": 1024, "classes": "all",
+             "styles": ["plain", "gradient", "textured", "sketch"]},
 }
 CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_model.safetensors"
