@@ -50,7 +50,7 @@ def load_clip(backbone: str, pretrained: str | None) -> ZooModel:
         loaded = zoo.load(backbone, pretrained=pretrained)
     except (OSError, RuntimeError) as err:
         raise ConfigError(f"model.backbone = {backbone!r} could not be loaded: {str(err).splitlines()[0]}") from None
-    if type(loaded.model).__name__ not in ("CLIP", "CustomTextCLIP", "CLIPModel"):
+    if type(loaded.model).__name__ not in ("CLIP", "CLIPModel"):
         raise ConfigError(
             f"model.backbone = {backbone!r} is a {type(loaded.model).__name__}, not a CLIP model with a text tower; "
             f"allowed: {', '.join(CLIP_BACKBONES)}."
