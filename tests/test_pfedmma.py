@@ -371,3 +371,17 @@ def test_simulation_reports_base_novel_metrics_with_hm_of_the_means(tiny_hf_clip
     assert summary["comm_bytes"]["clip_zeroshot"] == {"up": 0, "down": 0}
     # round 0: both clients upload m (r^2 + r) floats; round 1: the one sampled client
     assert summary["comm_bytes"]["pfedmma"]["up"] == 3 * 2 * (4 * 4 + 4) * 4
+
+
+def test_packing_clients_into_actors_does_not_change_pfedmma_updates(tiny_hf_clip):
+    from rayfed.actors.client import ClientActor
+
+    config = load_config(_clip_run(tiny_hf_clip, [{"name": "pfedmma", "rank": 4, "first_layer": 3}])).to_dict()
+    packed, alone = ClientActor(config, [0, 1]), ClientActor(config, [1])
+    initial = packed.start_method(0)
+    assert all(torch.equal(initial[n], v) for n, v in alone.start_method(0).items())  # one seed, one init
+    [_, packed_upload] = packed.train(0, [0, 1], {0: initial, 1: initial})
+    [alone_upload] = alone.train(0, [1], {1: initial})
+    for name, value in packed_upload.tensors["shared"].items():
+        assert torch.equal(value, alone_upload.tensors["shared"][name])
+    assert packed.evaluate(1, {0: initial, 1: initial})[1] == alone.evaluate(1, {1: initial})[1]
