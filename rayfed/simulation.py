@@ -30,8 +30,8 @@ from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.methods import METHODS
-from rayfed.models import build_backbone
 from rayfed.metrics import with_derived
+from rayfed.models import build_backbone
 from rayfed.seeding import sample_clients
 from rayfed.system import plan_round
 

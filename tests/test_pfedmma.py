@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from rayfed.clip import ClipClassifier, build_classifier
+from rayfed.clip import build_classifier
 from rayfed.config import BaseNovelConfig, ModelConfig, load_config
 from rayfed.data.base_novel import base_novel_split
 from rayfed.data.sources import ArrayDataset
