@@ -385,3 +385,21 @@ def test_packing_clients_into_actors_does_not_change_pfedmma_updates(tiny_hf_cli
     for name, value in packed_upload.tensors["shared"].items():
         assert torch.equal(value, alone_upload.tensors["shared"][name])
     assert packed.evaluate(1, {0: initial, 1: initial})[1] == alone.evaluate(1, {1: initial})[1]
+
+
+def test_base_excludes_local_scores_base_accuracy_on_other_clients_classes_only(tiny_hf_clip):
+    from rayfed.actors.client import ClientActor
+
+    run = _clip_run(tiny_hf_clip, ["clip_zeroshot"])
+    run["data"]["base_novel"]["base_excludes_local"] = True
+    actor = ClientActor(load_config(run).to_dict(), [0])
+    actor.start_method(0)
+    base = actor.eval_sets[0]
+    keep = ~torch.isin(base.y, actor.data[0].train_y.unique())
+    assert base.exclude_own_classes and 0 < int(keep.sum()) < len(base.y)
+    actor.model.eval()
+    with torch.no_grad():
+        correct = actor.model(base.x).argmax(1) == base.y
+    expected, over_all = correct[keep].float().mean().item(), correct.float().mean().item()
+    assert expected != pytest.approx(over_all)  # the two rules give different numbers on this case
+    assert actor.evaluate(0, {0: None})[0]["base_acc"] == pytest.approx(expected)
