@@ -45,6 +45,7 @@ class ClientActor:
         data = {cid: federation.client_data(cid, self.backbone) for cid in self.client_ids}
         data_device = self._resident_device(tensor_bytes({cid: vars(d) for cid, d in data.items()}))
         self.data = {cid: d.to(data_device) for cid, d in data.items()}
+        self.eval_sets = federation.eval_sets(self.backbone)
         self.method: Method | None = None
         self.states: dict[int, ClientState] = {}
 
@@ -76,7 +77,7 @@ class ClientActor:
     def _context(self, client_id: int, round_idx: int) -> ClientContext:
         return ClientContext(
             client_id, round_idx, self.config.seed, self.data[client_id], self.model,
-            self.config.train, self.device,
+            self.config.train, self.device, self.eval_sets,
         )
 
     def train(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> list[Upload]:

@@ -29,8 +29,17 @@ class PartitionConfig(_Section):
     alpha: float | None = Field(None, gt=0, description="Dirichlet concentration (dirichlet)")
     classes_per_client: int | None = Field(None, gt=0, description="classes each client holds (shards)")
     samples_per_client: int | None = Field(None, gt=0, description="exact samples per client (shards)")
-    column: str | None = Field(None, description="the column whose values are the clients (natural)")
+    column: str | None = Field(None, description="the column whose values are the clients (natural) or domains")
+    clients_per_domain: int | None = Field(None, gt=0, description="clients each domain is split over (domain_dirichlet)")
     min_samples: int = Field(2, ge=2, description="fewest samples a client may hold (train + test)")
+
+
+class BaseNovelConfig(_Section):
+    """Base-to-novel split (pFedMMA; ``rayfed.data.base_novel``): clients hold chunks of the base classes."""
+
+    shots: int = Field(16, gt=0, description="training images per class on each client")
+    class_seed: int = Field(2023, description="seed of the shuffle that deals base classes to clients")
+    base_excludes_local: bool = Field(False, description="base_acc leaves out the client's own classes")
 
 
 class DataConfig(_Section):
@@ -42,8 +51,19 @@ class DataConfig(_Section):
     num_clients: int = Field(10, gt=0)
     test_fraction: float = Field(0.25, gt=0, lt=1)
     max_samples: int | None = Field(None, gt=0)
+    resize: int | None = Field(None, gt=0, description="hf: images converted to RGB and resized to this size on load")
     partition: PartitionConfig = PartitionConfig()
     synthetic: dict[str, Any] | None = None
+    base_novel: BaseNovelConfig | None = None
+
+    @model_validator(mode="after")
+    def _base_novel_partition(self) -> DataConfig:
+        if self.base_novel is not None and self.partition != PartitionConfig():
+            raise ValueError(
+                f"data.partition.name = {self.partition.name!r} cannot be combined with data.base_novel, which deals "
+                "the base classes to clients itself; remove data.partition"
+            )
+        return self
 
 
 class LoraConfig(_Section):

@@ -143,6 +143,10 @@ class Method:
 
         return build_client_model(backbone, config, tasks[0].num_classes, seed)
 
+    def participants(self, round_idx: int, sampled: list[int], num_clients: int) -> list[int]:
+        """The clients that train in round ``round_idx``, given the engine's seeded sample. Default: the sample."""
+        return sampled
+
     # Parameter roles -------------------------------------------------------------------
     def is_shared(self, name: str) -> bool:
         """Whether trainable parameter ``name`` is communicated (else it stays personal)."""

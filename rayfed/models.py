@@ -24,6 +24,7 @@ TensorDict = dict[str, torch.Tensor]
 
 BACKBONES = (
     "tiny:vit", "tiny:clip-vision", "tiny-pretrained:vit", "tiny-pretrained:clip-vision",
+    "tiny-pretrained:clip", "tiny-pretrained:open_clip", "tiny-pretrained:open_clip-deep",
     "hf:<name or local path> (ViT or CLIP vision tower)",
     "open_clip:<arch> (image tower; model.pretrained = tag or file)",
 )
@@ -59,7 +60,11 @@ def build_backbone(config: ModelConfig, seed: int) -> Backbone:
         )
         encoder = transformers.CLIPVisionModel(clip_config)
         return _frozen(Backbone(encoder, clip_config.hidden_size, clip_config.image_size, 3, "pooler"))
-    if name in ("tiny-pretrained:vit", "tiny-pretrained:clip-vision"):
+    if name in ("tiny-pretrained:open_clip", "tiny-pretrained:open_clip-deep"):
+        from rayfed.clip import load_clip  # the full CLIP, loaded once per process for text-classifying methods
+
+        return _frozen(_open_clip_visual_backbone(load_clip(name, None).model.visual))
+    if name in ("tiny-pretrained:vit", "tiny-pretrained:clip-vision", "tiny-pretrained:clip"):
         from rayfed.zoo import pretrained  # built once on first use, then read from the cache
 
         return _frozen(_load_hf_backbone(str(pretrained(name.removeprefix("tiny-pretrained:"))), config))
@@ -69,7 +74,8 @@ def build_backbone(config: ModelConfig, seed: int) -> Backbone:
         return _frozen(_load_open_clip_visual(name.removeprefix("open_clip:"), config))
     raise choice_error(
         "model.backbone", name,
-        ["tiny:vit", "tiny:clip-vision", "tiny-pretrained:vit", "tiny-pretrained:clip-vision", "hf:<name or path>", "open_clip:<arch>"],
+        ["tiny:vit", "tiny:clip-vision", "tiny-pretrained:vit", "tiny-pretrained:clip-vision", "tiny-pretrained:clip",
+         "tiny-pretrained:open_clip", "tiny-pretrained:open_clip-deep", "hf:<name or path>", "open_clip:<arch>"],
     )  # fmt: skip
 
 
@@ -115,6 +121,10 @@ def _load_open_clip_visual(arch: str, config: ModelConfig) -> Backbone:
             f"model.pretrained = {config.pretrained!r} could not be loaded for open_clip:{arch} "
             f"({str(err).splitlines()[0]})."
         ) from None
+    return _open_clip_visual_backbone(visual)
+
+
+def _open_clip_visual_backbone(visual: nn.Module) -> Backbone:
     image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
     return Backbone(visual, visual.output_dim, image_size, 3, "output")
 
@@ -125,7 +135,23 @@ def _frozen(backbone: Backbone) -> Backbone:
     return backbone
 
 
-class ClientModel(nn.Module):
+class TrainableModule(nn.Module):
+    """A model whose trainable parameters (``requires_grad``) are what a method's client state holds."""
+
+    def trainable_names(self) -> list[str]:
+        return [name for name, param in self.named_parameters() if param.requires_grad]
+
+    def trainable_params(self) -> TensorDict:
+        return {name: param.detach().clone() for name, param in self.named_parameters() if param.requires_grad}
+
+    @torch.no_grad()
+    def load_trainable(self, values: TensorDict) -> None:
+        params = dict(self.named_parameters())
+        for name, value in values.items():
+            params[name].copy_(value)
+
+
+class ClientModel(TrainableModule):
     """Backbone (+ adapters) -> features -> linear head. ``trainable`` lists what methods train.
 
     Inputs are raw images, (N, C, H, W) floats in [0, 1] at any size: the model resizes and
@@ -160,18 +186,6 @@ class ClientModel(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(images))
-
-    def trainable_names(self) -> list[str]:
-        return [name for name, param in self.named_parameters() if param.requires_grad]
-
-    def trainable_params(self) -> TensorDict:
-        return {name: param.detach().clone() for name, param in self.named_parameters() if param.requires_grad}
-
-    @torch.no_grad()
-    def load_trainable(self, values: TensorDict) -> None:
-        params = dict(self.named_parameters())
-        for name, value in values.items():
-            params[name].copy_(value)
 
 
 def build_client_model(backbone: Backbone, config: ModelConfig, num_classes: int, seed: int) -> ClientModel:

@@ -30,6 +30,7 @@ from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.methods import METHODS
+from rayfed.metrics import with_derived
 from rayfed.models import build_backbone
 from rayfed.seeding import sample_clients
 from rayfed.system import plan_round
@@ -156,6 +157,13 @@ class Simulation:
         for index, entry in enumerate(self.config.methods):
             method = METHODS[entry.name](method_params(entry, index))
             model = method.build_model(backbone, self.config.model, self.federation.tasks, 0)
+            other_tasks = sorted({task for _, task, _ in self.federation.shared_eval.values()} - {0})
+            if other_tasks and not hasattr(model, "select_task"):
+                raise ConfigError(
+                    f"methods[{index}] ({entry.name}) classifies with a linear head over task 0 and cannot score "
+                    f"the classes of task(s) {other_tasks} (data.base_novel's novel classes); use a method that "
+                    "classifies by text, such as clip_zeroshot, promptfl or pfedmma."
+                )
             with torch.no_grad():
                 model(sample)
 
@@ -263,9 +271,11 @@ class Simulation:
         federation = config.federation
         bar = tqdm(total=federation.rounds, initial=start_round, desc=entry.label, unit="round",
                    disable=not self.progress, dynamic_ncols=True)
+        method = METHODS[entry.name](method_params(entry, method_index))
         for round_idx in range(start_round, federation.rounds):
             started = time.perf_counter()
             sampled = sample_clients(config.seed, round_idx, config.data.num_clients, federation.clients_per_round)
+            sampled = method.participants(round_idx, sampled, config.data.num_clients)
             plan = plan_round(config, round_idx, sampled, self.num_train)
             upload_refs = []
             for actor_index, client_ids in self._group_by_actor(plan.participants).items():
@@ -367,7 +377,8 @@ def _mean_std(clients: dict[int, dict[str, float]]) -> tuple[dict[str, float], d
     """Mean and std over clients (each client counts once) of every metric."""
     names = [k for k in next(iter(clients.values())) if k not in COUNT_KEYS]
     values = {name: np.array([clients[c][name] for c in sorted(clients)], dtype=np.float64) for name in names}
-    return ({n: float(v.mean()) for n, v in values.items()}, {n: float(v.std()) for n, v in values.items()})
+    means = with_derived({n: float(v.mean()) for n, v in values.items()})
+    return means, {n: float(v.std()) for n, v in values.items()}
 
 
 def _placed(options: dict[str, Any], bundle_index: int) -> dict[str, Any]:

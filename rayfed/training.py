@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +12,7 @@ from torch import nn
 from rayfed import seeding
 from rayfed.config import TrainConfig
 from rayfed.method import TensorDict
+from rayfed.metrics import with_derived
 from rayfed.models import ClientModel
 
 # An extra loss term computed from the live trainable parameters (e.g. a proximal term).
@@ -43,6 +44,18 @@ class ClientData:
 
 
 @dataclass
+class EvalSet:
+    """Test data every client is scored on with its own model (e.g. the base or novel classes), loaded once
+    per actor: ``{name}_acc`` is the accuracy over the classes of the run's task ``task``."""
+
+    name: str
+    x: torch.Tensor
+    y: torch.Tensor
+    task: int
+    exclude_own_classes: bool = False  # leave out the classes the client trains on
+
+
+@dataclass
 class TrainResult:
     params: TensorDict
     loss: float  # mean training loss over the steps taken
@@ -68,7 +81,7 @@ class ClientContext:
 
     def __init__(
         self, client_id: int, round_idx: int, seed: int, data: ClientData,
-        model: ClientModel, train_config: TrainConfig, device: torch.device,
+        model: ClientModel, train_config: TrainConfig, device: torch.device, eval_sets: Sequence[EvalSet] = (),
     ):
         self.client_id = client_id
         self.round = round_idx
@@ -77,6 +90,7 @@ class ClientContext:
         self.model = model
         self.train_config = train_config
         self.device = device
+        self.eval_sets = eval_sets
 
     @property
     def num_samples(self) -> int:
@@ -115,19 +129,35 @@ class ClientContext:
 
     @torch.no_grad()
     def evaluate(self, params: TensorDict) -> dict[str, float]:
-        """Accuracy and loss on the client's own test set (personalization)."""
+        """Accuracy and loss on the client's own test set (personalization), and accuracy on each shared
+        evaluation set; plus the metrics derived from these (:mod:`rayfed.metrics`)."""
         self.model.load_trainable(params)
         self.model.eval()
+        correct, loss_sum = self._score(self.data.test_x, self.data.test_y)
+        metrics = {"local_acc": correct / self.data.num_test, "local_loss": loss_sum / self.data.num_test}
+        for eval_set in self.eval_sets:
+            x, y = eval_set.x, eval_set.y
+            if eval_set.exclude_own_classes:
+                keep = ~torch.isin(y, self.data.train_y.unique())
+                x, y = x[keep], y[keep]
+            self.model.select_task(eval_set.task)
+            metrics[f"{eval_set.name}_acc"] = self._score(x, y)[0] / len(y)
+        if self.eval_sets:
+            self.model.select_task(0)
+        return with_derived(metrics)
+
+    def _score(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[int, float]:
+        """(correct predictions, summed cross-entropy) of the model over ``images``."""
         correct, loss_sum = 0, 0.0
         size = self.train_config.eval_batch_size
-        for start in range(0, self.data.num_test, size):
-            x = self.data.test_x[start:start + size].to(self.device)
-            y = self.data.test_y[start:start + size].to(self.device)
+        for start in range(0, len(labels), size):
+            x = images[start:start + size].to(self.device)
+            y = labels[start:start + size].to(self.device)
             with _autocast(self.device):
                 logits = self.model(x).float()
             loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").item()
             correct += (logits.argmax(dim=1) == y).sum().item()
-        return {"local_acc": correct / self.data.num_test, "local_loss": loss_sum / self.data.num_test}
+        return correct, loss_sum
 
 
 def local_steps(config: TrainConfig, num_train: int) -> int:

@@ -44,8 +44,8 @@ def mean_distance_to_global(labels: np.ndarray, clients: list[np.ndarray], num_c
 
 
 def test_registry_names() -> None:
-    assert SOURCES == ("sklearn:digits", "fashion_mnist", "hf:<dataset>", "synthetic")
-    assert PARTITIONERS == ("iid", "dirichlet", "shards", "natural")
+    assert SOURCES == ("sklearn:digits", "fashion_mnist", "hf:<dataset>", "synthetic", "shapes")
+    assert PARTITIONERS == ("iid", "dirichlet", "shards", "natural", "labeldir", "domain_dirichlet")
     assert issubclass(DataError, ConfigError) and issubclass(DataError, ValueError)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from rayfed.data.sources import DataError
 from rayfed.errors import suggest
 
-PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "shards", "natural")
+PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "shards", "natural", "labeldir", "domain_dirichlet")
 
 _DIRICHLET_ATTEMPTS = 100
 
@@ -22,6 +22,7 @@ _PURPOSE_SHARD_CLASSES = 2003
 _PURPOSE_SHARD_SPLIT = 2004
 _PURPOSE_SHARD_SUBSET = 2005
 _PURPOSE_TRAIN_TEST = 2006
+_PURPOSE_LABELDIR = 2007
 
 
 def _rng(seed: int, purpose: int, *extra: int) -> np.random.Generator:
@@ -39,6 +40,7 @@ def partition(
     groups: np.ndarray | None = None,
     min_samples: int = 2,
     samples_per_client: int | None = None,
+    clients_per_domain: int | None = None,
 ) -> list[np.ndarray]:
     """Index arrays (sorted, int64, disjoint) one per client, client i = list index i.
 
@@ -64,6 +66,13 @@ def partition(
     elif method == "natural":
         clients = _natural(labels, num_clients, groups)
         reason = "one client per group of data.partition.column"
+    elif method == "labeldir":
+        _require_alpha(alpha, method)
+        clients = _labeldir(np.arange(len(labels)), labels, num_clients, alpha, min_samples, _rng(seed, _PURPOSE_LABELDIR))
+        reason = f"capped Dirichlet (labeldir) split with data.partition.alpha = {alpha}"
+    elif method == "domain_dirichlet":
+        clients = _domain_dirichlet(labels, num_clients, groups, clients_per_domain, alpha, min_samples, seed)
+        reason = f"{clients_per_domain} client(s) per domain, Dirichlet within domains (alpha = {alpha})"
     else:
         raise DataError(
             f"data.partition.name = {method!r} is not known{suggest(method, PARTITIONERS)}; "
@@ -261,3 +270,58 @@ def _stratified_test_counts(class_sizes: np.ndarray, test_fraction: float) -> np
                 break
             counts[np.argmax(np.where(room, ideal - counts, -np.inf))] += 1
     return counts
+
+
+def _require_alpha(alpha: float | None, method: str) -> None:
+    if alpha is None or not alpha > 0:
+        raise DataError(f"data.partition.alpha = {alpha} is invalid for data.partition.name = {method!r}: set it > 0.")
+
+
+def _labeldir(
+    indices: np.ndarray, labels: np.ndarray, num_clients: int, alpha: float, min_samples: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """The "noniid-labeldir" split of ``indices`` (spec pfedmma.md §6): per class, proportions ~ Dir(alpha),
+    zeroed for clients already holding >= len(indices) / num_clients samples and renormalized; the whole
+    draw is repeated until every client has ``min_samples``. Train and test are cut afterwards per client
+    and per class, so a client's test set has its train set's label proportions."""
+    cap = len(indices) / num_clients
+    classes = np.unique(labels[indices])
+    for _ in range(_DIRICHLET_ATTEMPTS):
+        shares: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        sizes = np.zeros(num_clients)
+        for label in classes:
+            members = rng.permutation(indices[labels[indices] == label])
+            proportions = rng.dirichlet(np.full(num_clients, alpha)) * (sizes < cap)
+            proportions = proportions / proportions.sum() if proportions.sum() > 0 else np.full(num_clients, 1 / num_clients)
+            cuts = (np.cumsum(proportions)[:-1] * len(members)).astype(np.int64)
+            for client, part in enumerate(np.split(members, cuts)):
+                shares[client].append(part)
+                sizes[client] += len(part)
+        if sizes.min() >= min_samples:
+            break
+    return [np.concatenate(parts) for parts in shares]
+
+
+def _domain_dirichlet(
+    labels: np.ndarray, num_clients: int, groups: np.ndarray | None, clients_per_domain: int | None,
+    alpha: float | None, min_samples: int, seed: int,
+) -> list[np.ndarray]:
+    """Each domain (a value of data.partition.column) goes to ``clients_per_domain`` clients, split among
+    them by the labeldir rule; clients are numbered domain by domain, in sorted domain order."""
+    _require_alpha(alpha, "domain_dirichlet")
+    if groups is None:
+        raise DataError(
+            "data.partition.column must name the domain column for data.partition.name = 'domain_dirichlet'."
+        )
+    domains = np.unique(groups)
+    if clients_per_domain is None or clients_per_domain * len(domains) != num_clients:
+        raise DataError(
+            f"data.partition.clients_per_domain = {clients_per_domain} times the {len(domains)} domains must equal "
+            f"data.num_clients = {num_clients}."
+        )
+    clients = []
+    for index, domain in enumerate(domains):
+        members = np.flatnonzero(groups == domain)
+        rng = _rng(seed, _PURPOSE_LABELDIR, index)
+        clients += _labeldir(members, labels, clients_per_domain, alpha, min_samples, rng)
+    return clients

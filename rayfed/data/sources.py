@@ -17,7 +17,7 @@ import numpy as np
 
 from rayfed.errors import ConfigError, suggest
 
-SOURCES: tuple[str, ...] = ("sklearn:digits", "fashion_mnist", "hf:<dataset>", "synthetic")
+SOURCES: tuple[str, ...] = ("sklearn:digits", "fashion_mnist", "hf:<dataset>", "synthetic", "shapes")
 
 FASHION_MNIST_DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 FASHION_MNIST_CLASSES = (
@@ -39,6 +39,8 @@ _SYNTHETIC_DEFAULTS: dict[str, float | int] = {
     "num_writers": 30,
 }
 SYNTHETIC_GROUP_COLUMN = "writer"  # the synthetic source's natural groups
+_SHAPES_DEFAULTS: dict[str, Any] = {"num_samples": 4800, "styles": ["noisy"], "image_size": 32}
+SHAPES_GROUP_COLUMN = "domain"  # the shapes source's natural groups: render styles
 _WRITER_STYLE_SCALE = 0.15
 
 # Fixed stream ids: each random draw in this module gets its own SeedSequence([seed, purpose]).
@@ -91,12 +93,21 @@ def load_source(
     max_samples: int | None = None,
     seed: int = 0,
     synthetic: dict[str, Any] | None = None,
+    resize: int | None = None,
 ) -> ArrayDataset:
-    """Load ``source`` (one of :data:`SOURCES`) into memory, optionally keeping a seeded subset."""
+    """Load ``source`` (one of :data:`SOURCES`) into memory, optionally keeping a seeded subset.
+
+    ``resize``: hf: images are converted to RGB and resized to ``resize`` x ``resize`` as they are read
+    (real datasets whose images differ in size).
+    """
     if max_samples is not None and max_samples <= 0:
         raise DataError(f"data.max_samples = {max_samples} is invalid: it must be > 0 (or unset for all samples).")
-    if synthetic is not None and source != "synthetic":
-        raise DataError(f"data.synthetic is set but data.source = {source!r}; it only applies to 'synthetic'.")
+    if synthetic is not None and source not in ("synthetic", "shapes"):
+        raise DataError(
+            f"data.synthetic is set but data.source = {source!r}; it only applies to 'synthetic' and 'shapes'."
+        )
+    if resize is not None and not source.startswith("hf:"):
+        raise DataError(f"data.resize = {resize} is set but data.source = {source!r}; it only applies to hf: sources.")
     if source == "sklearn:digits":
         _require_no_split(source, split)
         _require_no_group_column(source, group_column)
@@ -105,15 +116,15 @@ def load_source(
         _require_no_group_column(source, group_column)
         dataset = _load_fashion_mnist(path, split)
     elif source.startswith("hf:"):
-        dataset = _load_hf(source.removeprefix("hf:"), path, split, image_column, label_column, group_column)
+        dataset = _load_hf(source.removeprefix("hf:"), path, split, image_column, label_column, group_column, resize)
     elif source == "synthetic":
         _require_no_split(source, split)
-        if group_column not in (None, SYNTHETIC_GROUP_COLUMN):
-            raise DataError(
-                f"data.partition.column = {group_column!r} is not a column of 'synthetic'; "
-                f"its only group column is {SYNTHETIC_GROUP_COLUMN!r}."
-            )
+        _require_group_column(source, group_column, SYNTHETIC_GROUP_COLUMN)
         dataset = _make_synthetic(seed, synthetic or {})
+    elif source == "shapes":
+        _require_no_split(source, split)
+        _require_group_column(source, group_column, SHAPES_GROUP_COLUMN)
+        dataset = _make_shapes(seed, synthetic or {})
     else:
         raise DataError(
             f"data.source = {source!r} is not known{suggest(source, SOURCES)}; allowed: {', '.join(SOURCES)}."
@@ -127,6 +138,13 @@ def load_source(
 def _require_no_split(source: str, split: str | None) -> None:
     if split is not None:
         raise DataError(f"data.split = {split!r} is not supported for source {source!r}: it has a single split.")
+
+
+def _require_group_column(source: str, group_column: str | None, only: str) -> None:
+    if group_column not in (None, only):
+        raise DataError(
+            f"data.partition.column = {group_column!r} is not a column of {source!r}; its only group column is {only!r}."
+        )
 
 
 def _require_no_group_column(source: str, group_column: str | None) -> None:
@@ -203,6 +221,7 @@ def _load_hf(
     image_column: str,
     label_column: str,
     group_column: str | None,
+    resize: int | None = None,
 ) -> ArrayDataset:
     import datasets
 
@@ -240,18 +259,18 @@ def _load_hf(
                 f"columns: {', '.join(loaded.column_names)}."
             )
 
-    images = _stack_images(loaded[image_column], image_column)
+    images = _stack_images(loaded[image_column], image_column, resize)
     labels, class_names = _encode_labels(loaded[label_column], loaded.features[label_column], label_column)
     groups = np.asarray(loaded[group_column]) if group_column is not None else None
     return ArrayDataset(images, labels, class_names, groups)
 
 
-def _stack_images(column: list[Any], image_column: str) -> np.ndarray:
+def _stack_images(column: list[Any], image_column: str, resize: int | None = None) -> np.ndarray:
     """PIL images or nested arrays -> float32 (N, H, W, C) in [0, 1]; sizes must already agree.
 
     Integer pixels, and float pixels when any exceeds 1, are read as 0..255; other floats as 0..1.
     """
-    arrays = [_image_to_hwc(image, image_column) for image in column]
+    arrays = [_image_to_hwc(image, image_column, resize) for image in column]
     shapes = sorted({a.shape for a in arrays})
     if len(shapes) > 1:
         raise DataError(
@@ -270,10 +289,13 @@ def _stack_images(column: list[Any], image_column: str) -> np.ndarray:
     return pixels.astype(np.float32)
 
 
-def _image_to_hwc(image: Any, image_column: str) -> np.ndarray:
-    """One PIL image or array -> numeric (H, W, C); grayscale keeps C = 1."""
+def _image_to_hwc(image: Any, image_column: str, resize: int | None = None) -> np.ndarray:
+    """One PIL image or array -> numeric (H, W, C); grayscale keeps C = 1 unless resized (then RGB)."""
     from PIL import Image
 
+    if resize is not None:
+        image = Image.fromarray(np.asarray(image)) if not isinstance(image, Image.Image) else image
+        image = image.convert("RGB").resize((resize, resize), Image.Resampling.BICUBIC)
     if isinstance(image, Image.Image) and image.mode not in ("L", "RGB"):
         image = image.convert("L" if image.mode in ("1", "LA") else "RGB")
     array = np.asarray(image)
@@ -335,3 +357,31 @@ def _make_synthetic(seed: int, options: dict[str, Any]) -> ArrayDataset:
     images = np.clip(pixels, 0.0, 1.0).astype(np.float32)
     class_names = tuple(f"class_{k}" for k in range(num_classes))
     return ArrayDataset(images, labels.astype(np.int64), class_names, writers.astype(np.int64))
+
+
+def _make_shapes(seed: int, options: dict[str, Any]) -> ArrayDataset:
+    """The 64 "{colour} {shape}" classes rendered in ``styles`` (:mod:`rayfed.data.multimodal`); groups = style.
+
+    Class ids put the 32 classes with an even (shape + colour) index first, so that the first half (the
+    base classes of a base-to-novel split) and the second half each hold every colour and every shape.
+    """
+    from rayfed.data import multimodal
+
+    unknown = [key for key in options if key not in _SHAPES_DEFAULTS]
+    if unknown:
+        raise DataError(
+            f"data.synthetic has no option {unknown[0]!r}{suggest(unknown[0], _SHAPES_DEFAULTS)} for 'shapes'; "
+            f"allowed: {', '.join(_SHAPES_DEFAULTS)}."
+        )
+    params = {**_SHAPES_DEFAULTS, **options}
+    for key in ("num_samples", "image_size"):
+        if not isinstance(params[key], int) or isinstance(params[key], bool) or params[key] < 1:
+            raise DataError(f"data.synthetic.{key} = {params[key]!r} is invalid: it must be an integer >= 1.")
+    distribution = multimodal.Distribution(multimodal.CLASSES, tuple(params["styles"]), ("shapes",))
+    columns = multimodal.shape_columns(params["num_samples"], seed=seed, distribution=distribution,
+                                       image_size=params["image_size"])  # fmt: skip
+    order = sorted(range(len(multimodal.CLASSES)), key=lambda k: ((k // 8 + k % 8) % 2, k))
+    class_names = tuple(multimodal.CLASSES[k] for k in order)
+    labels = np.asarray([class_names.index(name) for name in columns["class_name"]], dtype=np.int64)
+    styles = np.asarray([multimodal.STYLES.index(name) for name in columns["domain"]], dtype=np.int64)
+    return ArrayDataset(columns["image"].astype(np.float32) / 255.0, labels, class_names, styles)

@@ -28,6 +28,12 @@ FAMILIES: dict[str, Family] = {
             openclip.RECIPE, openclip.build, openclip.evaluate, openclip.load_folder,
         ),
         Family(
+            "open_clip-deep", "open_clip CLIP ViT-B-16 (pretrained='openai') at its depth: 12 blocks per tower, "
+            "pretrained on all classes (pFedMMA's offline backbone)",
+            "symmetric image-text contrastive loss (open_clip.ClipLoss)",
+            openclip.DEEP_RECIPE, openclip.build, openclip.evaluate, openclip.load_folder,
+        ),
+        Family(
             "vit", "HF ViT (google/vit-base-patch16-224), FedYolo's backbone", "supervised image classification",
             vit.RECIPE, vit.build, vit.evaluate, vit.load,
         ),

@@ -18,7 +18,7 @@ import open_clip
 import safetensors.torch
 import torch
 
-from rayfed.data.multimodal import PRETRAIN
+from rayfed.data.multimodal import CLASSES, PRETRAIN, Distribution
 from rayfed.zoo import training
 from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
 
@@ -32,6 +32,22 @@ RECIPE: dict[str, Any] = {
     },
     "train": {"steps": 300, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.1},
     "data": {"train_samples": 4096, "eval_samples": 1024},
+}
+# pFedMMA's offline backbone (spec pfedmma.md §9): 12 blocks per tower like ViT-B/16, so the paper's
+# first adapted layers (l = 10, l = 5) carry over, and pretraining sees all 64 classes (as real CLIP has
+# seen the novel concepts) in every render style but "noisy"; federated fine-tuning then runs on the
+# held-out "noisy" style (hue jitter and pixel noise).
+DEEP_RECIPE: dict[str, Any] = {
+    "version": 1,
+    "seed": 0,
+    "model": {
+        "embed_dim": 64,
+        "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 64, "layers": 12, "head_width": 16},
+        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 64, "heads": 4, "layers": 12},
+    },
+    "train": {"steps": 800, "batch_size": 64, "lr": 2e-3, "weight_decay": 0.1},
+    "data": {"train_samples": 8192, "eval_samples": 1024, "classes": "all",
+             "styles": ["plain", "gradient", "textured", "sketch"]},
 }
 CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_model.safetensors"
@@ -59,7 +75,7 @@ def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, P
     tokenizer = open_clip.get_tokenizer("ViT-B-16", context_length=model_cfg["text_cfg"]["context_length"])
     before = _metrics(model, tokenizer, recipe)
 
-    pairs = training.image_text_pairs(data["train_samples"], seed=recipe["seed"], distribution=PRETRAIN)
+    pairs = training.image_text_pairs(data["train_samples"], seed=recipe["seed"], distribution=_pretraining(data))
     images, tokens = training.pixels(pairs["image"]), tokenizer(list(pairs["text"]))
     clip_loss = open_clip.ClipLoss()
 
@@ -75,6 +91,14 @@ def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, P
     (out_dir / CONFIG_FILE).write_text(json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess}, indent=2))
     safetensors.torch.save_model(model, str(out_dir / WEIGHTS_FILE))
     return BuildReport(before, evaluate(out_dir, recipe), training.parameter_count(model))
+
+
+def _pretraining(data: Mapping[str, Any]) -> Distribution:
+    """The recipe's pretraining images: the seen classes in the pretraining styles unless it names others."""
+    if "classes" not in data:
+        return PRETRAIN
+    classes = CLASSES if data["classes"] == "all" else PRETRAIN.classes
+    return Distribution(classes, tuple(data["styles"]), PRETRAIN.tasks)
 
 
 def evaluate(path: Path, recipe: Mapping[str, Any]) -> Metrics:

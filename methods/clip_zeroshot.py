@@ -1,0 +1,27 @@
+"""CLIP zero-shot: the frozen model with the prompt "a photo of a {class}.", evaluated only.
+
+The reference point of pFedMMA's tables (seed 004_3730b893423d9134.txt; spec ``pfedmma.md`` §5). No
+client trains and nothing is communicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from rayfed.clip import build_classifier
+from rayfed.config import ModelConfig
+from rayfed.method import Method
+from rayfed.models import Backbone
+from rayfed.tasks import Task
+
+
+class ClipZeroShot(Method):
+    communicates = False
+
+    def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
+        return build_classifier(config, [task.class_names for task in tasks])
+
+    def participants(self, round_idx: int, sampled: list[int], num_clients: int) -> list[int]:
+        return []

@@ -1,0 +1,43 @@
+"""PromptFL: federated CoOp, learnable context vectors shared by all classes and all clients.
+
+Baseline of pFedMMA (seed 004_3730b893423d9134.txt; spec ``pfedmma.md`` §5). The class prompt is
+"[SOS] ctx_1 .. ctx_n {class name}. [EOS]": ``n_ctx`` vectors, N(0, ctx_std^2), take the place of the
+first ``n_ctx`` word embeddings; only they are trained, and they are FedAvg'd (sample-count weighted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rayfed.clip import add_learnable_context, build_classifier
+from rayfed.config import ModelConfig
+from rayfed.method import Method
+from rayfed.models import Backbone
+from rayfed.tasks import Task
+
+
+@dataclass(frozen=True)
+class PromptFLParams:
+    n_ctx: int = 16
+    ctx_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.n_ctx <= 0:
+            raise ValueError("n_ctx must be > 0")
+        if not self.ctx_std > 0:
+            raise ValueError("ctx_std must be > 0")
+
+
+class PromptFL(Method):
+    Params = PromptFLParams
+
+    def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
+        placeholders = " ".join(["X"] * self.params.n_ctx)
+        model = build_classifier(config, [task.class_names for task in tasks], template=placeholders + " {}.")
+        torch.manual_seed(seed)
+        add_learnable_context(model, self.params.n_ctx, self.params.ctx_std)
+        return model
