@@ -11,12 +11,14 @@ from __future__ import annotations
 import psutil
 import torch
 
-from rayfed.config import RunConfig, build_config, method_params
+from rayfed.config import RunConfig, build_config, method_model_config, method_params
 from rayfed.data.clients import build_federation
 from rayfed.method import ClientState, Method, TensorDict, Upload, tensor_bytes
 from rayfed.methods import METHODS
 from rayfed.models import build_backbone
+from rayfed.modules import representation_shift, select_task
 from rayfed.seeding import SERVER, torch_seed
+from rayfed.tasks import task_view
 from rayfed.training import ClientContext
 
 Payloads = dict[int, TensorDict | None]
@@ -30,6 +32,7 @@ class ClientActor:
         self.client_ids = list(client_ids)
         federation = build_federation(self.config.data, self.config.seed)
         self.tasks = federation.tasks
+        self.task_of = {cid: federation.task_of(cid) for cid in self.client_ids}
         self.backbone = build_backbone(self.config.model, torch_seed(self.config.seed, 0, SERVER, "backbone"))
         self.data = {cid: federation.client_data(cid, self.backbone) for cid in self.client_ids}
         self.method: Method | None = None
@@ -40,13 +43,17 @@ class ClientActor:
         entry = self.config.methods[method_index]
         self.method = METHODS[entry.name](method_params(entry, method_index))
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
-        self.model = self.method.build_model(self.backbone, self.config.model, self.tasks, init_seed).to(self.device)
+        model_config = method_model_config(self.config.model, entry, method_index)
+        self.model = self.method.build_model(self.backbone, model_config, self.tasks, init_seed).to(self.device)
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
-        self.states = {cid: self.method.init_client(initial) for cid in self.client_ids}
+        # A client holds, trains and uploads only its task's view (shared + task_<its task> parameters).
+        self.initial = {cid: task_view(initial, self.task_of[cid]) for cid in self.client_ids}
+        self.states = {cid: self.method.init_client(self.initial[cid]) for cid in self.client_ids}
         shared, _ = self.method.split(initial)
         return shared
 
     def _context(self, client_id: int, round_idx: int) -> ClientContext:
+        select_task(self.model, self.task_of[client_id])
         return ClientContext(
             client_id, round_idx, self.config.seed, self.data[client_id], self.model,
             self.config.train, self.device,
@@ -62,9 +69,18 @@ class ClientActor:
 
     def evaluate(self, round_idx: int, payloads: Payloads) -> dict[int, dict[str, float]]:
         return {
-            cid: self._context(cid, round_idx).evaluate(self.method.eval_params(self.states[cid], payloads[cid]))
+            cid: self._metrics(self._context(cid, round_idx), self.method.eval_params(self.states[cid], payloads[cid]))
             for cid in self.client_ids
         }
+
+    def _metrics(self, client: ClientContext, params: TensorDict) -> dict[str, float]:
+        metrics = client.evaluate(params)
+        if self.config.federation.representation_shift:
+            metrics["rep_shift"] = representation_shift(
+                self.model, self.initial[client.client_id], params, client.data.test_x.to(self.device),
+                self.config.train.eval_batch_size,
+            )
+        return metrics
 
     def finish(self, round_idx: int, payloads: Payloads, post_train_steps: int) -> dict[int, dict[str, float]]:
         """The post-FL stages: the method's own, then optional fine-tuning; returns final metrics."""
@@ -75,7 +91,7 @@ class ClientActor:
             params = self.method.eval_params(state, payloads[cid])
             if post_train_steps:
                 params = client.train(params, steps=post_train_steps, purpose="post_train").params
-            metrics[cid] = client.evaluate(params)
+            metrics[cid] = self._metrics(client, params)
         return metrics
 
     def resource_usage(self) -> dict[str, int]:

@@ -3,7 +3,9 @@
 from rayfed.method import Method
 from rayfed.methods.ditto import Ditto
 from rayfed.methods.fedavg import FedAvg
+from rayfed.methods.feddyn import FedDyn
 from rayfed.methods.fedprox import FedProx
+from rayfed.methods.fedyolo import FedYolo
 from rayfed.methods.local import Local
 
 METHODS: dict[str, type[Method]] = {
@@ -11,6 +13,8 @@ METHODS: dict[str, type[Method]] = {
     "fedavg": FedAvg,
     "fedprox": FedProx,
     "ditto": Ditto,
+    "feddyn": FedDyn,
+    "fedyolo": FedYolo,
 }
 
-__all__ = ["METHODS", "Ditto", "FedAvg", "FedProx", "Local"]
+__all__ = ["METHODS", "Ditto", "FedAvg", "FedDyn", "FedProx", "FedYolo", "Local"]

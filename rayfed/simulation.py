@@ -25,14 +25,14 @@ import rayfed
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.checkpoint import load_checkpoint, save_checkpoint
-from rayfed.config import RunConfig, dump_config, load_config, method_params
+from rayfed.config import RunConfig, dump_config, load_config, method_model_config, method_params
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.methods import METHODS
 from rayfed.models import build_backbone
-from rayfed.seeding import sample_clients
 from rayfed.system import plan_round
+from rayfed.tasks import sample_round
 
 RoundCallback = Callable[["Simulation", str, int], None]
 """Called as ``callback(simulation, method_label, rounds_done)`` after every round."""
@@ -155,7 +155,7 @@ class Simulation:
         sample = self.federation.client_data(0, backbone).train_x[:1]
         for index, entry in enumerate(self.config.methods):
             method = METHODS[entry.name](method_params(entry, index))
-            model = method.build_model(backbone, self.config.model, self.federation.tasks, 0)
+            model = method.build_model(backbone, method_model_config(self.config.model, entry, index), self.federation.tasks, 0)
             with torch.no_grad():
                 model(sample)
 
@@ -252,7 +252,7 @@ class Simulation:
         checkpoint = load_checkpoint(self._checkpoint_dir, label)
         if checkpoint is None:
             self.log.restart_method(label, 0)
-            return 0, {"up_bytes": 0, "down_bytes": 0, "wall_time_s": 0.0}
+            return 0, {"up_bytes": 0, "down_bytes": 0, "up_params": 0, "down_params": 0, "wall_time_s": 0.0}
         ray.get([actor.set_states.remote(checkpoint.clients) for actor in self.actors]
                 + [self.driver.set_state.remote(checkpoint.server)])
         self.log.restart_method(label, checkpoint.round)
@@ -265,7 +265,7 @@ class Simulation:
                    disable=not self.progress, dynamic_ncols=True)
         for round_idx in range(start_round, federation.rounds):
             started = time.perf_counter()
-            sampled = sample_clients(config.seed, round_idx, config.data.num_clients, federation.clients_per_round)
+            sampled = sample_round(config, round_idx)
             plan = plan_round(config, round_idx, sampled, self.num_train)
             upload_refs = []
             for actor_index, client_ids in self._group_by_actor(plan.participants).items():
@@ -276,6 +276,8 @@ class Simulation:
             wall = time.perf_counter() - started
             counters["up_bytes"] += stats["up_bytes"]
             counters["down_bytes"] += stats["down_bytes"]
+            for key in ("up_params", "down_params"):  # absent from checkpoints of older versions
+                counters[key] = counters.get(key, 0) + stats[key]
             counters["wall_time_s"] += wall
             self.log.append({"event": "round", "method": entry.label, "round": rounds_done, "clients": sampled,
                              "participants": plan.participants, "dropped": plan.dropped, "late": plan.late,
@@ -331,6 +333,7 @@ class Simulation:
         atomic_write_json(self._results_dir / f"{entry.label}.json", {
             "clients": {str(c): m for c, m in clients.items()}, "mean": means, "std": stds,
             "comm_bytes": {"up": int(counters["up_bytes"]), "down": int(counters["down_bytes"])},
+            "comm_params": {"up": int(counters.get("up_params", 0)), "down": int(counters.get("down_params", 0))},
             "wall_time_s": counters["wall_time_s"],
         })
         return means
@@ -346,18 +349,40 @@ class Simulation:
 
     # Results -----------------------------------------------------------------------------
     def _summary(self, wall_time_s: float) -> dict[str, Any]:
-        methods, comm = {}, {}
+        methods, comm, comm_params = {}, {}, {}
         for entry in self.config.methods:
             result = json.loads((self._results_dir / f"{entry.label}.json").read_text())
             methods[entry.label] = {"clients": result["clients"], "mean": result["mean"], "std": result["std"]}
             comm[entry.label] = result["comm_bytes"]
+            comm_params[entry.label] = result.get("comm_params", {"up": 0, "down": 0})
+        target, rounds = rounds_to_target(self.log.events, self.config.federation.target_acc)
         return {
             "rayfed_version": rayfed.__version__,
             "config": self.config.to_dict(),
             "methods": methods,
             "wall_time_s": round(wall_time_s, 3),
             "comm_bytes": comm,
+            "comm_params": comm_params,  # "up" is the paper's T x M x P cost in parameters
+            "target_acc": target,
+            "rounds_to_target": rounds,
         }
+
+
+def rounds_to_target(events: list[dict[str, Any]], target: float | None) -> tuple[float | None, dict[str, int | None]]:
+    """The first evaluated round whose mean local_acc reaches ``target`` for every method (None: never).
+
+    ``target`` defaults to 95% of the best mean local_acc any method reached at any evaluation."""
+    evals = [e for e in events if e.get("event") == "eval" and "local_acc" in e]
+    if target is None:
+        if not evals:
+            return None, {}
+        target = 0.95 * max(e["local_acc"] for e in evals)
+    rounds: dict[str, int | None] = {}
+    for event in sorted(evals, key=lambda e: e["round"]):
+        rounds.setdefault(event["method"], None)
+        if rounds[event["method"]] is None and event["local_acc"] >= target:
+            rounds[event["method"]] = event["round"]
+    return target, rounds
 
 
 def _mean_std(clients: dict[int, dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:

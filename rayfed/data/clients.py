@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from rayfed.config import DataConfig
-from rayfed.data.partition import partition, split_train_test
+from rayfed.data.partition import exact_test_split, partition, split_train_test
 from rayfed.data.sources import ArrayDataset, load_source
 from rayfed.models import Backbone, check_image_channels, to_tensor_images
 from rayfed.tasks import Task
@@ -25,6 +25,9 @@ class Federation:
     @property
     def tasks(self) -> list[Task]:
         return [Task(0, "task", self.dataset.class_names)]
+
+    def task_of(self, client_id: int) -> int:
+        return 0
 
     @property
     def num_clients(self) -> int:
@@ -46,17 +49,60 @@ class Federation:
         )
 
 
-def build_federation(config: DataConfig, seed: int) -> Federation:
-    """Deterministic in (config, seed): every actor that calls it gets the same clients."""
+@dataclass(frozen=True)
+class MultiTaskFederation:
+    """Several tasks, each a :class:`Federation` of its own; client ids are contiguous in task order."""
+
+    parts: list[Federation]
+    names: list[str]
+
+    @property
+    def tasks(self) -> list[Task]:
+        return [Task(index, name, part.dataset.class_names) for index, (name, part) in enumerate(zip(self.names, self.parts))]
+
+    @property
+    def num_clients(self) -> int:
+        return sum(part.num_clients for part in self.parts)
+
+    def _locate(self, client_id: int) -> tuple[int, int]:
+        for index, part in enumerate(self.parts):
+            if client_id < part.num_clients:
+                return index, client_id
+            client_id -= part.num_clients
+        raise IndexError(f"client {client_id} is beyond the federation's {self.num_clients} clients")
+
+    def task_of(self, client_id: int) -> int:
+        return self._locate(client_id)[0]
+
+    def sizes(self, client_id: int) -> dict[str, int]:
+        task, local = self._locate(client_id)
+        return self.parts[task].sizes(local)
+
+    def client_data(self, client_id: int, backbone: Backbone) -> ClientData:
+        task, local = self._locate(client_id)
+        return self.parts[task].client_data(local, backbone)
+
+
+def build_federation(config: DataConfig, seed: int) -> Federation | MultiTaskFederation:
+    """Deterministic in (config, seed): every actor that calls it gets the same clients.
+
+    With ``data.tasks`` every task's clients are built from its own config alone, so a task's data
+    does not depend on which other tasks exist."""
+    if config.tasks is not None:
+        return MultiTaskFederation([build_federation(task, seed) for task in config.tasks], [t.name for t in config.tasks])
     dataset = load_source(
         config.source, path=config.path, split=config.split, image_column=config.image_column,
         label_column=config.label_column, group_column=config.partition.column,
         max_samples=config.max_samples, seed=seed, synthetic=config.synthetic,
     )
     part = config.partition
+    test_samples = part.test_samples_per_client
+    total_per_client = None if part.samples_per_client is None else part.samples_per_client + (test_samples or 0)
     client_indices = partition(
         dataset.labels, config.num_clients, part.name, seed=seed, alpha=part.alpha,
         classes_per_client=part.classes_per_client, groups=dataset.groups,
-        min_samples=part.min_samples, samples_per_client=part.samples_per_client,
+        min_samples=part.min_samples, samples_per_client=total_per_client,
     )
+    if test_samples is not None:
+        return Federation(dataset, exact_test_split(client_indices, dataset.labels, test_samples, seed=seed))
     return Federation(dataset, split_train_test(client_indices, dataset.labels, config.test_fraction, seed=seed))
