@@ -67,7 +67,10 @@ class DataConfig(_Section):
         if isinstance(self, TaskDataConfig):
             raise ValueError(f"data.tasks[{self.name!r}] has its own `tasks`; tasks do not nest")
         total = sum(task.num_clients for task in self.tasks)
-        others = sorted(self.model_fields_set - {"tasks", "num_clients"})
+        others = [
+            name for name, field in DataConfig.model_fields.items()
+            if name not in ("tasks", "num_clients") and getattr(self, name) != field.get_default(call_default_factory=True)
+        ]
         if others:
             raise ValueError(f"data.{others[0]} is set next to data.tasks; with tasks, set it inside each task")
         if "num_clients" in self.model_fields_set and self.num_clients != total:
