@@ -164,11 +164,19 @@ class TrainConfig(_Section):
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     eval_batch_size: int = Field(256, gt=0)
+    schedule: Literal["constant", "warmup_cosine"] = Field(
+        "constant", description="warmup_cosine: linear warm-up, then cosine decay to 0 over decay_steps global steps"
+    )
+    warmup_steps: int = Field(100, ge=0, description="warmup_cosine: steps of linear warm-up")
+    decay_steps: int | None = Field(None, gt=0, description="warmup_cosine: global steps until lr reaches 0 (rounds x local steps)")
+    grad_clip: float | None = Field(None, gt=0, description="clip the L2 norm of the trained parameters' gradient")
 
     @model_validator(mode="after")
     def _one_budget(self) -> TrainConfig:
         if self.local_epochs is not None:
             object.__setattr__(self, "local_steps", None)
+        if self.schedule == "warmup_cosine" and self.decay_steps is None:
+            raise ValueError("train.schedule = 'warmup_cosine' needs train.decay_steps (the run's rounds x local steps)")
         return self
 
 

@@ -32,7 +32,7 @@ from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.methods import METHODS
 from rayfed.models import build_backbone
 from rayfed.system import plan_round
-from rayfed.tasks import sample_round
+from rayfed.tasks import client_tasks, sample_round
 
 RoundCallback = Callable[["Simulation", str, int], None]
 """Called as ``callback(simulation, method_label, rounds_done)`` after every round."""
@@ -330,8 +330,14 @@ class Simulation:
         means, stds = _mean_std(clients)
         self.log.append({"event": "eval", "method": entry.label, "round": rounds, "final": True, **means,
                          "clients": {str(c): m for c, m in clients.items()}})
+        per_task = {}
+        if self.config.data.tasks is not None:
+            task_of = client_tasks(self.config.data)
+            for index, task in enumerate(self.config.data.tasks):
+                per_task[task.name] = _mean_std({c: m for c, m in clients.items() if task_of[c] == index})[0]
         atomic_write_json(self._results_dir / f"{entry.label}.json", {
             "clients": {str(c): m for c, m in clients.items()}, "mean": means, "std": stds,
+            **({"tasks": per_task} if per_task else {}),
             "comm_bytes": {"up": int(counters["up_bytes"]), "down": int(counters["down_bytes"])},
             "comm_params": {"up": int(counters.get("up_params", 0)), "down": int(counters.get("down_params", 0))},
             "wall_time_s": counters["wall_time_s"],
@@ -353,6 +359,8 @@ class Simulation:
         for entry in self.config.methods:
             result = json.loads((self._results_dir / f"{entry.label}.json").read_text())
             methods[entry.label] = {"clients": result["clients"], "mean": result["mean"], "std": result["std"]}
+            if "tasks" in result:  # multi-task runs: the mean metrics of every task's clients
+                methods[entry.label]["tasks"] = result["tasks"]
             comm[entry.label] = result["comm_bytes"]
             comm_params[entry.label] = result.get("comm_params", {"up": 0, "down": 0})
         target, rounds = rounds_to_target(self.log.events, self.config.federation.target_acc)

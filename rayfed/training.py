@@ -93,7 +93,10 @@ class ClientContext:
         torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
         self.model.train()
         total_loss = 0.0
-        for indices in _batches(self.data.num_train, config.batch_size, steps, generator):
+        for step, indices in enumerate(_batches(self.data.num_train, config.batch_size, steps, generator)):
+            if config.schedule != "constant" and purpose == "train":  # global step: all rounds' local steps
+                for group in optimizer.param_groups:
+                    group["lr"] = scheduled_lr(config, lr or config.lr, self.round * steps + step)
             x = self.data.train_x[indices].to(self.device, non_blocking=True)
             y = self.data.train_y[indices].to(self.device, non_blocking=True)
             with _autocast(self.device):
@@ -103,6 +106,8 @@ class ClientContext:
                 loss = loss + extra_loss(named)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if config.grad_clip is not None:
+                nn.utils.clip_grad_norm_(list(named.values()), config.grad_clip)
             optimizer.step()
         return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1))
 
@@ -128,6 +133,15 @@ def local_steps(config: TrainConfig, num_train: int) -> int:
     if config.local_epochs is not None:
         return config.local_epochs * math.ceil(num_train / config.batch_size)
     return config.local_steps
+
+
+def scheduled_lr(config: TrainConfig, base_lr: float, global_step: int) -> float:
+    """Linear warm-up to ``base_lr`` over ``warmup_steps``, then cosine decay to 0 at ``decay_steps``."""
+    if global_step < config.warmup_steps:
+        return base_lr * (global_step + 1) / config.warmup_steps
+    span = max(config.decay_steps - config.warmup_steps, 1)
+    progress = min((global_step - config.warmup_steps) / span, 1.0)
+    return 0.5 * base_lr * (1.0 + math.cos(math.pi * progress))
 
 
 def _optimizer(config: TrainConfig, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:

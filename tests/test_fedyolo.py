@@ -335,3 +335,31 @@ def test_the_paper_configs_validate_without_downloading():
     for path in paths:
         config = load_config(path)
         assert config.methods
+
+
+def test_warmup_cosine_schedule_rises_linearly_then_decays_to_zero():
+    from rayfed.config import TrainConfig
+    from rayfed.training import scheduled_lr
+
+    config = TrainConfig(schedule="warmup_cosine", warmup_steps=10, decay_steps=110)
+    assert scheduled_lr(config, 0.03, 0) == pytest.approx(0.003)
+    assert scheduled_lr(config, 0.03, 9) == pytest.approx(0.03)
+    assert scheduled_lr(config, 0.03, 60) == pytest.approx(0.015)
+    assert scheduled_lr(config, 0.03, 110) == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ConfigError, match="needs train.decay_steps"):
+        load_config({"train": {"schedule": "warmup_cosine"}})
+
+
+def test_a_multitask_fedyolo_run_reports_per_task_means_and_parameter_counts(tiny_run, tmp_path, ray_local):
+    from rayfed.simulation import Simulation
+
+    run = _multitask_run(tiny_run, [_task("a", 4, 0), _task("b", 3, 7)],
+                         ["fedyolo", {"name": "fedavg", "label": "fedavg-full", "model": {"module": "full"}}])
+    run["federation"].update(rounds=2, eval_every=1, representation_shift=True)
+    summary = Simulation(run, out_dir=tmp_path, progress=False).run()
+    yolo, full = summary["methods"]["fedyolo"], summary["methods"]["fedavg-full"]
+    assert set(yolo["tasks"]) == {"a", "b"}
+    assert yolo["mean"]["local_acc"] == pytest.approx((3 * yolo["tasks"]["a"]["local_acc"] + 3 * yolo["tasks"]["b"]["local_acc"]) / 6)
+    assert 0 < summary["comm_params"]["fedyolo"]["up"] * 10 < summary["comm_params"]["fedavg-full"]["up"]
+    assert full["mean"]["rep_shift"] > 0 and yolo["mean"]["rep_shift"] > 0
+    assert set(summary["rounds_to_target"]) == {"fedyolo", "fedavg-full"}
