@@ -31,6 +31,9 @@ class PartitionConfig(_Section):
     samples_per_client: int | None = Field(None, gt=0, description="exact samples per client (shards)")
     column: str | None = Field(None, description="the column whose values are the clients (natural)")
     min_samples: int = Field(2, ge=2, description="fewest samples a client may hold (train + test)")
+    max_group_size: int | None = Field(
+        None, gt=0, description="natural: keep only groups of min_samples..max_group_size samples (LEAF-style filter)"
+    )
     test_samples_per_client: int | None = Field(
         None, gt=0, description="shards: exact test samples per client; samples_per_client then counts training samples"
     )

@@ -363,3 +363,16 @@ def test_a_multitask_fedyolo_run_reports_per_task_means_and_parameter_counts(tin
     assert 0 < summary["comm_params"]["fedyolo"]["up"] * 10 < summary["comm_params"]["fedavg-full"]["up"]
     assert full["mean"]["rep_shift"] > 0 and yolo["mean"]["rep_shift"] > 0
     assert set(summary["rounds_to_target"]) == {"fedyolo", "fedavg-full"}
+
+
+def test_natural_partition_keeps_only_groups_within_the_size_filter():
+    data = load_config({"data": {
+        "source": "synthetic", "synthetic": {"num_samples": 100, "num_classes": 2, "image_size": 4, "num_writers": 30},
+        "num_clients": 20, "test_fraction": 0.5,
+        "partition": {"name": "natural", "column": "writer", "max_group_size": 3}},
+        "federation": {"clients_per_round": 2}}).data
+    federation = build_federation(data, seed=0)
+    assert len(federation.dataset.labels) == 60  # the 20 writers of 3 samples; the 10 of 4 are dropped
+    assert all(len(train) + len(test) == 3 for train, test in federation.splits)
+    with pytest.raises(ConfigError, match="more than the 20 groups"):
+        build_federation(data.model_copy(update={"num_clients": 21}), seed=0)

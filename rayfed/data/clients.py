@@ -94,6 +94,8 @@ def build_federation(config: DataConfig, seed: int) -> Federation | MultiTaskFed
         config.source, path=config.path, split=config.split, image_column=config.image_column,
         label_column=config.label_column, group_column=config.partition.column,
         max_samples=config.max_samples, seed=seed, synthetic=config.synthetic,
+        group_size=(1, None) if config.partition.max_group_size is None else
+        (config.partition.min_samples, config.partition.max_group_size),
     )
     part = config.partition
     test_samples = part.test_samples_per_client
