@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -363,7 +363,8 @@ class Simulation:
                 methods[entry.label]["tasks"] = result["tasks"]
             comm[entry.label] = result["comm_bytes"]
             comm_params[entry.label] = result.get("comm_params", {"up": 0, "down": 0})
-        target, rounds = rounds_to_target(self.log.events, self.config.federation.target_acc)
+        post_trained = {entry.label for entry in self.config.methods if entry.post_train_steps}
+        target, rounds = rounds_to_target(self.log.events, self.config.federation.target_acc, post_trained)
         return {
             "rayfed_version": rayfed.__version__,
             "config": self.config.to_dict(),
@@ -376,11 +377,18 @@ class Simulation:
         }
 
 
-def rounds_to_target(events: list[dict[str, Any]], target: float | None) -> tuple[float | None, dict[str, int | None]]:
+def rounds_to_target(
+    events: list[dict[str, Any]], target: float | None, post_trained: Collection[str] = (),
+) -> tuple[float | None, dict[str, int | None]]:
     """The first evaluated round whose mean local_acc reaches ``target`` for every method (None: never).
 
-    ``target`` defaults to 95% of the best mean local_acc any method reached at any evaluation."""
-    evals = [e for e in events if e.get("event") == "eval" and "local_acc" in e]
+    ``target`` defaults to 95% of the best mean local_acc any method reached at any evaluation. The
+    final evaluation of a ``post_trained`` method (after its fine-tuning stage) is not a round's model
+    and is left out."""
+    evals = [
+        e for e in events
+        if e.get("event") == "eval" and "local_acc" in e and not (e.get("final") and e["method"] in post_trained)
+    ]
     if target is None:
         if not evals:
             return None, {}

@@ -314,6 +314,8 @@ def test_rounds_to_target_takes_the_first_round_reaching_it():
     assert rounds_to_target(events, 0.8) == (0.8, {"a": 2, "b": 2})
     target, rounds = rounds_to_target(events, None)
     assert target == pytest.approx(0.95) and rounds == {"a": None, "b": 3}
+    events.append({"event": "eval", "method": "a", "round": 2, "final": True, "local_acc": 1.0})
+    assert rounds_to_target(events, 0.95, post_trained={"a"}) == (0.95, {"a": None, "b": 3})
 
 
 def test_representation_shift_is_zero_for_head_tuning_and_positive_for_adapters():
