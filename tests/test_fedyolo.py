@@ -89,9 +89,12 @@ def _study_run(tiny_run: dict, methods: list, module: str = "adapter") -> dict:
     return tiny_run
 
 
-@pytest.mark.parametrize("module", ["adapter", "vpt", "lora", "head"])
-def test_training_leaves_frozen_parameters_bitwise_unchanged_and_never_uploads_them(tiny_run, module):
-    actor = ClientActor(load_config(_study_run(tiny_run, ["fedavg"], module)).to_dict(), [0, 1])
+@pytest.mark.parametrize(("method", "module"), [
+    ("fedavg", "adapter"), ("fedavg", "vpt"), ("fedavg", "lora"), ("fedavg", "head"), ("fedyolo", "adapter"),
+    ("fedyolo", "vpt"),
+])
+def test_training_leaves_frozen_parameters_bitwise_unchanged_and_never_uploads_them(tiny_run, method, module):
+    actor = ClientActor(load_config(_study_run(tiny_run, [method], module)).to_dict(), [0, 1])
     shared = actor.start_method(0)
     frozen = {n: p.clone() for n, p in actor.model.named_parameters() if not p.requires_grad}
     assert frozen and set(shared) == set(actor.model.trainable_names())
