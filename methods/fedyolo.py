@@ -1,4 +1,6 @@
-"""FedYolo ("You Only Load Once"; seed ``003_040d52d311c5f3b8.txt``, spec ``fedyolo.md`` §3, Algorithm 1).
+"""FedYolo ("You Only Load Once"): one frozen backbone, per-task modules and heads, optionally shared modules.
+
+Seed ``003_040d52d311c5f3b8.txt`` (§4, Algorithm 1), spec ``fedyolo.md`` §3.
 
 One frozen pretrained backbone, loaded once per client; every task has its own modules and head,
 and the modules of some blocks may be shared by all tasks:
