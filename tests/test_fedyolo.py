@@ -381,3 +381,12 @@ def test_natural_partition_keeps_only_groups_within_the_size_filter():
     assert all(len(train) + len(test) == 3 for train, test in federation.splits)
     with pytest.raises(ConfigError, match="more than the 20 groups"):
         build_federation(data.model_copy(update={"num_clients": 21}), seed=0)
+
+
+def test_fedprox_with_mu_zero_is_fedavg(tiny_run):
+    actor = ClientActor(load_config(_study_run(tiny_run, ["fedavg", {"name": "fedprox", "mu": 0.0}])).to_dict(), [0])
+    uploads = []
+    for index in (0, 1):
+        start = actor.start_method(index)
+        uploads.append(actor.train(0, [0], {0: start})[0].tensors["shared"])
+    assert all(torch.equal(uploads[0][n], uploads[1][n]) for n in uploads[0])
