@@ -38,7 +38,7 @@ def tables(run_dirs: list[Path]) -> str:
     summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
     for run_dir, summary in zip(run_dirs, summaries):
         summary["target_acc"], summary["rounds_to_target"] = _rounds_to_target(run_dir, summary)
-    labels = list(summaries[0]["methods"])
+    labels = [label for label in summaries[0]["methods"] if all(label in s["methods"] for s in summaries)]
     rounds = summaries[0]["config"]["federation"]["rounds"]
     full_label = next((label for label in labels if label.endswith("full")), None)
     tasks = list(summaries[0]["methods"][labels[0]].get("tasks", {}))
