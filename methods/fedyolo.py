@@ -23,7 +23,7 @@ from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.method import Method
-from rayfed.models import Backbone, build_task_model
+from rayfed.models import Backbone, build_task_model, num_blocks
 from rayfed.modules import dedicated_blocks
 from rayfed.tasks import Task
 
@@ -43,5 +43,4 @@ class FedYolo(Method):
     Params = FedYoloParams
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
-        num_blocks = backbone.encoder.config.num_hidden_layers if hasattr(backbone.encoder, "config") else 0
-        return build_task_model(backbone, config, tasks, seed, dedicated_blocks(self.params.sharing, num_blocks))
+        return build_task_model(backbone, config, tasks, seed, dedicated_blocks(self.params.sharing, num_blocks(backbone)))

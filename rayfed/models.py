@@ -213,7 +213,7 @@ def build_task_model(
     if len(tasks) == 1 and dedicated is None:
         return build_client_model(backbone, config, tasks[0].num_classes, seed)
     dedicated = dedicated or (lambda block: False)
-    if config.module in ("lora", "full") and any(dedicated(block) for block in range(_num_blocks(backbone))):
+    if config.module in ("lora", "full") and any(dedicated(block) for block in range(num_blocks(backbone))):
         raise ConfigError(
             f"model.module = {config.module!r} cannot have a copy per task; per-task modules are adapter, vpt or head."
         )
@@ -229,7 +229,8 @@ def _seeds(seed: int) -> Callable[[str], int]:
     return lambda purpose: torch_seed(seed, 0, SERVER, purpose)
 
 
-def _num_blocks(backbone: Backbone) -> int:
+def num_blocks(backbone: Backbone) -> int:
+    """The number of transformer blocks of an HF backbone (0 if it has no HF config)."""
     return getattr(getattr(backbone.encoder, "config", None), "num_hidden_layers", 0)
 
 
