@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from rayfed.config import RunConfig, build_config, method_params
+from rayfed.config import RunConfig, build_config, method_model_config, method_params
 from rayfed.data.clients import build_federation
 from rayfed.method import ClientState, Method, TensorDict, Upload, presum, tensor_bytes
 from rayfed.methods import METHODS
 from rayfed.models import build_backbone
+from rayfed.modules import representation_shift, select_task
 from rayfed.seeding import SERVER, torch_seed
+from rayfed.tasks import task_view
 from rayfed.training import ClientContext
 
 Payloads = dict[int, TensorDict | None]
@@ -29,7 +31,8 @@ class RoundUploads:
     """One actor's part of a round: what goes to the server, and what its clients sent and lost."""
 
     uploads: list[Upload]
-    up_bytes: int  # bytes the clients uploaded (a partial sum's own size is a simulator detail)
+    up_bytes: int  # what the clients uploaded (a partial sum's own size is a simulator detail)
+    up_params: int
     train_losses: dict[int, float]
 
 
@@ -41,6 +44,7 @@ class ClientActor:
         self.client_ids = list(client_ids)
         federation = build_federation(self.config.data, self.config.seed)
         self.tasks = federation.tasks
+        self.task_of = {cid: federation.task_of(cid) for cid in self.client_ids}
         self.backbone = build_backbone(self.config.model, torch_seed(self.config.seed, 0, SERVER, "backbone"))
         data = {cid: federation.client_data(cid, self.backbone) for cid in self.client_ids}
         data_device = self._resident_device(tensor_bytes({cid: vars(d) for cid, d in data.items()}))
@@ -54,11 +58,14 @@ class ClientActor:
         entry = self.config.methods[method_index]
         self.method = METHODS[entry.name](method_params(entry, method_index))
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
-        self.model = self.method.build_model(self.backbone, self.config.model, self.tasks, init_seed).to(self.device)
+        model_config = method_model_config(self.config.model, entry, method_index)
+        self.model = self.method.build_model(self.backbone, model_config, self.tasks, init_seed).to(self.device)
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
         self.state_device = self._resident_device(3 * tensor_bytes(initial) * len(self.client_ids))
         resident = {name: value.to(self.state_device) for name, value in initial.items()}  # one copy, shared
-        self.states = {cid: self.method.init_client(resident) for cid in self.client_ids}
+        # A client holds, trains and uploads only its task's view (shared + task_<its task> parameters).
+        self.initial = {cid: task_view(resident, self.task_of[cid]) for cid in self.client_ids}
+        self.states = {cid: self.method.init_client(self.initial[cid]) for cid in self.client_ids}
         shared, _ = self.method.split(initial)
         return shared
 
@@ -75,9 +82,10 @@ class ClientActor:
         return self.device if nbytes < free / 4 else torch.device("cpu")
 
     def _context(self, client_id: int, round_idx: int) -> ClientContext:
+        select_task(self.model, self.task_of[client_id])
         return ClientContext(
             client_id, round_idx, self.config.seed, self.data[client_id], self.model,
-            self.config.train, self.device, self.eval_sets,
+            self.config.train, self.device, self.eval_sets, self.task_of[client_id],
         )
 
     def train(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> list[Upload]:
@@ -97,13 +105,25 @@ class ClientActor:
             upload.weight_scale = weight_scale[upload.client_id]
         shared = [u for u in uploads if u.tensors]
         summed = [presum(shared)] if shared and self.method.presums_uploads else shared
-        return RoundUploads(summed, sum(u.nbytes for u in uploads), {u.client_id: u.train_loss for u in uploads})
+        return RoundUploads(
+            summed, sum(u.nbytes for u in uploads), sum(u.nparams for u in uploads),
+            {u.client_id: u.train_loss for u in uploads},
+        )
 
     def evaluate(self, round_idx: int, payloads: Payloads) -> dict[int, dict[str, float]]:
         return {
-            cid: self._context(cid, round_idx).evaluate(self.method.eval_params(self.states[cid], payloads[cid]))
+            cid: self._metrics(self._context(cid, round_idx), self.method.eval_params(self.states[cid], payloads[cid]))
             for cid in self.client_ids
         }
+
+    def _metrics(self, client: ClientContext, params: TensorDict) -> dict[str, float]:
+        metrics = client.evaluate(params)
+        if self.config.federation.representation_shift:
+            metrics["rep_shift"] = representation_shift(
+                self.model, self.initial[client.client_id], params, client.data.test_x.to(self.device),
+                self.config.train.eval_batch_size,
+            )
+        return metrics
 
     def finish(self, round_idx: int, payloads: Payloads, post_train_steps: int) -> dict[int, dict[str, float]]:
         """The post-FL stages: the method's own, then optional fine-tuning; returns final metrics."""
@@ -114,7 +134,7 @@ class ClientActor:
             params = self.method.eval_params(state, payloads[cid])
             if post_train_steps:
                 params = client.train(params, steps=post_train_steps, purpose="post_train").params
-            metrics[cid] = client.evaluate(params)
+            metrics[cid] = self._metrics(client, params)
         return metrics
 
     def resource_usage(self) -> dict[str, int]:

@@ -8,26 +8,31 @@ from __future__ import annotations
 
 from rayfed.actors.client import RoundUploads
 from rayfed.config import build_config, method_params
-from rayfed.method import ServerState, TensorDict, tensor_bytes
+from rayfed.method import ServerState, TensorDict, tensor_bytes, tensor_params
 from rayfed.methods import METHODS
+from rayfed.tasks import client_tasks, task_view
 
 
 class DriverActor:
     def __init__(self, config: dict):
         self.config = build_config(config)
-        self.down_bytes = 0
+        self.task_of = client_tasks(self.config.data)
+        self.down_bytes = self.down_params = 0
 
     def start_method(self, method_index: int, initial_shared: TensorDict) -> None:
         """The method's initial server state, after its pre-federation stage."""
         entry = self.config.methods[method_index]
         self.method = METHODS[entry.name](method_params(entry, method_index))
+        self.method.num_clients = self.config.data.num_clients
         self.server: ServerState = self.method.before_federation(self.method.init_server(initial_shared))
-        self.down_bytes = 0
+        self.down_bytes = self.down_params = 0
 
     def payloads(self, client_ids: list[int], count_bytes: bool = True) -> dict[int, TensorDict | None]:
-        payloads = {cid: self.method.payload(self.server, cid) for cid in client_ids}
+        """What each client receives: the method's payload, restricted to the client's task view."""
+        payloads = {cid: task_view(self.method.payload(self.server, cid), self.task_of[cid]) for cid in client_ids}
         if count_bytes:
             self.down_bytes += sum(tensor_bytes(p) for p in payloads.values())
+            self.down_params += sum(tensor_params(p) for p in payloads.values())
         return payloads
 
     def aggregate(self, *parts: RoundUploads) -> dict[str, float | None]:
@@ -38,9 +43,11 @@ class DriverActor:
         stats = {
             "up_bytes": sum(part.up_bytes for part in parts),
             "down_bytes": self.down_bytes,
+            "up_params": sum(part.up_params for part in parts),
+            "down_params": self.down_params,
             "train_loss": sum(losses) / len(losses) if losses else None,
         }
-        self.down_bytes = 0
+        self.down_bytes = self.down_params = 0
         return stats
 
     def get_state(self) -> ServerState:

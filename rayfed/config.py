@@ -32,6 +32,21 @@ class PartitionConfig(_Section):
     column: str | None = Field(None, description="the column whose values are the clients (natural) or domains")
     clients_per_domain: int | None = Field(None, gt=0, description="clients each domain is split over (domain_dirichlet)")
     min_samples: int = Field(2, ge=2, description="fewest samples a client may hold (train + test)")
+    max_group_size: int | None = Field(
+        None, gt=0, description="natural: keep only groups of min_samples..max_group_size samples (LEAF-style filter)"
+    )
+    test_samples_per_client: int | None = Field(
+        None, gt=0, description="shards: exact test samples per client; samples_per_client then counts training samples"
+    )
+
+    @model_validator(mode="after")
+    def _exact_test(self) -> PartitionConfig:
+        if self.test_samples_per_client is not None and (self.name != "shards" or self.samples_per_client is None):
+            raise ValueError(
+                "data.partition.test_samples_per_client needs data.partition.name = 'shards' and "
+                "data.partition.samples_per_client (the exact training samples per client)"
+            )
+        return self
 
 
 class BaseNovelConfig(_Section):
@@ -55,6 +70,9 @@ class DataConfig(_Section):
     partition: PartitionConfig = PartitionConfig()
     synthetic: dict[str, Any] | None = None
     base_novel: BaseNovelConfig | None = None
+    tasks: tuple[TaskDataConfig, ...] | None = Field(
+        None, min_length=1, description="multi-task: one data config per task, client ids contiguous in task order"
+    )
 
     @model_validator(mode="after")
     def _base_novel_partition(self) -> DataConfig:
@@ -62,6 +80,47 @@ class DataConfig(_Section):
             raise ValueError(
                 f"data.partition.name = {self.partition.name!r} cannot be combined with data.base_novel, which deals "
                 "the base classes to clients itself; remove data.partition"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _task_list(self) -> DataConfig:
+        if self.tasks is None:
+            return self
+        if isinstance(self, TaskDataConfig):
+            raise ValueError(f"data.tasks[{self.name!r}] has its own `tasks`; tasks do not nest")
+        total = sum(task.num_clients for task in self.tasks)
+        others = [
+            name for name, field in DataConfig.model_fields.items()
+            if name not in ("tasks", "num_clients") and getattr(self, name) != field.get_default(call_default_factory=True)
+        ]
+        if others:
+            raise ValueError(f"data.{others[0]} is set next to data.tasks; with tasks, set it inside each task")
+        if "num_clients" in self.model_fields_set and self.num_clients != total:
+            raise ValueError(f"data.num_clients = {self.num_clients} differs from the {total} clients of data.tasks")
+        object.__setattr__(self, "num_clients", total)
+        names = [task.name for task in self.tasks]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"data.tasks: the name {name!r} is used twice; give each task a distinct name")
+        per_round = [task.clients_per_round for task in self.tasks]
+        if any(n is not None for n in per_round) and None in per_round:
+            raise ValueError("data.tasks: set clients_per_round in every task (stratified sampling) or in none")
+        return self
+
+
+class TaskDataConfig(DataConfig):
+    """One task of a multi-task run: its data, and how many of its clients a round samples."""
+
+    name: str
+    clients_per_round: int | None = Field(None, gt=0, description="stratified sampling: this task's clients per round")
+
+    @model_validator(mode="after")
+    def _per_round(self) -> TaskDataConfig:
+        if self.clients_per_round is not None and self.clients_per_round > self.num_clients:
+            raise ValueError(
+                f"data.tasks[{self.name!r}].clients_per_round = {self.clients_per_round} is larger than its "
+                f"num_clients = {self.num_clients}"
             )
         return self
 
@@ -73,11 +132,36 @@ class LoraConfig(_Section):
     targets: tuple[str, ...] = ("q_proj", "v_proj")
 
 
+class AdapterConfig(_Section):
+    dim: int = Field(8, gt=0, description="bottleneck width of the d -> dim -> d adapter")
+
+
+class VptConfig(_Section):
+    prompts: int = Field(8, gt=0, description="learnable prompt tokens per block (VPT-deep)")
+
+
+MODULES = ("head", "lora", "adapter", "vpt", "full")
+MODULE_FIELDS = ("module", "lora", "adapter", "vpt")  # what a method entry's `model` may override
+
+
 class ModelConfig(_Section):
     backbone: str = "tiny:vit"
     pretrained: str | None = Field(None, description="open_clip: a pretrained tag (openai, ...) or a weights file")
+    module: Literal["head", "lora", "adapter", "vpt", "full"] | None = Field(
+        None, description="what is trained over the backbone; unset: lora if model.lora is set, else head"
+    )
     lora: LoraConfig | None = LoraConfig()
+    adapter: AdapterConfig = AdapterConfig()
+    vpt: VptConfig = VptConfig()
     image_size: int | None = Field(None, gt=0, description="input size; default: the backbone's own")
+
+    @model_validator(mode="after")
+    def _resolve_module(self) -> ModelConfig:
+        if self.module is None:
+            object.__setattr__(self, "module", "lora" if self.lora is not None else "head")
+        elif self.module == "lora" and self.lora is None:
+            raise ValueError("model.module = 'lora' needs model.lora (rank, alpha, targets), which is null")
+        return self
 
 
 class FederationConfig(_Section):
@@ -85,6 +169,12 @@ class FederationConfig(_Section):
     clients_per_round: int = Field(10, gt=0)
     eval_every: int = Field(1, gt=0)
     checkpoint_every: int = Field(0, ge=0, description="0 = only restart points kept in memory")
+    target_acc: float | None = Field(
+        None, gt=0, le=1, description="rounds_to_target's accuracy; default: 95% of the best mean local_acc in the run"
+    )
+    representation_shift: bool = Field(
+        False, description="also evaluate 1 - cosine(features of the initial model, features now) on test data"
+    )
     max_failures: int = Field(3, ge=0, description="actor failures survived before giving up")
 
 
@@ -97,11 +187,19 @@ class TrainConfig(_Section):
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     eval_batch_size: int = Field(256, gt=0)
+    schedule: Literal["constant", "warmup_cosine"] = Field(
+        "constant", description="warmup_cosine: linear warm-up, then cosine decay to 0 over decay_steps global steps"
+    )
+    warmup_steps: int = Field(100, ge=0, description="warmup_cosine: steps of linear warm-up")
+    decay_steps: int | None = Field(None, gt=0, description="warmup_cosine: global steps until lr reaches 0 (rounds x local steps)")
+    grad_clip: float | None = Field(None, gt=0, description="clip the L2 norm of the trained parameters' gradient")
 
     @model_validator(mode="after")
     def _one_budget(self) -> TrainConfig:
         if self.local_epochs is not None:
             object.__setattr__(self, "local_steps", None)
+        if self.schedule == "warmup_cosine" and self.decay_steps is None:
+            raise ValueError("train.schedule = 'warmup_cosine' needs train.decay_steps (the run's rounds x local steps)")
         return self
 
 
@@ -152,6 +250,7 @@ class MethodEntry(_Section):
     name: str
     label: str = ""
     post_train_steps: int = Field(0, ge=0)
+    model: dict[str, Any] = Field({}, description="overrides of model.module / lora / adapter / vpt for this method")
     params: dict[str, Any] = {}
 
     @model_validator(mode="before")
@@ -160,7 +259,7 @@ class MethodEntry(_Section):
         if isinstance(raw, str):
             return {"name": raw}
         if isinstance(raw, dict):
-            known = {"name", "label", "post_train_steps", "params"}
+            known = {"name", "label", "post_train_steps", "model", "params"}
             extra = {k: v for k, v in raw.items() if k not in known}
             entry = {k: v for k, v in raw.items() if k in known}
             entry["params"] = {**raw.get("params", {}), **extra}
@@ -173,6 +272,9 @@ class MethodEntry(_Section):
             label = self.name + ("+post" if self.post_train_steps else "")
             object.__setattr__(self, "label", label)
         return self
+
+
+DataConfig.model_rebuild()
 
 
 class RunConfig(_Section):
@@ -190,6 +292,12 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
+        task_rounds = [task.clients_per_round for task in self.data.tasks or ()]
+        if task_rounds and None not in task_rounds and self.federation.clients_per_round != sum(task_rounds):
+            raise ValueError(
+                f"federation.clients_per_round = {self.federation.clients_per_round} differs from the sum "
+                f"{sum(task_rounds)} of data.tasks[*].clients_per_round (stratified sampling); set it to {sum(task_rounds)}"
+            )
         if self.federation.clients_per_round > self.data.num_clients:
             raise ValueError(
                 f"federation.clients_per_round = {self.federation.clients_per_round} is larger than "
@@ -204,10 +312,33 @@ class RunConfig(_Section):
         for label in labels:
             if labels.count(label) > 1:
                 raise ValueError(f"methods: the label {label!r} is used twice; give each entry a distinct `label`")
+        for index, entry in enumerate(self.methods):
+            method_model_config(self.model, entry, index)
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def method_model_config(model: ModelConfig, entry: MethodEntry, index: int = 0) -> ModelConfig:
+    """The model config a method entry trains: ``model`` with the entry's module overrides."""
+    if not entry.model:
+        return model
+    for key in entry.model:
+        if key not in MODULE_FIELDS:
+            raise ValueError(
+                f"methods[{index}].model.{key} cannot be set per method{suggest(key, MODULE_FIELDS)}; "
+                f"allowed: {', '.join(MODULE_FIELDS)} (the backbone is one per run)"
+            )
+    raw = model.model_dump(mode="json")
+    if "module" not in entry.model and "lora" in entry.model:
+        raw["module"] = None
+    try:
+        return ModelConfig.model_validate({**raw, **entry.model})
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        path = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"methods[{index}].model.{path} is invalid: {_clean_msg(first['msg'])}") from None
 
 
 def method_params(entry: MethodEntry, index: int) -> Any:

@@ -57,6 +57,10 @@ class Upload:
     def nbytes(self) -> int:
         return tensor_bytes(self.tensors)
 
+    @property
+    def nparams(self) -> int:
+        return tensor_params(self.tensors)
+
 
 @dataclass
 class LocalResult:
@@ -65,6 +69,15 @@ class LocalResult:
     state: ClientState
     upload: dict[str, TensorDict]
     train_loss: float
+
+
+def tensor_params(tree: Any) -> int:
+    """The number of parameters (elements) in a tensor or a nested dict of tensors."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel()
+    if isinstance(tree, dict):
+        return sum(tensor_params(value) for value in tree.values())
+    return 0
 
 
 def tensor_bytes(tree: Any) -> int:
@@ -128,6 +141,7 @@ class Method:
 
     Params: ClassVar[type] = NoParams
     communicates: ClassVar[bool] = True
+    num_clients: int = 0  # the federation's size; the DriverActor sets it before init_server
 
     def __init__(self, params: Any = None):
         self.params = params if params is not None else self.Params()
@@ -136,12 +150,13 @@ class Method:
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         """The client model this method trains over a private copy of ``backbone``.
 
-        Default: the config's LoRA (if any) and one linear head over the first task's classes.
-        Initial values must depend on ``seed`` only, so every actor builds the same model.
+        Default: the config's module (LoRA, adapter, prompts, full or none) shared by all tasks, and
+        a linear head per task (one ``head`` when there is one task). Initial values must depend on
+        ``seed`` only, so every actor builds the same model.
         """
-        from rayfed.models import build_client_model
+        from rayfed.models import build_task_model
 
-        return build_client_model(backbone, config, tasks[0].num_classes, seed)
+        return build_task_model(backbone, config, tasks, seed)
 
     def participants(self, round_idx: int, sampled: list[int], num_clients: int) -> list[int]:
         """The clients that train in round ``round_idx``, given the engine's seeded sample. Default: the sample."""

@@ -9,6 +9,7 @@ state and is swapped in per client) or frozen (shared by every client the actor 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,17 +20,29 @@ from torch import nn
 
 from rayfed.config import LoraConfig, ModelConfig
 from rayfed.errors import ConfigError, choice_error
+from rayfed.modules import add_adapters, add_prompts, task_heads
+from rayfed.seeding import SERVER, torch_seed
+from rayfed.tasks import Task
 
 TensorDict = dict[str, torch.Tensor]
 
 BACKBONES = (
     "tiny:vit", "tiny:clip-vision", "tiny-pretrained:vit", "tiny-pretrained:clip-vision",
     "tiny-pretrained:clip", "tiny-pretrained:open_clip", "tiny-pretrained:open_clip-deep",
+    "vit:T|S|B|L (randomly initialised ViT-Tiny/Small/Base/Large, patch 16, 224 px)",
     "hf:<name or local path> (ViT or CLIP vision tower)",
     "open_clip:<arch> (image tower; model.pretrained = tag or file)",
 )
 
 _TINY_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+
+# The study's ViT sizes (spec fedyolo.md §1): hidden size, blocks, heads, MLP width.
+VIT_SIZES = {
+    "T": dict(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768),
+    "S": dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536),
+    "B": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "L": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
 
 
 @dataclass
@@ -52,6 +65,13 @@ def build_backbone(config: ModelConfig, seed: int) -> Backbone:
             **_TINY_SIZES, image_size=config.image_size or 16, patch_size=4, num_channels=3,
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         )
+        encoder = transformers.ViTModel(vit_config, add_pooling_layer=False)
+        return _frozen(Backbone(encoder, vit_config.hidden_size, vit_config.image_size, 3, "cls"))
+    if name.startswith("vit:"):
+        size = name.removeprefix("vit:")
+        if size not in VIT_SIZES:
+            raise choice_error("model.backbone", name, [f"vit:{s}" for s in VIT_SIZES])
+        vit_config = transformers.ViTConfig(**VIT_SIZES[size], image_size=config.image_size or 224, patch_size=16)
         encoder = transformers.ViTModel(vit_config, add_pooling_layer=False)
         return _frozen(Backbone(encoder, vit_config.hidden_size, vit_config.image_size, 3, "cls"))
     if name == "tiny:clip-vision":
@@ -192,10 +212,63 @@ def build_client_model(backbone: Backbone, config: ModelConfig, num_classes: int
     """A fresh client model over a private copy of ``backbone``; initial values depend on ``seed`` only."""
     torch.manual_seed(seed)
     model = ClientModel(copy.deepcopy(backbone), num_classes)
-    if config.lora is not None:
-        _inject_lora(model, config.lora)
+    _attach_module(model, config, [Task(0, "task", ("",) * num_classes)], lambda block: False, seed)
     model.head.requires_grad_(True)
     return model
+
+
+def build_task_model(
+    backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int,
+    dedicated: Callable[[int], bool] | None = None,
+) -> ClientModel:
+    """A client model over every task: one head per task (``head.task_<i>``) and ``config.module``, on
+    each block shared by all tasks or, where ``dedicated(block)``, one copy per task. With one task and
+    no dedicated blocks: :func:`build_client_model` (one ``head``)."""
+    if len(tasks) == 1 and dedicated is None:
+        return build_client_model(backbone, config, tasks[0].num_classes, seed)
+    dedicated = dedicated or (lambda block: False)
+    if config.module in ("lora", "full") and any(dedicated(block) for block in range(num_blocks(backbone))):
+        raise ConfigError(
+            f"model.module = {config.module!r} cannot have a copy per task; per-task modules are adapter, vpt or head."
+        )
+    torch.manual_seed(seed)
+    model = ClientModel(copy.deepcopy(backbone), 1)
+    model.head = task_heads(backbone.feature_dim, tasks, _seeds(seed))
+    _attach_module(model, config, tasks, dedicated, seed)
+    model.head.requires_grad_(True)
+    return model
+
+
+def _seeds(seed: int) -> Callable[[str], int]:
+    return lambda purpose: torch_seed(seed, 0, SERVER, purpose)
+
+
+def num_blocks(backbone: Backbone) -> int:
+    """The number of transformer blocks of an HF backbone (0 if it has no HF config)."""
+    return getattr(getattr(backbone.encoder, "config", None), "num_hidden_layers", 0)
+
+
+def _attach_module(
+    model: ClientModel, config: ModelConfig, tasks: Sequence[Task], dedicated: Callable[[int], bool], seed: int
+) -> None:
+    """Add ``config.module`` to the model's encoder and mark what it trains (the head is trained always)."""
+    encoder_config = getattr(model.encoder, "config", None)
+    if config.module in ("adapter", "vpt") and encoder_config is None:
+        raise ConfigError(
+            f"model.module = {config.module!r} needs an HF ViT or CLIP vision backbone; "
+            f"model.backbone = {config.backbone!r} is not one (use lora, head or full)."
+        )
+    if config.module == "lora":
+        _inject_lora(model, config.lora)
+    elif config.module == "full":
+        model.encoder.requires_grad_(True)
+    elif config.module == "adapter":
+        add_adapters(model.encoder, encoder_config.hidden_size, config.adapter.dim, tasks, dedicated, _seeds(seed))
+    elif config.module == "vpt":
+        add_prompts(
+            model.encoder, encoder_config.hidden_size, config.vpt.prompts, encoder_config.patch_size,
+            encoder_config.num_channels, tasks, dedicated, _seeds(seed),
+        )
 
 
 def _inject_lora(model: ClientModel, lora: LoraConfig) -> None:

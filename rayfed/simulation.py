@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -25,15 +25,15 @@ import rayfed
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.checkpoint import load_checkpoint, save_checkpoint
-from rayfed.config import RunConfig, dump_config, load_config, method_params
+from rayfed.config import RunConfig, dump_config, load_config, method_model_config, method_params
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.methods import METHODS
 from rayfed.metrics import with_derived
 from rayfed.models import build_backbone
-from rayfed.seeding import sample_clients
 from rayfed.system import plan_round
+from rayfed.tasks import client_tasks, sample_round
 
 RoundCallback = Callable[["Simulation", str, int], None]
 """Called as ``callback(simulation, method_label, rounds_done)`` after every round."""
@@ -156,8 +156,10 @@ class Simulation:
         sample = self.federation.client_data(0, backbone).train_x[:1]
         for index, entry in enumerate(self.config.methods):
             method = METHODS[entry.name](method_params(entry, index))
-            model = method.build_model(backbone, self.config.model, self.federation.tasks, 0)
-            other_tasks = sorted({task for _, task, _ in self.federation.shared_eval.values()} - {0})
+            model = method.build_model(
+                backbone, method_model_config(self.config.model, entry, index), self.federation.tasks, 0
+            )
+            other_tasks = sorted({task for _, task, _ in getattr(self.federation, "shared_eval", {}).values()} - {0})
             if other_tasks and not hasattr(model, "select_task"):
                 raise ConfigError(
                     f"methods[{index}] ({entry.name}) classifies with a linear head over task 0 and cannot score "
@@ -260,7 +262,7 @@ class Simulation:
         checkpoint = load_checkpoint(self._checkpoint_dir, label)
         if checkpoint is None:
             self.log.restart_method(label, 0)
-            return 0, {"up_bytes": 0, "down_bytes": 0, "wall_time_s": 0.0}
+            return 0, {"up_bytes": 0, "down_bytes": 0, "up_params": 0, "down_params": 0, "wall_time_s": 0.0}
         ray.get([actor.set_states.remote(checkpoint.clients) for actor in self.actors]
                 + [self.driver.set_state.remote(checkpoint.server)])
         self.log.restart_method(label, checkpoint.round)
@@ -274,8 +276,7 @@ class Simulation:
         method = METHODS[entry.name](method_params(entry, method_index))
         for round_idx in range(start_round, federation.rounds):
             started = time.perf_counter()
-            sampled = sample_clients(config.seed, round_idx, config.data.num_clients, federation.clients_per_round)
-            sampled = method.participants(round_idx, sampled, config.data.num_clients)
+            sampled = method.participants(round_idx, sample_round(config, round_idx), config.data.num_clients)
             plan = plan_round(config, round_idx, sampled, self.num_train)
             upload_refs = []
             for actor_index, client_ids in self._group_by_actor(plan.participants).items():
@@ -289,6 +290,8 @@ class Simulation:
             wall = time.perf_counter() - started
             counters["up_bytes"] += stats["up_bytes"]
             counters["down_bytes"] += stats["down_bytes"]
+            for key in ("up_params", "down_params"):  # absent from checkpoints of older versions
+                counters[key] = counters.get(key, 0) + stats[key]
             counters["wall_time_s"] += wall
             self.log.append({"event": "round", "method": entry.label, "round": rounds_done, "clients": sampled,
                              "participants": plan.participants, "dropped": plan.dropped, "late": plan.late,
@@ -341,9 +344,16 @@ class Simulation:
         means, stds = _mean_std(clients)
         self.log.append({"event": "eval", "method": entry.label, "round": rounds, "final": True, **means,
                          "clients": {str(c): m for c, m in clients.items()}})
+        per_task = {}
+        if self.config.data.tasks is not None:
+            task_of = client_tasks(self.config.data)
+            for index, task in enumerate(self.config.data.tasks):
+                per_task[task.name] = _mean_std({c: m for c, m in clients.items() if task_of[c] == index})[0]
         atomic_write_json(self._results_dir / f"{entry.label}.json", {
             "clients": {str(c): m for c, m in clients.items()}, "mean": means, "std": stds,
+            **({"tasks": per_task} if per_task else {}),
             "comm_bytes": {"up": int(counters["up_bytes"]), "down": int(counters["down_bytes"])},
+            "comm_params": {"up": int(counters.get("up_params", 0)), "down": int(counters.get("down_params", 0))},
             "wall_time_s": counters["wall_time_s"],
         })
         return means
@@ -359,18 +369,50 @@ class Simulation:
 
     # Results -----------------------------------------------------------------------------
     def _summary(self, wall_time_s: float) -> dict[str, Any]:
-        methods, comm = {}, {}
+        methods, comm, comm_params = {}, {}, {}
         for entry in self.config.methods:
             result = json.loads((self._results_dir / f"{entry.label}.json").read_text())
             methods[entry.label] = {"clients": result["clients"], "mean": result["mean"], "std": result["std"]}
+            if "tasks" in result:  # multi-task runs: the mean metrics of every task's clients
+                methods[entry.label]["tasks"] = result["tasks"]
             comm[entry.label] = result["comm_bytes"]
+            comm_params[entry.label] = result.get("comm_params", {"up": 0, "down": 0})
+        post_trained = {entry.label for entry in self.config.methods if entry.post_train_steps}
+        target, rounds = rounds_to_target(self.log.events, self.config.federation.target_acc, post_trained)
         return {
             "rayfed_version": rayfed.__version__,
             "config": self.config.to_dict(),
             "methods": methods,
             "wall_time_s": round(wall_time_s, 3),
             "comm_bytes": comm,
+            "comm_params": comm_params,  # "up" is the paper's T x M x P cost in parameters
+            "target_acc": target,
+            "rounds_to_target": rounds,
         }
+
+
+def rounds_to_target(
+    events: list[dict[str, Any]], target: float | None, post_trained: Collection[str] = (),
+) -> tuple[float | None, dict[str, int | None]]:
+    """The first evaluated round whose mean local_acc reaches ``target`` for every method (None: never).
+
+    ``target`` defaults to 95% of the best mean local_acc any method reached at any evaluation. The
+    final evaluation of a ``post_trained`` method (after its fine-tuning stage) is not a round's model
+    and is left out."""
+    evals = [
+        e for e in events
+        if e.get("event") == "eval" and "local_acc" in e and not (e.get("final") and e["method"] in post_trained)
+    ]
+    if target is None:
+        if not evals:
+            return None, {}
+        target = 0.95 * max(e["local_acc"] for e in evals)
+    rounds: dict[str, int | None] = {}
+    for event in sorted(evals, key=lambda e: e["round"]):
+        rounds.setdefault(event["method"], None)
+        if rounds[event["method"]] is None and event["local_acc"] >= target:
+            rounds[event["method"]] = event["round"]
+    return target, rounds
 
 
 def _mean_std(clients: dict[int, dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:

@@ -14,6 +14,7 @@ from rayfed.config import TrainConfig
 from rayfed.method import TensorDict
 from rayfed.metrics import with_derived
 from rayfed.models import ClientModel
+from rayfed.modules import select_task
 
 # An extra loss term computed from the live trainable parameters (e.g. a proximal term).
 Penalty = Callable[[dict[str, torch.Tensor]], torch.Tensor]
@@ -82,6 +83,7 @@ class ClientContext:
     def __init__(
         self, client_id: int, round_idx: int, seed: int, data: ClientData,
         model: ClientModel, train_config: TrainConfig, device: torch.device, eval_sets: Sequence[EvalSet] = (),
+        task: int = 0,
     ):
         self.client_id = client_id
         self.round = round_idx
@@ -91,6 +93,7 @@ class ClientContext:
         self.train_config = train_config
         self.device = device
         self.eval_sets = eval_sets
+        self.task = task  # the index of the task (label space) the client learns
 
     @property
     def num_samples(self) -> int:
@@ -114,7 +117,11 @@ class ClientContext:
         self.model.train()
         # Summed on the device: reading each step's loss would make the host wait for the GPU every step.
         total_loss = torch.zeros((), device=self.device)
-        for indices in _batches(self.data.num_train, config.batch_size, steps, generator, self.data.train_x.device):
+        batches = _batches(self.data.num_train, config.batch_size, steps, generator, self.data.train_x.device)
+        for step, indices in enumerate(batches):
+            if config.schedule != "constant" and purpose == "train":  # global step: all rounds' local steps
+                for group in optimizer.param_groups:
+                    group["lr"] = scheduled_lr(config, lr or config.lr, self.round * steps + step)
             x = self.data.train_x[indices].to(self.device, non_blocking=True)
             y = self.data.train_y[indices].to(self.device, non_blocking=True)
             with _autocast(self.device):
@@ -124,6 +131,8 @@ class ClientContext:
                 loss = loss + extra_loss(named)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if config.grad_clip is not None:
+                nn.utils.clip_grad_norm_(list(named.values()), config.grad_clip)
             optimizer.step()
         return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss.item() / max(steps, 1))
 
@@ -140,10 +149,10 @@ class ClientContext:
             if eval_set.exclude_own_classes:
                 keep = ~torch.isin(y, self.data.train_y.unique())
                 x, y = x[keep], y[keep]
-            self.model.select_task(eval_set.task)
+            select_task(self.model, eval_set.task)
             metrics[f"{eval_set.name}_acc"] = self._score(x, y)[0] / len(y)
         if self.eval_sets:
-            self.model.select_task(0)
+            select_task(self.model, self.task)
         return with_derived(metrics)
 
     def _score(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[int, float]:
@@ -165,6 +174,15 @@ def local_steps(config: TrainConfig, num_train: int) -> int:
     if config.local_epochs is not None:
         return config.local_epochs * math.ceil(num_train / config.batch_size)
     return config.local_steps
+
+
+def scheduled_lr(config: TrainConfig, base_lr: float, global_step: int) -> float:
+    """Linear warm-up to ``base_lr`` over ``warmup_steps``, then cosine decay to 0 at ``decay_steps``."""
+    if global_step < config.warmup_steps:
+        return base_lr * (global_step + 1) / config.warmup_steps
+    span = max(config.decay_steps - config.warmup_steps, 1)
+    progress = min((global_step - config.warmup_steps) / span, 1.0)
+    return 0.5 * base_lr * (1.0 + math.cos(math.pi * progress))
 
 
 def _optimizer(config: TrainConfig, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:

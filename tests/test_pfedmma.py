@@ -189,7 +189,7 @@ def _clip_run(backbone: str, methods: list) -> dict:
 
 
 def test_uploads_hold_only_the_shared_projections_and_evaluation_scores_both_label_spaces(tiny_hf_clip):
-    from rayfed.actors.client import ClientActor
+    from rayfed.actors.client import ClientActor, RoundUploads
     from rayfed.actors.driver import DriverActor
 
     config = load_config(_clip_run(tiny_hf_clip, [{"name": "pfedmma", "rank": 4, "first_layer": 3}])).to_dict()
@@ -204,7 +204,7 @@ def test_uploads_hold_only_the_shared_projections_and_evaluation_scores_both_lab
         assert upload.nbytes == 2 * (4 * 4 + 4) * 4  # m (r^2 + r) float32 values, m = blocks 3..4
     personal = actor.states[0]["personal"]
     assert personal and all(".shared." not in name for name in personal)
-    driver.aggregate({0: 1.0, 1: 1.0}, uploads)
+    driver.aggregate(RoundUploads(uploads, 0, 0, {}))
     n0, n1 = (actor.data[c].num_train for c in (0, 1))
     name = sorted(initial)[0]
     expected = (n0 * uploads[0].tensors["shared"][name] + n1 * uploads[1].tensors["shared"][name]) / (n0 + n1)

@@ -49,7 +49,8 @@ def test_run_writes_the_results_contract(tiny_run, tmp_path):
     tiny_run["methods"] = ["local", "fedavg", {"name": "fedavg", "post_train_steps": 4}, "ditto"]
     summary = _run(tiny_run, tmp_path)
 
-    assert set(summary) == {"rayfed_version", "config", "methods", "wall_time_s", "comm_bytes"}
+    assert set(summary) == {"rayfed_version", "config", "methods", "wall_time_s", "comm_bytes", "comm_params",
+                            "target_acc", "rounds_to_target"}
     assert list(summary["methods"]) == ["local", "fedavg", "fedavg+post", "ditto"]
     for label, result in summary["methods"].items():
         assert sorted(result["clients"], key=int) == ["0", "1", "2", "3"]
@@ -59,6 +60,9 @@ def test_run_writes_the_results_contract(tiny_run, tmp_path):
         assert all(client["num_test"] > 0 for client in result["clients"].values())
     assert summary["comm_bytes"]["local"] == {"up": 0, "down": 0}
     assert summary["comm_bytes"]["fedavg"]["up"] > 0 and summary["comm_bytes"]["fedavg"]["down"] > 0
+    assert summary["comm_bytes"]["fedavg"]["up"] == 4 * summary["comm_params"]["fedavg"]["up"]  # fp32
+    assert summary["comm_params"]["local"] == {"up": 0, "down": 0}
+    assert set(summary["rounds_to_target"]) == set(summary["methods"])
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

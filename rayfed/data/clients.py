@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -10,7 +11,7 @@ import torch
 
 from rayfed.config import DataConfig
 from rayfed.data.base_novel import base_novel_split
-from rayfed.data.partition import partition, split_train_test
+from rayfed.data.partition import exact_test_split, partition, split_train_test
 from rayfed.data.sources import ArrayDataset, load_source
 from rayfed.models import Backbone, check_image_channels, to_tensor_images
 from rayfed.tasks import Task
@@ -39,6 +40,9 @@ class Federation:
             for name, (indices, task, exclude_own) in self.shared_eval.items()
         ]
 
+    def task_of(self, client_id: int) -> int:
+        return 0
+
     @property
     def num_clients(self) -> int:
         return len(self.splits)
@@ -59,12 +63,61 @@ class Federation:
         )
 
 
-def build_federation(config: DataConfig, seed: int) -> Federation:
-    """Deterministic in (config, seed): every actor that calls it gets the same clients."""
+@dataclass(frozen=True)
+class MultiTaskFederation:
+    """Several tasks, each a :class:`Federation` of its own; client ids are contiguous in task order."""
+
+    parts: list[Federation]
+    names: list[str]
+
+    @property
+    def tasks(self) -> list[Task]:
+        return [Task(index, name, part.dataset.class_names) for index, (name, part) in enumerate(zip(self.names, self.parts))]
+
+    @property
+    def num_clients(self) -> int:
+        return sum(part.num_clients for part in self.parts)
+
+    def _locate(self, client_id: int) -> tuple[int, int]:
+        for index, part in enumerate(self.parts):
+            if client_id < part.num_clients:
+                return index, client_id
+            client_id -= part.num_clients
+        raise IndexError(f"client {client_id} is beyond the federation's {self.num_clients} clients")
+
+    def task_of(self, client_id: int) -> int:
+        return self._locate(client_id)[0]
+
+    def sizes(self, client_id: int) -> dict[str, int]:
+        task, local = self._locate(client_id)
+        return self.parts[task].sizes(local)
+
+    def client_data(self, client_id: int, backbone: Backbone) -> ClientData:
+        task, local = self._locate(client_id)
+        return self.parts[task].client_data(local, backbone)
+
+    def eval_sets(self, backbone: Backbone) -> list[EvalSet]:
+        """Every task's shared test sets, named ``<task>_<name>`` and scored in that task's label space."""
+        return [
+            dataclasses.replace(eval_set, name=f"{name}_{eval_set.name}", task=index)
+            for index, (name, part) in enumerate(zip(self.names, self.parts))
+            for eval_set in part.eval_sets(backbone)
+        ]
+
+
+def build_federation(config: DataConfig, seed: int) -> Federation | MultiTaskFederation:
+    """Deterministic in (config, seed): every actor that calls it gets the same clients.
+
+    With ``data.tasks`` every task's clients are built from its own config alone, so a task's data
+    does not depend on which other tasks exist."""
+    if config.tasks is not None:
+        return MultiTaskFederation([build_federation(task, seed) for task in config.tasks], [t.name for t in config.tasks])
     dataset = load_source(
         config.source, path=config.path, split=config.split, image_column=config.image_column,
         label_column=config.label_column, group_column=config.partition.column,
         max_samples=config.max_samples, seed=seed, synthetic=config.synthetic, resize=config.resize,
+        group_size=(1, None) if config.partition.max_group_size is None else
+        (config.partition.min_samples, config.partition.max_group_size),
     )
     if config.base_novel is not None:
         relabelled, splits, tasks, shared_eval = base_novel_split(
@@ -72,10 +125,14 @@ def build_federation(config: DataConfig, seed: int) -> Federation:
         )
         return Federation(relabelled, splits, tasks, shared_eval)
     part = config.partition
+    test_samples = part.test_samples_per_client
+    total_per_client = None if part.samples_per_client is None else part.samples_per_client + (test_samples or 0)
     client_indices = partition(
         dataset.labels, config.num_clients, part.name, seed=seed, alpha=part.alpha,
         classes_per_client=part.classes_per_client, groups=dataset.groups,
-        min_samples=part.min_samples, samples_per_client=part.samples_per_client,
+        min_samples=part.min_samples, samples_per_client=total_per_client,
         clients_per_domain=part.clients_per_domain,
     )
+    if test_samples is not None:
+        return Federation(dataset, exact_test_split(client_indices, dataset.labels, test_samples, seed=seed))
     return Federation(dataset, split_train_test(client_indices, dataset.labels, config.test_fraction, seed=seed))

@@ -325,3 +325,27 @@ def _domain_dirichlet(
         rng = _rng(seed, _PURPOSE_LABELDIR, index)
         clients += _labeldir(members, labels, clients_per_domain, alpha, min_samples, rng)
     return clients
+def exact_test_split(
+    client_indices: list[np.ndarray], labels: np.ndarray, test_samples: int, *, seed: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Split each client into exactly ``test_samples`` test samples, spread evenly over the client's
+    classes (sorted, larger quotas first), and the rest for training; every class keeps >= 1 of each."""
+    labels = np.asarray(labels)
+    splits = []
+    for client, indices in enumerate(client_indices):
+        rng = _rng(seed, _PURPOSE_TRAIN_TEST, client)
+        client_labels = labels[indices]
+        classes = np.unique(client_labels)
+        train_parts, test_parts = [], []
+        for label, quota in zip(classes, _balanced_quotas(test_samples, len(classes))):
+            members = rng.permutation(indices[client_labels == label])
+            if not 1 <= quota < len(members):
+                raise DataError(
+                    f"data.partition.test_samples_per_client = {test_samples}: client {client} has {len(members)} "
+                    f"samples of class {label} and cannot keep both train and test samples of it; "
+                    f"use a value between {len(classes)} and data.partition.samples_per_client."
+                )
+            test_parts.append(members[:quota])
+            train_parts.append(members[quota:])
+        splits.append((np.sort(np.concatenate(train_parts)), np.sort(np.concatenate(test_parts))))
+    return splits

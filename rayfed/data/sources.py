@@ -94,11 +94,14 @@ def load_source(
     seed: int = 0,
     synthetic: dict[str, Any] | None = None,
     resize: int | None = None,
+    group_size: tuple[int, int | None] = (1, None),
 ) -> ArrayDataset:
     """Load ``source`` (one of :data:`SOURCES`) into memory, optionally keeping a seeded subset.
 
     ``resize``: hf: images are converted to RGB and resized to ``resize`` x ``resize`` as they are read
-    (real datasets whose images differ in size).
+    (real datasets whose images differ in size). With a group column, only samples of groups whose
+    size is within ``group_size`` (min, max or None) are kept; for ``hf:`` sources they are selected
+    before any image is decoded.
     """
     if max_samples is not None and max_samples <= 0:
         raise DataError(f"data.max_samples = {max_samples} is invalid: it must be > 0 (or unset for all samples).")
@@ -116,7 +119,9 @@ def load_source(
         _require_no_group_column(source, group_column)
         dataset = _load_fashion_mnist(path, split)
     elif source.startswith("hf:"):
-        dataset = _load_hf(source.removeprefix("hf:"), path, split, image_column, label_column, group_column, resize)
+        dataset = _load_hf(
+            source.removeprefix("hf:"), path, split, image_column, label_column, group_column, resize, group_size
+        )
     elif source == "synthetic":
         _require_no_split(source, split)
         _require_group_column(source, group_column, SYNTHETIC_GROUP_COLUMN)
@@ -129,6 +134,8 @@ def load_source(
         raise DataError(
             f"data.source = {source!r} is not known{suggest(source, SOURCES)}; allowed: {', '.join(SOURCES)}."
         )
+    if group_column is not None and group_size != (1, None) and not source.startswith("hf:"):  # hf: filtered above
+        dataset = dataset.subset(_rows_of_sized_groups(dataset.groups, group_size))
     if max_samples is not None and max_samples < len(dataset):
         rng = np.random.default_rng(np.random.SeedSequence([seed, _PURPOSE_SUBSET]))
         dataset = dataset.subset(np.sort(rng.choice(len(dataset), size=max_samples, replace=False)))
@@ -222,6 +229,7 @@ def _load_hf(
     label_column: str,
     group_column: str | None,
     resize: int | None = None,
+    group_size: tuple[int, int | None] = (1, None),
 ) -> ArrayDataset:
     import datasets
 
@@ -259,10 +267,20 @@ def _load_hf(
                 f"columns: {', '.join(loaded.column_names)}."
             )
 
+    if group_column is not None and group_size != (1, None):
+        loaded = loaded.select(_rows_of_sized_groups(np.asarray(loaded[group_column]), group_size))
     images = _stack_images(loaded[image_column], image_column, resize)
     labels, class_names = _encode_labels(loaded[label_column], loaded.features[label_column], label_column)
     groups = np.asarray(loaded[group_column]) if group_column is not None else None
     return ArrayDataset(images, labels, class_names, groups)
+
+
+def _rows_of_sized_groups(groups: np.ndarray, group_size: tuple[int, int | None]) -> np.ndarray:
+    """Indices of the samples whose group has between ``group_size[0]`` and ``group_size[1]`` samples."""
+    smallest, largest = group_size
+    _, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)
+    sizes = counts[inverse.reshape(-1)]
+    return np.flatnonzero((sizes >= smallest) & (sizes <= (largest if largest is not None else sizes.max())))
 
 
 def _stack_images(column: list[Any], image_column: str, resize: int | None = None) -> np.ndarray:

@@ -1,0 +1,73 @@
+"""Mean +- std over seeds of the FedYolo study's metrics, as markdown tables (docs/fedyolo.md).
+
+``python -m rayfed.benchmarks.fedyolo_tables RUN_DIR [RUN_DIR ...]``: the run directories of one
+config run with different seeds. Per method: final mean local accuracy (and per task in multi-task
+runs), uplink parameters per round and in total (the paper's T x M x P), the full/method uplink
+ratio, rounds to 95% of fedavg-full's best accuracy, and the representation shift when measured.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from rayfed.simulation import MetricsLog, rounds_to_target
+
+
+def _mean_std(values: list[float], scale: float = 1.0) -> str:
+    array = np.asarray(values, dtype=float) * scale
+    return f"{array.mean():.1f} ± {array.std():.1f}"
+
+
+def _rounds_to_target(run_dir: Path, summary: dict) -> tuple[float | None, dict[str, int | None]]:
+    """From metrics.jsonl, with the spec's target (§2 Metrics): 95% of the best mean local accuracy
+    of the run's ``fedavg-full`` method, when the config sets none and the run has that method."""
+    events = MetricsLog.read(run_dir / "metrics.jsonl")
+    post_trained = {m["label"] for m in summary["config"]["methods"] if m["post_train_steps"]}
+    target = summary["config"]["federation"]["target_acc"]
+    full = [e["local_acc"] for e in events if e.get("event") == "eval" and e["method"] == "fedavg-full"]
+    if target is None and full:
+        target = 0.95 * max(full)
+    return rounds_to_target(events, target, post_trained)
+
+
+def tables(run_dirs: list[Path]) -> str:
+    summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
+    for run_dir, summary in zip(run_dirs, summaries):
+        summary["target_acc"], summary["rounds_to_target"] = _rounds_to_target(run_dir, summary)
+    labels = [label for label in summaries[0]["methods"] if all(label in s["methods"] for s in summaries)]
+    rounds = summaries[0]["config"]["federation"]["rounds"]
+    full_label = next((label for label in labels if label.endswith("full")), None)
+    tasks = list(summaries[0]["methods"][labels[0]].get("tasks", {}))
+    head = ["method", "local acc (%)", *(f"{t} acc (%)" for t in tasks), "uplink params / round",
+            "uplink params total", "full / method", "rounds to target"]
+    has_shift = "rep_shift" in summaries[0]["methods"][labels[0]]["mean"]
+    if has_shift:
+        head.append("rep. shift")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in labels:
+        results = [s["methods"][label] for s in summaries]
+        up = [s["comm_params"][label]["up"] for s in summaries]
+        row = [label, _mean_std([r["mean"]["local_acc"] for r in results], 100)]
+        row += [_mean_std([r["tasks"][t]["local_acc"] for r in results], 100) for t in tasks]
+        row += [f"{np.mean(up) / rounds:,.0f}", f"{np.mean(up):,.0f}"]
+        if full_label is not None and np.mean(up) > 0:
+            row.append(f"{np.mean([s['comm_params'][full_label]['up'] for s in summaries]) / np.mean(up):.1f}x")
+        else:
+            row.append("-")
+        reached = [s["rounds_to_target"].get(label) for s in summaries]
+        row.append(", ".join("never" if r is None else str(r) for r in reached))
+        if has_shift:
+            row.append(f"{np.mean([r['mean']['rep_shift'] for r in results]):.4f}")
+        lines.append("| " + " | ".join(row) + " |")
+    targets = ", ".join(f"{100 * s['target_acc']:.1f}%" for s in summaries)
+    lines.append(f"\n{len(summaries)} seeds; rounds to target per seed (target = 95% of the best mean local "
+                 f"accuracy of fedavg-full in that run: {targets}).")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(tables([Path(arg) for arg in sys.argv[1:]]))

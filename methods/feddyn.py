@@ -1,0 +1,80 @@
+"""FedDyn (Acar et al., ICLR 2021): FedAvg with dynamic regularisation, a client and a server correction.
+
+A baseline of the scale & modularity study (seed ``003_040d52d311c5f3b8.txt``, spec ``fedyolo.md`` §2).
+
+Client m keeps a gradient state g_m (zero at first) and minimises
+``F_m(w) - <g_m, w> + alpha/2 ||w - w_t||^2`` from the server's w_t, then sets
+``g_m <- g_m - alpha (w_m - w_t)``. The server keeps h (zero at first):
+``h <- h - alpha/N sum_m (w_m - w_t)`` over the round's uploads (N = all clients) and
+``w_{t+1} = mean_m w_m - h / alpha``. Each tensor is averaged over the uploads that hold it
+(per-task parameters over their task's clients), and unweighted, as in the formulas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.training import ClientContext, Penalty
+
+
+@dataclass(frozen=True)
+class FedDynParams:
+    alpha: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not self.alpha > 0:
+            raise ValueError("alpha must be > 0")
+
+
+class FedDyn(Method):
+    Params = FedDynParams
+
+    def init_client(self, initial: TensorDict) -> ClientState:
+        shared, personal = self.split(initial)
+        return {"personal": personal, "dyn_grad": {n: torch.zeros_like(v) for n, v in shared.items()}}
+
+    def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
+        start = {**state["personal"], **payload}
+        result = client.train(start, extra_loss=self._dynamic_penalty(state["dyn_grad"], payload))
+        shared, personal = self.split(result.params)
+        alpha = self.params.alpha
+        grad = {n: g - alpha * (shared[n] - payload[n].to(g.device)) for n, g in state["dyn_grad"].items()}
+        return LocalResult({**state, "personal": personal, "dyn_grad": grad}, {"shared": shared}, result.loss)
+
+    def _dynamic_penalty(self, grad: TensorDict, anchor: TensorDict) -> Penalty:
+        alpha = self.params.alpha
+        on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def penalty(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            if not on_device:
+                on_device.update({n: (grad[n].to(params[n].device), anchor[n].to(params[n].device)) for n in grad})
+            return sum(
+                -(g * params[n]).sum() + 0.5 * alpha * ((params[n] - a) ** 2).sum() for n, (g, a) in on_device.items()
+            )
+
+        return penalty
+
+    def init_server(self, initial_shared: TensorDict) -> ServerState:
+        return {"global": initial_shared, "h": {n: torch.zeros_like(v) for n, v in initial_shared.items()}}
+
+    def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
+        alpha, current = self.params.alpha, server["global"]
+        sums: TensorDict = {}
+        counts: dict[str, int] = {}
+        for upload in sorted(uploads, key=lambda u: u.client_id):
+            for name, value in upload.tensors.get("shared", {}).items():
+                sums[name] = sums[name] + value if name in sums else value.clone()
+                counts[name] = counts.get(name, 0) + 1
+        h = dict(server["h"])
+        new_global = dict(current)
+        for name, total in sums.items():
+            h[name] = h[name] - (alpha / self.num_clients) * (total - counts[name] * current[name])
+            new_global[name] = total / counts[name] - h[name] / alpha
+        return {**server, "global": new_global, "h": h}
+
+    def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
+        return server["global"]
