@@ -348,18 +348,28 @@ def _encode_labels(values: list[Any], feature: Any, label_column: str) -> tuple[
 # Synthetic data
 
 
-def _make_synthetic(seed: int, options: dict[str, Any]) -> ArrayDataset:
-    """Class prototypes + per-writer style offset + Gaussian noise, clipped to [0, 1]."""
-    unknown = [key for key in options if key not in _SYNTHETIC_DEFAULTS]
+def _generator_options(
+    options: dict[str, Any], defaults: dict[str, Any], source_note: str, positive_ints: tuple[str, ...]
+) -> dict[str, Any]:
+    """``data.synthetic`` over a generator's defaults; unknown keys and non-positive counts are errors."""
+    unknown = [key for key in options if key not in defaults]
     if unknown:
         raise DataError(
-            f"data.synthetic has no option {unknown[0]!r}{suggest(unknown[0], _SYNTHETIC_DEFAULTS)}; "
-            f"allowed: {', '.join(_SYNTHETIC_DEFAULTS)}."
+            f"data.synthetic has no option {unknown[0]!r}{suggest(unknown[0], defaults)}{source_note}; "
+            f"allowed: {', '.join(defaults)}."
         )
-    params = {**_SYNTHETIC_DEFAULTS, **options}
-    for key in ("num_samples", "num_classes", "image_size", "channels", "num_writers"):
+    params = {**defaults, **options}
+    for key in positive_ints:
         if not isinstance(params[key], int) or isinstance(params[key], bool) or params[key] < 1:
             raise DataError(f"data.synthetic.{key} = {params[key]!r} is invalid: it must be an integer >= 1.")
+    return params
+
+
+def _make_synthetic(seed: int, options: dict[str, Any]) -> ArrayDataset:
+    """Class prototypes + per-writer style offset + Gaussian noise, clipped to [0, 1]."""
+    params = _generator_options(
+        options, _SYNTHETIC_DEFAULTS, "", ("num_samples", "num_classes", "image_size", "channels", "num_writers")
+    )
     noise = params["noise"]
     if isinstance(noise, bool) or not isinstance(noise, (int, float)) or noise < 0:
         raise DataError(f"data.synthetic.noise = {noise!r} is invalid: it must be a number >= 0.")
@@ -385,16 +395,7 @@ def _make_shapes(seed: int, options: dict[str, Any]) -> ArrayDataset:
     """
     from rayfed.data import multimodal
 
-    unknown = [key for key in options if key not in _SHAPES_DEFAULTS]
-    if unknown:
-        raise DataError(
-            f"data.synthetic has no option {unknown[0]!r}{suggest(unknown[0], _SHAPES_DEFAULTS)} for 'shapes'; "
-            f"allowed: {', '.join(_SHAPES_DEFAULTS)}."
-        )
-    params = {**_SHAPES_DEFAULTS, **options}
-    for key in ("num_samples", "image_size"):
-        if not isinstance(params[key], int) or isinstance(params[key], bool) or params[key] < 1:
-            raise DataError(f"data.synthetic.{key} = {params[key]!r} is invalid: it must be an integer >= 1.")
+    params = _generator_options(options, _SHAPES_DEFAULTS, " for 'shapes'", ("num_samples", "image_size"))
     distribution = multimodal.Distribution(multimodal.CLASSES, tuple(params["styles"]), ("shapes",))
     columns = multimodal.shape_columns(params["num_samples"], seed=seed, distribution=distribution,
                                        image_size=params["image_size"])  # fmt: skip
