@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,7 +110,7 @@ def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int) -> di
         if rounds_done == workload.rounds:
             usage.extend(ray.get([actor.resource_usage.remote() for actor in sim.actors]))
 
-    out_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"rayfed-bench-{os.getpid()}-{actors_per_gpu}-{num_gpus}"
+    out_dir = Path(tempfile.mkdtemp(prefix=f"rayfed-bench-{actors_per_gpu}x{num_gpus}-")) / "run"
     started = time.perf_counter()
     summary = Simulation(config, out_dir=out_dir, callbacks=[record_usage], progress=False).run()
     total = time.perf_counter() - started
