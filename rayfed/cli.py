@@ -145,8 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Like ``parse_args``, but ``key=value`` overrides may also follow options (``run C --quiet seed=1``)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.handler(args)
     except ConfigError as err:  # bad config, data or checkpoint: one sentence, no traceback

@@ -101,10 +101,13 @@ def weighted_sums(uploads: Sequence[Upload], slot: str) -> tuple[TensorDict, dic
     for upload in sorted(uploads, key=lambda u: u.client_id):
         for name, value in upload.tensors.get(slot, {}).items():
             if upload.weight_sums is None:
-                term, weight = value.double() * upload.weight, upload.weight
+                term, weight = value.to(torch.float64, copy=True).mul_(upload.weight), upload.weight
             else:
                 term, weight = value, upload.weight_sums[slot][name]
-            sums[name] = sums[name] + term if name in sums else term
+            if name in sums:
+                sums[name].add_(term)  # in place: this runs once per client and tensor every round
+            else:
+                sums[name] = term if upload.weight_sums is None else term.clone()
             totals[name] = totals.get(name, 0.0) + weight
     return sums, totals
 

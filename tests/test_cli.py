@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from rayfed.cli import main
+from rayfed.cli import main, parse_args
 
 
 @pytest.fixture
@@ -13,6 +13,22 @@ def config_file(tiny_run, tmp_path):
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny_run))
     return path
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "c.yaml", "seed=1", "--quiet", "train.lr=0.1"],
+    ["run", "c.yaml", "--quiet", "seed=1", "train.lr=0.1"],
+    ["run", "--quiet", "c.yaml", "seed=1", "train.lr=0.1"],
+])
+def test_overrides_may_come_before_or_after_options(argv):
+    args = parse_args(argv)
+    assert args.config == "c.yaml" and args.quiet and args.overrides == ["seed=1", "train.lr=0.1"]
+
+
+def test_an_unknown_option_is_still_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["run", "c.yaml", "--quiet", "--nope"])
+    assert "unrecognized arguments: --nope" in capsys.readouterr().err
 
 
 def test_list_prints_one_line_per_registered_thing(capsys):
