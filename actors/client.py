@@ -18,7 +18,7 @@ from rayfed.data.clients import build_federation
 from rayfed.method import ClientState, Method, TensorDict, Upload, presum, tensor_bytes
 from rayfed.methods import METHODS
 from rayfed.models import build_backbone
-from rayfed.modules import representation_shift, select_task
+from rayfed.modules import feature_shift, head_features, select_task
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import task_view
 from rayfed.training import ClientContext
@@ -47,9 +47,12 @@ class ClientActor:
         self.task_of = {cid: federation.task_of(cid) for cid in self.client_ids}
         self.backbone = build_backbone(self.config.model, torch_seed(self.config.seed, 0, SERVER, "backbone"))
         data = {cid: federation.client_data(cid, self.backbone) for cid in self.client_ids}
-        data_device = self._resident_device(tensor_bytes({cid: vars(d) for cid, d in data.items()}))
+        eval_sets = federation.eval_sets(self.backbone)
+        data_device = self._resident_device(
+            tensor_bytes({cid: vars(d) for cid, d in data.items()}) + tensor_bytes({i: vars(e) for i, e in enumerate(eval_sets)})
+        )
         self.data = {cid: d.to(data_device) for cid, d in data.items()}
-        self.eval_sets = federation.eval_sets(self.backbone)
+        self.eval_sets = [eval_set.to(data_device) for eval_set in eval_sets]
         self.method: Method | None = None
         self.states: dict[int, ClientState] = {}
 
@@ -66,6 +69,7 @@ class ClientActor:
         # A client holds, trains and uploads only its task's view (shared + task_<its task> parameters).
         self.initial = {cid: task_view(resident, self.task_of[cid]) for cid in self.client_ids}
         self.states = {cid: self.method.init_client(self.initial[cid]) for cid in self.client_ids}
+        self.initial_features: dict[int, torch.Tensor] = {}
         shared, _ = self.method.split(initial)
         return shared
 
@@ -119,10 +123,11 @@ class ClientActor:
     def _metrics(self, client: ClientContext, params: TensorDict) -> dict[str, float]:
         metrics = client.evaluate(params)
         if self.config.federation.representation_shift:
-            metrics["rep_shift"] = representation_shift(
-                self.model, self.initial[client.client_id], params, client.data.test_x.to(self.device),
-                self.config.train.eval_batch_size,
-            )
+            cid, size = client.client_id, self.config.train.eval_batch_size
+            images = client.data.test_x.to(self.device)
+            if cid not in self.initial_features:  # the initial model's features never change
+                self.initial_features[cid] = head_features(self.model, self.initial[cid], images, size)
+            metrics["rep_shift"] = feature_shift(self.initial_features[cid], head_features(self.model, params, images, size))
         return metrics
 
     def finish(self, round_idx: int, payloads: Payloads, post_train_steps: int) -> dict[int, dict[str, float]]:

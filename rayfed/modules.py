@@ -170,18 +170,24 @@ def dedicated_blocks(sharing: str, num_blocks: int) -> Callable[[int], bool]:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def head_features(model: nn.Module, params: dict[str, torch.Tensor], images: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """The head's input features of ``images`` with ``params`` loaded (left loaded)."""
+    model.eval()
+    model.load_trainable(params)
+    return torch.cat([model.features(images[start:start + batch_size]).float()
+                      for start in range(0, len(images), batch_size)])
+
+
+def feature_shift(before: torch.Tensor, after: torch.Tensor) -> float:
+    """``1 - mean_x cos(before(x), after(x))`` (spec §4)."""
+    return 1.0 - nn.functional.cosine_similarity(before, after, dim=1).mean().item()
+
+
 def representation_shift(
     model: nn.Module, initial: dict[str, torch.Tensor], current: dict[str, torch.Tensor], images: torch.Tensor,
     batch_size: int,
 ) -> float:
-    """``1 - mean_x cos(z_initial(x), z_current(x))`` over ``images``, z = the head's input features (spec §4)."""
-    model.eval()
-    similarities = []
-    for start in range(0, len(images), batch_size):
-        x = images[start:start + batch_size]
-        model.load_trainable(initial)
-        before = model.features(x).float()
-        model.load_trainable(current)
-        after = model.features(x).float()
-        similarities.append(nn.functional.cosine_similarity(before, after, dim=1))
-    return 1.0 - torch.cat(similarities).mean().item()
+    """The shift of the head's input features over ``images`` from ``initial`` to ``current`` parameters."""
+    before = head_features(model, initial, images, batch_size)
+    return feature_shift(before, head_features(model, current, images, batch_size))

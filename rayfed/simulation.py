@@ -154,12 +154,12 @@ class Simulation:
         """Fail here, with one sentence, rather than inside an actor: build every method's model once."""
         backbone = build_backbone(self.config.model, 0)
         sample = self.federation.client_data(0, backbone).train_x[:1]
+        other_tasks = sorted({eval_set.task for eval_set in self.federation.eval_sets(backbone)} - {0})
         for index, entry in enumerate(self.config.methods):
             method = METHODS[entry.name](method_params(entry, index))
             model = method.build_model(
                 backbone, method_model_config(self.config.model, entry, index), self.federation.tasks, 0
             )
-            other_tasks = sorted({task for _, task, _ in getattr(self.federation, "shared_eval", {}).values()} - {0})
             if other_tasks and not hasattr(model, "select_task"):
                 raise ConfigError(
                     f"methods[{index}] ({entry.name}) classifies with a linear head over task 0 and cannot score "

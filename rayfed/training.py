@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,10 +35,7 @@ class ClientData:
         return len(self.train_y)
 
     def to(self, device: torch.device) -> ClientData:
-        """On ``device``; on the host, in pinned memory when a GPU will read it (asynchronous copies)."""
-        if device.type == "cpu" and torch.cuda.is_available():
-            return ClientData(*(t.pin_memory() for t in vars(self).values()))
-        return ClientData(*(t.to(device) for t in vars(self).values()))
+        return ClientData(*(resident(t, device) for t in vars(self).values()))
 
     @property
     def num_test(self) -> int:
@@ -54,6 +52,16 @@ class EvalSet:
     y: torch.Tensor
     task: int
     exclude_own_classes: bool = False  # leave out the classes the client trains on
+
+    def to(self, device: torch.device) -> EvalSet:
+        return dataclasses.replace(self, x=resident(self.x, device), y=resident(self.y, device))
+
+
+def resident(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; on the host, in pinned memory when a GPU will read it (asynchronous copies)."""
+    if device.type == "cpu" and torch.cuda.is_available():
+        return tensor.pin_memory()
+    return tensor.to(device)
 
 
 @dataclass
