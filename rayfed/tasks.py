@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -35,6 +36,7 @@ def task_key(index: int) -> str:
     return f"task_{index}"
 
 
+@functools.lru_cache(maxsize=None)  # asked for every tensor of every payload, every round
 def task_of_name(name: str) -> int | None:
     """The task a parameter belongs to (its ``task_<index>`` component), or None for a shared one."""
     match = _TASK_COMPONENT.search(name)
