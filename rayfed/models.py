@@ -29,6 +29,7 @@ TensorDict = dict[str, torch.Tensor]
 BACKBONES = (
     "tiny:vit", "tiny:clip-vision", "tiny-pretrained:vit", "tiny-pretrained:clip-vision",
     "tiny-pretrained:clip", "tiny-pretrained:open_clip", "tiny-pretrained:open_clip-deep",
+    "tiny-pretrained:vit-ladder-t|s|b (the FedYolo scale ladder, 32 px)",
     "vit:T|S|B|L (randomly initialised ViT-Tiny/Small/Base/Large, patch 16, 224 px)",
     "hf:<name or local path> (ViT or CLIP vision tower)",
     "open_clip:<arch> (image tower; model.pretrained = tag or file)",
@@ -84,7 +85,9 @@ def build_backbone(config: ModelConfig, seed: int) -> Backbone:
         from rayfed.clip import load_clip  # the full CLIP, loaded once per process for text-classifying methods
 
         return _frozen(_open_clip_visual_backbone(load_clip(name, None).model.visual))
-    if name in ("tiny-pretrained:vit", "tiny-pretrained:clip-vision", "tiny-pretrained:clip"):
+    if name in ("tiny-pretrained:vit", "tiny-pretrained:clip-vision", "tiny-pretrained:clip") or name.startswith(
+        "tiny-pretrained:vit-ladder-"
+    ):
         from rayfed.zoo import pretrained  # built once on first use, then read from the cache
 
         return _frozen(_load_hf_backbone(str(pretrained(name.removeprefix("tiny-pretrained:"))), config))
@@ -95,7 +98,8 @@ def build_backbone(config: ModelConfig, seed: int) -> Backbone:
     raise choice_error(
         "model.backbone", name,
         ["tiny:vit", "tiny:clip-vision", "tiny-pretrained:vit", "tiny-pretrained:clip-vision", "tiny-pretrained:clip",
-         "tiny-pretrained:open_clip", "tiny-pretrained:open_clip-deep", "hf:<name or path>", "open_clip:<arch>"],
+         "tiny-pretrained:open_clip", "tiny-pretrained:open_clip-deep", "tiny-pretrained:vit-ladder-t|s|b",
+         "hf:<name or path>", "open_clip:<arch>"],
     )  # fmt: skip
 
 
@@ -108,7 +112,7 @@ def _load_hf_backbone(name_or_path: str, config: ModelConfig) -> Backbone:
             f"and the hub is unreachable or has no such model): {str(err).splitlines()[0]}"
         ) from None
     if hf_config.model_type == "vit":
-        encoder = transformers.ViTModel.from_pretrained(name_or_path, add_pooling_layer=False)
+        encoder = transformers.ViTModel.from_pretrained(name_or_path, add_pooling_layer=False, dtype=torch.float32)
         vision = hf_config
         pooling = "cls"
     elif hf_config.model_type in ("clip", "clip_vision_model"):

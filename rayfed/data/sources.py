@@ -17,7 +17,7 @@ import numpy as np
 
 from rayfed.errors import ConfigError, suggest
 
-SOURCES: tuple[str, ...] = ("sklearn:digits", "fashion_mnist", "hf:<dataset>", "synthetic", "shapes")
+SOURCES: tuple[str, ...] = ("sklearn:digits", "fashion_mnist", "hf:<dataset>", "synthetic", "shapes", "parts")
 
 FASHION_MNIST_DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 FASHION_MNIST_CLASSES = (
@@ -40,6 +40,7 @@ _SYNTHETIC_DEFAULTS: dict[str, float | int] = {
 }
 SYNTHETIC_GROUP_COLUMN = "writer"  # the synthetic source's natural groups
 _SHAPES_DEFAULTS: dict[str, Any] = {"num_samples": 4800, "styles": ["noisy"], "image_size": 32}
+_PARTS_DEFAULTS: dict[str, Any] = {"num_samples": 6000, "label_space": "fine", "world": 0, "noise": 0.1}
 SHAPES_GROUP_COLUMN = "domain"  # the shapes source's natural groups: render styles
 _WRITER_STYLE_SCALE = 0.15
 
@@ -105,9 +106,9 @@ def load_source(
     """
     if max_samples is not None and max_samples <= 0:
         raise DataError(f"data.max_samples = {max_samples} is invalid: it must be > 0 (or unset for all samples).")
-    if synthetic is not None and source not in ("synthetic", "shapes"):
+    if synthetic is not None and source not in ("synthetic", "shapes", "parts"):
         raise DataError(
-            f"data.synthetic is set but data.source = {source!r}; it only applies to 'synthetic' and 'shapes'."
+            f"data.synthetic is set but data.source = {source!r}; it only applies to 'synthetic', 'shapes' and 'parts'."
         )
     if resize is not None and not source.startswith("hf:"):
         raise DataError(f"data.resize = {resize} is set but data.source = {source!r}; it only applies to hf: sources.")
@@ -130,6 +131,10 @@ def load_source(
         _require_no_split(source, split)
         _require_group_column(source, group_column, SHAPES_GROUP_COLUMN)
         dataset = _make_shapes(seed, synthetic or {})
+    elif source == "parts":
+        _require_no_split(source, split)
+        _require_no_group_column(source, group_column)
+        dataset = _make_parts(seed, synthetic or {})
     else:
         raise DataError(
             f"data.source = {source!r} is not known{suggest(source, SOURCES)}; allowed: {', '.join(SOURCES)}."
@@ -365,14 +370,19 @@ def _generator_options(
     return params
 
 
+def _non_negative(params: dict[str, Any], key: str) -> float:
+    value = params[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise DataError(f"data.synthetic.{key} = {value!r} is invalid: it must be a number >= 0.")
+    return value
+
+
 def _make_synthetic(seed: int, options: dict[str, Any]) -> ArrayDataset:
     """Class prototypes + per-writer style offset + Gaussian noise, clipped to [0, 1]."""
     params = _generator_options(
         options, _SYNTHETIC_DEFAULTS, "", ("num_samples", "num_classes", "image_size", "channels", "num_writers")
     )
-    noise = params["noise"]
-    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or noise < 0:
-        raise DataError(f"data.synthetic.noise = {noise!r} is invalid: it must be a number >= 0.")
+    noise = _non_negative(params, "noise")
 
     num_samples, num_classes, num_writers = params["num_samples"], params["num_classes"], params["num_writers"]
     image_shape = (params["image_size"], params["image_size"], params["channels"])
@@ -404,3 +414,22 @@ def _make_shapes(seed: int, options: dict[str, Any]) -> ArrayDataset:
     labels = np.asarray([class_names.index(name) for name in columns["class_name"]], dtype=np.int64)
     styles = np.asarray([multimodal.STYLES.index(name) for name in columns["domain"]], dtype=np.int64)
     return ArrayDataset(columns["image"].astype(np.float32) / 255.0, labels, class_names, styles)
+
+
+def _make_parts(seed: int, options: dict[str, Any]) -> ArrayDataset:
+    """Part-texture layouts (:mod:`rayfed.data.parts`) in one of its label spaces; the world is fixed by
+    ``world``, the samples by the run's seed."""
+    from rayfed.data import parts
+
+    params = _generator_options(options, _PARTS_DEFAULTS, " for 'parts'", ("num_samples",))
+    if params["label_space"] not in parts.LABEL_SPACES:
+        raise DataError(
+            f"data.synthetic.label_space = {params['label_space']!r} is not known; allowed: {', '.join(parts.LABEL_SPACES)}."
+        )
+    if isinstance(params["world"], bool) or not isinstance(params["world"], int) or params["world"] < 0:
+        raise DataError(f"data.synthetic.world = {params['world']!r} is invalid: it must be an integer >= 0.")
+    noise = _non_negative(params, "noise")
+    images, labels = parts.render(
+        params["num_samples"], label_space=params["label_space"], seed=seed, world_seed=params["world"], noise=noise
+    )
+    return ArrayDataset(images, labels, parts.class_names(params["label_space"]))

@@ -28,6 +28,7 @@ from rayfed.zoo.registry import Family
 from rayfed.zoo.training import deterministic_cpu
 
 MANIFEST = "manifest.json"
+PACKAGED = Path(__file__).parent / "weights"  # built folders shipped with rayfed (too slow to build on a CPU)
 log = logging.getLogger(__name__)
 
 
@@ -75,13 +76,16 @@ def recipe_hash(name: str, overrides: Mapping[str, Any] | None = None) -> str:
 
 
 def pretrained(name: str, overrides: Mapping[str, Any] | None = None) -> Path:
-    """The folder of the pretrained tiny model of family ``name``, built on first use.
+    """The folder of the pretrained tiny model of family ``name``: the cache's, else the one shipped with
+    rayfed for this recipe, else built on first use.
 
     ``overrides`` change the recipe (e.g. ``{"model": {"num_hidden_layers": 12}}``) and give a separate
     cache entry; the families this one starts from keep their default recipes.
     """
     digest = recipe_hash(name, overrides)
     folder = cache_root() / "pretrained" / f"{name}-{digest}"
+    if not folder.is_dir() and (PACKAGED / folder.name).is_dir():
+        folder = PACKAGED / folder.name
     if not folder.is_dir():
         dependencies = {dep: pretrained(dep) for dep in family(name).requires}
         folder.parent.mkdir(parents=True, exist_ok=True)

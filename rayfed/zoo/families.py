@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rayfed.zoo import causal_lm, clip, flava, llava, openclip, vilt, vit
+from rayfed.zoo import causal_lm, clip, flava, llava, openclip, vilt, vit, vit_ladder
 from rayfed.zoo.registry import Family
 
 _CAUSAL_LM = {
@@ -36,6 +36,14 @@ FAMILIES: dict[str, Family] = {
         Family(
             "vit", "HF ViT (google/vit-base-patch16-224), FedYolo's backbone", "supervised image classification",
             vit.RECIPE, vit.build, vit.evaluate, vit.load,
+        ),
+        *(
+            Family(
+                f"vit-ladder-{size}", f"HF ViT at FedYolo's ViT-{size.upper()} rung of the scale ladder (spec fedyolo.md §8)",
+                "supervised classification of 256 part-texture layouts (rayfed.data.parts)",
+                vit_ladder.recipe(size), vit_ladder.build, vit_ladder.evaluate, vit_ladder.load,
+            )
+            for size in vit_ladder.SIZES
         ),
         Family(
             "vilt", "HF ViLT (dandelin/vilt-b32-mlm), FedDAT's backbone",

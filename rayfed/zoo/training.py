@@ -161,16 +161,23 @@ def zero_shot_metrics(
 
 @torch.no_grad()
 def probe_accuracy(encode_images: Callable[[torch.Tensor], torch.Tensor], num_samples: int, seed: int) -> float:
-    """Accuracy of a ridge-regression linear probe on image features, 64 classes in the fine-tuning styles:
-    fit on the first half of ``num_samples`` held-out images, tested on the second half."""
+    """Accuracy of a linear probe (:func:`ridge_probe`) on image features, 64 classes in the fine-tuning
+    styles, over ``num_samples`` held-out images."""
     data = held_out(multimodal.FINETUNE, num_samples, seed)
     images = pixels(data["image"])
-    features = torch.cat([encode_images(images[rows]) for rows in batched(num_samples, 256)]).double().numpy()
+    features = torch.cat([encode_images(images[rows]) for rows in batched(num_samples, 256)])
     labels = np.asarray([multimodal.CLASSES.index(name) for name in data["class_name"]])
-    fit = num_samples // 2
+    return ridge_probe(features, labels, len(multimodal.CLASSES))
+
+
+def ridge_probe(features: torch.Tensor, labels: np.ndarray, num_classes: int) -> float:
+    """Ridge-regression linear probe on standardized features: fit on the first half of the rows,
+    accuracy on the second half."""
+    features = features.double().cpu().numpy()
+    fit = len(labels) // 2
     mean, std = features[:fit].mean(0), features[:fit].std(0) + 1e-6
-    x = np.concatenate([(features - mean) / std, np.ones((num_samples, 1))], axis=1)
-    targets = np.eye(len(multimodal.CLASSES))[labels[:fit]]
+    x = np.concatenate([(features - mean) / std, np.ones((len(labels), 1))], axis=1)
+    targets = np.eye(num_classes)[labels[:fit]]
     weights = np.linalg.solve(x[:fit].T @ x[:fit] + np.eye(x.shape[1]), x[:fit].T @ targets)
     return float(np.mean((x[fit:] @ weights).argmax(1) == labels[fit:]))
 
