@@ -23,6 +23,7 @@ from rayfed.modules import feature_shift, head_features, select_task
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import task_view
 from rayfed.training import ClientContext
+from rayfed.transport import use_raw_tensor_transport
 
 Payloads = dict[int, TensorDict | None]
 
@@ -39,6 +40,7 @@ class RoundUploads:
 
 class ClientActor:
     def __init__(self, config: dict, client_ids: list[int]):
+        use_raw_tensor_transport()
         self.config: RunConfig = build_config(config)
         torch.set_num_threads(max(1, int(self.config.placement.cpus_per_actor)))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
