@@ -31,7 +31,7 @@ def _to_bytes(tensor: torch.Tensor) -> tuple[Any, ...]:
 
 def _from_bytes(packed: tuple[Any, ...]) -> torch.Tensor:
     if packed[0] == "torch":
-        rebuild, args = packed[1][:2]
+        rebuild, args = packed[1]
         return rebuild(*args)
     _, data, dtype, shape = packed
     tensor = torch.empty(shape, dtype=dtype)
