@@ -117,15 +117,16 @@ class ClientActor:
     ) -> RoundUploads:
         """:meth:`train`, with the uploads summed into one partial sum when the method allows it.
 
-        The partial sum is made where the clients train (float64 on the GPU when they train there) as
-        each upload comes, and moved to the host once per round: no copy to the host, and no float64
-        arithmetic on the host, per client. Clients train in client-id order, the order they are summed in.
+        The partial sum is made as each upload comes, where the actor keeps its clients' state (on the
+        GPU when it fits there), and moved to the host once per round: then no copy to the host, and no
+        float64 arithmetic on the host, per client. Clients train in client-id order, the order they are
+        summed in.
         """
         started, self._update_s = time.time(), 0.0
         partial = PartialSum() if self.method.presums_uploads else None
         uploads, up_bytes, up_params, losses = [], 0, 0, {}
         for cid in sorted(client_ids):
-            upload = self._local_update(round_idx, cid, payloads[cid], "cpu" if partial is None else self.device)
+            upload = self._local_update(round_idx, cid, payloads[cid], "cpu" if partial is None else self.state_device)
             upload.weight_scale = weight_scale[cid]
             up_bytes += upload.nbytes
             up_params += upload.nparams
