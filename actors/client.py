@@ -8,6 +8,7 @@ the uploads. The class is plain Python; the simulation wraps it with ``ray.remot
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import psutil
@@ -15,13 +16,14 @@ import torch
 
 from rayfed.config import RunConfig, build_config, method_model_config, method_params
 from rayfed.data.clients import build_federation
-from rayfed.method import ClientState, Method, TensorDict, Upload, presum, tensor_bytes
+from rayfed.method import ClientState, Method, PartialSum, TensorDict, Upload, tensor_bytes
 from rayfed.methods import METHODS
 from rayfed.models import build_backbone
 from rayfed.modules import feature_shift, head_features, select_task
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import task_view
 from rayfed.training import ClientContext
+from rayfed.transport import use_raw_tensor_transport
 
 Payloads = dict[int, TensorDict | None]
 
@@ -38,6 +40,7 @@ class RoundUploads:
 
 class ClientActor:
     def __init__(self, config: dict, client_ids: list[int]):
+        use_raw_tensor_transport()
         self.config: RunConfig = build_config(config)
         torch.set_num_threads(max(1, int(self.config.placement.cpus_per_actor)))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,6 +58,10 @@ class ClientActor:
         self.eval_sets = [eval_set.to(data_device) for eval_set in eval_sets]
         self.method: Method | None = None
         self.states: dict[int, ClientState] = {}
+        # Per train_round call: its wall-clock start and end (time.time()) and the seconds spent in the
+        # clients' local updates, so a benchmark can tell training from the rest of a round.
+        self.round_times: list[dict[str, float]] = []
+        self._update_s = 0.0
 
     def start_method(self, method_index: int) -> TensorDict:
         """Build the method's client model and every hosted client's initial state; return the initial shared params."""
@@ -93,26 +100,45 @@ class ClientActor:
         )
 
     def train(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> list[Upload]:
-        uploads = []
-        for cid in client_ids:
-            result = self.method.local_update(self._context(cid, round_idx), self.states[cid], payloads[cid])
-            self.states[cid] = _to(result.state, self.state_device)
-            uploads.append(Upload(cid, self.data[cid].num_train, _to(result.upload, "cpu"), result.train_loss))
-        return uploads
+        return [self._local_update(round_idx, cid, payloads[cid], "cpu") for cid in client_ids]
+
+    def _local_update(
+        self, round_idx: int, client_id: int, payload: TensorDict | None, upload_device: torch.device | str,
+    ) -> Upload:
+        """Client ``client_id``'s local update; its new state stays here, its upload is put on ``upload_device``."""
+        started = time.perf_counter()
+        result = self.method.local_update(self._context(client_id, round_idx), self.states[client_id], payload)
+        self._update_s += time.perf_counter() - started
+        self.states[client_id] = _to(result.state, self.state_device)
+        return Upload(client_id, self.data[client_id].num_train, _to(result.upload, upload_device), result.train_loss)
 
     def train_round(
         self, round_idx: int, client_ids: list[int], payloads: Payloads, weight_scale: dict[int, float],
     ) -> RoundUploads:
-        """:meth:`train`, then one partial sum in place of the uploads when the method allows it."""
-        uploads = self.train(round_idx, client_ids, payloads)
-        for upload in uploads:
-            upload.weight_scale = weight_scale[upload.client_id]
-        shared = [u for u in uploads if u.tensors]
-        summed = [presum(shared)] if shared and self.method.presums_uploads else shared
-        return RoundUploads(
-            summed, sum(u.nbytes for u in uploads), sum(u.nparams for u in uploads),
-            {u.client_id: u.train_loss for u in uploads},
-        )
+        """:meth:`train`, with the uploads summed into one partial sum when the method allows it.
+
+        The partial sum is made as each upload comes, where the actor keeps its clients' state (on the
+        GPU when it fits there), and moved to the host once per round: then no copy to the host, and no
+        float64 arithmetic on the host, per client. Clients train in client-id order, the order they are
+        summed in.
+        """
+        started, self._update_s = time.time(), 0.0
+        partial = PartialSum() if self.method.presums_uploads else None
+        uploads, up_bytes, up_params, losses = [], 0, 0, {}
+        for cid in sorted(client_ids):
+            upload = self._local_update(round_idx, cid, payloads[cid], "cpu" if partial is None else self.state_device)
+            upload.weight_scale = weight_scale[cid]
+            up_bytes += upload.nbytes
+            up_params += upload.nparams
+            losses[cid] = upload.train_loss
+            if upload.tensors and partial is not None:
+                partial.add(upload)
+            elif upload.tensors:
+                uploads.append(upload)
+        if partial is not None and partial.client_ids:
+            uploads = [partial.upload("cpu")]
+        self.round_times.append({"round": round_idx, "start": started, "end": time.time(), "update_s": self._update_s})
+        return RoundUploads(uploads, up_bytes, up_params, losses)
 
     def evaluate(self, round_idx: int, payloads: Payloads) -> dict[int, dict[str, float]]:
         return {
@@ -152,6 +178,9 @@ class ClientActor:
             "state_bytes": tensor_bytes(self.states),
             "data_bytes": sum(tensor_bytes(vars(data)) for data in self.data.values()),
         }
+
+    def get_round_times(self) -> list[dict[str, float]]:
+        return self.round_times
 
     def get_states(self) -> dict[int, ClientState]:
         return {cid: _to(state, "cpu") for cid, state in self.states.items()}

@@ -11,10 +11,12 @@ from rayfed.config import build_config, method_params
 from rayfed.method import ServerState, TensorDict, tensor_bytes, tensor_params
 from rayfed.methods import METHODS
 from rayfed.tasks import client_tasks, task_view
+from rayfed.transport import use_raw_tensor_transport
 
 
 class DriverActor:
     def __init__(self, config: dict):
+        use_raw_tensor_transport()
         self.config = build_config(config)
         self.task_of = client_tasks(self.config.data)
         self.down_bytes = self.down_params = 0

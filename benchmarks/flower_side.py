@@ -232,6 +232,7 @@ def _read_result(run: str, out: Path) -> dict[str, Any]:
             "peak_host_mib_per_actor": r["peak_host_mib_per_actor"],
             "ideal_round_s": r["ideal_round_s"], "overhead_ratio": r["overhead_ratio"], "local_acc": r["local_acc"],
             "rounds": bench["workload"]["rounds"],
+            **{key: r[key] for key in r if key.startswith("mean_") and key != "mean_round_s"},  # where rounds went
         }
     path = out / f"flower_{run}.json"
     if path.exists():

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch
 
 from rayfed.actors.client import ClientActor
 from rayfed.config import RunConfig, load_config
+from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.method import tensor_bytes
 from rayfed.report import format_table
@@ -105,22 +107,48 @@ def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int) -> di
         gpus_per_actor=1 / actors_per_gpu if num_gpus else 0,
     )
     usage: list[dict] = []
+    round_ends: list[float] = []
+    round_times: list[list[dict[str, float]]] = []
 
     def record_usage(sim: Simulation, label: str, rounds_done: int) -> None:
+        round_ends.append(time.time())
         if rounds_done == workload.rounds:
             usage.extend(ray.get([actor.resource_usage.remote() for actor in sim.actors]))
+            round_times.extend(ray.get([actor.get_round_times.remote() for actor in sim.actors]))
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"rayfed-bench-{actors_per_gpu}x{num_gpus}-")) / "run"
     started = time.perf_counter()
     summary = Simulation(config, out_dir=out_dir, callbacks=[record_usage], progress=False).run()
     total = time.perf_counter() - started
     events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    round_times = [e["wall_s"] for e in events if e["event"] == "round"][1:]
+    walls = [e["wall_s"] for e in events if e["event"] == "round"]
+    breakdown = round_breakdown(walls, round_ends, round_times)[1:]
     return {
         "actors_per_gpu": actors_per_gpu, "num_gpus": num_gpus, "num_actors": len(usage),
-        "round_s": round_times, "total_s": total, "usage": usage,
+        "round_s": walls[1:], "total_s": total, "usage": usage, "breakdown": breakdown,
+        **{f"mean_{key}": _mean([b[key] for b in breakdown]) for key in BREAKDOWN_KEYS},
         "local_acc": summary["methods"][workload.method]["mean"]["local_acc"],
     }
+
+
+BREAKDOWN_KEYS = ("update_s", "actor_rest_s", "before_actors_s", "after_actors_s")
+
+
+def round_breakdown(
+    walls: list[float], round_ends: list[float], actor_times: list[list[dict[str, float]]],
+) -> list[dict[str, float]]:
+    """Where each round's wall time went: the clients' local updates (the longest of any actor); the
+    rest of the actors' train_round calls beyond that (moves of states and uploads, the partial sum);
+    before the first actor starts (payloads, Ray calls); after the last one ends (its uploads to the
+    DriverActor, aggregation, logging). ``round_ends`` are wall-clock times taken by a round callback."""
+    rounds = []
+    for index, (wall, end) in enumerate(zip(walls, round_ends)):
+        calls = [call for times in actor_times for call in times if call["round"] == index]
+        first, last = min(c["start"] for c in calls), max(c["end"] for c in calls)
+        update = max(c["update_s"] for c in calls)
+        rounds.append({"round": index, "wall_s": wall, "update_s": update, "actor_rest_s": last - first - update,
+                       "before_actors_s": wall - (last - first) - (end - last), "after_actors_s": end - last})
+    return rounds
 
 
 def memory_per_client(workload: Workload, client_state: str, num_clients: int = 16) -> dict[str, float]:
@@ -159,12 +187,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path) -> dict[str, Any]:
+def run_bench(
+    workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path, repeats: int = 1,
+) -> dict[str, Any]:
     """Alternate ideal and rayfed runs; each ratio uses the ideals timed just before and after it.
 
     GPU hosts drift by tens of percent within minutes (launch-bound steps on shared CPUs), so a
-    single ideal measured once would make the ratios meaningless.
+    single ideal measured once would make the ratios meaningless. With ``repeats`` > 1 the sweep
+    runs that many times over, and ``median_ratios`` gives each packing's median ratio.
     """
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats}: the sweep runs at least once; pass an integer >= 1.")
     num_gpus = torch.cuda.device_count()
     owns_ray = not ray.is_initialized()
     results: dict[str, Any] = {
@@ -180,33 +213,45 @@ def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path
             # A Ray instance that sees `gpus` GPUs, so fractional actors cannot spread to the others.
             ray.shutdown()
             init_local_ray(object_store_memory=2 * 10**9, num_gpus=gpus)
-        for per_gpu in actors_per_gpu:
-            result = measure_rayfed(workload, per_gpu, gpus)
-            results["ideals"].append(measure_ideal(workload))
-            ideal_round = _mean([_mean(i["round_s"]) for i in results["ideals"][-2:]])
-            mean_round = _mean(result["round_s"])
-            updates = workload.clients_per_round
-            result.update(
-                mean_round_s=mean_round,
-                ideal_round_s=ideal_round,
-                overhead_ratio=mean_round / ideal_round if gpus <= 1 else None,
-                client_updates_per_s=updates / mean_round,
-                samples_per_s=updates * workload.local_steps * workload.batch_size / mean_round,
-                peak_gpu_mib_per_actor=max(u["gpu_peak_bytes"] for u in result["usage"]) / 2**20,
-                peak_host_mib_per_actor=max(u["rss_bytes"] for u in result["usage"]) / 2**20,
-            )
-            results["runs"].append(result)
-            atomic_write_json(out_dir / "bench.json", results)  # partial results survive a later failure
-            print(f"[bench] {gpus} GPU(s) x {per_gpu} actors: {mean_round:.3f} s/round "
-                  f"(ideal around it {ideal_round:.3f})", flush=True)
+        for repeat in range(repeats):
+            for per_gpu in actors_per_gpu:
+                result = measure_rayfed(workload, per_gpu, gpus)
+                results["ideals"].append(measure_ideal(workload))
+                ideal_round = _mean([_mean(i["round_s"]) for i in results["ideals"][-2:]])
+                mean_round = _mean(result["round_s"])
+                updates = workload.clients_per_round
+                result.update(
+                    repeat=repeat,
+                    mean_round_s=mean_round,
+                    ideal_round_s=ideal_round,
+                    overhead_ratio=mean_round / ideal_round if gpus <= 1 else None,
+                    client_updates_per_s=updates / mean_round,
+                    samples_per_s=updates * workload.local_steps * workload.batch_size / mean_round,
+                    peak_gpu_mib_per_actor=max(u["gpu_peak_bytes"] for u in result["usage"]) / 2**20,
+                    peak_host_mib_per_actor=max(u["rss_bytes"] for u in result["usage"]) / 2**20,
+                )
+                results["runs"].append(result)
+                atomic_write_json(out_dir / "bench.json", results)  # partial results survive a later failure
+                print(f"[bench] {gpus} GPU(s) x {per_gpu} actors: {mean_round:.3f} s/round "
+                      f"(ideal around it {ideal_round:.3f}; local updates {result['mean_update_s']:.3f})", flush=True)
     if owns_ray or num_gpus > 1:
         ray.shutdown()
+    results["median_ratios"] = median_ratios(results["runs"])
     results["client_memory"] = [memory_per_client(workload, "host")]
     if num_gpus:
         results["client_memory"].append(memory_per_client(workload, "device"))
     atomic_write_json(out_dir / "bench.json", results)
     atomic_write_text(out_dir / "bench.md", markdown(results))
     return results
+
+
+def median_ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each packing's median overhead ratio over its runs, keyed "<GPUs>x<actors per GPU>"."""
+    ratios: dict[str, list[float]] = {}
+    for run in runs:
+        if run["overhead_ratio"] is not None:
+            ratios.setdefault(f"{run['num_gpus']}x{run['actors_per_gpu']}", []).append(run["overhead_ratio"])
+    return {key: statistics.median(values) for key, values in ratios.items()}
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -217,15 +262,21 @@ def markdown(results: dict[str, Any]) -> str:
         "-" if run["overhead_ratio"] is None else f"{run['overhead_ratio']:.3f}",
         f"{run['client_updates_per_s']:.1f}", f"{run['samples_per_s']:.0f}",
         f"{run['peak_gpu_mib_per_actor']:.0f}", f"{run['peak_host_mib_per_actor']:.0f}",
+        *(f"{run['mean_' + key]:.3f}" for key in BREAKDOWN_KEYS),
     ] for run in results["runs"]]
     header = ["GPUs", "actors/GPU", "s/round", "ideal s/round", "overhead ratio", "client updates/s", "samples/s",
-              "peak GPU MiB/actor", "peak host MiB/actor"]
+              "peak GPU MiB/actor", "peak host MiB/actor",
+              "local updates s", "rest on actor s", "before actors s", "after actors s"]
+    medians = ", ".join(f"{key}: {ratio:.3f}" for key, ratio in results["median_ratios"].items())
     return (
         f"Workload: `{json.dumps(results['workload'])}`\n\n"
         f"Machine: {machine['gpu'] or 'CPU only'}, {machine['cpus']} CPUs, torch {machine['torch']}\n\n"
         f"Ideal (one process, the same steps back to back on {results['ideals'][0]['device']}), timed before, "
         f"between and after the rayfed runs: {ideals} s/round; each ratio uses the two around its run.\n\n"
         + format_table(rows, header)
+        + "\nPer round (means over the timed rounds): the clients' local updates on the busiest actor, the rest "
+        "of the actors' round calls, and the time before the first actor starts and after the last one ends.\n"
+        + (f"\nMedian overhead ratio per GPUs x actors/GPU over the repeats: {medians}.\n" if medians else "")
         + "".join(
             f"\nMemory per hosted client (Ditto personal state kept on {memory['state_device']}): "
             f"{memory['bytes_per_client'] / 2**20:.2f} MiB for {memory['state_bytes_per_client'] / 2**20:.2f} MiB "

@@ -99,17 +99,23 @@ def weighted_sums(uploads: Sequence[Upload], slot: str) -> tuple[TensorDict, dic
     sums: TensorDict = {}
     totals: dict[str, float] = {}
     for upload in sorted(uploads, key=lambda u: u.client_id):
-        for name, value in upload.tensors.get(slot, {}).items():
-            if upload.weight_sums is None:
-                term, weight = value.to(torch.float64, copy=True).mul_(upload.weight), upload.weight
-            else:
-                term, weight = value, upload.weight_sums[slot][name]
-            if name in sums:
-                sums[name].add_(term)  # in place: this runs once per client and tensor every round
-            else:
-                sums[name] = term if upload.weight_sums is None else term.clone()
-            totals[name] = totals.get(name, 0.0) + weight
+        _add_weighted(sums, totals, upload, slot)
     return sums, totals
+
+
+def _add_weighted(sums: TensorDict, totals: dict[str, float], upload: Upload, slot: str) -> None:
+    """Add one upload's weight * value (or a partial sum's sums) of ``slot`` into ``sums``, its weights into ``totals``."""
+    for name, value in upload.tensors.get(slot, {}).items():
+        if upload.weight_sums is None:
+            # Multiply, then add, as separate operations: the same float64 roundings on every device.
+            term, weight = value.to(torch.float64, copy=True).mul_(upload.weight), upload.weight
+        else:
+            term, weight = value, upload.weight_sums[slot][name]
+        if name in sums:
+            sums[name].add_(term)  # in place: this runs once per client and tensor every round
+        else:
+            sums[name] = term if upload.weight_sums is None else term.clone()
+        totals[name] = totals.get(name, 0.0) + weight
 
 
 def weighted_mean(uploads: Sequence[Upload], slot: str) -> TensorDict:
@@ -117,22 +123,59 @@ def weighted_mean(uploads: Sequence[Upload], slot: str) -> TensorDict:
     sums, totals = weighted_sums(uploads, slot)
     dtypes: dict[str, torch.dtype] = {}
     for upload in uploads:
-        dtypes.update(upload.dtypes[slot] if upload.dtypes else
-                      {name: value.dtype for name, value in upload.tensors.get(slot, {}).items()})
+        dtypes.update(_dtypes(upload, slot))
     return {name: (total / totals[name]).to(dtypes[name]) for name, total in sums.items()}
+
+
+def _dtypes(upload: Upload, slot: str) -> dict[str, torch.dtype]:
+    """The dtypes the clients' tensors of ``slot`` had (a partial sum holds float64 sums of them)."""
+    if upload.dtypes:
+        return upload.dtypes.get(slot, {})
+    return {name: value.dtype for name, value in upload.tensors.get(slot, {}).items()}
+
+
+class PartialSum:
+    """One actor's uploads of a round summed as they come (see :func:`presum`), in client-id order.
+
+    Adding each upload as soon as it is made keeps one float64 sum rather than every upload, on the
+    device where the uploads were trained; :meth:`upload` then moves it to the host in one go.
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, TensorDict] = {}
+        self.weights: dict[str, dict[str, float]] = {}
+        self.dtypes: dict[str, dict[str, torch.dtype]] = {}
+        self.client_ids: list[int] = []
+        self.num_samples = 0
+
+    def add(self, upload: Upload) -> None:
+        if self.client_ids and upload.client_id <= self.client_ids[-1]:
+            raise ValueError(
+                f"PartialSum.add: client {upload.client_id} after client {self.client_ids[-1]}; uploads are "
+                "summed in increasing client-id order, the order weighted_sums adds them in."
+            )
+        for slot in upload.tensors:
+            _add_weighted(self.sums.setdefault(slot, {}), self.weights.setdefault(slot, {}), upload, slot)
+            self.dtypes.setdefault(slot, {}).update(_dtypes(upload, slot))
+        self.client_ids.append(upload.client_id)
+        self.num_samples += upload.num_samples
+
+    def upload(self, device: torch.device | str | None = None) -> Upload:
+        """The partial sum as one upload, its tensors moved to ``device`` (None: where they are)."""
+        return Upload(
+            client_id=self.client_ids[0], num_samples=self.num_samples,
+            tensors={slot: {n: v if device is None else v.to(device) for n, v in self.sums[slot].items()}
+                     for slot in sorted(self.sums)},
+            train_loss=float("nan"), weight_sums=self.weights, dtypes=self.dtypes,
+        )
 
 
 def presum(uploads: Sequence[Upload]) -> Upload:
     """One actor's uploads of a round as one partial sum, for methods whose aggregate is a weighted mean."""
-    slots = sorted({slot for upload in uploads for slot in upload.tensors})
-    sums, weights, dtypes = {}, {}, {}
-    for slot in slots:
-        sums[slot], weights[slot] = weighted_sums(uploads, slot)
-        dtypes[slot] = {n: v.dtype for u in uploads for n, v in u.tensors.get(slot, {}).items()}
-    return Upload(
-        client_id=min(u.client_id for u in uploads), num_samples=sum(u.num_samples for u in uploads),
-        tensors=sums, train_loss=float("nan"), weight_sums=weights, dtypes=dtypes,
-    )
+    partial = PartialSum()
+    for upload in sorted(uploads, key=lambda u: u.client_id):
+        partial.add(upload)
+    return partial.upload()
 
 
 class Method:

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from rayfed.benchmarks.overhead import Workload, run_bench
+from rayfed.benchmarks.overhead import Workload, median_ratios, round_breakdown, run_bench
+from rayfed.errors import ConfigError
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -22,9 +23,34 @@ def test_bench_writes_json_and_markdown_with_overhead_ratios(tmp_path):
         assert len(run["round_s"]) == workload.rounds - 1  # the warm-up round is left out
         assert run["overhead_ratio"] == pytest.approx(run["mean_round_s"] / run["ideal_round_s"])
         assert run["peak_host_mib_per_actor"] > 0
+        assert [part["round"] for part in run["breakdown"]] == list(range(1, workload.rounds))
+        for part, wall in zip(run["breakdown"], run["round_s"]):
+            assert 0 < part["update_s"] < wall and part["actor_rest_s"] >= 0 and part["after_actors_s"] > 0
     # every packing trains the same clients with the same seeds
     assert results["runs"][0]["local_acc"] == results["runs"][1]["local_acc"]
     [memory] = saved["client_memory"]  # no GPU: host memory only
     assert memory["state_device"] == "cpu" and memory["state_bytes_per_client"] > 0
     table = (tmp_path / "bench.md").read_text()
     assert table.count("\n| 0 |") == 2 and "overhead ratio" in table
+
+
+def test_a_round_splits_into_local_updates_the_rest_on_the_actors_and_the_time_around_them():
+    # two actors: one trains 0.5 s of its 0.6 s call from t=10.1, the other 0.7 of 0.8 s from t=10.2
+    actor_times = [[{"round": 0, "start": 10.1, "end": 10.7, "update_s": 0.5}],
+                   [{"round": 0, "start": 10.2, "end": 11.0, "update_s": 0.7}]]
+    [part] = round_breakdown([1.2], [11.1], actor_times)  # the round took 1.2 s and its callback ran at t=11.1
+    assert part["update_s"] == 0.7
+    assert part["actor_rest_s"] == pytest.approx(0.2)  # first start to last end is 0.9 s
+    assert part["after_actors_s"] == pytest.approx(0.1) and part["before_actors_s"] == pytest.approx(0.2)
+
+
+def test_each_packing_gets_the_median_of_its_ratios_over_the_repeats():
+    runs = [{"num_gpus": 1, "actors_per_gpu": per_gpu, "overhead_ratio": ratio}
+            for per_gpu, ratio in [(1, 1.3), (2, 0.9), (1, 1.0), (2, 0.8), (1, 1.1)]]
+    runs.append({"num_gpus": 2, "actors_per_gpu": 1, "overhead_ratio": None})  # no 1-GPU ideal for 2 GPUs
+    assert median_ratios(runs) == {"1x1": 1.1, "1x2": pytest.approx(0.85)}
+
+
+def test_bench_needs_at_least_one_repeat(tmp_path):
+    with pytest.raises(ConfigError, match="--repeats 0"):
+        run_bench(Workload(), (1,), tmp_path, repeats=0)

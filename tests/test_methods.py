@@ -7,7 +7,7 @@ import torch
 
 from rayfed.actors.client import ClientActor
 from rayfed.config import load_config
-from rayfed.method import Method, Upload, presum, weighted_mean
+from rayfed.method import Method, PartialSum, Upload, presum, weighted_mean
 from rayfed.methods import METHODS
 
 
@@ -131,3 +131,47 @@ def test_a_client_trains_the_same_whichever_actor_hosts_it(tiny_run, packing):
     other.start_method(0)
     [got] = other.train(5, [0], {0: start})
     assert all(torch.equal(got.tensors["shared"][n], v) for n, v in expected.tensors["shared"].items())
+
+
+@pytest.mark.parametrize("method", ["fedavg", "ditto"])
+def test_an_actors_running_partial_sum_equals_the_presum_of_its_clients_uploads(tiny_run, method):
+    reference, actor = _actor(tiny_run, [method]), _actor(tiny_run, [method])
+    shared = reference.start_method(0)
+    actor.start_method(0)
+    payloads, scale = {0: shared, 1: shared}, {0: 1.0, 1: 0.3}
+    uploads = reference.train(4, [0, 1], payloads)
+    for upload in uploads:
+        upload.weight_scale = scale[upload.client_id]
+    expected = presum(uploads)
+    part = actor.train_round(4, [1, 0], payloads, scale)  # summed in client-id order whatever the order given
+    [got] = part.uploads
+    assert (got.client_id, got.num_samples, got.weight_sums, got.dtypes) == (
+        expected.client_id, expected.num_samples, expected.weight_sums, expected.dtypes)
+    assert got.tensors.keys() == expected.tensors.keys() == {"shared"}
+    for name, value in expected.tensors["shared"].items():
+        assert value.dtype == torch.float64 and got.tensors["shared"][name].device.type == "cpu"
+        assert torch.equal(got.tensors["shared"][name], value)
+    assert part.train_losses == {u.client_id: u.train_loss for u in uploads}
+    assert part.up_bytes == sum(u.nbytes for u in uploads)
+    [timing] = actor.round_times
+    assert timing["round"] == 4 and 0 < timing["update_s"] <= timing["end"] - timing["start"]
+
+
+def test_a_partial_sum_takes_uploads_in_increasing_client_order_only():
+    partial = PartialSum()
+    partial.add(Upload(3, 10, {"shared": {"w": torch.ones(2)}}, 0.0))
+    with pytest.raises(ValueError, match="client 1 after client 3"):
+        partial.add(Upload(1, 10, {"shared": {"w": torch.ones(2)}}, 0.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_partial_sum_made_on_the_gpu_is_bitwise_the_one_made_on_the_host():
+    generator = torch.Generator().manual_seed(1)
+    uploads = [
+        Upload(cid, 17 + cid, {"shared": {"w": torch.randn(4096, generator=generator) * 10.0 ** torch.randint(-8, 3, (4096,), generator=generator)}},
+               0.0, weight_scale=0.3 if cid == 2 else 1.0)
+        for cid in range(6)
+    ]
+    on_gpu = [Upload(u.client_id, u.num_samples, {"shared": {"w": u.tensors["shared"]["w"].cuda()}}, 0.0, u.weight_scale)
+              for u in uploads]
+    assert torch.equal(presum(on_gpu).tensors["shared"]["w"].cpu(), presum(uploads).tensors["shared"]["w"])
