@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(handler=_bench)
 
     pretrain = commands.add_parser("pretrain", help="build a family's tiny pretrained model, cached in $RAYFED_CACHE")
-    pretrain.add_argument("family", help="a model family (docs/offline_models.md lists them) or 'all'")
+    pretrain.add_argument("family", help="a model family (docs/offline_models.md lists them) or 'all' (every family "
+                          "but GPU-scale ones rayfed does not ship)")
     pretrain.add_argument("--jobs", type=int, default=1, help="families built at once, one process and core each")
     pretrain.set_defaults(handler=_pretrain)
 

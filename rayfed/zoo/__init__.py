@@ -6,7 +6,9 @@
   synthetic data, building it on first use under :func:`cache_root`.
 """
 
-from rayfed.zoo.cache import build_all, cache_root, evaluate, pretrained, read_manifest, recipe, recipe_hash
+from rayfed.zoo.cache import (
+    build_all, cache_root, default_families, evaluate, pretrained, read_manifest, recipe, recipe_hash, shipped,
+)
 from rayfed.zoo.families import FAMILIES
 from rayfed.zoo.loading import MODEL_NAMES, load
 from rayfed.zoo.registry import ZooModel
@@ -17,10 +19,12 @@ __all__ = [
     "ZooModel",
     "build_all",
     "cache_root",
+    "default_families",
     "evaluate",
     "load",
     "pretrained",
     "read_manifest",
     "recipe",
     "recipe_hash",
+    "shipped",
 ]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import filelock
+import torch
 
 from rayfed.data import multimodal
 from rayfed.errors import ConfigError, choice_error, suggest
@@ -87,6 +88,8 @@ def pretrained(name: str, overrides: Mapping[str, Any] | None = None) -> Path:
     if not folder.is_dir() and (PACKAGED / folder.name).is_dir():
         folder = PACKAGED / folder.name
     if not folder.is_dir():
+        if family(name).needs_gpu and not torch.cuda.is_available():
+            log.warning("building tiny-pretrained:%s without a GPU (its default recipe takes hours on a CPU)", name)
         dependencies = {dep: pretrained(dep) for dep in family(name).requires}
         folder.parent.mkdir(parents=True, exist_ok=True)
         with filelock.FileLock(folder.with_name(f"{folder.name}.lock")):
@@ -96,13 +99,24 @@ def pretrained(name: str, overrides: Mapping[str, Any] | None = None) -> Path:
     return folder
 
 
+def shipped(name: str) -> bool:
+    """Whether rayfed ships the built folder of family ``name``'s default recipe."""
+    return (PACKAGED / f"{name}-{recipe_hash(name)}").is_dir()
+
+
+def default_families() -> list[str]:
+    """Every family but those that need a GPU to build and do not ship with rayfed."""
+    return [name for name, spec in FAMILIES.items() if not spec.needs_gpu or shipped(name)]
+
+
 def build_all(names: Sequence[str] | None = None, processes: int = 1) -> Iterator[tuple[str, Path]]:
-    """(family, folder) of :func:`pretrained` for each family in ``names`` (default: all), as each is ready.
+    """(family, folder) of :func:`pretrained` for each family in ``names`` (default: :func:`default_families`),
+    as each is ready.
 
     Each build runs on one thread, so ``processes`` worker processes build that many families at once on
     as many cores; the file locks make a worker that needs a family another one is building wait for it.
     """
-    names = list(FAMILIES if names is None else names)
+    names = default_families() if names is None else list(names)
     for name in names:
         family(name)
     if processes <= 1:

@@ -44,3 +44,4 @@ class Family:
     evaluate: Callable[[Path, Mapping[str, Any]], Metrics]  # metrics of the model saved in a folder
     load: Callable[[str], ZooModel]  # a hub name or local folder -> the model users fine-tune
     requires: tuple[str, ...] = ()  # families whose pretrained models this one starts from
+    needs_gpu: bool = False  # a build takes minutes on a GPU and hours on a CPU

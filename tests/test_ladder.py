@@ -1,0 +1,128 @@
+"""FedYolo's offline scale ladder (spec fedyolo.md §8): part-texture data and the pretrained ViT sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors
+import torch
+import transformers
+
+from rayfed import zoo
+from rayfed.config import ModelConfig
+from rayfed.data import parts
+from rayfed.data.sources import DataError, load_source
+from rayfed.models import build_backbone, build_client_model
+from rayfed.zoo import cache, vit_ladder
+
+SPEC_SIZES = {  # spec §8: d, blocks, heads, MLP width
+    "t": (48, 3, 3, 192),
+    "s": (96, 4, 3, 384),
+    "b": (192, 6, 6, 768),
+}
+QUICK_LADDER = {"train": {"steps": 3, "batch_size": 8}, "data": {"train_samples": 512, "eval_samples": 64}}
+
+
+def _pairs(layout: np.ndarray) -> set[tuple[int, int]]:
+    return {(int(cell), int(part)) for cell, part in layout}
+
+
+def test_downstream_classes_are_new_layouts_of_the_upstream_parts() -> None:
+    world = parts.world(0)
+    upstream = {frozenset(_pairs(layout)) for layout in world.upstream}
+    fine = [_pairs(layout) for layout in world.fine]
+    assert len(upstream) == parts.UPSTREAM_CLASSES and len({frozenset(f) for f in fine}) == parts.FINE_CLASSES
+    assert not upstream & {frozenset(f) for f in fine}
+    for layout in [*world.upstream, *world.fine]:
+        assert len({int(cell) for cell, _ in layout}) == parts.PARTS_PER_CLASS  # one part per cell
+    per_group = parts.FINE_CLASSES // parts.COARSE_CLASSES
+    cores = [set.intersection(*fine[g * per_group : (g + 1) * per_group]) for g in range(parts.COARSE_CLASSES)]
+    assert all(len(core) >= 2 for core in cores)  # a super-class's classes share its two core pairs
+    assert len({frozenset(core) for core in cores}) == parts.COARSE_CLASSES
+
+
+def test_render_is_seeded_balanced_and_keeps_the_world() -> None:
+    images, labels = parts.render(300, label_space="fine", seed=1)
+    again, labels_again = parts.render(300, label_space="fine", seed=1)
+    other, _ = parts.render(300, label_space="fine", seed=2)
+    assert images.dtype == np.float32 and images.shape == (300, 32, 32, 3)
+    assert 0.0 <= images.min() and images.max() <= 1.0
+    assert np.array_equal(images, again) and np.array_equal(labels, labels_again)
+    assert not np.array_equal(images, other)
+    assert np.bincount(labels).tolist() == [3] * parts.FINE_CLASSES
+    _, coarse = parts.render(50, label_space="coarse", seed=1)
+    assert np.bincount(coarse).tolist() == [5] * parts.COARSE_CLASSES
+    world_before = parts.world(0).fine.copy()
+    parts.render(10, label_space="upstream", seed=3)
+    assert np.array_equal(parts.world(0).fine, world_before)
+
+
+def test_parts_source_and_its_errors() -> None:
+    dataset = load_source("parts", seed=0, synthetic={"num_samples": 40, "label_space": "coarse"})
+    assert dataset.class_names == parts.class_names("coarse") and len(dataset) == 40
+    with pytest.raises(DataError, match=r"data\.synthetic\.label_space = 'medium'.*upstream, fine, coarse"):
+        load_source("parts", synthetic={"label_space": "medium"})
+    with pytest.raises(DataError, match=r"data\.synthetic\.world = -1"):
+        load_source("parts", synthetic={"world": -1})
+    with pytest.raises(DataError, match=r"no option 'classes'"):
+        load_source("parts", synthetic={"classes": 3})
+
+
+@pytest.mark.parametrize("size", "tsb")
+def test_ladder_sizes_and_one_budget_follow_the_spec(size: str) -> None:
+    recipe = zoo.recipe(f"vit-ladder-{size}")
+    d, blocks, heads, mlp = SPEC_SIZES[size]
+    assert recipe["model"] == {"hidden_size": d, "num_hidden_layers": blocks, "num_attention_heads": heads,
+                               "intermediate_size": mlp, "image_size": 32, "patch_size": 4}  # fmt: skip
+    assert recipe["train"] == zoo.recipe("vit-ladder-t")["train"] and recipe["data"] == zoo.recipe("vit-ladder-t")["data"]
+    assert recipe["data"]["train_samples"] >= 100 * 200  # >= 200 upstream classes, ~100 images each
+
+
+def test_shipped_sizes_load_without_a_build_and_pass_the_gate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """T' and S' ship with rayfed; upstream and linear-probe accuracy grow with size (the spec's gate)."""
+    monkeypatch.setenv("RAYFED_CACHE", str(tmp_path))
+    monkeypatch.setattr(cache, "_build", lambda *args: pytest.fail("built a shipped model"))
+    manifests = []
+    for size in "ts":
+        folder = zoo.pretrained(f"vit-ladder-{size}")
+        assert folder.parent == cache.PACKAGED and zoo.shipped(f"vit-ladder-{size}")
+        manifests.append(zoo.read_manifest(folder))
+    assert manifests[0]["params"] < manifests[1]["params"]
+    for metric in ("accuracy", "probe_acc"):
+        assert manifests[0]["metrics"]["after"][metric] <= manifests[1]["metrics"]["after"][metric], metric
+    backbone = build_backbone(ModelConfig(backbone="tiny-pretrained:vit-ladder-s"), seed=0)
+    assert (backbone.feature_dim, backbone.image_size) == (96, 32)
+    assert all(p.dtype == torch.float32 and not p.requires_grad for p in backbone.encoder.parameters())
+    assert "vit-ladder-b" not in zoo.default_families() or zoo.shipped("vit-ladder-b")
+
+
+def test_a_ladder_recipe_builds_into_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("RAYFED_CACHE", str(tmp_path))
+    folder = zoo.pretrained("vit-ladder-t", QUICK_LADDER)
+    assert folder.parent == tmp_path / "pretrained"
+    manifest = zoo.read_manifest(folder)
+    assert manifest["recipe"] == zoo.recipe("vit-ladder-t", QUICK_LADDER) and manifest["params"] > 0
+    with safetensors.safe_open(folder / "model.safetensors", "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.float16}
+    encoder = vit_ladder.load(str(folder)).model
+    assert type(encoder) is transformers.ViTModel and next(encoder.parameters()).dtype == torch.float32
+    assert zoo.evaluate("vit-ladder-t", folder) == manifest["metrics"]["after"]
+
+
+@pytest.mark.parametrize("num_classes", [100, 10])
+def test_ladder_module_counts_and_uplink_ratio(num_classes: int) -> None:
+    """The study's per-block formulas on S'; the full / adapter ratio the docs quote (28.8x, 61.0x)."""
+    d, blocks = 96, 4
+    backbone = build_backbone(ModelConfig(backbone="tiny-pretrained:vit-ladder-s"), seed=0)
+    counts = {}
+    for module in ("full", "adapter", "vpt", "head"):
+        model = build_client_model(backbone, ModelConfig(backbone="tiny-pretrained:vit-ladder-s", module=module),
+                                   num_classes, 0)  # fmt: skip
+        counts[module] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    head = num_classes * d + num_classes
+    assert counts["head"] == head
+    assert counts["adapter"] == blocks * (17 * d + 8) + head and counts["vpt"] == blocks * 8 * d + head
+    assert counts["full"] == sum(p.numel() for p in backbone.encoder.parameters()) + head
+    assert round(counts["full"] / counts["adapter"], 1) == {100: 28.8, 10: 61.0}[num_classes]
