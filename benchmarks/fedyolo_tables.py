@@ -3,7 +3,9 @@
 ``python -m rayfed.benchmarks.fedyolo_tables RUN_DIR [RUN_DIR ...]``: the run directories of one
 config run with different seeds. Per method: final mean local accuracy (and per task in multi-task
 runs), uplink parameters per round and in total (the paper's T x M x P), the full/method uplink
-ratio, rounds to 95% of fedavg-full's best accuracy, and the representation shift when measured.
+ratio, rounds to 95% of fedavg-full's best accuracy, the uplink parameters sent until then (the
+paper's cost at the target, spec §5) and fedavg-full's over the method's, and the representation
+shift when measured.
 """
 
 from __future__ import annotations
@@ -34,16 +36,34 @@ def _rounds_to_target(run_dir: Path, summary: dict) -> tuple[float | None, dict[
     return rounds_to_target(events, target, post_trained)
 
 
+def _uplink_until(run_dir: Path, label: str, rounds: int | None) -> float | None:
+    """Uplink parameters ``label`` sent in its first ``rounds`` rounds (None: the target was never reached)."""
+    if rounds is None:
+        return None
+    events = MetricsLog.read(run_dir / "metrics.jsonl")
+    return sum(e["up_params"] for e in events if e.get("event") == "round" and e["method"] == label and e["round"] <= rounds)
+
+
+def _cost_ratio(full: list[float | None], method: list[float | None]) -> str:
+    """Mean over the seeds where both reached the target of full's cost over the method's."""
+    ratios = [f / m for f, m in zip(full, method) if f is not None and m]
+    return f"{np.mean(ratios):.1f}x ({len(ratios)} of {len(full)})" if ratios else "-"
+
+
 def tables(run_dirs: list[Path]) -> str:
     summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
     for run_dir, summary in zip(run_dirs, summaries):
         summary["target_acc"], summary["rounds_to_target"] = _rounds_to_target(run_dir, summary)
+        summary["uplink_to_target"] = {
+            label: _uplink_until(run_dir, label, rounds) for label, rounds in summary["rounds_to_target"].items()
+        }
     labels = [label for label in summaries[0]["methods"] if all(label in s["methods"] for s in summaries)]
     rounds = summaries[0]["config"]["federation"]["rounds"]
     full_label = next((label for label in labels if label.endswith("full")), None)
     tasks = list(summaries[0]["methods"][labels[0]].get("tasks", {}))
     head = ["method", "local acc (%)", *(f"{t} acc (%)" for t in tasks), "uplink params / round",
-            "uplink params total", "full / method", "rounds to target"]
+            "uplink params total", "full / method", "rounds to target", "uplink params to target",
+            "full / method to target"]
     has_shift = "rep_shift" in summaries[0]["methods"][labels[0]]["mean"]
     if has_shift:
         head.append("rep. shift")
@@ -60,6 +80,9 @@ def tables(run_dirs: list[Path]) -> str:
             row.append("-")
         reached = [s["rounds_to_target"].get(label) for s in summaries]
         row.append(", ".join("never" if r is None else str(r) for r in reached))
+        costs = [s["uplink_to_target"].get(label) for s in summaries]
+        row.append(", ".join("-" if c is None else f"{c:,.0f}" for c in costs))
+        row.append("-" if full_label is None else _cost_ratio([s["uplink_to_target"].get(full_label) for s in summaries], costs))
         if has_shift:
             row.append(f"{np.mean([r['mean']['rep_shift'] for r in results]):.4f}")
         lines.append("| " + " | ".join(row) + " |")
