@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -126,3 +127,28 @@ def test_ladder_module_counts_and_uplink_ratio(num_classes: int) -> None:
     assert counts["adapter"] == blocks * (17 * d + 8) + head and counts["vpt"] == blocks * 8 * d + head
     assert counts["full"] == sum(p.numel() for p in backbone.encoder.parameters()) + head
     assert round(counts["full"] / counts["adapter"], 1) == {100: 28.8, 10: 61.0}[num_classes]
+
+
+def test_tables_report_the_uplink_cost_at_the_target(tmp_path: Path) -> None:
+    """Rounds to 95% of fedavg-full's best, the uplink sent until then, and full's cost over the method's."""
+    from rayfed.benchmarks.fedyolo_tables import tables
+
+    per_round = {"fedavg-full": 1000, "fedavg-head": 10}
+    accuracy = {"fedavg-full": [0.5, 0.8, 1.0], "fedavg-head": [0.96, 0.97, 0.97]}  # evaluated every 2 rounds
+    events = []
+    for label, up in per_round.items():
+        events += [{"event": "round", "method": label, "round": r, "up_params": up} for r in range(1, 7)]
+        events += [{"event": "eval", "method": label, "round": 2 * i + 2, "local_acc": acc}
+                   for i, acc in enumerate(accuracy[label])]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    summary = {
+        "config": {"methods": [{"label": label, "post_train_steps": 0} for label in per_round],
+                   "federation": {"rounds": 6, "target_acc": None}},
+        "methods": {label: {"mean": {"local_acc": accuracy[label][-1]}} for label in per_round},
+        "comm_params": {label: {"up": 6 * up} for label, up in per_round.items()},
+    }  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in tables([tmp_path]).splitlines()]
+    rows = {row[0]: row for row in cells}
+    assert rows["fedavg-full"][5:8] == ["6", "6,000", "1.0x (1 of 1)"]  # target 0.95: reached at round 6
+    assert rows["fedavg-head"][4:8] == ["100.0x", "2", "20", "300.0x (1 of 1)"]
