@@ -38,10 +38,17 @@ FEMNIST = {"source": "hf:flwrlabs/femnist", "split": "train", "image_column": "i
            "partition": {"name": "natural", "column": "writer_id", "min_samples": 2, "max_group_size": 120}}
 
 
-def cifar(source: dict[str, Any], classes: int) -> dict[str, Any]:
-    """20 clients x exactly 100 training samples of ``classes`` classes, 100 test samples of the same classes."""
-    return {**source, "num_clients": 20, "partition": {
-        "name": "shards", "classes_per_client": classes, "samples_per_client": 100, "test_samples_per_client": 100}}
+# CIFAR-100's global accuracy (Fig 6, 9L; spec §2): 20 samples per class that no client holds.
+GLOBAL_TEST_SAMPLES = 2000
+
+
+def cifar(source: dict[str, Any], classes: int, global_test: int | None = None) -> dict[str, Any]:
+    """20 clients x exactly 100 training samples of ``classes`` classes, 100 test samples of the same classes,
+    and optionally a global test set of ``global_test`` samples over all classes."""
+    partition = {"name": "shards", "classes_per_client": classes, "samples_per_client": 100, "test_samples_per_client": 100}
+    if global_test is not None:
+        partition["global_test_samples"] = global_test
+    return {**source, "num_clients": 20, "partition": partition}
 
 
 def train(local_epochs: int) -> dict[str, Any]:
@@ -105,7 +112,7 @@ def configs() -> dict[str, tuple[str, dict]]:
         for level, classes in HETEROGENEITY.items():
             out[f"paper_cifar100_{size}_{level}"] = (
                 f"Fig 2-6, 15-16: CIFAR-100, {classes} classes per client, ViT-{size}, every update method and scheme",
-                run(f"fedyolo-cifar100-{size}-{level}", size, cifar(CIFAR100, classes), SINGLE_TASK_METHODS, 5))
+                run(f"fedyolo-cifar100-{size}-{level}", size, cifar(CIFAR100, classes, GLOBAL_TEST_SAMPLES), SINGLE_TASK_METHODS, 5))
         out[f"paper_cifar10_{size}_mild"] = (
             f"Table 1 task 1 alone: CIFAR-10, 2 classes per client, ViT-{size}",
             run(f"fedyolo-cifar10-{size}", size, cifar(CIFAR10, 2), SINGLE_TASK_METHODS, 5))
@@ -120,7 +127,7 @@ def configs() -> dict[str, tuple[str, dict]]:
                 f"Fig 7: local epochs E={epochs}, CIFAR-100 mild heterogeneity, ViT-{size}, full vs adapter",
                 run(f"fedyolo-epochs-{size}-E{epochs}", size, cifar(CIFAR100, 20),
                     [m for m in SINGLE_TASK_METHODS if m["label"] in ("fedavg-full", "fedavg-adapter")], 5, epochs))
-        tasks = [task("cifar100", cifar(CIFAR100, 20), 5), task("cifar10", cifar(CIFAR10, 2), 5),
+        tasks = [task("cifar100", cifar(CIFAR100, 20, GLOBAL_TEST_SAMPLES), 5), task("cifar10", cifar(CIFAR10, 2), 5),
                  task("celeba", CELEBA, 79), task("femnist", FEMNIST, 53)]
         for count in (2, 3, 4):
             chosen = tasks[:count]

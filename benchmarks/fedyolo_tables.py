@@ -5,7 +5,8 @@ config run with different seeds. Per method: final mean local accuracy (and per 
 runs), uplink parameters per round and in total (the paper's T x M x P), the full/method uplink
 ratio, rounds to 95% of fedavg-full's best accuracy, the uplink parameters sent until then (the
 paper's cost at the target, spec §5) and fedavg-full's over the method's, and the representation
-shift when measured.
+shift when measured. With a global test set (``data.partition.global_test_samples``), the forgetting
+ratio of every method ``X`` run next to ``X+local``.
 """
 
 from __future__ import annotations
@@ -86,10 +87,29 @@ def tables(run_dirs: list[Path]) -> str:
         if has_shift:
             row.append(f"{np.mean([r['mean']['rep_shift'] for r in results]):.4f}")
         lines.append("| " + " | ".join(row) + " |")
-    targets = ", ".join(f"{100 * s['target_acc']:.1f}%" for s in summaries)
+    lines += _forgetting(summaries, labels)
+    targets = ", ".join("-" if s["target_acc"] is None else f"{100 * s['target_acc']:.1f}%" for s in summaries)
     lines.append(f"\n{len(summaries)} seeds; rounds to target per seed (target = 95% of the best mean local "
                  f"accuracy of fedavg-full in that run: {targets}).")
     return "\n".join(lines)
+
+
+def _forgetting(summaries: list[dict], labels: list[str]) -> list[str]:
+    """Spec §2's forgetting ratio (Acc_X - Acc_X+local) / Acc_X, both global accuracies (every client's model
+    on the global test set, averaged), for each X run next to X+local."""
+    rows = []
+    for label in labels:
+        local = f"{label}+local"
+        if local not in labels or "global_acc" not in summaries[0]["methods"][label]["mean"]:
+            continue
+        federated = [s["methods"][label]["mean"]["global_acc"] for s in summaries]
+        personal = [s["methods"][local]["mean"]["global_acc"] for s in summaries]
+        ratios = [(f - p) / f for f, p in zip(federated, personal)]
+        rows.append(f"| {label} | {_mean_std(federated, 100)} | {_mean_std(personal, 100)} | "
+                    f"{np.mean(ratios):.3f} ± {np.std(ratios):.3f} |")
+    if not rows:
+        return []
+    return ["", "| method | global acc (%) | global acc after +local (%) | forgetting ratio |", "|---|---|---|---|", *rows]
 
 
 if __name__ == "__main__":

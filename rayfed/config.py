@@ -38,6 +38,9 @@ class PartitionConfig(_Section):
     test_samples_per_client: int | None = Field(
         None, gt=0, description="shards: exact test samples per client; samples_per_client then counts training samples"
     )
+    global_test_samples: int | None = Field(
+        None, gt=0, description="a shared test set of this many samples no client holds, over all classes: global_acc"
+    )
 
     @model_validator(mode="after")
     def _exact_test(self) -> PartitionConfig:

@@ -310,6 +310,29 @@ def test_every_client_of_a_classes_per_client_partition_has_c_classes_and_100_tr
         assert set(labels[test]) == set(labels[train])
 
 
+def test_a_global_test_set_holds_samples_no_client_holds_and_gives_global_acc(tiny_run):
+    """The study's global accuracy (spec §2 Metrics): the same set for every client, outside every client's data."""
+    run = copy.deepcopy(tiny_run)
+    run["data"].update(partition={"name": "shards", "classes_per_client": 2, "samples_per_client": 10,
+                                  "test_samples_per_client": 4, "global_test_samples": 30})  # fmt: skip
+    config = load_config(run)
+    federation = build_federation(config.data, config.seed)
+    (name, (indices, task, exclude_own)), = federation.shared_eval.items()
+    held = np.concatenate([np.concatenate(split) for split in federation.splits])
+    assert (name, task, exclude_own, len(indices), len(np.unique(indices))) == ("global", 0, False, 30, 30)
+    assert not set(indices) & set(held)
+    assert len(np.unique(federation.dataset.labels[indices])) > 2  # more classes than any one client holds
+    actor = ClientActor(config.to_dict(), [0, 1])
+    shared = actor.start_method(0)
+    metrics = actor.evaluate(0, {0: shared, 1: shared})
+    model_preds = actor.model(actor.eval_sets[0].x.to(actor.device)).argmax(-1).cpu()
+    expected = float((model_preds == actor.eval_sets[0].y.cpu()).float().mean())
+    assert metrics[0]["global_acc"] == metrics[1]["global_acc"] == pytest.approx(expected)
+    run["data"]["partition"]["global_test_samples"] = 10**6
+    with pytest.raises(ConfigError, match=r"data\.partition\.global_test_samples = 1000000 is more than the \d+ samples"):
+        build_federation(load_config(run).data, config.seed)
+
+
 def test_rounds_to_target_takes_the_first_round_reaching_it():
     events = [{"event": "eval", "method": m, "round": r, "local_acc": a}
               for m, r, a in (("a", 1, 0.5), ("a", 2, 0.9), ("b", 1, 0.7), ("b", 2, 0.8), ("b", 3, 1.0))]

@@ -152,3 +152,19 @@ def test_tables_report_the_uplink_cost_at_the_target(tmp_path: Path) -> None:
     rows = {row[0]: row for row in cells}
     assert rows["fedavg-full"][5:8] == ["6", "6,000", "1.0x (1 of 1)"]  # target 0.95: reached at round 6
     assert rows["fedavg-head"][4:8] == ["100.0x", "2", "20", "300.0x (1 of 1)"]
+
+
+def test_tables_give_the_forgetting_ratio_on_the_global_test_set(tmp_path: Path) -> None:
+    from rayfed.benchmarks.fedyolo_tables import tables
+
+    global_acc = {"fedavg-full": 0.8, "fedavg-full+local": 0.6}
+    (tmp_path / "metrics.jsonl").write_text("")
+    summary = {
+        "config": {"methods": [{"label": "fedavg-full", "post_train_steps": 0},
+                               {"label": "fedavg-full+local", "post_train_steps": 5}],
+                   "federation": {"rounds": 1, "target_acc": None}},
+        "methods": {label: {"mean": {"local_acc": 0.9, "global_acc": acc}} for label, acc in global_acc.items()},
+        "comm_params": {label: {"up": 10} for label in global_acc},
+    }  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert "| fedavg-full | 80.0 ± 0.0 | 60.0 ± 0.0 | 0.250 ± 0.000 |" in tables([tmp_path]).splitlines()

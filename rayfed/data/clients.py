@@ -11,7 +11,7 @@ import torch
 
 from rayfed.config import DataConfig
 from rayfed.data.base_novel import base_novel_split
-from rayfed.data.partition import exact_test_split, partition, split_train_test
+from rayfed.data.partition import exact_test_split, global_test_indices, partition, split_train_test
 from rayfed.data.sources import ArrayDataset, load_source
 from rayfed.models import Backbone, check_image_channels, to_tensor_images
 from rayfed.tasks import Task
@@ -134,5 +134,10 @@ def build_federation(config: DataConfig, seed: int) -> Federation | MultiTaskFed
         clients_per_domain=part.clients_per_domain,
     )
     if test_samples is not None:
-        return Federation(dataset, exact_test_split(client_indices, dataset.labels, test_samples, seed=seed))
-    return Federation(dataset, split_train_test(client_indices, dataset.labels, config.test_fraction, seed=seed))
+        splits = exact_test_split(client_indices, dataset.labels, test_samples, seed=seed)
+    else:
+        splits = split_train_test(client_indices, dataset.labels, config.test_fraction, seed=seed)
+    if part.global_test_samples is None:
+        return Federation(dataset, splits)
+    indices = global_test_indices(splits, len(dataset), part.global_test_samples, seed=seed)
+    return Federation(dataset, splits, shared_eval={"global": (indices, 0, False)})

@@ -23,6 +23,7 @@ _PURPOSE_SHARD_SPLIT = 2004
 _PURPOSE_SHARD_SUBSET = 2005
 _PURPOSE_TRAIN_TEST = 2006
 _PURPOSE_LABELDIR = 2007
+_PURPOSE_GLOBAL_TEST = 2008
 
 
 def _rng(seed: int, purpose: int, *extra: int) -> np.random.Generator:
@@ -349,3 +350,16 @@ def exact_test_split(
             train_parts.append(members[quota:])
         splits.append((np.sort(np.concatenate(train_parts)), np.sort(np.concatenate(test_parts))))
     return splits
+
+
+def global_test_indices(splits: list[tuple[np.ndarray, np.ndarray]], num_samples: int, size: int, *, seed: int) -> np.ndarray:
+    """``size`` sample indices (sorted) drawn uniformly from the samples no client holds: a test set of the
+    whole label distribution (the FedYolo study's global accuracy)."""
+    held = np.concatenate([np.concatenate(split) for split in splits]) if splits else np.array([], dtype=np.int64)
+    free = np.setdiff1d(np.arange(num_samples), held)
+    if size > len(free):
+        raise DataError(
+            f"data.partition.global_test_samples = {size} is more than the {len(free)} samples no client holds; "
+            f"use at most {len(free)}, or load more samples."
+        )
+    return np.sort(_rng(seed, _PURPOSE_GLOBAL_TEST).choice(free, size=size, replace=False))
