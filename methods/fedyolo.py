@@ -12,6 +12,12 @@ A client trains, uploads and receives only its task's view (the engine filters b
 ``task_<index>`` name component), so FedAvg's rule gives the paper's aggregation: a task's modules
 are averaged over that task's sampled clients (kept unchanged when none was sampled) and shared
 modules over every sampled client.
+
+``private_uploads`` is the paper's privacy variant (§3): every client uploads every task's dedicated
+slots, zeros but its own, and a vector of K per-task sample counts (its own n_m, zeros elsewhere), so
+that under secure aggregation the server learns the sums but not which task a client belongs to;
+task k's slots become sum(u_k) / sum(c_k). The resulting parameters are those of the default; only
+the upload grows (all tasks' slots + K counts per client).
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from rayfed.config import ModelConfig
-from rayfed.method import Method
+from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload, weighted_sums
 from rayfed.models import Backbone, build_task_model, num_blocks
 from rayfed.modules import dedicated_blocks
-from rayfed.tasks import Task
+from rayfed.tasks import Task, task_of_name
+from rayfed.training import ClientContext
 
 SHARING = ("none", "half", "all")
 
@@ -33,6 +41,7 @@ SHARING = ("none", "half", "all")
 @dataclass(frozen=True)
 class FedYoloParams:
     sharing: str = "none"
+    private_uploads: bool = False  # the privacy variant: every task's slots (zeros but one's own) + task counts
 
     def __post_init__(self) -> None:
         if self.sharing not in SHARING:
@@ -44,3 +53,29 @@ class FedYolo(Method):
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         return build_task_model(backbone, config, tasks, seed, dedicated_blocks(self.params.sharing, num_blocks(backbone)))
+
+    def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
+        result = super().local_update(client, state, payload)
+        if not self.params.private_uploads:
+            return result
+        sent = dict(result.upload.get("shared", {}))
+        for name, value in client.model.trainable_params().items():
+            if task_of_name(name) not in (None, client.task):
+                sent[name] = torch.zeros_like(value)
+        counts = torch.zeros(len(client.model.head), dtype=torch.float64)
+        counts[client.task] = client.num_samples
+        return LocalResult(result.state, {"shared": sent, "task_counts": {"counts": counts}}, result.train_loss)
+
+    def aggregate(self, server: ServerState, uploads: list[Upload]) -> ServerState:
+        if not self.params.private_uploads:
+            return super().aggregate(server, uploads)
+        sums, totals = weighted_sums(uploads, "shared")
+        # sum(c_k): the weight of task k's own clients only (the zeros others sent carry none).
+        task_totals = sum(u.tensors["task_counts"]["counts"] * u.weight_scale for u in uploads)
+        merged = dict(server["global"])
+        for name, total in sums.items():
+            task = task_of_name(name)
+            weight = totals[name] if task is None else float(task_totals[task])
+            if weight > 0:  # a task without sampled clients keeps its slots
+                merged[name] = (total / weight).to(server["global"][name].dtype)
+        return {**server, "global": merged}

@@ -20,7 +20,7 @@ from rayfed.methods.feddyn import FedDyn, FedDynParams
 from rayfed.models import VIT_SIZES, build_backbone, build_client_model, build_task_model
 from rayfed.modules import representation_shift, select_task
 from rayfed.simulation import rounds_to_target
-from rayfed.tasks import Task, sample_round, task_of_name
+from rayfed.tasks import Task, sample_round, task_of_name, task_view
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "fedyolo"
 
@@ -188,6 +188,24 @@ def test_fedyolo_task0_trajectory_is_bitwise_identical_with_other_tasks_present(
     fedavg_together = _trajectory(_multitask_run(copy.deepcopy(tiny_run), [cifar_like, other], ["fedavg"]))
     adapters = [n for n in fedavg_alone if "adapters.shared" in n]
     assert adapters and any(not torch.equal(fedavg_alone[n], fedavg_together[n]) for n in adapters)
+
+
+def test_private_uploads_send_every_tasks_slots_and_give_the_same_parameters(tiny_run):
+    """Spec §3's privacy variant: zeros but one's own task, plus per-task counts; the aggregate is unchanged."""
+    tasks = [_task("a", 4, 0), _task("b", 3, 7)]
+    private = {"name": "fedyolo", "sharing": "half", "private_uploads": True}
+    default = _trajectory(_multitask_run(copy.deepcopy(tiny_run), tasks, [{"name": "fedyolo", "sharing": "half"}]))
+    assert all(torch.equal(default[n], value) for n, value in _trajectory(_multitask_run(copy.deepcopy(tiny_run), tasks, [private])).items())
+    run = _multitask_run(copy.deepcopy(tiny_run), tasks, [private])
+    actor = ClientActor(load_config(run).to_dict(), [0, 3])
+    everything = actor.start_method(0)
+    sent = actor.train(0, [0, 3], {0: task_view(everything, 0), 3: task_view(everything, 1)})
+    for upload, own in zip(sent, (0, 1)):
+        assert set(upload.tensors["shared"]) == set(everything)
+        others = [v for n, v in upload.tensors["shared"].items() if task_of_name(n) not in (None, own)]
+        assert others and all(not v.any() for v in others)
+        assert upload.tensors["task_counts"]["counts"].tolist() == [upload.num_samples if k == own else 0 for k in (0, 1)]
+        assert upload.nparams == sum(v.numel() for v in everything.values()) + 2
 
 
 @pytest.mark.parametrize(("sharing", "dedicated_blocks"), [("none", {0, 1}), ("half", {1}), ("all", set())])
