@@ -96,7 +96,18 @@ def measure_ideal(workload: Workload) -> dict[str, Any]:
             host._context(cid, round_idx).train(shared)
         _sync(host.device)
         round_times.append(time.perf_counter() - started)
-    return {"round_s": round_times[1:], "device": str(host.device), "state_bytes_per_client": tensor_bytes(shared)}
+    return {"round_s": round_times[1:], "device": str(host.device), "state_bytes_per_client": tensor_bytes(shared),
+            "pid": os.getpid()}
+
+
+def measure_ideal_in_ray(workload: Workload, num_gpus: int) -> dict[str, Any]:
+    """:func:`measure_ideal` inside a Ray worker holding what one actor holds (a CPU, a GPU if any).
+
+    Against the ideal in this process it shows what running in a Ray worker costs the same steps,
+    against rayfed's local updates what rayfed's own code around them costs.
+    """
+    remote = ray.remote(num_cpus=1, num_gpus=1 if num_gpus else 0)(measure_ideal)
+    return ray.get(remote.remote(workload))
 
 
 def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int) -> dict[str, Any]:
@@ -188,13 +199,15 @@ def _sync(device: torch.device) -> None:
 
 
 def run_bench(
-    workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path, repeats: int = 1,
+    workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path, repeats: int = 1, ideal_in_ray: bool = False,
 ) -> dict[str, Any]:
     """Alternate ideal and rayfed runs; each ratio uses the ideals timed just before and after it.
 
     GPU hosts drift by tens of percent within minutes (launch-bound steps on shared CPUs), so a
     single ideal measured once would make the ratios meaningless. With ``repeats`` > 1 the sweep
-    runs that many times over, and ``median_ratios`` gives each packing's median ratio.
+    runs that many times over, and ``median_ratios`` gives each packing's median ratio. With
+    ``ideal_in_ray``, each one-GPU run is followed by the ideal inside a Ray worker
+    (:func:`measure_ideal_in_ray`), its mean s/round in ``ideal_in_ray_round_s``.
     """
     if repeats < 1:
         raise ConfigError(f"--repeats {repeats}: the sweep runs at least once; pass an integer >= 1.")
@@ -230,6 +243,8 @@ def run_bench(
                     peak_gpu_mib_per_actor=max(u["gpu_peak_bytes"] for u in result["usage"]) / 2**20,
                     peak_host_mib_per_actor=max(u["rss_bytes"] for u in result["usage"]) / 2**20,
                 )
+                if ideal_in_ray and gpus <= 1:
+                    result["ideal_in_ray_round_s"] = _mean(measure_ideal_in_ray(workload, gpus)["round_s"])
                 results["runs"].append(result)
                 atomic_write_json(out_dir / "bench.json", results)  # partial results survive a later failure
                 print(f"[bench] {gpus} GPU(s) x {per_gpu} actors: {mean_round:.3f} s/round "
@@ -277,6 +292,11 @@ def markdown(results: dict[str, Any]) -> str:
         + "\nPer round (means over the timed rounds): the clients' local updates on the busiest actor, the rest "
         "of the actors' round calls, and the time before the first actor starts and after the last one ends.\n"
         + (f"\nMedian overhead ratio per GPUs x actors/GPU over the repeats: {medians}.\n" if medians else "")
+        + "".join(
+            f"\nThe ideal loop inside a Ray worker after the {run['num_gpus']} x {run['actors_per_gpu']} run: "
+            f"{run['ideal_in_ray_round_s']:.3f} s/round.\n"
+            for run in results["runs"] if "ideal_in_ray_round_s" in run
+        )
         + "".join(
             f"\nMemory per hosted client (Ditto personal state kept on {memory['state_device']}): "
             f"{memory['bytes_per_client'] / 2**20:.2f} MiB for {memory['state_bytes_per_client'] / 2**20:.2f} MiB "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from rayfed.benchmarks.overhead import Workload, median_ratios, round_breakdown, run_bench
+from rayfed.benchmarks.overhead import Workload, measure_ideal_in_ray, median_ratios, round_breakdown, run_bench
 from rayfed.errors import ConfigError
 
 
@@ -49,6 +50,16 @@ def test_each_packing_gets_the_median_of_its_ratios_over_the_repeats():
             for per_gpu, ratio in [(1, 1.3), (2, 0.9), (1, 1.0), (2, 0.8), (1, 1.1)]]
     runs.append({"num_gpus": 2, "actors_per_gpu": 1, "overhead_ratio": None})  # no 1-GPU ideal for 2 GPUs
     assert median_ratios(runs) == {"1x1": 1.1, "1x2": pytest.approx(0.85)}
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_the_ideal_can_run_inside_a_ray_worker(tmp_path):
+    workload = Workload(num_clients=4, clients_per_round=2, local_steps=2, samples_per_client=16, rounds=3)
+    inside = measure_ideal_in_ray(workload, num_gpus=0)
+    assert inside["pid"] != os.getpid() and len(inside["round_s"]) == workload.rounds - 1
+    [run] = run_bench(workload, (1,), tmp_path, ideal_in_ray=True)["runs"]
+    assert run["ideal_in_ray_round_s"] > 0
+    assert "The ideal loop inside a Ray worker after the 0 x 1 run:" in (tmp_path / "bench.md").read_text()
 
 
 def test_bench_needs_at_least_one_repeat(tmp_path):
