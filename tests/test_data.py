@@ -44,7 +44,7 @@ def mean_distance_to_global(labels: np.ndarray, clients: list[np.ndarray], num_c
 
 
 def test_registry_names() -> None:
-    assert SOURCES == ("sklearn:digits", "fashion_mnist", "hf:<dataset>", "synthetic", "shapes")
+    assert SOURCES == ("sklearn:digits", "fashion_mnist", "hf:<dataset>", "synthetic", "shapes", "parts")
     assert PARTITIONERS == ("iid", "dirichlet", "shards", "natural", "labeldir", "domain_dirichlet")
     assert issubclass(DataError, ConfigError) and issubclass(DataError, ValueError)
 
