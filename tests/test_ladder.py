@@ -168,3 +168,18 @@ def test_tables_give_the_forgetting_ratio_on_the_global_test_set(tmp_path: Path)
     }  # fmt: skip
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert "| fedavg-full | 80.0 ± 0.0 | 60.0 ± 0.0 | 0.250 ± 0.000 |" in tables([tmp_path]).splitlines()
+
+
+@pytest.mark.parametrize("name", ["offline_ladder.yaml", "offline_ladder_multitask.yaml"])
+def test_the_ladder_configs_use_a_shipped_backbone_and_the_papers_partitions(name: str) -> None:
+    from rayfed.config import load_config
+    from rayfed.data.clients import build_federation
+
+    config = load_config(Path(__file__).parents[1] / "configs" / "fedyolo" / name)
+    assert zoo.shipped(config.model.backbone.removeprefix("tiny-pretrained:"))
+    federation = build_federation(config.data, config.seed)
+    for part, classes in zip(getattr(federation, "parts", [federation]), (20, 2)):  # fine, then coarse
+        assert len(part.splits) == 20
+        for train, test in part.splits:
+            assert len(train) == 100 and len(test) == 100
+            assert len(np.unique(part.dataset.labels[train])) == classes
