@@ -25,10 +25,9 @@ def _mean_std(values: list[float], scale: float = 1.0) -> str:
     return f"{array.mean():.1f} ± {array.std():.1f}"
 
 
-def _rounds_to_target(run_dir: Path, summary: dict) -> tuple[float | None, dict[str, int | None]]:
-    """From metrics.jsonl, with the spec's target (§2 Metrics): 95% of the best mean local accuracy
-    of the run's ``fedavg-full`` method, when the config sets none and the run has that method."""
-    events = MetricsLog.read(run_dir / "metrics.jsonl")
+def _rounds_to_target(events: list[dict], summary: dict) -> tuple[float | None, dict[str, int | None]]:
+    """From the run's metrics events, with the spec's target (§2 Metrics): 95% of the best mean local
+    accuracy of the run's ``fedavg-full`` method, when the config sets none and the run has that method."""
     post_trained = {m["label"] for m in summary["config"]["methods"] if m["post_train_steps"]}
     target = summary["config"]["federation"]["target_acc"]
     full = [e["local_acc"] for e in events if e.get("event") == "eval" and e["method"] == "fedavg-full"]
@@ -37,11 +36,10 @@ def _rounds_to_target(run_dir: Path, summary: dict) -> tuple[float | None, dict[
     return rounds_to_target(events, target, post_trained)
 
 
-def _uplink_until(run_dir: Path, label: str, rounds: int | None) -> float | None:
+def _uplink_until(events: list[dict], label: str, rounds: int | None) -> float | None:
     """Uplink parameters ``label`` sent in its first ``rounds`` rounds (None: the target was never reached)."""
     if rounds is None:
         return None
-    events = MetricsLog.read(run_dir / "metrics.jsonl")
     return sum(e["up_params"] for e in events if e.get("event") == "round" and e["method"] == label and e["round"] <= rounds)
 
 
@@ -54,9 +52,10 @@ def _cost_ratio(full: list[float | None], method: list[float | None]) -> str:
 def tables(run_dirs: list[Path]) -> str:
     summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
     for run_dir, summary in zip(run_dirs, summaries):
-        summary["target_acc"], summary["rounds_to_target"] = _rounds_to_target(run_dir, summary)
+        events = MetricsLog.read(run_dir / "metrics.jsonl")
+        summary["target_acc"], summary["rounds_to_target"] = _rounds_to_target(events, summary)
         summary["uplink_to_target"] = {
-            label: _uplink_until(run_dir, label, rounds) for label, rounds in summary["rounds_to_target"].items()
+            label: _uplink_until(events, label, rounds) for label, rounds in summary["rounds_to_target"].items()
         }
     labels = [label for label in summaries[0]["methods"] if all(label in s["methods"] for s in summaries)]
     rounds = summaries[0]["config"]["federation"]["rounds"]

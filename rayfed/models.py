@@ -85,12 +85,13 @@ def build_backbone(config: ModelConfig, seed: int) -> Backbone:
         from rayfed.clip import load_clip  # the full CLIP, loaded once per process for text-classifying methods
 
         return _frozen(_open_clip_visual_backbone(load_clip(name, None).model.visual))
-    if name in ("tiny-pretrained:vit", "tiny-pretrained:clip-vision", "tiny-pretrained:clip") or name.startswith(
-        "tiny-pretrained:vit-ladder-"
-    ):
-        from rayfed.zoo import pretrained  # built once on first use, then read from the cache
+    if name.startswith("tiny-pretrained:"):
+        from rayfed.zoo import FAMILIES, pretrained  # built once on first use, then read from the cache
 
-        return _frozen(_load_hf_backbone(str(pretrained(name.removeprefix("tiny-pretrained:"))), config))
+        family = name.removeprefix("tiny-pretrained:")
+        if family not in FAMILIES:
+            raise choice_error("model.backbone", name, [f"tiny-pretrained:{f}" for f in FAMILIES])
+        return _frozen(_load_hf_backbone(str(pretrained(family)), config, shown_as=name))
     if name.startswith("hf:"):
         return _frozen(_load_hf_backbone(name.removeprefix("hf:"), config))
     if name.startswith("open_clip:"):
@@ -103,12 +104,14 @@ def build_backbone(config: ModelConfig, seed: int) -> Backbone:
     )  # fmt: skip
 
 
-def _load_hf_backbone(name_or_path: str, config: ModelConfig) -> Backbone:
+def _load_hf_backbone(name_or_path: str, config: ModelConfig, shown_as: str | None = None) -> Backbone:
+    """A ViT or CLIP vision tower from a hub name or folder; errors name it as ``shown_as`` (default hf:<name>)."""
+    shown_as = shown_as or f"hf:{name_or_path}"
     try:
         hf_config = transformers.AutoConfig.from_pretrained(name_or_path)
     except OSError as err:
         raise ConfigError(
-            f"model.backbone = 'hf:{name_or_path}' could not be loaded (not a local model folder, "
+            f"model.backbone = {shown_as!r} could not be loaded (not a local model folder, "
             f"and the hub is unreachable or has no such model): {str(err).splitlines()[0]}"
         ) from None
     if hf_config.model_type == "vit":
@@ -121,8 +124,8 @@ def _load_hf_backbone(name_or_path: str, config: ModelConfig) -> Backbone:
         pooling = "pooler"
     else:
         raise ConfigError(
-            f"model.backbone = 'hf:{name_or_path}' is a {hf_config.model_type!r} model; "
-            "allowed hf: backbones are ViT and CLIP (vision tower) models."
+            f"model.backbone = {shown_as!r} is a {hf_config.model_type!r} model; "
+            "allowed backbones of this kind are ViT and CLIP (vision tower) models."
         )
     if config.image_size and config.image_size != vision.image_size:
         raise ConfigError(
