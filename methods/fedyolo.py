@@ -66,6 +66,12 @@ class FedYolo(Method):
         counts[client.task] = client.num_samples
         return LocalResult(result.state, {"shared": sent, "task_counts": {"counts": counts}}, result.train_loss)
 
+    @property
+    def presums_uploads(self) -> bool:
+        # The default keeps FedAvg's weighted mean, which actors may pre-sum; the privacy variant's
+        # counts need every upload.
+        return not self.params.private_uploads
+
     def aggregate(self, server: ServerState, uploads: list[Upload]) -> ServerState:
         if not self.params.private_uploads:
             return super().aggregate(server, uploads)

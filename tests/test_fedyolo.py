@@ -16,7 +16,9 @@ from rayfed.config import ModelConfig, load_config
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.method import Upload
+from rayfed.methods import METHODS
 from rayfed.methods.feddyn import FedDyn, FedDynParams
+from rayfed.methods.fedyolo import FedYoloParams
 from rayfed.models import VIT_SIZES, build_backbone, build_client_model, build_task_model
 from rayfed.modules import representation_shift, select_task
 from rayfed.simulation import rounds_to_target
@@ -198,6 +200,8 @@ def test_private_uploads_send_every_tasks_slots_and_give_the_same_parameters(tin
     assert all(torch.equal(default[n], value) for n, value in _trajectory(_multitask_run(copy.deepcopy(tiny_run), tasks, [private])).items())
     run = _multitask_run(copy.deepcopy(tiny_run), tasks, [private])
     actor = ClientActor(load_config(run).to_dict(), [0, 3])
+    assert not METHODS["fedyolo"](FedYoloParams(private_uploads=True)).presums_uploads
+    assert METHODS["fedyolo"](FedYoloParams()).presums_uploads  # the default still pre-sums on actors
     everything = actor.start_method(0)
     sent = actor.train(0, [0, 3], {0: task_view(everything, 0), 3: task_view(everything, 1)})
     for upload, own in zip(sent, (0, 1)):
