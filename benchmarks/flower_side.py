@@ -226,13 +226,13 @@ def _read_result(run: str, out: Path) -> dict[str, Any]:
         r = bench["runs"][0]
         return {
             "machine": bench["machine"], "workload_fields": bench["workload"], "round_s": r["round_s"],
-            "mean_round_s": r["mean_round_s"], "num_actors": r["num_actors"],
+            "num_actors": r["num_actors"],
             "client_updates_per_s": r["client_updates_per_s"], "samples_per_s": r["samples_per_s"],
             "peak_gpu_mib_per_actor": r["peak_gpu_mib_per_actor"],
             "peak_host_mib_per_actor": r["peak_host_mib_per_actor"],
-            "ideal_round_s": r["ideal_round_s"], "overhead_ratio": r["overhead_ratio"], "local_acc": r["local_acc"],
+            "overhead_ratio": r["overhead_ratio"], "local_acc": r["local_acc"],
             "rounds": bench["workload"]["rounds"],
-            **{key: r[key] for key in r if key.startswith("mean_") and key != "mean_round_s"},  # where rounds went
+            **{key: r[key] for key in r if key.startswith("mean_")},  # s/round, the ideal's, where rounds went
         }
     path = out / f"flower_{run}.json"
     if path.exists():

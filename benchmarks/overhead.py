@@ -2,6 +2,9 @@
 
 The ideal is one process running the same client training steps back to back with the same
 model (no Ray, no actors, no aggregation): what a hand-written single-GPU loop would cost.
+Each of its rounds runs right after rayfed's same round, in the bench process while rayfed's
+actors wait, so both see the same host: on the lent GPU hosts the same loop drifts by tens of
+percent within minutes, and an ideal timed before or after a whole run is no fair reference.
 overhead ratio = rayfed's round wall time / the ideal's, over the same rounds (the first
 round is a warm-up for both and is left out).
 """
@@ -32,8 +35,8 @@ from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.method import tensor_bytes
 from rayfed.report import format_table
-from rayfed.seeding import sample_clients
 from rayfed.simulation import Simulation, init_local_ray
+from rayfed.tasks import sample_round
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Workload:
     samples_per_client: int = 32
     rounds: int = 3
     method: str = "fedavg"
+    cuda_graphs: bool = False  # train.cuda_graphs: each actor replays one captured training step
 
     def config(
         self, clients_per_actor: int, gpus_per_actor: float, seed: int = 0, client_state: str = "auto",
@@ -69,7 +73,8 @@ class Workload:
                                                           "targets": list(self.lora_targets)}},
             "federation": {"rounds": self.rounds, "clients_per_round": self.clients_per_round,
                            "eval_every": self.rounds + 1},
-            "train": {"local_steps": self.local_steps, "batch_size": self.batch_size, "optimizer": "adam", "lr": 1e-3},
+            "train": {"local_steps": self.local_steps, "batch_size": self.batch_size, "optimizer": "adam", "lr": 1e-3,
+                      "cuda_graphs": self.cuda_graphs},
             "methods": [self.method],
             "placement": {"clients_per_actor": clients_per_actor, "cpus_per_actor": 1, "gpus_per_actor": gpus_per_actor,
                           "client_state": client_state},
@@ -79,38 +84,31 @@ class Workload:
 GPU_WORKLOAD = Workload(
     backbone="open_clip:ViT-B-16", lora_rank=16, lora_targets=("c_fc", "c_proj"), image_size=32,
     num_clients=100, clients_per_round=16, local_steps=10, batch_size=64, samples_per_client=64, rounds=6,
+    cuda_graphs=True,
 )
 
 
-def measure_ideal(workload: Workload) -> dict[str, Any]:
-    """The same training steps, clients and rounds, back to back in this process."""
-    config = workload.config(clients_per_actor=workload.num_clients, gpus_per_actor=0)
-    host = ClientActor(config.to_dict(), list(range(workload.num_clients)))
-    shared = host.start_method(0)
-    round_times = []
-    for round_idx in range(workload.rounds):
-        sampled = sample_clients(config.seed, round_idx, workload.num_clients, workload.clients_per_round)
-        _sync(host.device)
+class IdealLoop:
+    """The ideal: the same clients' training steps, round by round, back to back in this process."""
+
+    def __init__(self, workload: Workload):
+        self.config = workload.config(clients_per_actor=workload.num_clients, gpus_per_actor=0)
+        self.host = ClientActor(self.config.to_dict(), list(range(workload.num_clients)))
+        self.shared = self.host.start_method(0)
+
+    def run_round(self, round_idx: int) -> float:
+        """Seconds for round ``round_idx``'s sampled clients, each trained from the same shared parameters."""
+        sampled = sample_round(self.config, round_idx)  # the clients rayfed's round trains
+        _sync(self.host.device)
         started = time.perf_counter()
         for cid in sampled:
-            host._context(cid, round_idx).train(shared)
-        _sync(host.device)
-        round_times.append(time.perf_counter() - started)
-    return {"round_s": round_times[1:], "device": str(host.device), "state_bytes_per_client": tensor_bytes(shared),
-            "pid": os.getpid()}
+            self.host._context(cid, round_idx).train(self.shared)
+        _sync(self.host.device)
+        return time.perf_counter() - started
 
 
-def measure_ideal_in_ray(workload: Workload, num_gpus: int) -> dict[str, Any]:
-    """:func:`measure_ideal` inside a Ray worker holding what one actor holds (a CPU, a GPU if any).
-
-    Against the ideal in this process it shows what running in a Ray worker costs the same steps,
-    against rayfed's local updates what rayfed's own code around them costs.
-    """
-    remote = ray.remote(num_cpus=1, num_gpus=1 if num_gpus else 0)(measure_ideal)
-    return ray.get(remote.remote(workload))
-
-
-def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int) -> dict[str, Any]:
+def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int, ideal: IdealLoop) -> dict[str, Any]:
+    """One rayfed run; after each of its rounds (outside the round's timing) ``ideal`` runs the same round."""
     devices = max(num_gpus, 1)
     num_actors = actors_per_gpu * devices
     config = workload.config(
@@ -120,23 +118,25 @@ def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int) -> di
     usage: list[dict] = []
     round_ends: list[float] = []
     round_times: list[list[dict[str, float]]] = []
+    ideal_round_s: list[float] = []
 
-    def record_usage(sim: Simulation, label: str, rounds_done: int) -> None:
+    def after_round(sim: Simulation, label: str, rounds_done: int) -> None:
         round_ends.append(time.time())
+        ideal_round_s.append(ideal.run_round(rounds_done - 1))
         if rounds_done == workload.rounds:
             usage.extend(ray.get([actor.resource_usage.remote() for actor in sim.actors]))
             round_times.extend(ray.get([actor.get_round_times.remote() for actor in sim.actors]))
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"rayfed-bench-{actors_per_gpu}x{num_gpus}-")) / "run"
     started = time.perf_counter()
-    summary = Simulation(config, out_dir=out_dir, callbacks=[record_usage], progress=False).run()
+    summary = Simulation(config, out_dir=out_dir, callbacks=[after_round], progress=False).run()
     total = time.perf_counter() - started
     events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     walls = [e["wall_s"] for e in events if e["event"] == "round"]
     breakdown = round_breakdown(walls, round_ends, round_times)[1:]
     return {
         "actors_per_gpu": actors_per_gpu, "num_gpus": num_gpus, "num_actors": len(usage),
-        "round_s": walls[1:], "total_s": total, "usage": usage, "breakdown": breakdown,
+        "round_s": walls[1:], "ideal_round_s": ideal_round_s[1:], "total_s": total, "usage": usage, "breakdown": breakdown,
         **{f"mean_{key}": _mean([b[key] for b in breakdown]) for key in BREAKDOWN_KEYS},
         "local_acc": summary["methods"][workload.method]["mean"]["local_acc"],
     }
@@ -198,26 +198,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_bench(
-    workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path, repeats: int = 1, ideal_in_ray: bool = False,
-) -> dict[str, Any]:
-    """Alternate ideal and rayfed runs; each ratio uses the ideals timed just before and after it.
-
-    GPU hosts drift by tens of percent within minutes (launch-bound steps on shared CPUs), so a
-    single ideal measured once would make the ratios meaningless. With ``repeats`` > 1 the sweep
-    runs that many times over, and ``median_ratios`` gives each packing's median ratio. With
-    ``ideal_in_ray``, each one-GPU run is followed by the ideal inside a Ray worker
-    (:func:`measure_ideal_in_ray`), its mean s/round in ``ideal_in_ray_round_s``.
+def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path, repeats: int = 1) -> dict[str, Any]:
+    """rayfed's runs for each packing (and, on a multi-GPU host, on 1 and all GPUs), each round paired with
+    the ideal's same round (:func:`measure_rayfed`). With ``repeats`` > 1 the sweep runs that many times
+    over, and ``median_ratios`` gives each one-GPU packing's median overhead ratio.
     """
     if repeats < 1:
         raise ConfigError(f"--repeats {repeats}: the sweep runs at least once; pass an integer >= 1.")
     num_gpus = torch.cuda.device_count()
     owns_ray = not ray.is_initialized()
+    ideal = IdealLoop(workload)
     results: dict[str, Any] = {
         "workload": dataclasses.asdict(workload),
         "machine": {"gpu": torch.cuda.get_device_name(0) if num_gpus else None, "num_gpus": num_gpus,
                     "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-        "ideals": [measure_ideal(workload)],
+        "ideal_device": str(ideal.host.device),
         "runs": [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -228,29 +223,27 @@ def run_bench(
             init_local_ray(object_store_memory=2 * 10**9, num_gpus=gpus)
         for repeat in range(repeats):
             for per_gpu in actors_per_gpu:
-                result = measure_rayfed(workload, per_gpu, gpus)
-                results["ideals"].append(measure_ideal(workload))
-                ideal_round = _mean([_mean(i["round_s"]) for i in results["ideals"][-2:]])
-                mean_round = _mean(result["round_s"])
+                result = measure_rayfed(workload, per_gpu, gpus, ideal)
+                mean_round, ideal_round = _mean(result["round_s"]), _mean(result["ideal_round_s"])
                 updates = workload.clients_per_round
                 result.update(
                     repeat=repeat,
                     mean_round_s=mean_round,
-                    ideal_round_s=ideal_round,
+                    mean_ideal_round_s=ideal_round,
                     overhead_ratio=mean_round / ideal_round if gpus <= 1 else None,
+                    speedup_vs_ideal=ideal_round / mean_round,
                     client_updates_per_s=updates / mean_round,
                     samples_per_s=updates * workload.local_steps * workload.batch_size / mean_round,
                     peak_gpu_mib_per_actor=max(u["gpu_peak_bytes"] for u in result["usage"]) / 2**20,
                     peak_host_mib_per_actor=max(u["rss_bytes"] for u in result["usage"]) / 2**20,
                 )
-                if ideal_in_ray and gpus <= 1:
-                    result["ideal_in_ray_round_s"] = _mean(measure_ideal_in_ray(workload, gpus)["round_s"])
                 results["runs"].append(result)
                 atomic_write_json(out_dir / "bench.json", results)  # partial results survive a later failure
                 print(f"[bench] {gpus} GPU(s) x {per_gpu} actors: {mean_round:.3f} s/round "
-                      f"(ideal around it {ideal_round:.3f}; local updates {result['mean_update_s']:.3f})", flush=True)
+                      f"(ideal, paired rounds: {ideal_round:.3f}; local updates {result['mean_update_s']:.3f})", flush=True)
     if owns_ray or num_gpus > 1:
         ray.shutdown()
+    del ideal
     results["median_ratios"] = median_ratios(results["runs"])
     results["client_memory"] = [memory_per_client(workload, "host")]
     if num_gpus:
@@ -271,32 +264,27 @@ def median_ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 def markdown(results: dict[str, Any]) -> str:
     machine = results["machine"]
-    ideals = ", ".join(f"{_mean(i['round_s']):.3f}" for i in results["ideals"])
     rows = [[
-        str(run["num_gpus"]), str(run["actors_per_gpu"]), f"{run['mean_round_s']:.3f}", f"{run['ideal_round_s']:.3f}",
-        "-" if run["overhead_ratio"] is None else f"{run['overhead_ratio']:.3f}",
+        str(run["num_gpus"]), str(run["actors_per_gpu"]), f"{run['mean_round_s']:.3f}", f"{run['mean_ideal_round_s']:.3f}",
+        "-" if run["overhead_ratio"] is None else f"{run['overhead_ratio']:.3f}", f"{run['speedup_vs_ideal']:.2f}",
         f"{run['client_updates_per_s']:.1f}", f"{run['samples_per_s']:.0f}",
         f"{run['peak_gpu_mib_per_actor']:.0f}", f"{run['peak_host_mib_per_actor']:.0f}",
         *(f"{run['mean_' + key]:.3f}" for key in BREAKDOWN_KEYS),
     ] for run in results["runs"]]
-    header = ["GPUs", "actors/GPU", "s/round", "ideal s/round", "overhead ratio", "client updates/s", "samples/s",
-              "peak GPU MiB/actor", "peak host MiB/actor",
+    header = ["GPUs", "actors/GPU", "s/round", "ideal s/round", "overhead ratio", "x ideal speed", "client updates/s",
+              "samples/s", "peak GPU MiB/actor", "peak host MiB/actor",
               "local updates s", "rest on actor s", "before actors s", "after actors s"]
     medians = ", ".join(f"{key}: {ratio:.3f}" for key, ratio in results["median_ratios"].items())
     return (
         f"Workload: `{json.dumps(results['workload'])}`\n\n"
         f"Machine: {machine['gpu'] or 'CPU only'}, {machine['cpus']} CPUs, torch {machine['torch']}\n\n"
-        f"Ideal (one process, the same steps back to back on {results['ideals'][0]['device']}), timed before, "
-        f"between and after the rayfed runs: {ideals} s/round; each ratio uses the two around its run.\n\n"
+        f"Ideal: one process running the same steps back to back on {results['ideal_device']}, each round right "
+        "after rayfed's same round (paired rounds); the overhead ratio (one GPU) is rayfed's s/round over the "
+        "ideal's, x ideal speed its inverse.\n\n"
         + format_table(rows, header)
         + "\nPer round (means over the timed rounds): the clients' local updates on the busiest actor, the rest "
         "of the actors' round calls, and the time before the first actor starts and after the last one ends.\n"
         + (f"\nMedian overhead ratio per GPUs x actors/GPU over the repeats: {medians}.\n" if medians else "")
-        + "".join(
-            f"\nThe ideal loop inside a Ray worker after the {run['num_gpus']} x {run['actors_per_gpu']} run: "
-            f"{run['ideal_in_ray_round_s']:.3f} s/round.\n"
-            for run in results["runs"] if "ideal_in_ray_round_s" in run
-        )
         + "".join(
             f"\nMemory per hosted client (Ditto personal state kept on {memory['state_device']}): "
             f"{memory['bytes_per_client'] / 2**20:.2f} MiB for {memory['state_bytes_per_client'] / 2**20:.2f} MiB "

@@ -66,9 +66,7 @@ def _bench(args: argparse.Namespace) -> int:
     from rayfed.benchmarks.overhead import GPU_WORKLOAD, Workload, run_bench
 
     workload = GPU_WORKLOAD if args.workload == "gpu" else Workload()
-    results = run_bench(
-        workload, tuple(args.actors_per_gpu), Path(args.out), repeats=args.repeats, ideal_in_ray=args.ideal_in_ray
-    )
+    results = run_bench(workload, tuple(args.actors_per_gpu), Path(args.out), repeats=args.repeats)
     print((Path(args.out) / "bench.md").read_text())
     print(f"results: {args.out}/bench.json, {args.out}/bench.md ({len(results['runs'])} runs)")
     return 0
@@ -135,9 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cpu: a tiny ViT smoke size; gpu: open_clip ViT-B/16 + LoRA, 100 clients, 16 per round")
     bench.add_argument("--actors-per-gpu", type=int, nargs="+", default=[1, 2, 4], help="packings to sweep")
     bench.add_argument("--repeats", type=int, default=1,
-                       help="run the sweep this many times, each rayfed run between two ideal runs; the median ratio is reported")
-    bench.add_argument("--ideal-in-ray", action="store_true",
-                       help="also time the ideal loop inside a Ray worker after each one-GPU run")
+                       help="run the sweep this many times; each packing's median overhead ratio is reported")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
     bench.set_defaults(handler=_bench)
 

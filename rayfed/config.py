@@ -196,6 +196,10 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(100, ge=0, description="warmup_cosine: steps of linear warm-up")
     decay_steps: int | None = Field(None, gt=0, description="warmup_cosine: global steps until lr reaches 0 (rounds x local steps)")
     grad_clip: float | None = Field(None, gt=0, description="clip the L2 norm of the trained parameters' gradient")
+    cuda_graphs: bool = Field(
+        False, description="on a GPU, capture a training step once as a CUDA graph and replay it (adam/adamw, "
+        "constant schedule, no grad_clip; steps with a method's extra loss term run eagerly)"
+    )
 
     @model_validator(mode="after")
     def _one_budget(self) -> TrainConfig:
@@ -203,6 +207,11 @@ class TrainConfig(_Section):
             object.__setattr__(self, "local_steps", None)
         if self.schedule == "warmup_cosine" and self.decay_steps is None:
             raise ValueError("train.schedule = 'warmup_cosine' needs train.decay_steps (the run's rounds x local steps)")
+        if self.cuda_graphs:
+            for field, value, allowed in [("optimizer", self.optimizer, ("adam", "adamw")),
+                                          ("schedule", self.schedule, ("constant",)), ("grad_clip", self.grad_clip, (None,))]:
+                if value not in allowed:
+                    raise ValueError(f"train.cuda_graphs needs train.{field} in {list(allowed)}, not {value!r}")
         return self
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,6 +19,8 @@ from rayfed.method import TensorDict
 from rayfed.metrics import with_derived
 from rayfed.models import ClientModel
 from rayfed.modules import select_task
+
+log = logging.getLogger(__name__)
 
 # An extra loss term computed from the live trainable parameters (e.g. a proximal term).
 Penalty = Callable[[dict[str, torch.Tensor]], torch.Tensor]
@@ -119,29 +124,37 @@ class ClientContext:
         steps = self.default_steps() if steps is None else steps
         self.model.load_trainable(params)
         named = {name: p for name, p in self.model.named_parameters() if name in params}
-        optimizer = _optimizer(config, list(named.values()), lr or config.lr)
+        self.model.train()
+        graphed = None
+        if config.cuda_graphs and self.device.type == "cuda" and extra_loss is None:
+            # Before seeding: a first capture runs warm-up steps, which would draw dropout masks.
+            graphed = _graphed_step(self.model, named, config, lr or config.lr, self.data, self.task)  # None: eager
         generator = seeding.torch_generator(self.seed, self.round, self.client_id, purpose + ":batches")
         torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
-        self.model.train()
+        batches = _batches(self.data.num_train, config.batch_size, steps, generator, self.data.train_x.device)
         # Summed on the device: reading each step's loss would make the host wait for the GPU every step.
         total_loss = torch.zeros((), device=self.device)
-        batches = _batches(self.data.num_train, config.batch_size, steps, generator, self.data.train_x.device)
-        for step, indices in enumerate(batches):
-            if config.schedule != "constant" and purpose == "train":  # global step: all rounds' local steps
-                for group in optimizer.param_groups:
-                    group["lr"] = scheduled_lr(config, lr or config.lr, self.round * steps + step)
-            x = self.data.train_x[indices].to(self.device, non_blocking=True)
-            y = self.data.train_y[indices].to(self.device, non_blocking=True)
-            with _autocast(self.device):
-                loss = nn.functional.cross_entropy(self.model(x), y)
-            total_loss += loss.detach().float()
-            if extra_loss is not None:
-                loss = loss + extra_loss(named)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.grad_clip is not None:
-                nn.utils.clip_grad_norm_(list(named.values()), config.grad_clip)
-            optimizer.step()
+        if graphed is not None:
+            for indices in batches:
+                total_loss += graphed.step(self.data.train_x[indices], self.data.train_y[indices])
+        else:
+            optimizer = _optimizer(config, list(named.values()), lr or config.lr)
+            for step, indices in enumerate(batches):
+                if config.schedule != "constant" and purpose == "train":  # global step: all rounds' local steps
+                    for group in optimizer.param_groups:
+                        group["lr"] = scheduled_lr(config, lr or config.lr, self.round * steps + step)
+                x = self.data.train_x[indices].to(self.device, non_blocking=True)
+                y = self.data.train_y[indices].to(self.device, non_blocking=True)
+                with _autocast(self.device):
+                    loss = nn.functional.cross_entropy(self.model(x), y)
+                total_loss += loss.detach().float()
+                if extra_loss is not None:
+                    loss = loss + extra_loss(named)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if config.grad_clip is not None:
+                    nn.utils.clip_grad_norm_(list(named.values()), config.grad_clip)
+                optimizer.step()
         return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss.item() / max(steps, 1))
 
     @torch.no_grad()
@@ -193,14 +206,100 @@ def scheduled_lr(config: TrainConfig, base_lr: float, global_step: int) -> float
     return 0.5 * base_lr * (1.0 + math.cos(math.pi * progress))
 
 
-def _optimizer(config: TrainConfig, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+def _optimizer(
+    config: TrainConfig, params: list[torch.Tensor], lr: float, capturable: bool = False,
+) -> torch.optim.Optimizer:
     # One fused kernel per step on the GPU instead of a few per tensor: the steps are launch-bound.
     fused = all(p.is_cuda for p in params) or None
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay, fused=fused)
-    if config.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay, fused=fused)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay, fused=fused)
+    adam = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
+    return adam(params, lr=lr, weight_decay=config.weight_decay, fused=fused, capturable=capturable)
+
+
+class GraphedStep:
+    """One training step (forward, loss, backward, optimizer step) of one model, trained set and batch
+    shape, captured once as a CUDA graph and replayed for every client that trains the same set.
+
+    The steps of a foundation model with small adapters are bound by kernel launches (about a thousand
+    per step); a replay launches them all at once. Each train call loads the client's values into the
+    same parameter tensors and zeroes the optimizer's state in place, which is where a fresh optimizer
+    starts; each batch is copied into the static inputs the graph reads.
+    """
+
+    def __init__(self, model: ClientModel, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
+                 x: torch.Tensor, y: torch.Tensor):
+        self.params = list(named.values())
+        self.optimizer = _optimizer(config, self.params, lr, capturable=True)
+        self.x, self.y = x.clone(), y.clone()
+        start = [p.detach().clone() for p in self.params]
+        try:
+            side = torch.cuda.Stream(x.device)  # warm-up off the default stream, as graph capture requires
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*capturable=True.*")  # uncaptured warm-up steps
+                for _ in range(3):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self._forward_backward_step(model)
+            torch.cuda.current_stream(x.device).wait_stream(side)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.loss = self._forward_backward_step(model)
+        finally:
+            with torch.no_grad():  # undo the warm-up's steps
+                for param, value in zip(self.params, start):
+                    param.copy_(value)
+
+    def _forward_backward_step(self, model: ClientModel) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):  # no cast cache under capture
+            loss = nn.functional.cross_entropy(model(self.x), self.y)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach().float()
+
+    def reset_optimizer(self) -> None:
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                value.zero_()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One step on batch (x, y); returns its loss (a tensor on the GPU, valid until the next step)."""
+        self.x.copy_(x, non_blocking=True)
+        self.y.copy_(y, non_blocking=True)
+        self.graph.replay()
+        return self.loss
+
+
+MAX_GRAPHS_PER_MODEL = 4  # each graph keeps a step's activations in a memory pool of its own
+_GRAPHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, GraphedStep | None]] = weakref.WeakKeyDictionary()
+
+
+def _graphed_step(model: ClientModel, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
+                  data: ClientData, task: int) -> GraphedStep | None:
+    """The model's graph for this trained set, task (the forward path: heads, label space), batch shape
+    and optimizer (captured on first use, the least recently used of :data:`MAX_GRAPHS_PER_MODEL`
+    dropped), its optimizer state zeroed; None when the step cannot be captured (it then runs eagerly)."""
+    batch = min(config.batch_size, data.num_train)
+    key = (tuple(named), task, batch, tuple(data.train_x.shape[1:]), data.train_x.dtype, config.optimizer,
+           config.weight_decay, lr)
+    graphs = _GRAPHS.setdefault(model, {})
+    if key in graphs:
+        graphs[key] = graphs.pop(key)  # most recently used last
+    else:
+        if len(graphs) == MAX_GRAPHS_PER_MODEL:
+            del graphs[next(iter(graphs))]
+        device = next(iter(named.values())).device
+        try:
+            graphs[key] = GraphedStep(model, named, config, lr, data.train_x[:batch].to(device),
+                                      data.train_y[:batch].to(device))
+        except RuntimeError as err:  # e.g. a forward that reads a value back to the host mid-step
+            log.warning("train.cuda_graphs: the training step of this %s could not be captured as a CUDA graph "
+                        "(%s); it trains eagerly.", type(model).__name__, str(err).splitlines()[0])
+            graphs[key] = None
+    if graphs[key] is not None:
+        graphs[key].reset_optimizer()
+    return graphs[key]
 
 
 def _batches(num_samples: int, batch_size: int, steps: int, generator: torch.Generator, device: torch.device):

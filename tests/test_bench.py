@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from rayfed.benchmarks.overhead import Workload, measure_ideal_in_ray, median_ratios, round_breakdown, run_bench
+from rayfed.benchmarks.overhead import IdealLoop, Workload, median_ratios, round_breakdown, run_bench
 from rayfed.errors import ConfigError
+from rayfed.seeding import sample_clients
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -19,10 +19,9 @@ def test_bench_writes_json_and_markdown_with_overhead_ratios(tmp_path):
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert [run["actors_per_gpu"] for run in saved["runs"]] == [1, 2]
     assert [run["num_actors"] for run in saved["runs"]] == [1, 2]
-    assert len(saved["ideals"]) == 3  # before, between and after the two rayfed runs
     for run in results["runs"]:
-        assert len(run["round_s"]) == workload.rounds - 1  # the warm-up round is left out
-        assert run["overhead_ratio"] == pytest.approx(run["mean_round_s"] / run["ideal_round_s"])
+        assert len(run["round_s"]) == len(run["ideal_round_s"]) == workload.rounds - 1  # the warm-up round is left out
+        assert run["overhead_ratio"] == pytest.approx(run["mean_round_s"] / run["mean_ideal_round_s"])
         assert run["peak_host_mib_per_actor"] > 0
         assert [part["round"] for part in run["breakdown"]] == list(range(1, workload.rounds))
         for part, wall in zip(run["breakdown"], run["round_s"]):
@@ -52,14 +51,21 @@ def test_each_packing_gets_the_median_of_its_ratios_over_the_repeats():
     assert median_ratios(runs) == {"1x1": 1.1, "1x2": pytest.approx(0.85)}
 
 
-@pytest.mark.usefixtures("ray_local")
-def test_the_ideal_can_run_inside_a_ray_worker(tmp_path):
-    workload = Workload(num_clients=4, clients_per_round=2, local_steps=2, samples_per_client=16, rounds=3)
-    inside = measure_ideal_in_ray(workload, num_gpus=0)
-    assert inside["pid"] != os.getpid() and len(inside["round_s"]) == workload.rounds - 1
-    [run] = run_bench(workload, (1,), tmp_path, ideal_in_ray=True)["runs"]
-    assert run["ideal_in_ray_round_s"] > 0
-    assert "The ideal loop inside a Ray worker after the 0 x 1 run:" in (tmp_path / "bench.md").read_text()
+def test_the_ideal_round_trains_the_round_s_sampled_clients_from_the_same_start(monkeypatch):
+    workload = Workload(num_clients=6, clients_per_round=2, local_steps=1, samples_per_client=16)
+    ideal = IdealLoop(workload)
+    trained = []
+    original_train = type(ideal.host._context(0, 0)).train
+
+    def spy(context, params, **kwargs):
+        trained.append((context.client_id, context.round, params is ideal.shared))
+        return original_train(context, params, **kwargs)
+
+    monkeypatch.setattr(type(ideal.host._context(0, 0)), "train", spy)
+    assert ideal.run_round(3) > 0
+    expected = sample_clients(ideal.config.seed, 3, workload.num_clients, workload.clients_per_round)
+    assert len(expected) == 2
+    assert trained == [(cid, 3, True) for cid in expected]
 
 
 def test_bench_needs_at_least_one_repeat(tmp_path):

@@ -2,7 +2,7 @@
 # Flower's own virtual environment for the side-by-side benchmark (benchmarks/flower/).
 #
 # Flower pins its own Ray (flwr 1.42 -> ray 2.55.1), which cannot live next to rayfed's Ray 2.60,
-# so Flower gets a venv of its own. rayfed is installed into it with --no-deps: the Flower apps
+# so Flower gets a venv of its own. rayfed is installed into it with --no-deps, editable: the Flower apps
 # reuse rayfed's model (build_backbone / build_client_model), data (build_federation) and local
 # training step (ClientContext.train) so that both frameworks run exactly the same client work.
 #
@@ -24,8 +24,8 @@ pip=("$venv/bin/python" -m pip)
 "${pip[@]}" install -q --upgrade pip
 # torch/torchvision: the releases rayfed's venv uses (and this machine's pip is capped to).
 "${pip[@]}" install -q "flwr[simulation]==$flwr_version" torch==2.14.1 torchvision==0.29.1 \
-    transformers peft open_clip_torch numpy psutil pydantic PyYAML matplotlib tqdm
-"${pip[@]}" install -q --no-deps --no-build-isolation "$root"
+    transformers peft open_clip_torch datasets safetensors scikit-learn numpy psutil pydantic PyYAML matplotlib tqdm
+"${pip[@]}" install -q --no-deps --no-build-isolation -e "$root"  # editable: always this checkout's rayfed
 if [[ -n "$ray_override" ]]; then
     "${pip[@]}" install -q --no-deps --force-reinstall "ray==$ray_override"
 fi

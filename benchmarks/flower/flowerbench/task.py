@@ -6,7 +6,8 @@ same model, data, partition, local steps and optimizer:
 * the workload (`Workload` / `GPU_WORKLOAD`) and its `RunConfig` from rayfed.benchmarks.overhead;
 * the data: rayfed's synthetic source and partition (`build_federation`), the client's train split;
 * the model: rayfed's backbone (`build_backbone`), with the same seeds, + LoRA + a linear head;
-* the local update: `ClientContext.train` (seeded batches, Adam, bf16 autocast on CUDA).
+* the local update: `ClientContext.train` (seeded batches, Adam, bf16 autocast on CUDA; the GPU
+  workload's CUDA graphs for the cached client, the plain eager loop for the documented one).
 
 The workload is chosen by the environment variable FLOWERBENCH_WORKLOAD ("cpu", "gpu" or a JSON
 object of `Workload` fields), which the Ray workers running the ClientApps inherit.
