@@ -229,10 +229,9 @@ class GraphedStep:
 
     def __init__(self, model: ClientModel, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
                  x: torch.Tensor, y: torch.Tensor):
-        self.params = list(named.values())
-        self.optimizer = _optimizer(config, self.params, lr, capturable=True)
+        self.optimizer = _optimizer(config, list(named.values()), lr, capturable=True)
         self.x, self.y = x.clone(), y.clone()
-        start = [p.detach().clone() for p in self.params]
+        start = {name: param.detach().clone() for name, param in named.items()}
         try:
             side = torch.cuda.Stream(x.device)  # warm-up off the default stream, as graph capture requires
             side.wait_stream(torch.cuda.current_stream(x.device))
@@ -248,11 +247,11 @@ class GraphedStep:
                 self.loss = self._forward_backward_step(model)
         finally:
             with torch.no_grad():  # undo the warm-up's steps
-                for param, value in zip(self.params, start):
-                    param.copy_(value)
+                for name, param in named.items():
+                    param.copy_(start[name])
 
     def _forward_backward_step(self, model: ClientModel) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):  # no cast cache under capture
+        with _autocast(self.x.device, cache_enabled=False):  # no cast cache under capture
             loss = nn.functional.cross_entropy(model(self.x), self.y)
         loss.backward()
         self.optimizer.step()
@@ -319,5 +318,5 @@ def _batches(num_samples: int, batch_size: int, steps: int, generator: torch.Gen
         position += batch_size
 
 
-def _autocast(device: torch.device):
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+def _autocast(device: torch.device, cache_enabled: bool = True):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda", cache_enabled=cache_enabled)

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
+from rayfed import training
 from rayfed.actors.client import ClientActor
 from rayfed.benchmarks.overhead import Workload
 from rayfed.errors import ConfigError
-from rayfed import training
 
 WORKLOAD = Workload(num_clients=3, clients_per_round=3, local_steps=6, batch_size=8, samples_per_client=24)
 
@@ -51,9 +51,8 @@ def test_a_graphed_step_trains_like_the_eager_one_and_each_client_starts_afresh(
         assert update.norm() > 0 and (first.params[name] - value).norm() < 0.15 * update.norm(), name
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
 def test_without_a_gpu_cuda_graphs_train_eagerly_to_the_same_numbers():
-    if torch.cuda.is_available():
-        pytest.skip("checks the CPU path")
     eager, eager_start = _host(cuda_graphs=False)
     graphed, graphed_start = _host(cuda_graphs=True)
     reference, result = eager._context(1, 2).train(eager_start), graphed._context(1, 2).train(graphed_start)
