@@ -9,15 +9,16 @@ the uploads. The class is plain Python; the simulation wraps it with ``ray.remot
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psutil
 import torch
 
-from rayfed.config import RunConfig, build_config, method_model_config, method_params
+from rayfed import registry
+from rayfed.config import RunConfig, build_config, method_model_config
 from rayfed.data.clients import build_federation
-from rayfed.method import ClientState, Method, PartialSum, TensorDict, Upload, tensor_bytes
-from rayfed.methods import METHODS
+from rayfed.method import ClientState, Method, PartialSum, TensorDict, Upload, build_method, tensor_bytes
 from rayfed.models import build_backbone
 from rayfed.modules import feature_shift, head_features, select_task
 from rayfed.seeding import SERVER, torch_seed
@@ -26,6 +27,15 @@ from rayfed.training import ClientContext
 from rayfed.transport import use_raw_tensor_transport
 
 Payloads = dict[int, TensorDict | None]
+
+
+@dataclass
+class MethodStart:
+    """What a ClientActor tells the DriverActor when a method starts: the initial shared parameters, and the
+    tasks each parameter belongs to (untagged ones are shared by all tasks)."""
+
+    shared: TensorDict
+    tags: dict[str, frozenset[int]]
 
 
 @dataclass
@@ -38,21 +48,35 @@ class RoundUploads:
     train_losses: dict[int, float]
 
 
+def run_methods(config: RunConfig, federation) -> list[Method]:
+    """Every method of the run, built once from its config entry (for in-process use: tests, benchmarks)."""
+    return [build_method(entry, index, federation.num_clients, federation.tasks)
+            for index, entry in enumerate(config.methods)]
+
+
 class ClientActor:
-    def __init__(self, config: dict, client_ids: list[int]):
+    def __init__(
+        self, config: RunConfig | dict, client_ids: Sequence[int], methods: Sequence[Method] | None = None,
+        plugins: Sequence[registry.Entry] = (),
+    ):
+        """``methods``: the run's methods as the driver built them (default: built here from the config);
+        ``plugins``: what the driver script registered, so that names resolve here as they do there."""
+        registry.install(plugins)
         use_raw_tensor_transport()
-        self.config: RunConfig = build_config(config)
+        self.config: RunConfig = config if isinstance(config, RunConfig) else build_config(config)
         torch.set_num_threads(max(1, int(self.config.placement.cpus_per_actor)))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.client_ids = list(client_ids)
         federation = build_federation(self.config.data, self.config.seed)
-        self.tasks = federation.tasks
-        self.task_of = {cid: federation.task_of(cid) for cid in self.client_ids}
+        self.methods = list(methods) if methods is not None else run_methods(self.config, federation)
+        self.tasks = list(federation.tasks)
+        self.tasks_of = {cid: federation.tasks_of(cid) for cid in self.client_ids}
         self.backbone = build_backbone(self.config.model, torch_seed(self.config.seed, 0, SERVER, "backbone"))
         data = {cid: federation.client_data(cid, self.backbone) for cid in self.client_ids}
         eval_sets = federation.eval_sets(self.backbone)
         data_device = self._resident_device(
-            tensor_bytes({cid: vars(d) for cid, d in data.items()}) + tensor_bytes({i: vars(e) for i, e in enumerate(eval_sets)})
+            sum(tensor_bytes({i: p.train | p.test for i, p in enumerate(d.parts)}) for d in data.values())
+            + tensor_bytes({i: e.columns for i, e in enumerate(eval_sets)})
         )
         self.data = {cid: d.to(data_device) for cid, d in data.items()}
         self.eval_sets = [eval_set.to(data_device) for eval_set in eval_sets]
@@ -63,22 +87,24 @@ class ClientActor:
         self.round_times: list[dict[str, float]] = []
         self._update_s = 0.0
 
-    def start_method(self, method_index: int) -> TensorDict:
-        """Build the method's client model and every hosted client's initial state; return the initial shared params."""
+    def start_method(self, method_index: int) -> MethodStart:
+        """Build the method's client model and every hosted client's initial state; return the initial shared
+        parameters and the parameters' task tags."""
         entry = self.config.methods[method_index]
-        self.method = METHODS[entry.name](method_params(entry, method_index))
+        self.method = self.methods[method_index]
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
         model_config = method_model_config(self.config.model, entry, method_index)
         self.model = self.method.build_model(self.backbone, model_config, self.tasks, init_seed).to(self.device)
+        self.tags = self.model.task_tags() if hasattr(self.model, "task_tags") else {}
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
         self.state_device = self._resident_device(3 * tensor_bytes(initial) * len(self.client_ids))
         resident = {name: value.to(self.state_device) for name, value in initial.items()}  # one copy, shared
-        # A client holds, trains and uploads only its task's view (shared + task_<its task> parameters).
-        self.initial = {cid: task_view(resident, self.task_of[cid]) for cid in self.client_ids}
+        # A client holds, trains and uploads only its tasks' view (shared + its tasks' own parameters).
+        self.initial = {cid: task_view(resident, self.tasks_of[cid], self.tags) for cid in self.client_ids}
         self.states = {cid: self.method.init_client(self.initial[cid]) for cid in self.client_ids}
         self.initial_features: dict[int, torch.Tensor] = {}
         shared, _ = self.method.split(initial)
-        return shared
+        return MethodStart(shared, self.tags)
 
     def _resident_device(self, nbytes: int) -> torch.device:
         """Where hosted clients' data or state (``nbytes`` in all) live between rounds: the GPU when
@@ -93,10 +119,10 @@ class ClientActor:
         return self.device if nbytes < free / 4 else torch.device("cpu")
 
     def _context(self, client_id: int, round_idx: int) -> ClientContext:
-        select_task(self.model, self.task_of[client_id])
+        select_task(self.model, self.tasks_of[client_id][0])
         return ClientContext(
             client_id, round_idx, self.config.seed, self.data[client_id], self.model,
-            self.config.train, self.device, self.eval_sets, self.task_of[client_id],
+            self.config.train, self.device, self.eval_sets, self.tasks,
         )
 
     def train(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> list[Upload]:
@@ -141,20 +167,31 @@ class ClientActor:
         return RoundUploads(uploads, up_bytes, up_params, losses)
 
     def evaluate(self, round_idx: int, payloads: Payloads) -> dict[int, dict[str, float]]:
-        return {
-            cid: self._metrics(self._context(cid, round_idx), self.method.eval_params(self.states[cid], payloads[cid]))
-            for cid in self.client_ids
-        }
+        return {cid: self._metrics(self._context(cid, round_idx), self.states[cid], payloads[cid])
+                for cid in self.client_ids}
 
-    def _metrics(self, client: ClientContext, params: TensorDict) -> dict[str, float]:
-        metrics = client.evaluate(params)
-        if self.config.federation.representation_shift:
-            cid, size = client.client_id, self.config.train.eval_batch_size
-            images = client.data.test_x.to(self.device)
-            if cid not in self.initial_features:  # the initial model's features never change
-                self.initial_features[cid] = head_features(self.model, self.initial[cid], images, size)
-            metrics["rep_shift"] = feature_shift(self.initial_features[cid], head_features(self.model, params, images, size))
+    def _metrics(self, client: ClientContext, state: ClientState, payload: TensorDict | None,
+                 params: TensorDict | None = None) -> dict[str, float]:
+        """Every view's metrics (``params``, if given, replace the method's own view)."""
+        views = self.method.eval_views(state, payload)
+        if params is not None:
+            views[""] = params
+        metrics: dict[str, float] = {}
+        for view, view_params in views.items():
+            self.method.activate_view(self.model, view)
+            values = client.evaluate(view_params)
+            if not view and self.config.federation.representation_shift:
+                values["rep_shift"] = self._representation_shift(client, view_params)
+            metrics.update({f"{name}@{view}" if view else name: value for name, value in values.items()})
+        self.method.activate_view(self.model, "")
         return metrics
+
+    def _representation_shift(self, client: ClientContext, params: TensorDict) -> float:
+        cid, size = client.client_id, self.config.train.eval_batch_size
+        inputs = {name: column.to(self.device) for name, column in client.data.parts[0].test.items()}
+        if cid not in self.initial_features:  # the initial model's features never change
+            self.initial_features[cid] = head_features(self.model, self.initial[cid], inputs, size)
+        return feature_shift(self.initial_features[cid], head_features(self.model, params, inputs, size))
 
     def finish(self, round_idx: int, payloads: Payloads, post_train_steps: int) -> dict[int, dict[str, float]]:
         """The post-FL stages: the method's own, then optional fine-tuning; returns final metrics."""
@@ -162,10 +199,11 @@ class ClientActor:
         for cid in self.client_ids:
             client = self._context(cid, round_idx)
             state = self.method.after_federation(client, self.states[cid], payloads[cid])
-            params = self.method.eval_params(state, payloads[cid])
+            params = None
             if post_train_steps:
-                params = client.train(params, steps=post_train_steps, purpose="post_train").params
-            metrics[cid] = self._metrics(client, params)
+                own = self.method.eval_params(state, payloads[cid])
+                params = client.train(own, steps=post_train_steps, purpose="post_train").params
+            metrics[cid] = self._metrics(client, state, payloads[cid], params)
         return metrics
 
     def resource_usage(self) -> dict[str, int]:
@@ -176,7 +214,8 @@ class ClientActor:
             "gpu_peak_bytes": gpu_peak,
             "rss_bytes": psutil.Process().memory_info().rss,
             "state_bytes": tensor_bytes(self.states),
-            "data_bytes": sum(tensor_bytes(vars(data)) for data in self.data.values()),
+            "data_bytes": sum(tensor_bytes({i: p.train | p.test for i, p in enumerate(d.parts)})
+                              for d in self.data.values()),
         }
 
     def get_round_times(self) -> list[dict[str, float]]:

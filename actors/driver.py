@@ -6,32 +6,36 @@ process running the round loop.
 
 from __future__ import annotations
 
-from rayfed.actors.client import RoundUploads
-from rayfed.config import build_config, method_params
-from rayfed.method import ServerState, TensorDict, tensor_bytes, tensor_params
-from rayfed.methods import METHODS
+from collections.abc import Sequence
+
+from rayfed import registry
+from rayfed.actors.client import MethodStart, RoundUploads
+from rayfed.config import RunConfig, build_config
+from rayfed.method import Method, ServerState, TensorDict, tensor_bytes, tensor_params
 from rayfed.tasks import client_tasks, task_view
 from rayfed.transport import use_raw_tensor_transport
 
 
 class DriverActor:
-    def __init__(self, config: dict):
+    def __init__(self, config: RunConfig | dict, methods: Sequence[Method], plugins: Sequence[registry.Entry] = ()):
+        registry.install(plugins)
         use_raw_tensor_transport()
-        self.config = build_config(config)
-        self.task_of = client_tasks(self.config.data)
+        self.config = config if isinstance(config, RunConfig) else build_config(config)
+        self.methods = list(methods)
+        self.tasks_of = client_tasks(self.config.data)
         self.down_bytes = self.down_params = 0
 
-    def start_method(self, method_index: int, initial_shared: TensorDict) -> None:
+    def start_method(self, method_index: int, start: MethodStart) -> None:
         """The method's initial server state, after its pre-federation stage."""
-        entry = self.config.methods[method_index]
-        self.method = METHODS[entry.name](method_params(entry, method_index))
-        self.method.num_clients = self.config.data.num_clients
-        self.server: ServerState = self.method.before_federation(self.method.init_server(initial_shared))
+        self.method = self.methods[method_index]
+        self.tags = start.tags
+        self.server: ServerState = self.method.before_federation(self.method.init_server(start.shared))
         self.down_bytes = self.down_params = 0
 
     def payloads(self, client_ids: list[int], count_bytes: bool = True) -> dict[int, TensorDict | None]:
-        """What each client receives: the method's payload, restricted to the client's task view."""
-        payloads = {cid: task_view(self.method.payload(self.server, cid), self.task_of[cid]) for cid in client_ids}
+        """What each client receives: the method's payload, restricted to the client's tasks' view."""
+        payloads = {cid: task_view(self.method.payload(self.server, cid), self.tasks_of[cid], self.tags)
+                    for cid in client_ids}
         if count_bytes:
             self.down_bytes += sum(tensor_bytes(p) for p in payloads.values())
             self.down_params += sum(tensor_params(p) for p in payloads.values())

@@ -1,28 +1,9 @@
-"""The registered PFL methods, by config name. One module per method."""
+"""The built-in PFL methods, one module each; each registers itself by name (``rayfed.register_method``).
 
-from rayfed.method import Method
-from rayfed.methods.clip_zeroshot import ClipZeroShot
-from rayfed.methods.ditto import Ditto
-from rayfed.methods.fedavg import FedAvg
-from rayfed.methods.feddyn import FedDyn
-from rayfed.methods.fedprox import FedProx
-from rayfed.methods.fedyolo import FedYolo
-from rayfed.methods.local import Local
-from rayfed.methods.pfedmma import PFedMMA
-from rayfed.methods.promptfl import PromptFL
+Importing this package registers them all; configs name them (``methods: [fedavg, ditto]``) and the
+engine finds them through :mod:`rayfed.registry`, never by importing a method itself.
+"""
 
-METHODS: dict[str, type[Method]] = {
-    "local": Local,
-    "fedavg": FedAvg,
-    "fedprox": FedProx,
-    "ditto": Ditto,
-    "clip_zeroshot": ClipZeroShot,
-    "promptfl": PromptFL,
-    "pfedmma": PFedMMA,
-    "feddyn": FedDyn,
-    "fedyolo": FedYolo,
-}
+from rayfed.methods import clip_zeroshot, ditto, fedavg, feddyn, fedprox, fedyolo, local, pfedmma, promptfl
 
-__all__ = [
-    "METHODS", "ClipZeroShot", "Ditto", "FedAvg", "FedDyn", "FedProx", "FedYolo", "Local", "PFedMMA", "PromptFL",
-]
+__all__ = ["clip_zeroshot", "ditto", "fedavg", "feddyn", "fedprox", "fedyolo", "local", "pfedmma", "promptfl"]

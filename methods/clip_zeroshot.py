@@ -13,10 +13,12 @@ from torch import nn
 from rayfed.clip import build_classifier
 from rayfed.config import ModelConfig
 from rayfed.method import Method
+from rayfed.registry import register_method
 from rayfed.models import Backbone
 from rayfed.tasks import Task
 
 
+@register_method("clip_zeroshot")
 class ClipZeroShot(Method):
     communicates = False
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayfed.method import ClientState, LocalResult, Method, TensorDict
+from rayfed.registry import register_method
 from rayfed.training import ClientContext, proximal_penalty
 
 
@@ -26,6 +27,7 @@ class DittoParams:
             raise ValueError("personal_steps must be > 0")
 
 
+@register_method("ditto")
 class Ditto(Method):
     Params = DittoParams
 

@@ -4,7 +4,9 @@ The behaviour is the engine's default (:class:`rayfed.method.Method`); this modu
 """
 
 from rayfed.method import Method
+from rayfed.registry import register_method
 
 
+@register_method("fedavg")
 class FedAvg(Method):
     pass

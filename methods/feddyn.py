@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.registry import register_method
 from rayfed.training import ClientContext, Penalty
 
 
@@ -30,6 +31,7 @@ class FedDynParams:
             raise ValueError("alpha must be > 0")
 
 
+@register_method("feddyn")
 class FedDyn(Method):
     Params = FedDynParams
 

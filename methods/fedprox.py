@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayfed.method import Method, TensorDict
+from rayfed.registry import register_method
 from rayfed.training import Penalty, proximal_penalty
 
 
@@ -17,6 +18,7 @@ class FedProxParams:
             raise ValueError("mu must be >= 0")
 
 
+@register_method("fedprox")
 class FedProx(Method):
     Params = FedProxParams
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload, weighted_sums
+from rayfed.registry import register_method
 from rayfed.models import Backbone, build_task_model, num_blocks
 from rayfed.modules import dedicated_blocks
 from rayfed.tasks import Task, task_of_name
@@ -48,6 +49,7 @@ class FedYoloParams:
             raise ValueError(f"sharing must be one of {', '.join(SHARING)}")
 
 
+@register_method("fedyolo")
 class FedYolo(Method):
     Params = FedYoloParams
 

@@ -24,6 +24,7 @@ from rayfed.clip import build_classifier
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
 from rayfed.method import Method
+from rayfed.registry import register_method
 from rayfed.mma import TOWERS, MultiModalAdapter, attach
 from rayfed.models import Backbone
 from rayfed.tasks import Task
@@ -61,6 +62,7 @@ class PFedMMAParams:
             raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
 
 
+@register_method("pfedmma")
 class PFedMMA(Method):
     Params = PFedMMAParams
 

@@ -16,6 +16,7 @@ from torch import nn
 from rayfed.clip import add_learnable_context, build_classifier
 from rayfed.config import ModelConfig
 from rayfed.method import Method
+from rayfed.registry import register_method
 from rayfed.models import Backbone
 from rayfed.tasks import Task
 
@@ -32,6 +33,7 @@ class PromptFLParams:
             raise ValueError("ctx_std must be > 0")
 
 
+@register_method("promptfl")
 class PromptFL(Method):
     Params = PromptFLParams
 

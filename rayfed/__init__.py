@@ -1,26 +1,53 @@
-"""rayfed: personalized federated learning of multi-modal foundation models, simulated on Ray."""
+"""rayfed: personalized federated learning of multi-modal foundation models, simulated on Ray.
+
+What a driver script needs is importable from here: ``Simulation``, the config, the plug-in decorators
+(``register_method``, ``register_source``, ``register_partitioner``, ``register_backbone``,
+``register_task_kind``) and the types plug-ins are written against (``Method``, ``Backbone``,
+``TaskKind``, ...). See ``docs/extending.md``.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from rayfed.registry import (
+    register,
+    register_backbone,
+    register_method,
+    register_partitioner,
+    register_source,
+    register_task_kind,
+)
+from rayfed.version import __version__
 
 if TYPE_CHECKING:
     from rayfed.config import RunConfig, load_config
+    from rayfed.data.partition import PartitionRequest
+    from rayfed.data.sources import ArrayDataset, SourceRequest
+    from rayfed.kinds import TaskKind
+    from rayfed.method import LocalResult, Method, Upload
+    from rayfed.models import Backbone, BackboneRequest
     from rayfed.simulation import Simulation
+    from rayfed.training import ClientContext, Phase, Step
 
-__all__ = ["RunConfig", "Simulation", "__version__", "load_config"]
+# Imported on first use so that `import rayfed` does not start torch and Ray.
+_LAZY = {
+    "Simulation": "rayfed.simulation", "RunConfig": "rayfed.config", "load_config": "rayfed.config",
+    "Method": "rayfed.method", "LocalResult": "rayfed.method", "Upload": "rayfed.method",
+    "Backbone": "rayfed.models", "BackboneRequest": "rayfed.models", "TaskKind": "rayfed.kinds",
+    "ArrayDataset": "rayfed.data.sources", "SourceRequest": "rayfed.data.sources",
+    "PartitionRequest": "rayfed.data.partition", "ClientContext": "rayfed.training", "Phase": "rayfed.training",
+    "Step": "rayfed.training",
+}  # fmt: skip
+
+__all__ = [
+    *_LAZY, "__version__", "register", "register_backbone", "register_method", "register_partitioner",
+    "register_source", "register_task_kind",
+]
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use so that `import rayfed.config` does not start torch and Ray.
-    if name == "Simulation":
-        from rayfed.simulation import Simulation
-
-        return Simulation
-    if name in ("RunConfig", "load_config"):
-        from rayfed import config
-
-        return getattr(config, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'rayfed' has no attribute {name!r}")

@@ -86,20 +86,23 @@ def _pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _list(_: argparse.Namespace) -> int:
-    from rayfed.data import PARTITIONERS, SOURCES
-    from rayfed.methods import METHODS
-    from rayfed.models import BACKBONES
+def _list(args: argparse.Namespace) -> int:
+    import importlib
 
-    for name, cls in METHODS.items():
-        doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
-        print(f"method       {name:<12} {doc}")
-    for name in BACKBONES:
-        print(f"backbone     {name}")
-    for name in SOURCES:
-        print(f"dataset      {name}")
-    for name in PARTITIONERS:
-        print(f"partitioner  {name}")
+    from rayfed import registry
+
+    for module in args.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(f"--import {module!r}: the module cannot be imported ({err}).") from None
+    shown = {"method": "method", "source": "dataset", "partitioner": "partitioner", "backbone": "backbone",
+             "task_kind": "task kind"}
+    for kind, title in shown.items():
+        for entry in registry.entries(kind):
+            name = entry.name + ("<...>" if entry.prefix else "")
+            origin = "" if entry.builtin else f"  [{getattr(entry.obj, '__module__', '?')}]"
+            print(f"{title:<12} {name:<32} {entry.help}{origin}")
     return 0
 
 
@@ -143,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument("--jobs", type=int, default=1, help="families built at once, one process and core each")
     pretrain.set_defaults(handler=_pretrain)
 
-    listing = commands.add_parser("list", help="registered methods, backbones, datasets and partitioners")
+    listing = commands.add_parser("list", help="registered methods, datasets, partitioners, backbones and task kinds")
+    listing.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                         help="import MODULE first (its @rayfed.register_* plug-ins are listed, marked with it)")
     listing.set_defaults(handler=_list)
     return parser
 

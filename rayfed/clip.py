@@ -23,8 +23,10 @@ import transformers
 from torch import nn
 
 from rayfed.config import ModelConfig
-from rayfed.errors import ConfigError
-from rayfed.models import TrainableModule
+from rayfed.errors import ConfigError, choice_error
+from rayfed.models import Backbone, BackboneRequest, TrainableModule
+from rayfed.registry import register_backbone
+from rayfed.types import Batch
 from rayfed.zoo.registry import ZooModel
 
 PROMPT_TEMPLATE = "a photo of a {}."
@@ -66,7 +68,12 @@ def class_prompt(name: str, template: str = PROMPT_TEMPLATE) -> str:
 
 
 class ClipClassifier(TrainableModule):
-    """Frozen CLIP scoring images against class prompts; methods add trainable parts (adapters, context)."""
+    """Frozen CLIP scoring images against class prompts; methods add trainable parts (adapters, context).
+
+    It scores any label space by text, also one no client trains on (a base-to-novel split's novel classes).
+    """
+
+    scores_unseen_tasks = True
 
     def __init__(self, loaded: ZooModel, label_spaces: Sequence[Sequence[str]], template: str = PROMPT_TEMPLATE):
         super().__init__()
@@ -160,7 +167,8 @@ class ClipClassifier(TrainableModule):
             self._text_cache[self.task] = nn.functional.normalize(features, dim=-1)
         return self._text_cache[self.task]
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: Batch | torch.Tensor) -> torch.Tensor:
+        images = batch if isinstance(batch, torch.Tensor) else batch["pixel_values"]
         image_features = nn.functional.normalize(self.encode_image(images).float(), dim=-1)
         return self.logit_scale * image_features @ self.class_features().T
 
@@ -225,3 +233,36 @@ def _prompt_length(model: ClipClassifier, names: Sequence[str]) -> int:
     if model.is_open_clip:
         return max(len(model.tokenizer.encode(prompt)) + 2 for prompt in model.prompts(names))
     return max(len(model.tokenizer(prompt)["input_ids"]) for prompt in model.prompts(names))
+
+
+# The open_clip image tower as an engine backbone --------------------------------------------------------
+def _image_tower(visual: nn.Module, name: str) -> Backbone:
+    image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
+    return Backbone(visual, visual.output_dim, image_size, 3, name=name)
+
+
+@register_backbone("open_clip:")
+def _open_clip_image_tower(request: BackboneRequest) -> Backbone:
+    """The image tower of an open_clip model; ``model.pretrained`` is a tag (e.g. openai) or a weights file."""
+    import open_clip
+
+    arch = request.argument or ""
+    if arch not in open_clip.list_models():
+        raise choice_error("model.backbone", request.name, [f"open_clip:{a}" for a in open_clip.list_models()])
+    pretrained = request.config.pretrained
+    try:
+        visual = open_clip.create_model(arch, pretrained=pretrained).visual
+    except (RuntimeError, OSError) as err:
+        raise ConfigError(
+            f"model.pretrained = {pretrained!r} could not be loaded for open_clip:{arch} ({str(err).splitlines()[0]})."
+        ) from None
+    return _image_tower(visual, request.name)
+
+
+@register_backbone("tiny-pretrained:open_clip")
+def _tiny_open_clip(request: BackboneRequest) -> Backbone:
+    """The image tower of the tiny pretrained open_clip CLIP (the CLIP loaded once per process)."""
+    return _image_tower(load_clip(request.name, None).model.visual, request.name)
+
+
+register_backbone("tiny-pretrained:open_clip-deep")(_tiny_open_clip)

@@ -6,26 +6,50 @@ allowed (see :func:`load_config`).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, model_validator
 
-from rayfed.errors import ConfigError, choice_error, suggest
+from rayfed import registry
+from rayfed.errors import ConfigError, suggest
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+
+def _plugin(kind: str, optional: bool = False) -> Any:
+    """A config value naming a plug-in: a name, a ``"package.module:Name"`` string, or (from Python) the
+    object itself, which a config dump writes as its registered name or import path."""
+
+    def check(value: Any) -> Any:
+        if value is None and optional:
+            return value
+        if value is None or isinstance(value, (bool, int, float, list, dict, tuple)):
+            raise ValueError(f"it must be a name, a 'package.module:Name' string or a {kind} object")
+        return value
+
+    def dump(value: Any) -> Any:
+        return value if value is None or isinstance(value, str) else registry.name_of(kind, value)
+
+    return Annotated[Any, pydantic.AfterValidator(check), PlainSerializer(dump, when_used="json")]
+
+
+SourceName = _plugin("source")
+PartitionerName = _plugin("partitioner")
+BackboneName = _plugin("backbone")
+TaskKindName = _plugin("task_kind", optional=True)
+MethodName = _plugin("method")
 
 
 class PartitionConfig(_Section):
     """How the pooled dataset is split into clients (see ``rayfed.data.partition``)."""
 
-    name: str = "iid"
+    name: PartitionerName = "iid"
     alpha: float | None = Field(None, gt=0, description="Dirichlet concentration (dirichlet)")
     classes_per_client: int | None = Field(None, gt=0, description="classes each client holds (shards)")
     samples_per_client: int | None = Field(None, gt=0, description="exact samples per client (shards)")
@@ -61,21 +85,41 @@ class BaseNovelConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: str = "sklearn:digits"
+    source: SourceName = "sklearn:digits"
+    kind: TaskKindName = Field(
+        None, description="task kind (classification, multiple_choice, text_generation, reconstruction, or a "
+        "plug-in); default: what the source's columns say (choices -> multiple_choice, labels -> classification, "
+        "target text -> text_generation, images alone -> reconstruction)"
+    )
+    options: dict[str, Any] | None = Field(None, description="options of the source (generators, user functions)")
     path: str | None = None
     split: str | None = None
-    image_column: str = "image"
-    label_column: str = "label"
+    image_column: str | None = Field("image", description="hf: the image column (used when present unless set)")
+    label_column: str | None = Field("label", description="hf: the class-label column (used when present unless set)")
+    text_column: str | None = Field(None, description="hf: the input text column (question, caption, prompt)")
+    target_column: str | None = Field(None, description="hf: the output text column (answer, description)")
+    choices_column: str | None = Field(None, description="hf: the column of a multiple-choice question's options")
+    max_text_length: int | None = Field(None, gt=0, description="tokens per text; default: the backbone's limit")
     num_clients: int = Field(10, gt=0)
     test_fraction: float = Field(0.25, gt=0, lt=1)
     max_samples: int | None = Field(None, gt=0)
     resize: int | None = Field(None, gt=0, description="hf: images converted to RGB and resized to this size on load")
     partition: PartitionConfig = PartitionConfig()
-    synthetic: dict[str, Any] | None = None
     base_novel: BaseNovelConfig | None = None
     tasks: tuple[TaskDataConfig, ...] | None = Field(
         None, min_length=1, description="multi-task: one data config per task, client ids contiguous in task order"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _synthetic_is_options(cls, raw: Any) -> Any:
+        # `synthetic:` is the earlier name of `options:` (the generators' options); both are read.
+        if isinstance(raw, dict) and "synthetic" in raw:
+            if raw.get("options") is not None:
+                raise ValueError("data.synthetic and data.options are both set; data.synthetic is the old name of "
+                                 "data.options, keep one")
+            raw = {**{k: v for k, v in raw.items() if k != "synthetic"}, "options": raw["synthetic"]}
+        return raw
 
     @model_validator(mode="after")
     def _base_novel_partition(self) -> DataConfig:
@@ -92,7 +136,21 @@ class DataConfig(_Section):
             return self
         if isinstance(self, TaskDataConfig):
             raise ValueError(f"data.tasks[{self.name!r}] has its own `tasks`; tasks do not nest")
-        total = sum(task.num_clients for task in self.tasks)
+        explicit = [task.clients is not None for task in self.tasks]
+        if any(explicit) and not all(explicit):
+            raise ValueError("data.tasks: set clients in every task (clients holding several tasks) or in none")
+        if all(explicit):
+            ids = sorted({client for task in self.tasks for client in task.clients})
+            if ids != list(range(len(ids))):
+                missing = sorted(set(range(ids[-1] + 1)) - set(ids))
+                raise ValueError(f"data.tasks[*].clients name clients up to {ids[-1]} but none holds client "
+                                 f"{missing[0]}; client ids must be 0..N-1, each in at least one task")
+            if any(task.clients_per_round is not None for task in self.tasks):
+                raise ValueError("data.tasks[*].clients_per_round (stratified sampling) needs each client in one "
+                                 "task; remove it when tasks list their clients")
+            total = len(ids)
+        else:
+            total = sum(task.num_clients for task in self.tasks)
         others = [
             name for name, field in DataConfig.model_fields.items()
             if name not in ("tasks", "num_clients") and getattr(self, name) != field.get_default(call_default_factory=True)
@@ -113,10 +171,29 @@ class DataConfig(_Section):
 
 
 class TaskDataConfig(DataConfig):
-    """One task of a multi-task run: its data, and how many of its clients a round samples."""
+    """One task of a multi-task run: its data, which clients hold it, and how many of them a round samples."""
 
     name: str
+    clients: tuple[int, ...] | None = Field(
+        None, min_length=1, description="the client ids this task's data is partitioned over (a client may hold "
+        "several tasks); default: num_clients new ids after the previous tasks'"
+    )
     clients_per_round: int | None = Field(None, gt=0, description="stratified sampling: this task's clients per round")
+
+    @model_validator(mode="after")
+    def _explicit_clients(self) -> TaskDataConfig:
+        if self.base_novel is not None:
+            raise ValueError(f"data.tasks[{self.name!r}].base_novel is not supported inside data.tasks; a base-to-novel "
+                             "split makes two tasks of one dataset itself")
+        if self.clients is None:
+            return self
+        if len(set(self.clients)) != len(self.clients) or min(self.clients) < 0:
+            raise ValueError(f"data.tasks[{self.name!r}].clients = {list(self.clients)} must be distinct ids >= 0")
+        if "num_clients" in self.model_fields_set and self.num_clients != len(self.clients):
+            raise ValueError(f"data.tasks[{self.name!r}].num_clients = {self.num_clients} differs from its "
+                             f"{len(self.clients)} clients")
+        object.__setattr__(self, "num_clients", len(self.clients))
+        return self
 
     @model_validator(mode="after")
     def _per_round(self) -> TaskDataConfig:
@@ -132,11 +209,18 @@ class LoraConfig(_Section):
     rank: int = Field(4, gt=0)
     alpha: float = Field(8.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    targets: tuple[str, ...] = ("q_proj", "v_proj")
+    targets: tuple[str, ...] | None = Field(
+        None, description="names of the linear modules LoRA goes on; default: the backbone family's attention "
+        "query and value (ViT q_proj/v_proj, ViLT/FLAVA query/value, LLMs q_proj/v_proj)"
+    )
 
 
 class AdapterConfig(_Section):
     dim: int = Field(8, gt=0, description="bottleneck width of the d -> dim -> d adapter")
+    site: Literal["mlp", "output"] = Field(
+        "mlp", description="mlp: after a block's MLP, inside its residual (ViT/CLIP); output: after a BERT-style "
+        "layer's output sublayer (ViLT, FLAVA)"
+    )
 
 
 class VptConfig(_Section):
@@ -148,7 +232,7 @@ MODULE_FIELDS = ("module", "lora", "adapter", "vpt")  # what a method entry's `m
 
 
 class ModelConfig(_Section):
-    backbone: str = "tiny:vit"
+    backbone: BackboneName = "tiny:vit"
     pretrained: str | None = Field(None, description="open_clip: a pretrained tag (openai, ...) or a weights file")
     module: Literal["head", "lora", "adapter", "vpt", "full"] | None = Field(
         None, description="what is trained over the backbone; unset: lora if model.lora is set, else head"
@@ -182,19 +266,23 @@ class FederationConfig(_Section):
 
 
 class TrainConfig(_Section):
-    local_steps: int | None = Field(10, gt=0)
+    local_steps: int | None = Field(10, gt=0, description="optimizer steps per local update")
     local_epochs: int | None = Field(None, gt=0)
-    batch_size: int = Field(16, gt=0)
+    batch_size: int = Field(16, gt=0, description="samples per micro-batch")
+    grad_accum: int = Field(1, gt=0, description="micro-batches whose gradients make one optimizer step")
     lr: float = Field(0.05, gt=0)
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     eval_batch_size: int = Field(256, gt=0)
-    schedule: Literal["constant", "warmup_cosine"] = Field(
-        "constant", description="warmup_cosine: linear warm-up, then cosine decay to 0 over decay_steps global steps"
+    schedule: Literal["constant", "warmup_cosine", "round_warmup"] = Field(
+        "constant", description="warmup_cosine: linear warm-up, then cosine decay to 0 over decay_steps global steps; "
+        "round_warmup: lr grows linearly from warmup_start_lr to lr over warmup_rounds rounds, then stays"
     )
     warmup_steps: int = Field(100, ge=0, description="warmup_cosine: steps of linear warm-up")
     decay_steps: int | None = Field(None, gt=0, description="warmup_cosine: global steps until lr reaches 0 (rounds x local steps)")
+    warmup_rounds: int = Field(20, gt=0, description="round_warmup: rounds until lr is reached")
+    warmup_start_lr: float = Field(1e-4, gt=0, description="round_warmup: the lr of round 0")
     grad_clip: float | None = Field(None, gt=0, description="clip the L2 norm of the trained parameters' gradient")
     cuda_graphs: bool = Field(
         False, description="on a GPU, capture a training step once as a CUDA graph and replay it (adam/adamw, "
@@ -257,9 +345,9 @@ class RayConfig(_Section):
 
 
 class MethodEntry(_Section):
-    """One method to run: its registered name, a label for results, and its hyperparameters."""
+    """One method to run: a plug-in name (or class), a label for results, and its hyperparameters."""
 
-    name: str
+    name: MethodName
     label: str = ""
     post_train_steps: int = Field(0, ge=0)
     model: dict[str, Any] = Field({}, description="overrides of model.module / lora / adapter / vpt for this method")
@@ -268,20 +356,21 @@ class MethodEntry(_Section):
     @model_validator(mode="before")
     @classmethod
     def _from_yaml(cls, raw: Any) -> Any:
-        if isinstance(raw, str):
-            return {"name": raw}
-        if isinstance(raw, dict):
-            known = {"name", "label", "post_train_steps", "model", "params"}
-            extra = {k: v for k, v in raw.items() if k not in known}
-            entry = {k: v for k, v in raw.items() if k in known}
-            entry["params"] = {**raw.get("params", {}), **extra}
-            return entry
-        return raw
+        if isinstance(raw, MethodEntry):
+            return raw
+        if not isinstance(raw, dict):
+            return {"name": raw}  # a name, or (from Python) the method's class
+        known = {"name", "label", "post_train_steps", "model", "params"}
+        extra = {k: v for k, v in raw.items() if k not in known}
+        entry = {k: v for k, v in raw.items() if k in known}
+        entry["params"] = {**raw.get("params", {}), **extra}
+        return entry
 
     @model_validator(mode="after")
     def _default_label(self) -> MethodEntry:
         if not self.label:
-            label = self.name + ("+post" if self.post_train_steps else "")
+            name = self.name if isinstance(self.name, str) else registry.name_of("method", self.name)
+            label = name.rsplit(":", 1)[-1].rsplit(".", 1)[-1] + ("+post" if self.post_train_steps else "")
             object.__setattr__(self, "label", label)
         return self
 
@@ -292,6 +381,9 @@ DataConfig.model_rebuild()
 class RunConfig(_Section):
     name: str = "run"
     seed: int = 0
+    imports: tuple[str, ...] = Field(
+        (), description="modules imported before plug-ins are looked up (their @rayfed.register_* decorators run)"
+    )
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     federation: FederationConfig = FederationConfig()
@@ -351,31 +443,6 @@ def method_model_config(model: ModelConfig, entry: MethodEntry, index: int = 0) 
         first = err.errors()[0]
         path = ".".join(str(p) for p in first["loc"])
         raise ValueError(f"methods[{index}].model.{path} is invalid: {_clean_msg(first['msg'])}") from None
-
-
-def method_params(entry: MethodEntry, index: int) -> Any:
-    """Validate a method entry against the method's registered hyperparameter dataclass."""
-    from rayfed.methods import METHODS
-
-    if entry.name not in METHODS:
-        raise choice_error(f"methods[{index}].name", entry.name, METHODS)
-    params_cls = METHODS[entry.name].Params
-    allowed = [f.name for f in dataclasses.fields(params_cls)]
-    for key in entry.params:
-        if key not in allowed:
-            hint = f"allowed: {', '.join(allowed)}" if allowed else "it takes no hyperparameters"
-            raise ConfigError(
-                f"methods[{index}] ({entry.name}) has no hyperparameter {key!r}{suggest(key, allowed)}; {hint}."
-            )
-    try:
-        return pydantic.TypeAdapter(params_cls).validate_python(entry.params)
-    except pydantic.ValidationError as err:
-        first = err.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "params"
-        value = entry.params.get(field, first.get("input"))
-        raise ConfigError(
-            f"methods[{index}] ({entry.name}).{field} = {value!r} is invalid: {_clean_msg(first['msg'])}."
-        ) from None
 
 
 def _clean_msg(msg: str) -> str:
@@ -457,12 +524,9 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a mapping of sections, not {type(raw).__name__}.")
     try:
-        config = RunConfig.model_validate(raw)
+        return RunConfig.model_validate(raw)
     except pydantic.ValidationError as err:
         raise ConfigError(_format_error(err)) from None
-    for index, entry in enumerate(config.methods):
-        method_params(entry, index)
-    return config
 
 
 def load_config(

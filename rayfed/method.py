@@ -2,12 +2,10 @@
 
 Client-side hooks run inside a ClientActor with a :class:`~rayfed.training.ClientContext`;
 server-side hooks run inside the DriverActor. A method never touches Ray, and the engine never
-branches on a method's name.
+branches on a method's name. A method is a plug-in (:mod:`rayfed.registry`): built once per run in
+the driver, its hyperparameters validated there, and the same object handed to every actor.
 
-State is plain tensors so that it can be checkpointed as safetensors:
-- ``ClientState``: named slots of tensors kept for one client between rounds (e.g. "personal");
-- ``ServerState``: named slots kept by the server (e.g. "global");
-- an upload: named slots a client sends to the server in one round (e.g. "shared").
+State is plain tensors (:mod:`rayfed.types`) so that it can be checkpointed as safetensors.
 """
 
 from __future__ import annotations
@@ -19,15 +17,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from rayfed.types import ClientState, ServerState, TensorDict, tensor_bytes, tensor_params
+
 if TYPE_CHECKING:
     from rayfed.config import ModelConfig
     from rayfed.models import Backbone
     from rayfed.tasks import Task
     from rayfed.training import ClientContext
 
-TensorDict = dict[str, torch.Tensor]
-ClientState = dict[str, TensorDict]
-ServerState = dict[str, TensorDict]
+__all__ = ["ClientState", "LocalResult", "Method", "NoParams", "PartialSum", "ServerState", "TensorDict", "Upload",
+           "presum", "tensor_bytes", "tensor_params", "weighted_mean", "weighted_sums"]
 
 
 @dataclass(frozen=True)
@@ -69,23 +68,6 @@ class LocalResult:
     state: ClientState
     upload: dict[str, TensorDict]
     train_loss: float
-
-
-def tensor_params(tree: Any) -> int:
-    """The number of parameters (elements) in a tensor or a nested dict of tensors."""
-    if isinstance(tree, torch.Tensor):
-        return tree.numel()
-    if isinstance(tree, dict):
-        return sum(tensor_params(value) for value in tree.values())
-    return 0
-
-
-def tensor_bytes(tree: Any) -> int:
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(tensor_bytes(value) for value in tree.values())
-    return 0
 
 
 def weighted_sums(uploads: Sequence[Upload], slot: str) -> tuple[TensorDict, dict[str, float]]:
@@ -187,10 +169,11 @@ class Method:
 
     Params: ClassVar[type] = NoParams
     communicates: ClassVar[bool] = True
-    num_clients: int = 0  # the federation's size; the DriverActor sets it before init_server
 
     def __init__(self, params: Any = None):
         self.params = params if params is not None else self.Params()
+        self.num_clients = 0  # the federation's size, and its tasks: set once when the run builds the method
+        self.tasks: tuple[Task, ...] = ()
 
     # The model -------------------------------------------------------------------------
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
@@ -238,6 +221,14 @@ class Method:
         """The parameters a client is evaluated with."""
         return {**state["personal"], **(payload or {})}
 
+    def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
+        """Every parameter view a client is evaluated with, by name; ``""`` is the method's own (its metrics
+        keep their plain names), others are reported as ``<metric>@<view>``. Default: :meth:`eval_params`."""
+        return {"": self.eval_params(state, payload)}
+
+    def activate_view(self, model: nn.Module, view: str) -> None:
+        """Set up ``model`` to evaluate view ``view`` (e.g. which adapters its forward uses). Default: nothing."""
+
     def after_federation(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> ClientState:
         """A client-side stage after the last round (distillation, ...). Default: nothing."""
         return state
@@ -270,3 +261,45 @@ class Method:
     def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
         """What client ``client_id`` receives from the server (None = nothing)."""
         return server.get("global") or None
+
+
+def build_method(entry: Any, index: int, num_clients: int = 0, tasks: Sequence[Task] = ()) -> Method:
+    """The method a ``methods[index]`` config entry names, with its hyperparameters validated against its
+    ``Params`` dataclass; one sentence naming the field when something is wrong."""
+    import dataclasses
+
+    import pydantic
+
+    from rayfed.errors import ConfigError, suggest
+    from rayfed.registry import resolve
+
+    field = f"methods[{index}].name"
+    resolved = resolve("method", entry.name, field)
+    if isinstance(resolved.obj, Method):  # an instance passed from Python: used as it is
+        if entry.params:
+            raise ConfigError(f"{field} = {resolved.name!r} is a built method; give its hyperparameters to it, not in "
+                              f"methods[{index}] ({', '.join(entry.params)}).")
+        method = resolved.obj
+    else:
+        cls = resolved.obj
+        if not (isinstance(cls, type) and issubclass(cls, Method)):
+            missing = [hook for hook in ("local_update", "aggregate", "payload") if not hasattr(cls, hook)]
+            lacks = f" (it lacks {', '.join(missing)})" if missing else ""
+            raise ConfigError(f"{field} = {resolved.name!r} is a {type(cls).__name__}, not a rayfed.Method subclass{lacks}.")
+        label = f"methods[{index}] ({resolved.name})"
+        allowed = [f.name for f in dataclasses.fields(cls.Params)]
+        for key in entry.params:
+            if key not in allowed:
+                hint = f"allowed: {', '.join(allowed)}" if allowed else "it takes no hyperparameters"
+                raise ConfigError(f"{label} has no hyperparameter {key!r}{suggest(key, allowed)}; {hint}.")
+        try:
+            params = pydantic.TypeAdapter(cls.Params).validate_python(entry.params)
+        except pydantic.ValidationError as err:
+            first = err.errors()[0]
+            name = ".".join(str(p) for p in first["loc"]) or "params"
+            value = entry.params.get(name, first.get("input"))
+            message = first["msg"].removeprefix("Value error, ").rstrip(".")
+            raise ConfigError(f"{label}.{name} = {value!r} is invalid: {message}.") from None
+        method = cls(params)
+    method.num_clients, method.tasks = num_clients, tuple(tasks)
+    return method

@@ -1,18 +1,28 @@
 """Backbones and client models.
 
-A *backbone* is a frozen feature extractor built once per ClientActor. A *client model* is the
-backbone plus what a method trains: LoRA adapters (through peft) and a classification head.
-Every parameter of a client model is either trainable (its value lives in client or server
-state and is swapped in per client) or frozen (shared by every client the actor hosts).
+A *backbone* is a frozen pretrained model built once per ClientActor: an image encoder (ViT, CLIP's
+vision tower, open_clip's image tower), an image-text encoder (ViLT, FLAVA), a causal language model
+(Llama, Qwen2) or a multi-modal LLM (LLaVA). Backbones are plug-ins (:mod:`rayfed.registry`): a builder
+``(request: BackboneRequest) -> Backbone``; the built-ins below register themselves the same way.
+
+A *client model* is the backbone plus what a method trains: LoRA (through peft), adapters or prompts, and
+one head per task, built by the task's kind (a linear classifier, a choice scorer, an image decoder; a
+causal LM generates text with its own LM head). Every parameter of a client model is either trainable
+(its value lives in client or server state and is swapped in per client) or frozen (shared by every
+client the actor hosts). A client model takes a batch of named columns (``pixel_values``, ``input_ids``,
+...) and returns what its active task's kind scores.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-import numpy as np
 import peft
 import torch
 import transformers
@@ -20,20 +30,13 @@ from torch import nn
 
 from rayfed.config import LoraConfig, ModelConfig
 from rayfed.errors import ConfigError, choice_error
-from rayfed.modules import add_adapters, add_prompts, task_heads
+from rayfed.modules import add_adapters, add_output_adapters, add_prompts, tag_tasks, task_heads
+from rayfed.registry import register_backbone, resolve
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import Task
+from rayfed.types import Batch, TensorDict
 
-TensorDict = dict[str, torch.Tensor]
-
-BACKBONES = (
-    "tiny:vit", "tiny:clip-vision", "tiny-pretrained:vit", "tiny-pretrained:clip-vision",
-    "tiny-pretrained:clip", "tiny-pretrained:open_clip", "tiny-pretrained:open_clip-deep",
-    "tiny-pretrained:vit-ladder-t|s|b (the FedYolo scale ladder, 32 px)",
-    "vit:T|S|B|L (randomly initialised ViT-Tiny/Small/Base/Large, patch 16, 224 px)",
-    "hf:<name or local path> (ViT or CLIP vision tower)",
-    "open_clip:<arch> (image tower; model.pretrained = tag or file)",
-)
+IMAGE, TEXT = "image", "text"
 
 _TINY_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 
@@ -44,122 +47,285 @@ VIT_SIZES = {
     "B": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "L": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
 }
+LLM_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# How a backbone's encoder is called: features (batch, d) for heads, next-token logits for text tasks ----
+def cls_features(encoder: nn.Module, inputs: Batch) -> torch.Tensor:
+    """The first token of the last hidden state (HF ViT)."""
+    return encoder(pixel_values=inputs["pixel_values"]).last_hidden_state[:, 0]
+
+
+def pooler_features(encoder: nn.Module, inputs: Batch) -> torch.Tensor:
+    """The pooled output (CLIP's vision tower)."""
+    return encoder(pixel_values=inputs["pixel_values"]).pooler_output
+
+
+def output_features(encoder: nn.Module, inputs: Batch) -> torch.Tensor:
+    """The module's output on the images (open_clip's image tower, a user's own encoder)."""
+    return encoder(inputs["pixel_values"])
+
+
+def vilt_features(encoder: nn.Module, inputs: Batch) -> torch.Tensor:
+    """ViLT's pooled [CLS] of the image and the text, both required: a task without text reads a lone
+    [CLS] [SEP], one without images a mid-gray image."""
+    return encoder(**_text_and_image(encoder, inputs)).pooler_output
+
+
+def flava_features(encoder: nn.Module, inputs: Batch) -> torch.Tensor:
+    """FLAVA's [CLS]: of its multimodal encoder for image + text, else of the image or the text encoder."""
+    output = encoder(**{k: inputs[k] for k in ("pixel_values", "input_ids", "attention_mask") if k in inputs})
+    if output.multimodal_embeddings is not None:
+        return output.multimodal_embeddings[:, 0]
+    return (output.image_embeddings if output.image_embeddings is not None else output.text_embeddings)[:, 0]
+
+
+def causal_lm_logits(encoder: nn.Module, inputs: Batch) -> torch.Tensor:
+    """Next-token logits (batch, tokens, vocabulary) of a causal LM or LLaVA."""
+    return encoder(**_lm_inputs(inputs)).logits
+
+
+def causal_lm_features(encoder: nn.Module, inputs: Batch) -> torch.Tensor:
+    """The last hidden state at each sequence's last real token (for a classification head)."""
+    hidden = encoder(**_lm_inputs(inputs), output_hidden_states=True).hidden_states[-1]
+    last = inputs["attention_mask"].sum(dim=1) - 1
+    return hidden[torch.arange(len(hidden), device=hidden.device), last]
+
+
+def _lm_inputs(inputs: Batch) -> Batch:
+    return {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values") if k in inputs}
+
+
+def _text_and_image(encoder: nn.Module, inputs: Batch) -> Batch:
+    config = encoder.config
+    present = inputs["input_ids"] if "input_ids" in inputs else inputs["pixel_values"]
+    size, device = len(present), present.device
+    if "input_ids" not in inputs:
+        ids = torch.tensor([[config.bos_token_id or 1, config.eos_token_id or 2]], device=device).expand(size, -1)
+        inputs = {**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if "pixel_values" not in inputs:
+        inputs = {**inputs, "pixel_values": torch.zeros(size, config.num_channels, config.image_size, config.image_size,
+                                                        device=device)}
+    return {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values")}
 
 
 @dataclass
 class Backbone:
-    """A frozen image encoder: ``encoder(pixel_values)`` -> features of size ``feature_dim``."""
+    """A frozen pretrained model and what the engine needs to use it.
+
+    ``features(encoder, inputs)`` gives (batch, ``feature_dim``) features of a batch whose ``pixel_values``
+    are already resized and normalized; ``lm_logits`` (causal LMs only) next-token logits. Images arrive as
+    raw [0, 1] pixels and are resized to ``image_size`` and normalized with ``image_mean``/``image_std`` by
+    the client model; texts are tokenized by ``tokenizer`` to at most ``max_text_length`` tokens, after
+    ``image_prompt`` (LLaVA's image tokens) where there is an image.
+    """
 
     encoder: nn.Module
     feature_dim: int
-    image_size: int
-    num_channels: int
-    pooling: str  # "cls": first token of last_hidden_state; "pooler": pooler_output; "output": the output tensor
+    image_size: int | None = None
+    num_channels: int = 3
+    features: Callable[[nn.Module, Batch], torch.Tensor] = output_features
+    modalities: frozenset[str] = frozenset({IMAGE})
+    lm_logits: Callable[[nn.Module, Batch], torch.Tensor] | None = None
+    tokenizer: Any = None
+    max_text_length: int = 32
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    image_mean: float | tuple[float, ...] = 0.5
+    image_std: float | tuple[float, ...] = 0.5
+    image_prompt: str = ""
+    name: str = field(default="", compare=False)
+
+    @property
+    def generates_text(self) -> bool:
+        return self.lm_logits is not None
+
+
+@dataclass(frozen=True)
+class BackboneRequest:
+    """What a backbone builder is asked for: the model config, the seed of random weights, and a prefix
+    builder's argument (``B`` for ``vit:B``)."""
+
+    config: ModelConfig
+    seed: int
+    argument: str | None = None
+    name: str = ""
 
 
 def build_backbone(config: ModelConfig, seed: int) -> Backbone:
-    """Build (or load) the backbone named by ``model.backbone``; random parts seeded by ``seed``."""
-    name = config.backbone
+    """Build (or load) the backbone ``model.backbone`` names; random parts seeded by ``seed``; frozen."""
+    resolved = resolve("backbone", config.backbone)
     torch.manual_seed(seed)
-    if name == "tiny:vit":
-        vit_config = transformers.ViTConfig(
-            **_TINY_SIZES, image_size=config.image_size or 16, patch_size=4, num_channels=3,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    built = resolved.obj(BackboneRequest(config, seed, resolved.argument, resolved.name))
+    if isinstance(built, nn.Module):
+        raise ConfigError(
+            f"model.backbone = {resolved.name!r} returned a bare {type(built).__name__}; a backbone builder returns "
+            "rayfed.models.Backbone(encoder=..., feature_dim=..., image_size=...)."
         )
-        encoder = transformers.ViTModel(vit_config, add_pooling_layer=False)
-        return _frozen(Backbone(encoder, vit_config.hidden_size, vit_config.image_size, 3, "cls"))
-    if name.startswith("vit:"):
-        size = name.removeprefix("vit:")
-        if size not in VIT_SIZES:
-            raise choice_error("model.backbone", name, [f"vit:{s}" for s in VIT_SIZES])
-        vit_config = transformers.ViTConfig(**VIT_SIZES[size], image_size=config.image_size or 224, patch_size=16)
-        encoder = transformers.ViTModel(vit_config, add_pooling_layer=False)
-        return _frozen(Backbone(encoder, vit_config.hidden_size, vit_config.image_size, 3, "cls"))
-    if name == "tiny:clip-vision":
-        clip_config = transformers.CLIPVisionConfig(
-            **_TINY_SIZES, image_size=config.image_size or 16, patch_size=4, num_channels=3
-        )
-        encoder = transformers.CLIPVisionModel(clip_config)
-        return _frozen(Backbone(encoder, clip_config.hidden_size, clip_config.image_size, 3, "pooler"))
-    if name in ("tiny-pretrained:open_clip", "tiny-pretrained:open_clip-deep"):
-        from rayfed.clip import load_clip  # the full CLIP, loaded once per process for text-classifying methods
-
-        return _frozen(_open_clip_visual_backbone(load_clip(name, None).model.visual))
-    if name.startswith("tiny-pretrained:"):
-        from rayfed.zoo import FAMILIES, pretrained  # built once on first use, then read from the cache
-
-        family = name.removeprefix("tiny-pretrained:")
-        if family not in FAMILIES:
-            raise choice_error("model.backbone", name, [f"tiny-pretrained:{f}" for f in FAMILIES])
-        return _frozen(_load_hf_backbone(str(pretrained(family)), config, shown_as=name))
-    if name.startswith("hf:"):
-        return _frozen(_load_hf_backbone(name.removeprefix("hf:"), config))
-    if name.startswith("open_clip:"):
-        return _frozen(_load_open_clip_visual(name.removeprefix("open_clip:"), config))
-    raise choice_error(
-        "model.backbone", name,
-        ["tiny:vit", "tiny:clip-vision", "tiny-pretrained:vit", "tiny-pretrained:clip-vision", "tiny-pretrained:clip",
-         "tiny-pretrained:open_clip", "tiny-pretrained:open_clip-deep", "tiny-pretrained:vit-ladder-t|s|b",
-         "hf:<name or path>", "open_clip:<arch>"],
-    )  # fmt: skip
+    if not isinstance(built, Backbone):
+        raise ConfigError(f"model.backbone = {resolved.name!r} returned a {type(built).__name__}, not a Backbone.")
+    built.name = built.name or resolved.name
+    built.encoder.requires_grad_(False)
+    built.encoder.eval()
+    return built
 
 
-def _load_hf_backbone(name_or_path: str, config: ModelConfig, shown_as: str | None = None) -> Backbone:
-    """A ViT or CLIP vision tower from a hub name or folder; errors name it as ``shown_as`` (default hf:<name>)."""
+def _vit(hf_config: transformers.ViTConfig) -> Backbone:
+    encoder = transformers.ViTModel(hf_config, add_pooling_layer=False)
+    return Backbone(encoder, hf_config.hidden_size, hf_config.image_size, hf_config.num_channels, cls_features)
+
+
+@register_backbone("tiny:vit")
+def _tiny_vit(request: BackboneRequest) -> Backbone:
+    """A tiny random ViT (d 64, 2 blocks, patch 4) at ``model.image_size`` (default 16)."""
+    return _vit(transformers.ViTConfig(
+        **_TINY_SIZES, image_size=request.config.image_size or 16, patch_size=4, num_channels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ))  # fmt: skip
+
+
+@register_backbone("vit:")
+def _sized_vit(request: BackboneRequest) -> Backbone:
+    """Randomly initialised ViT-T/S/B/L, patch 16, 224 px (``vit:B``)."""
+    if request.argument not in VIT_SIZES:
+        raise choice_error("model.backbone", request.name, [f"vit:{s}" for s in VIT_SIZES])
+    return _vit(transformers.ViTConfig(**VIT_SIZES[request.argument], image_size=request.config.image_size or 224,
+                                       patch_size=16))
+
+
+@register_backbone("tiny:clip-vision")
+def _tiny_clip_vision(request: BackboneRequest) -> Backbone:
+    """A tiny random CLIP vision tower (d 64, 2 blocks, patch 4)."""
+    clip_config = transformers.CLIPVisionConfig(
+        **_TINY_SIZES, image_size=request.config.image_size or 16, patch_size=4, num_channels=3
+    )
+    encoder = transformers.CLIPVisionModel(clip_config)
+    return Backbone(encoder, clip_config.hidden_size, clip_config.image_size, 3, pooler_features)
+
+
+@register_backbone("tiny-pretrained:")
+def _tiny_pretrained(request: BackboneRequest) -> Backbone:
+    """A tiny model of a zoo family pretrained on synthetic data (docs/offline_models.md), built on first use."""
+    from rayfed.zoo import FAMILIES, pretrained
+
+    family = request.argument
+    if family not in FAMILIES:
+        raise choice_error("model.backbone", request.name, [f"tiny-pretrained:{f}" for f in FAMILIES])
+    return load_hf_backbone(str(pretrained(family)), request.config, shown_as=request.name)
+
+
+@register_backbone("hf:")
+def _hf(request: BackboneRequest) -> Backbone:
+    """A transformers model by hub name or save_pretrained folder: ViT, CLIP (vision tower), ViLT, FLAVA,
+    LLaVA or any causal LM (Llama, Qwen2, ...)."""
+    return load_hf_backbone(request.argument or "", request.config)
+
+
+def load_hf_backbone(name_or_path: str, config: ModelConfig, shown_as: str | None = None) -> Backbone:
+    """The backbone in a hub name or folder, by its config's ``model_type``; errors name it as ``shown_as``."""
     shown_as = shown_as or f"hf:{name_or_path}"
     try:
         hf_config = transformers.AutoConfig.from_pretrained(name_or_path)
-    except OSError as err:
+    except (OSError, ValueError) as err:
         raise ConfigError(
             f"model.backbone = {shown_as!r} could not be loaded (not a local model folder, "
             f"and the hub is unreachable or has no such model): {str(err).splitlines()[0]}"
         ) from None
-    if hf_config.model_type == "vit":
-        encoder = transformers.ViTModel.from_pretrained(name_or_path, add_pooling_layer=False, dtype=torch.float32)
-        vision = hf_config
-        pooling = "cls"
-    elif hf_config.model_type in ("clip", "clip_vision_model"):
-        encoder = transformers.CLIPVisionModel.from_pretrained(name_or_path)
-        vision = hf_config.vision_config if hf_config.model_type == "clip" else hf_config
-        pooling = "pooler"
+    model_type = hf_config.model_type
+    if model_type in ("vit", "clip", "clip_vision_model"):
+        backbone = _hf_image_encoder(name_or_path, hf_config)
+    elif model_type == "vilt":
+        backbone = _hf_vilt(name_or_path)
+    elif model_type == "flava":
+        backbone = _hf_flava(name_or_path)
+    elif model_type == "llava":
+        backbone = _hf_llava(name_or_path)
+    elif model_type in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        backbone = _hf_causal_lm(name_or_path)
     else:
         raise ConfigError(
-            f"model.backbone = {shown_as!r} is a {hf_config.model_type!r} model; "
-            "allowed backbones of this kind are ViT and CLIP (vision tower) models."
+            f"model.backbone = {shown_as!r} is a {model_type!r} model; allowed are ViT, CLIP (vision tower), "
+            "ViLT, FLAVA, LLaVA and causal language models."
         )
-    if config.image_size and config.image_size != vision.image_size:
+    if config.image_size and backbone.image_size and config.image_size != backbone.image_size:
         raise ConfigError(
             f"model.image_size = {config.image_size} does not match the pretrained backbone's "
-            f"{vision.image_size}; leave model.image_size unset for pretrained backbones."
+            f"{backbone.image_size}; leave model.image_size unset for pretrained backbones."
         )
-    return Backbone(encoder, vision.hidden_size, vision.image_size, vision.num_channels, pooling)
-
-
-def _load_open_clip_visual(arch: str, config: ModelConfig) -> Backbone:
-    """The image tower of an open_clip model; ``model.pretrained`` is a tag (e.g. openai) or a weights file."""
-    import open_clip
-
-    if arch not in open_clip.list_models():
-        raise choice_error("model.backbone", f"open_clip:{arch}", [f"open_clip:{a}" for a in open_clip.list_models()])
-    try:
-        visual = open_clip.create_model(arch, pretrained=config.pretrained).visual
-    except (RuntimeError, OSError) as err:
-        raise ConfigError(
-            f"model.pretrained = {config.pretrained!r} could not be loaded for open_clip:{arch} "
-            f"({str(err).splitlines()[0]})."
-        ) from None
-    return _open_clip_visual_backbone(visual)
-
-
-def _open_clip_visual_backbone(visual: nn.Module) -> Backbone:
-    image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
-    return Backbone(visual, visual.output_dim, image_size, 3, "output")
-
-
-def _frozen(backbone: Backbone) -> Backbone:
-    backbone.encoder.requires_grad_(False)
-    backbone.encoder.eval()
+    backbone.name = shown_as
     return backbone
+
+
+def _hf_image_encoder(name_or_path: str, hf_config: Any) -> Backbone:
+    if hf_config.model_type == "vit":
+        encoder = transformers.ViTModel.from_pretrained(name_or_path, add_pooling_layer=False, dtype=torch.float32)
+        return Backbone(encoder, hf_config.hidden_size, hf_config.image_size, hf_config.num_channels, cls_features)
+    vision = hf_config.vision_config if hf_config.model_type == "clip" else hf_config
+    encoder = transformers.CLIPVisionModel.from_pretrained(name_or_path)
+    return Backbone(encoder, vision.hidden_size, vision.image_size, vision.num_channels, pooler_features)
+
+
+def _image_normalization(name_or_path: str) -> dict[str, Any]:
+    """The saved image processor's mean and std (0.5, 0.5 when there is none)."""
+    path = Path(name_or_path) / "preprocessor_config.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        return {"image_mean": tuple(saved.get("image_mean", (0.5,) * 3)), "image_std": tuple(saved.get("image_std", (0.5,) * 3))}
+    return {}
+
+
+def _text_limit(tokenizer: Any, positions: int) -> int:
+    return min(int(getattr(tokenizer, "model_max_length", positions) or positions), positions, 512)
+
+
+def _hf_vilt(name_or_path: str) -> Backbone:
+    from rayfed.zoo.tokenizers import load_tokenizer
+
+    encoder = transformers.ViltModel.from_pretrained(name_or_path)
+    config, tokenizer = encoder.config, load_tokenizer(name_or_path)
+    return Backbone(
+        encoder, config.hidden_size, config.image_size, config.num_channels, vilt_features,
+        frozenset({IMAGE, TEXT}), tokenizer=tokenizer, max_text_length=_text_limit(tokenizer, config.max_position_embeddings),
+        lora_targets=("query", "value"), **_image_normalization(name_or_path),
+    )  # fmt: skip
+
+
+def _hf_flava(name_or_path: str) -> Backbone:
+    from rayfed.zoo.tokenizers import load_tokenizer
+
+    encoder = transformers.FlavaModel.from_pretrained(name_or_path)
+    config, tokenizer = encoder.config, load_tokenizer(name_or_path)
+    return Backbone(
+        encoder, config.hidden_size, config.image_config.image_size, config.image_config.num_channels, flava_features,
+        frozenset({IMAGE, TEXT}), tokenizer=tokenizer,
+        max_text_length=_text_limit(tokenizer, config.text_config.max_position_embeddings),
+        lora_targets=("query", "value"), **_image_normalization(name_or_path),
+    )  # fmt: skip
+
+
+def _hf_causal_lm(name_or_path: str) -> Backbone:
+    from rayfed.zoo.tokenizers import load_tokenizer
+
+    encoder = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+    config, tokenizer = encoder.config, load_tokenizer(name_or_path)
+    return Backbone(
+        encoder, config.hidden_size, None, 3, causal_lm_features, frozenset({TEXT}), causal_lm_logits, tokenizer,
+        _text_limit(tokenizer, config.max_position_embeddings), LLM_LORA_TARGETS,
+    )  # fmt: skip
+
+
+def _hf_llava(name_or_path: str) -> Backbone:
+    processor = transformers.AutoProcessor.from_pretrained(name_or_path)
+    encoder = transformers.LlavaForConditionalGeneration.from_pretrained(name_or_path, dtype=torch.float32)
+    config, vision = encoder.config, encoder.config.vision_config
+    text_config = config.text_config
+    image_tokens = (vision.image_size // vision.patch_size) ** 2
+    image_token = processor.tokenizer.convert_ids_to_tokens(config.image_token_id)
+    return Backbone(
+        encoder, text_config.hidden_size, vision.image_size, vision.num_channels, causal_lm_features,
+        frozenset({IMAGE, TEXT}), causal_lm_logits, processor.tokenizer,
+        _text_limit(processor.tokenizer, text_config.max_position_embeddings), LLM_LORA_TARGETS,
+        image_prompt=image_token * image_tokens, **_image_normalization(name_or_path),
+    )  # fmt: skip
 
 
 class TrainableModule(nn.Module):
@@ -177,49 +343,90 @@ class TrainableModule(nn.Module):
         for name, value in values.items():
             params[name].copy_(value)
 
+    def task_tags(self) -> dict[str, frozenset[int]]:
+        """The tasks each parameter belongs to (:func:`rayfed.modules.tag_tasks`); untagged ones are shared."""
+        tags: dict[str, frozenset[int]] = {}
+        for prefix, module in self.named_modules():
+            tasks = getattr(module, "rayfed_tasks", None)
+            if tasks is not None:
+                for name, _ in module.named_parameters():
+                    tags[f"{prefix}.{name}" if prefix else name] = tasks
+        return tags
+
 
 class ClientModel(TrainableModule):
-    """Backbone (+ adapters) -> features -> linear head. ``trainable`` lists what methods train.
+    """Backbone (+ LoRA, adapters or prompts) and one head per task; ``forward(batch)`` is the active task's
+    kind's forward (a bare tensor is read as ``pixel_values``).
 
-    Inputs are raw images, (N, C, H, W) floats in [0, 1] at any size: the model resizes and
-    normalizes them on its own device, so clients keep only their small raw images in memory.
+    Images are raw (N, C, H, W) floats in [0, 1] at any size: the model resizes and normalizes them on its
+    own device, so clients keep only their small raw images in memory.
     """
 
-    def __init__(self, backbone: Backbone, num_classes: int):
+    def __init__(self, backbone: Backbone, head: nn.Module, tasks: Sequence[Task]):
         super().__init__()
         self.encoder = backbone.encoder
-        self.pooling = backbone.pooling
+        self.head = head
+        self.backbone_features = backbone.features
+        self.backbone_lm_logits = backbone.lm_logits
         self.image_size = backbone.image_size
         self.num_channels = backbone.num_channels
-        self.head = nn.Linear(backbone.feature_dim, num_classes)
+        self.image_mean, self.image_std = backbone.image_mean, backbone.image_std
+        self.tokenizer = backbone.tokenizer
+        self.task_kinds = {task.index: task.kind for task in tasks}
+        self.active_task = tasks[0].index
+
+    def select_task(self, index: int) -> None:
+        self.active_task = index
 
     def pixels(self, images: torch.Tensor) -> torch.Tensor:
-        """Raw [0, 1] images -> the backbone's size and channels, normalized to [-1, 1]."""
+        """Raw [0, 1] images -> the backbone's size and channels, normalized ((x - mean) / std)."""
         if images.shape[1] != self.num_channels:
             images = images.expand(-1, self.num_channels, -1, -1)
-        if images.shape[-2:] != (self.image_size, self.image_size):
+        if self.image_size and images.shape[-2:] != (self.image_size, self.image_size):
             images = nn.functional.interpolate(
                 images, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False
             )
-        return (images - 0.5) / 0.5
+        return (images - _per_channel(self.image_mean, images)) / _per_channel(self.image_std, images)
 
-    def features(self, images: torch.Tensor) -> torch.Tensor:
-        if self.pooling == "output":
-            return self.encoder(self.pixels(images))
-        out = self.encoder(pixel_values=self.pixels(images))
-        if self.pooling == "pooler":
-            return out.pooler_output
-        return out.last_hidden_state[:, 0]
+    def inputs(self, batch: Batch) -> Batch:
+        """The batch with its images resized and normalized for the backbone."""
+        if "pixel_values" not in batch:
+            return batch
+        return {**batch, "pixel_values": self.pixels(batch["pixel_values"])}
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(images))
+    def features(self, batch: Batch | torch.Tensor) -> torch.Tensor:
+        return self.backbone_features(self.encoder, self.inputs(_as_batch(batch)))
+
+    def lm_logits(self, batch: Batch) -> torch.Tensor:
+        return self.backbone_lm_logits(self.encoder, self.inputs(batch))
+
+    def forward(self, batch: Batch | torch.Tensor) -> torch.Tensor:
+        return self.task_kinds[self.active_task].forward(self, _as_batch(batch))
 
 
-def build_client_model(backbone: Backbone, config: ModelConfig, num_classes: int, seed: int) -> ClientModel:
-    """A fresh client model over a private copy of ``backbone``; initial values depend on ``seed`` only."""
+def _as_batch(batch: Batch | torch.Tensor) -> Batch:
+    return {"pixel_values": batch} if isinstance(batch, torch.Tensor) else batch
+
+
+def _per_channel(value: float | tuple[float, ...], images: torch.Tensor) -> float | torch.Tensor:
+    if isinstance(value, (int, float)) or len(set(value)) == 1:
+        return value if isinstance(value, (int, float)) else value[0]  # a scalar: the same numbers as before
+    return torch.as_tensor(value, device=images.device, dtype=images.dtype).view(1, -1, 1, 1)
+
+
+def classification_task(num_classes: int) -> Task:
+    """The run's one task of the default image -> label path, with ``num_classes`` classes."""
+    return Task(0, "task", resolve("task_kind", "classification").obj(), ("",) * num_classes)
+
+
+def build_client_model(backbone: Backbone, config: ModelConfig, task: Task | int, seed: int) -> ClientModel:
+    """A fresh client model for one task over a private copy of ``backbone``; initial values depend on
+    ``seed`` only. An int ``task`` is an image classification task with that many classes."""
+    task = classification_task(task) if isinstance(task, int) else task
     torch.manual_seed(seed)
-    model = ClientModel(copy.deepcopy(backbone), num_classes)
-    _attach_module(model, config, [Task(0, "task", ("",) * num_classes)], lambda block: False, seed)
+    head = task.kind.build_head(backbone, task) or nn.Identity()
+    model = ClientModel(_private_copy(backbone), head, [task])
+    _attach_module(model, backbone, config, [task], lambda block: False, seed)
     model.head.requires_grad_(True)
     return model
 
@@ -232,18 +439,22 @@ def build_task_model(
     each block shared by all tasks or, where ``dedicated(block)``, one copy per task. With one task and
     no dedicated blocks: :func:`build_client_model` (one ``head``)."""
     if len(tasks) == 1 and dedicated is None:
-        return build_client_model(backbone, config, tasks[0].num_classes, seed)
+        return build_client_model(backbone, config, tasks[0], seed)
     dedicated = dedicated or (lambda block: False)
     if config.module in ("lora", "full") and any(dedicated(block) for block in range(num_blocks(backbone))):
         raise ConfigError(
             f"model.module = {config.module!r} cannot have a copy per task; per-task modules are adapter, vpt or head."
         )
     torch.manual_seed(seed)
-    model = ClientModel(copy.deepcopy(backbone), 1)
-    model.head = task_heads(backbone.feature_dim, tasks, _seeds(seed))
-    _attach_module(model, config, tasks, dedicated, seed)
+    model = ClientModel(_private_copy(backbone), nn.Identity(), tasks)
+    model.head = task_heads(backbone, tasks, _seeds(seed))
+    _attach_module(model, backbone, config, tasks, dedicated, seed)
     model.head.requires_grad_(True)
     return model
+
+
+def _private_copy(backbone: Backbone) -> Backbone:
+    return dataclasses.replace(backbone, encoder=copy.deepcopy(backbone.encoder))
 
 
 def _seeds(seed: int) -> Callable[[str], int]:
@@ -256,19 +467,22 @@ def num_blocks(backbone: Backbone) -> int:
 
 
 def _attach_module(
-    model: ClientModel, config: ModelConfig, tasks: Sequence[Task], dedicated: Callable[[int], bool], seed: int
+    model: ClientModel, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task],
+    dedicated: Callable[[int], bool], seed: int,
 ) -> None:
-    """Add ``config.module`` to the model's encoder and mark what it trains (the head is trained always)."""
+    """Add ``config.module`` to the model's encoder and mark what it trains (the heads are trained always)."""
     encoder_config = getattr(model.encoder, "config", None)
     if config.module in ("adapter", "vpt") and encoder_config is None:
         raise ConfigError(
-            f"model.module = {config.module!r} needs an HF ViT or CLIP vision backbone; "
-            f"model.backbone = {config.backbone!r} is not one (use lora, head or full)."
+            f"model.module = {config.module!r} needs an HF transformer backbone; "
+            f"model.backbone = {backbone.name!r} is not one (use lora, head or full)."
         )
     if config.module == "lora":
-        _inject_lora(model, config.lora)
+        _inject_lora(model, config.lora, backbone)
     elif config.module == "full":
         model.encoder.requires_grad_(True)
+    elif config.module == "adapter" and config.adapter.site == "output":
+        add_output_adapters(model.encoder, config.adapter.dim, tasks, dedicated, _seeds(seed))
     elif config.module == "adapter":
         add_adapters(model.encoder, encoder_config.hidden_size, config.adapter.dim, tasks, dedicated, _seeds(seed))
     elif config.module == "vpt":
@@ -278,20 +492,19 @@ def _attach_module(
         )
 
 
-def _inject_lora(model: ClientModel, lora: LoraConfig) -> None:
+def _inject_lora(model: ClientModel, lora: LoraConfig, backbone: Backbone) -> None:
+    targets = lora.targets or backbone.lora_targets
     module_names = {name.rsplit(".", 1)[-1] for name, _ in model.encoder.named_modules()}
-    missing = [t for t in lora.targets if t not in module_names]
+    missing = [t for t in targets if t not in module_names]
     if missing:
         linear_names = sorted(
             {n.rsplit(".", 1)[-1] for n, m in model.encoder.named_modules() if isinstance(m, nn.Linear)}
         )
         raise ConfigError(
-            f"model.lora.targets = {list(lora.targets)!r} names modules the backbone lacks ({', '.join(missing)}); "
+            f"model.lora.targets = {list(targets)!r} names modules the backbone lacks ({', '.join(missing)}); "
             f"its linear layers are: {', '.join(linear_names)}."
         )
-    peft_config = peft.LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.targets)
-    )
+    peft_config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(targets))
     model.encoder = peft.inject_adapter_in_model(peft_config, model.encoder)
     for name, param in model.encoder.named_parameters():
         param.requires_grad_("lora_" in name)
@@ -310,6 +523,7 @@ def check_image_channels(num_channels: int, backbone: Backbone) -> None:
         )
 
 
-def to_tensor_images(images: np.ndarray) -> torch.Tensor:
-    """(N, H, W, C) numpy floats in [0, 1] -> (N, C, H, W) float32 tensor."""
-    return torch.as_tensor(images, dtype=torch.float32).permute(0, 3, 1, 2).contiguous()
+__all__ = [
+    "Backbone", "BackboneRequest", "ClientModel", "TrainableModule", "build_backbone", "build_client_model",
+    "build_task_model", "check_image_channels", "load_hf_backbone", "num_blocks", "tag_tasks",
+]

@@ -12,24 +12,33 @@ The modules of the scale & modularity study (seed ``003_040d52d311c5f3b8.txt``, 
   initialised uniform(-v, v) with v = sqrt(6 / (3 * 16 * 16 + d)) as in the VPT paper;
 - ``lora`` (peft, :mod:`rayfed.models`), ``head`` (the linear head alone) and ``full``.
 
+Adapters go after a block's MLP (ViT, CLIP: ``site = mlp``) or after a BERT-style layer's output
+sublayer (ViLT, FLAVA: ``site = output``).
+
 Multi-task models (FedYolo, spec §3): a module of a block is either *shared* by every task or
-*dedicated*: one copy per task, stored under a ``task_<index>`` key. Heads are always per task.
-A parameter name with a ``task_<index>`` component belongs to that task only (see
-:func:`rayfed.tasks.task_view`); :func:`select_task` switches which copies the forward pass uses.
-Every task's copies are initialised from a seed of their own, so a task's initial values do not
-depend on which other tasks exist.
+*dedicated*: one copy per task, stored under a ``task_<index>`` key and tagged with its task
+(:func:`tag_tasks`). Heads are always per task. A client holds, trains and exchanges only the
+shared parameters and its own tasks' (see :func:`rayfed.tasks.task_view`); :func:`select_task`
+switches which copies the forward pass uses. Every task's copies are initialised from a seed of
+their own, so a task's initial values do not depend on which other tasks exist.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
 
 from rayfed.errors import ConfigError
 from rayfed.tasks import Task, task_key
+
+if TYPE_CHECKING:
+    from rayfed.models import Backbone
+
+M = TypeVar("M", bound=nn.Module)
 
 SHARED = "shared"
 
@@ -46,6 +55,27 @@ class Bottleneck(nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return z + self.up(nn.functional.gelu(self.down(z)))
+
+
+def tag_tasks(module: M, tasks: Iterable[int]) -> M:
+    """Mark every parameter of ``module`` as belonging to ``tasks`` only (a client of other tasks neither
+    holds nor receives them); returns ``module``."""
+    module.rayfed_tasks = frozenset(tasks)
+    return module
+
+
+class AdaptedOutput(nn.Module):
+    """A BERT-style layer's output sublayer (``dense(x) + residual``) followed by a bottleneck adapter."""
+
+    def __init__(self, output: nn.Module, adapters: nn.ModuleDict):
+        super().__init__()
+        self.output = output
+        self.adapters = adapters
+        self.active_task = 0
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        key = SHARED if SHARED in self.adapters else task_key(self.active_task)
+        return self.adapters[key](self.output(hidden, residual))
 
 
 class _TaskSelected(nn.Module):
@@ -100,7 +130,7 @@ def select_task(model: nn.Module, task_index: int) -> None:
     if hasattr(model, "select_task"):
         model.select_task(task_index)
     for module in model.modules():
-        if isinstance(module, (_TaskSelected, TaskHeads)):
+        if isinstance(module, (_TaskSelected, TaskHeads, AdaptedOutput)):
             module.active_task = task_index
 
 
@@ -115,16 +145,32 @@ def transformer_blocks(encoder: nn.Module) -> nn.ModuleList:
     )
 
 
+def bert_layers(encoder: nn.Module) -> list[nn.Module]:
+    """Every BERT-style layer of the encoder (ViLT, FLAVA's three encoders): those with an ``intermediate``
+    and an ``output`` sublayer, in module order."""
+    layers = [m for m in encoder.modules() if hasattr(m, "intermediate") and hasattr(m, "output")]
+    if not layers:
+        raise ConfigError(
+            "model.adapter.site = 'output' needs a BERT-style backbone (layers with intermediate and output "
+            "sublayers: ViLT, FLAVA); use model.adapter.site = 'mlp' for ViT and CLIP."
+        )
+    return layers
+
+
 def copies_for_block(
     block_index: int, dedicated: Callable[[int], bool], tasks: Sequence[Task], seed_of: Callable[[str], int],
     make: Callable[[], nn.Module | nn.Parameter],
 ) -> list[tuple[str, nn.Module | nn.Parameter]]:
-    """(key, module) pairs of one block: one shared copy, or one per task, each built under its own seed."""
-    keys = [task_key(t.index) for t in tasks] if dedicated(block_index) else [SHARED]
+    """(key, module) pairs of one block: one shared copy, or one per task, each built under its own seed and
+    tagged with its task."""
+    keys = [(task_key(t.index), t.index) for t in tasks] if dedicated(block_index) else [(SHARED, None)]
     built = []
-    for key in keys:
+    for key, task in keys:
         torch.manual_seed(seed_of(f"{key}:block{block_index}"))
-        built.append((key, make()))
+        made = make()
+        if task is not None and isinstance(made, nn.Module):
+            tag_tasks(made, [task])
+        built.append((key, made))
     return built
 
 
@@ -135,6 +181,17 @@ def add_adapters(
     for index, block in enumerate(transformer_blocks(encoder)):
         copies = copies_for_block(index, dedicated, tasks, seed_of, lambda: Bottleneck(width, dim))
         block.mlp = AdaptedMLP(block.mlp, nn.ModuleDict(dict(copies)))
+
+
+def add_output_adapters(
+    encoder: nn.Module, dim: int, tasks: Sequence[Task], dedicated: Callable[[int], bool],
+    seed_of: Callable[[str], int],
+) -> None:
+    """A bottleneck adapter after the output sublayer of every BERT-style layer (``model.adapter.site = output``)."""
+    for index, layer in enumerate(bert_layers(encoder)):
+        width = layer.output.dense.out_features
+        copies = copies_for_block(index, dedicated, tasks, seed_of, lambda: Bottleneck(width, dim))
+        layer.output = AdaptedOutput(layer.output, nn.ModuleDict(dict(copies)))
 
 
 def add_prompts(
@@ -152,11 +209,12 @@ def add_prompts(
         blocks[index] = PromptedBlock(blocks[index], nn.ParameterDict(dict(copies)), replaces_prompts=index > 0)
 
 
-def task_heads(width: int, tasks: Sequence[Task], seed_of: Callable[[str], int]) -> TaskHeads:
+def task_heads(backbone: Backbone, tasks: Sequence[Task], seed_of: Callable[[str], int]) -> TaskHeads:
+    """One head per task, built by its kind under a seed of its own and tagged with the task."""
     heads = {}
     for task in tasks:
         torch.manual_seed(seed_of(f"{task_key(task.index)}:head"))
-        heads[task_key(task.index)] = nn.Linear(width, task.num_classes)
+        heads[task_key(task.index)] = tag_tasks(task.kind.build_head(backbone, task) or nn.Identity(), [task.index])
     return TaskHeads(heads)
 
 
@@ -170,13 +228,16 @@ def dedicated_blocks(sharing: str, num_blocks: int) -> Callable[[int], bool]:
 
 
 @torch.no_grad()
-@torch.no_grad()
-def head_features(model: nn.Module, params: dict[str, torch.Tensor], images: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """The head's input features of ``images`` with ``params`` loaded (left loaded)."""
+def head_features(
+    model: nn.Module, params: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor] | torch.Tensor, batch_size: int,
+) -> torch.Tensor:
+    """The head's input features of ``inputs`` (named columns, or images) with ``params`` loaded (left loaded)."""
     model.eval()
     model.load_trainable(params)
-    return torch.cat([model.features(images[start:start + batch_size]).float()
-                      for start in range(0, len(images), batch_size)])
+    columns = {"pixel_values": inputs} if isinstance(inputs, torch.Tensor) else inputs
+    rows = len(next(iter(columns.values())))
+    return torch.cat([model.features({k: v[start:start + batch_size] for k, v in columns.items()}).float()
+                      for start in range(0, rows, batch_size)])
 
 
 def feature_shift(before: torch.Tensor, after: torch.Tensor) -> float:
@@ -185,9 +246,9 @@ def feature_shift(before: torch.Tensor, after: torch.Tensor) -> float:
 
 
 def representation_shift(
-    model: nn.Module, initial: dict[str, torch.Tensor], current: dict[str, torch.Tensor], images: torch.Tensor,
-    batch_size: int,
+    model: nn.Module, initial: dict[str, torch.Tensor], current: dict[str, torch.Tensor],
+    inputs: dict[str, torch.Tensor] | torch.Tensor, batch_size: int,
 ) -> float:
-    """The shift of the head's input features over ``images`` from ``initial`` to ``current`` parameters."""
-    before = head_features(model, initial, images, batch_size)
-    return feature_shift(before, head_features(model, current, images, batch_size))
+    """The shift of the head's input features over ``inputs`` from ``initial`` to ``current`` parameters."""
+    before = head_features(model, initial, inputs, batch_size)
+    return feature_shift(before, head_features(model, current, inputs, batch_size))

@@ -7,10 +7,13 @@ the actors that host the clients.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import sys
+import sysconfig
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -18,22 +21,25 @@ from unittest import mock
 import numpy as np
 import ray
 import torch
+from ray import cloudpickle
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm.auto import tqdm
 
-import rayfed
+from rayfed import registry
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.checkpoint import load_checkpoint, save_checkpoint
-from rayfed.config import RunConfig, dump_config, load_config, method_model_config, method_params
-from rayfed.data.clients import build_federation
+from rayfed.config import RunConfig, dump_config, load_config, method_model_config
+from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json, atomic_write_text
-from rayfed.methods import METHODS
+from rayfed.method import build_method
 from rayfed.metrics import with_derived
 from rayfed.models import build_backbone
+from rayfed.modules import select_task
 from rayfed.system import plan_round
-from rayfed.tasks import client_tasks, sample_round
+from rayfed.tasks import Task, client_tasks, sample_round
+from rayfed.version import __version__
 
 RoundCallback = Callable[["Simulation", str, int], None]
 """Called as ``callback(simulation, method_label, rounds_done)`` after every round."""
@@ -89,6 +95,7 @@ class Simulation:
         progress: bool = True,
     ):
         self.config = load_config(config, overrides)
+        import_plugin_modules(self.config)
         self.callbacks = list(callbacks or [])
         self.progress = progress
         self.run_dir = _fresh_run_dir(self.config.name, out_dir)
@@ -105,6 +112,7 @@ class Simulation:
             raise ConfigError(f"--resume {str(run_dir)!r}: no config.yaml there, so it is not a rayfed run directory.")
         sim = cls.__new__(cls)
         sim.config = load_config(config_path)
+        import_plugin_modules(sim.config)
         sim.callbacks = list(kwargs.get("callbacks") or [])
         sim.progress = kwargs.get("progress", True)
         sim.run_dir = run_dir
@@ -118,6 +126,8 @@ class Simulation:
         started = time.perf_counter()
         self.federation = build_federation(self.config.data, self.config.seed)
         self.num_train = {cid: self.federation.sizes(cid)["num_train"] for cid in range(self.federation.num_clients)}
+        self.methods = [build_method(entry, index, self.federation.num_clients, self.federation.tasks)
+                        for index, entry in enumerate(self.config.methods)]
         self._check_model()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(self.config, self.run_dir / "config.yaml")
@@ -151,23 +161,27 @@ class Simulation:
         return self.run_dir / "checkpoints"
 
     def _check_model(self) -> None:
-        """Fail here, with one sentence, rather than inside an actor: build every method's model once."""
+        """Fail here, with one sentence, rather than inside an actor: build every method's model once and run
+        it, and its task's loss, on two samples of every task."""
         backbone = build_backbone(self.config.model, 0)
-        sample = self.federation.client_data(0, backbone).train_x[:1]
-        other_tasks = sorted({eval_set.task for eval_set in self.federation.eval_sets(backbone)} - {0})
-        for index, entry in enumerate(self.config.methods):
-            method = METHODS[entry.name](method_params(entry, index))
+        self.federation.check(backbone)
+        samples = sample_batches(self.federation, backbone)
+        held = {holding.task for holding in self.federation.holdings}
+        unheld = sorted({e.task for e in self.federation.shared} - held)
+        for index, (entry, method) in enumerate(zip(self.config.methods, self.methods)):
             model = method.build_model(
                 backbone, method_model_config(self.config.model, entry, index), self.federation.tasks, 0
             )
-            if other_tasks and not hasattr(model, "select_task"):
+            if unheld and not getattr(model, "scores_unseen_tasks", False):
                 raise ConfigError(
-                    f"methods[{index}] ({entry.name}) classifies with a linear head over task 0 and cannot score "
-                    f"the classes of task(s) {other_tasks} (data.base_novel's novel classes); use a method that "
-                    "classifies by text, such as clip_zeroshot, promptfl or pfedmma."
+                    f"methods[{index}] ({entry.label}) scores a task with heads trained on clients' data and cannot "
+                    f"score task(s) {unheld} that no client holds (data.base_novel's novel classes); use a method "
+                    "that classifies by text, such as clip_zeroshot, promptfl or pfedmma."
                 )
             with torch.no_grad():
-                model(sample)
+                for task, batch in samples:
+                    select_task(model, task.index)
+                    task.kind.loss(model(batch), batch)
 
     def _actor_client_ids(self) -> list[list[int]]:
         per_actor = self.config.placement.clients_per_actor
@@ -210,18 +224,23 @@ class Simulation:
                 )
 
     def _start_actors(self) -> None:
-        """One actor per ``clients_per_actor`` clients, in client-id order; each builds the backbone once."""
+        """One actor per ``clients_per_actor`` clients, in client-id order; each builds the backbone once.
+
+        Every actor gets the run as the driver resolved it: the config, the methods built once here, and
+        the plug-ins this process registered (shipped by value when they are the user's own code)."""
         placement = self.config.placement
-        config = self.config.to_dict()
+        plugins = registry.user_entries()
+        ship_by_value([self.config, *self.methods, *(entry.obj for entry in plugins)])
+        config, methods = ray.put(self.config), ray.put(self.methods)
         client_cls = ray.remote(ClientActor)
         self.actors, self.host_of = [], {}
         for actor_index, client_ids in enumerate(self._actor_client_ids()):
             options = _placed({"num_cpus": placement.cpus_per_actor, "num_gpus": placement.gpus_per_actor,
                                "scheduling_strategy": placement.strategy}, bundle_index=actor_index + 1)
-            self.actors.append(client_cls.options(**options).remote(config, client_ids))
+            self.actors.append(client_cls.options(**options).remote(config, client_ids, methods, plugins))
             self.host_of.update({cid: actor_index for cid in client_ids})
         options = _placed({"num_cpus": placement.driver_cpus}, bundle_index=0)
-        self.driver = ray.remote(DriverActor).options(**options).remote(config)
+        self.driver = ray.remote(DriverActor).options(**options).remote(config, methods, plugins)
 
     def _start_method(self, method_index: int) -> None:
         """Fresh client state on every actor and the method's initial server state on the DriverActor."""
@@ -273,7 +292,7 @@ class Simulation:
         federation = config.federation
         bar = tqdm(total=federation.rounds, initial=start_round, desc=entry.label, unit="round",
                    disable=not self.progress, dynamic_ncols=True)
-        method = METHODS[entry.name](method_params(entry, method_index))
+        method = self.methods[method_index]
         for round_idx in range(start_round, federation.rounds):
             started = time.perf_counter()
             sampled = method.participants(round_idx, sample_round(config, round_idx), config.data.num_clients)
@@ -344,14 +363,13 @@ class Simulation:
         means, stds = _mean_std(clients)
         self.log.append({"event": "eval", "method": entry.label, "round": rounds, "final": True, **means,
                          "clients": {str(c): m for c, m in clients.items()}})
-        per_task = {}
-        if self.config.data.tasks is not None:
-            task_of = client_tasks(self.config.data)
-            for index, task in enumerate(self.config.data.tasks):
-                per_task[task.name] = _mean_std({c: m for c, m in clients.items() if task_of[c] == index})[0]
+        grouped = {}
+        if len(self.federation.holdings) > 1:
+            tasks_of = client_tasks(self.config.data)
+            grouped = {"tasks": task_means(clients, tasks_of, self.federation.tasks),
+                       "kinds": kind_means(clients, tasks_of, self.federation.tasks)}
         atomic_write_json(self._results_dir / f"{entry.label}.json", {
-            "clients": {str(c): m for c, m in clients.items()}, "mean": means, "std": stds,
-            **({"tasks": per_task} if per_task else {}),
+            "clients": {str(c): m for c, m in clients.items()}, "mean": means, "std": stds, **grouped,
             "comm_bytes": {"up": int(counters["up_bytes"]), "down": int(counters["down_bytes"])},
             "comm_params": {"up": int(counters.get("up_params", 0)), "down": int(counters.get("down_params", 0))},
             "wall_time_s": counters["wall_time_s"],
@@ -373,14 +391,15 @@ class Simulation:
         for entry in self.config.methods:
             result = json.loads((self._results_dir / f"{entry.label}.json").read_text())
             methods[entry.label] = {"clients": result["clients"], "mean": result["mean"], "std": result["std"]}
-            if "tasks" in result:  # multi-task runs: the mean metrics of every task's clients
-                methods[entry.label]["tasks"] = result["tasks"]
+            for group in ("tasks", "kinds"):  # multi-task runs: means per task, and per kind (the papers' Avg.)
+                if group in result:
+                    methods[entry.label][group] = result[group]
             comm[entry.label] = result["comm_bytes"]
             comm_params[entry.label] = result.get("comm_params", {"up": 0, "down": 0})
         post_trained = {entry.label for entry in self.config.methods if entry.post_train_steps}
         target, rounds = rounds_to_target(self.log.events, self.config.federation.target_acc, post_trained)
         return {
-            "rayfed_version": rayfed.__version__,
+            "rayfed_version": __version__,
             "config": self.config.to_dict(),
             "methods": methods,
             "wall_time_s": round(wall_time_s, 3),
@@ -415,12 +434,86 @@ def rounds_to_target(
     return target, rounds
 
 
-def _mean_std(clients: dict[int, dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:
-    """Mean and std over clients (each client counts once) of every metric."""
-    names = [k for k in next(iter(clients.values())) if k not in COUNT_KEYS]
-    values = {name: np.array([clients[c][name] for c in sorted(clients)], dtype=np.float64) for name in names}
+def _mean_std(clients: Mapping[int, dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:
+    """Mean and std of every metric over the clients that report it (each client counts once)."""
+    names = list(dict.fromkeys(k for c in sorted(clients) for k in clients[c] if k not in COUNT_KEYS))
+    values = {name: np.array([clients[c][name] for c in sorted(clients) if name in clients[c]], dtype=np.float64)
+              for name in names}
     means = with_derived({n: float(v.mean()) for n, v in values.items()})
     return means, {n: float(v.std()) for n, v in values.items()}
+
+
+def _own_metrics(metrics: dict[str, float], tasks: tuple[int, ...], task: Task) -> dict[str, float]:
+    """A client's metrics of one of its tasks, under plain names: all of a single-task client's, else its
+    ``<task>/...`` ones."""
+    if len(tasks) == 1:
+        return {name: value for name, value in metrics.items() if "/" not in name}
+    prefix = f"{task.name}/"
+    return {name[len(prefix):]: value for name, value in metrics.items() if name.startswith(prefix)}
+
+
+def task_means(clients: Mapping[int, dict[str, float]], tasks_of: list[tuple[int, ...]],
+               tasks: Iterable[Task]) -> dict[str, dict[str, float]]:
+    """Per task, the mean of each metric over the clients holding it."""
+    return {task.name: _mean_std({c: _own_metrics(m, tasks_of[c], task) for c, m in clients.items()
+                                  if task.index in tasks_of[c]})[0]
+            for task in tasks if any(task.index in tasks_of[c] for c in clients)}
+
+
+def kind_means(clients: Mapping[int, dict[str, float]], tasks_of: list[tuple[int, ...]],
+               tasks: Iterable[Task]) -> dict[str, dict[str, float]]:
+    """Per task kind, the mean of each ``local_`` metric over every (client, task) pair of that kind: the
+    client-weighted "Avg." columns of the papers' tables."""
+    pairs: dict[str, list[dict[str, float]]] = {}
+    for task in tasks:
+        for cid, metrics in clients.items():
+            if task.index in tasks_of[cid]:
+                own = {k: v for k, v in _own_metrics(metrics, tasks_of[cid], task).items() if k.startswith("local_")}
+                pairs.setdefault(task.kind.name, []).append(own)
+    return {kind: _mean_std(dict(enumerate(rows)))[0] for kind, rows in pairs.items()}
+
+
+def sample_batches(federation: Federation, backbone: Any, rows: int = 2) -> list[tuple[Task, dict[str, torch.Tensor]]]:
+    """A few training samples of every task (from its first client), encoded for ``backbone``."""
+    samples = []
+    for holding in federation.holdings:
+        train, _ = holding.splits[0]
+        columns = federation._encode(holding, train[:rows], backbone)
+        samples.append((federation.tasks[holding.task], columns))
+    return samples
+
+
+def import_plugin_modules(config: RunConfig) -> None:
+    """Import the config's ``imports`` (modules whose decorators register plug-ins)."""
+    for module in config.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(f"imports: module {module!r} cannot be imported ({err}).") from None
+
+
+def ship_by_value(objects: Iterable[Any]) -> None:
+    """Have Ray send the user's own code by value: the modules of plug-ins defined outside rayfed and
+    outside installed packages (a driver script, a test module, a project folder next to the script),
+    which the actors' processes could not import by name."""
+    installed = {sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")}
+    for obj in objects:
+        for value in _plugin_values(obj):
+            module = sys.modules.get(getattr(value, "__module__", None) or "")
+            path = getattr(module, "__file__", None)
+            if (module is None or module.__name__ == "__main__" or module.__name__.split(".")[0] == "rayfed"
+                    or path is None or any(path.startswith(root) for root in installed)):
+                continue
+            cloudpickle.register_pickle_by_value(module)
+
+
+def _plugin_values(obj: Any) -> list[Any]:
+    """``obj`` and the plug-in objects a config holds in its fields."""
+    if isinstance(obj, RunConfig):
+        data = [obj.data, *(obj.data.tasks or ())]
+        return [*(d.source for d in data), *(d.kind for d in data), *(d.partition.name for d in data),
+                obj.model.backbone, *(m.name for m in obj.methods)]
+    return [obj if isinstance(obj, type) or callable(obj) else type(obj)]
 
 
 def _placed(options: dict[str, Any], bundle_index: int) -> dict[str, Any]:

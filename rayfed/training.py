@@ -1,78 +1,138 @@
-"""Local training and evaluation of one client, as methods call them from their hooks."""
+"""Local training and evaluation of one client, as methods call them from their hooks.
+
+:meth:`ClientContext.train` runs minibatch steps from given parameter values. By default each step
+minimises the client's task loss (a client holding several tasks: ``sum_o lambda_o loss_o`` with
+``lambda_o`` the task's share of the batch) with one optimizer over every trained parameter. A method
+may instead pass
+
+- ``loss``: a function of the :class:`Step` (the batch, the model, its outputs, extra forwards with
+  other parameter values such as a frozen teacher's) returning the loss to minimise;
+- ``phases``: several optimizer steps per batch, each over its own parameters with its own loss and
+  learning rate (FedDAT's two sequential updates);
+- ``optimizer_state``: the optimizer's state from an earlier call (``TrainResult.optimizer_state``), to
+  keep it across rounds;
+
+and ``train.grad_accum`` micro-batches make one optimizer step; ``train.schedule`` may key the learning
+rate to the round.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from rayfed import seeding
 from rayfed.config import TrainConfig
-from rayfed.method import TensorDict
+from rayfed.data.batches import ClientData, Columns, EvalSet, TaskData, num_rows
 from rayfed.metrics import with_derived
-from rayfed.models import ClientModel
 from rayfed.modules import select_task
+from rayfed.tasks import Task
+from rayfed.types import Batch, TensorDict
 
 log = logging.getLogger(__name__)
 
 # An extra loss term computed from the live trainable parameters (e.g. a proximal term).
 Penalty = Callable[[dict[str, torch.Tensor]], torch.Tensor]
-
-
-@dataclass
-class ClientData:
-    """A client's own examples: raw (N, C, H, W) images in [0, 1] (the model resizes them) and labels."""
-
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-
-    @property
-    def num_train(self) -> int:
-        return len(self.train_y)
-
-    def to(self, device: torch.device) -> ClientData:
-        return ClientData(*(resident(t, device) for t in vars(self).values()))
-
-    @property
-    def num_test(self) -> int:
-        return len(self.test_y)
-
-
-@dataclass
-class EvalSet:
-    """Test data every client is scored on with its own model (e.g. the base or novel classes), loaded once
-    per actor: ``{name}_acc`` is the accuracy over the classes of the run's task ``task``."""
-
-    name: str
-    x: torch.Tensor
-    y: torch.Tensor
-    task: int
-    exclude_own_classes: bool = False  # leave out the classes the client trains on
-
-    def to(self, device: torch.device) -> EvalSet:
-        return dataclasses.replace(self, x=resident(self.x, device), y=resident(self.y, device))
-
-
-def resident(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``; on the host, in pinned memory when a GPU will read it (asynchronous copies)."""
-    if device.type == "cpu" and torch.cuda.is_available():
-        return tensor.pin_memory()
-    return tensor.to(device)
+LossFn = Callable[["Step"], torch.Tensor]
 
 
 @dataclass
 class TrainResult:
     params: TensorDict
-    loss: float  # mean training loss over the steps taken
+    loss: float  # mean training loss over the steps taken (the first phase's)
+    task_losses: dict[int, float] = field(default_factory=dict)  # per task: mean loss over the micro-batches holding it
+    optimizer_state: TensorDict | None = None  # with keep_optimizer_state: to pass back in a later call
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One optimizer step per batch: the parameters it updates (``trains``: names, a predicate, or None for
+    every trained parameter), the loss it minimises (None: the task loss), and its learning rate(s)."""
+
+    trains: Collection[str] | Callable[[str], bool] | None = None
+    loss: LossFn | None = None
+    lr: float | None = None
+    lr_of: Callable[[str], float | None] | None = None  # a parameter's own lr (None: the phase's)
+    extra_loss: Penalty | None = None
+
+    def selects(self, name: str) -> bool:
+        if self.trains is None:
+            return True
+        return self.trains(name) if callable(self.trains) else name in self.trains
+
+
+class Step:
+    """What a loss function sees for one micro-batch: the batch (per task, for a client holding several),
+    the model with the values being trained, and ways to run it."""
+
+    def __init__(self, client: ClientContext, parts: list[tuple[Task, Batch]], named: dict[str, torch.Tensor],
+                 phase: int, index: int, memory: dict):
+        self.client = client
+        self.model = client.model
+        self.parts = parts
+        self.params = named  # the live trained tensors, by name
+        self.phase = phase
+        self.index = index  # the optimizer step's number in this call
+        self.memory = memory  # shared by the phases of one micro-batch (e.g. a logit from phase 0 for phase 1)
+
+    @property
+    def task(self) -> Task:
+        """The task of a single-task batch."""
+        return self._single()[0]
+
+    @property
+    def batch(self) -> Batch:
+        """The named columns of a single-task batch."""
+        return self._single()[1]
+
+    def _single(self) -> tuple[Task, Batch]:
+        if len(self.parts) != 1:
+            raise ValueError(f"this batch holds {len(self.parts)} tasks; use Step.parts")
+        return self.parts[0]
+
+    def outputs(self, part: int = 0) -> torch.Tensor:
+        """The model's outputs on ``parts[part]``, with the values being trained."""
+        task, batch = self.parts[part]
+        select_task(self.model, task.index)
+        return self.model(batch)
+
+    def forward(self, params: TensorDict, part: int = 0) -> torch.Tensor:
+        """The model's outputs on ``parts[part]`` with ``params`` in place of the live values of those
+        parameters (a frozen teacher, the received global model); no gradient reaches ``params``."""
+        task, batch = self.parts[part]
+        select_task(self.model, task.index)
+        with torch.no_grad():
+            return torch.func.functional_call(self.model, params, (batch,), strict=False)
+
+    def part_losses(self, outputs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Each task's own loss on its part of the batch (from ``outputs``, else a forward of each part)."""
+        outputs = outputs if outputs is not None else [self.outputs(i) for i in range(len(self.parts))]
+        return [task.kind.loss(out, batch) for (task, batch), out in zip(self.parts, outputs)]
+
+    def task_loss(self, losses: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """``sum_o lambda_o loss_o`` over the batch's tasks (lambda_o: task o's share of the samples)."""
+        losses = list(losses) if losses is not None else self.part_losses()
+        if len(losses) == 1:
+            return losses[0]
+        total = sum(num_rows(batch) for _, batch in self.parts)
+        return sum(loss * (num_rows(batch) / total) for loss, (_, batch) in zip(losses, self.parts))
+
+
+def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``tau^2 KL(softmax(teacher / tau) || softmax(student / tau))`` over the last axis, summed over any
+    other axes and averaged over the first (Hinton's knowledge distillation, ``batchmean``); the teacher is
+    detached."""
+    student, teacher = student.float(), teacher.detach().float()
+    log_student = nn.functional.log_softmax(student / temperature, dim=-1)
+    log_teacher = nn.functional.log_softmax(teacher / temperature, dim=-1)
+    return nn.functional.kl_div(log_student, log_teacher, reduction="batchmean", log_target=True) * temperature**2
 
 
 def proximal_penalty(anchor: TensorDict | None, strength: float) -> Penalty | None:
@@ -94,9 +154,9 @@ class ClientContext:
     """One client as a method sees it inside its actor: its data, the model, a seeded trainer."""
 
     def __init__(
-        self, client_id: int, round_idx: int, seed: int, data: ClientData,
-        model: ClientModel, train_config: TrainConfig, device: torch.device, eval_sets: Sequence[EvalSet] = (),
-        task: int = 0,
+        self, client_id: int, round_idx: int, seed: int, data: ClientData, model: nn.Module,
+        train_config: TrainConfig, device: torch.device, eval_sets: Sequence[EvalSet] = (),
+        tasks: Sequence[Task] = (),
     ):
         self.client_id = client_id
         self.round = round_idx
@@ -106,7 +166,12 @@ class ClientContext:
         self.train_config = train_config
         self.device = device
         self.eval_sets = eval_sets
-        self.task = task  # the index of the task (label space) the client learns
+        self.tasks = list(tasks)  # the run's tasks, by index
+
+    @property
+    def task(self) -> int:
+        """The index of the (first) task the client holds."""
+        return self.data.parts[0].task
 
     @property
     def num_samples(self) -> int:
@@ -117,88 +182,158 @@ class ClientContext:
 
     def train(
         self, params: TensorDict, *, steps: int | None = None, purpose: str = "train",
-        extra_loss: Penalty | None = None, lr: float | None = None,
+        extra_loss: Penalty | None = None, lr: float | None = None, loss: LossFn | None = None,
+        phases: Sequence[Phase] | None = None, optimizer_state: TensorDict | None = None,
+        keep_optimizer_state: bool = False,
     ) -> TrainResult:
-        """Run ``steps`` minibatch steps from ``params``; batches and dropout seeded by (round, client, purpose)."""
+        """Run ``steps`` optimizer steps from ``params``; batches and dropout seeded by (round, client, purpose).
+
+        Without ``phases``: one phase over every parameter in ``params``, minimising ``loss`` (default: the
+        task loss) plus ``extra_loss``, at ``lr`` (default: the config's, on its schedule)."""
         config = self.train_config
         steps = self.default_steps() if steps is None else steps
+        base_lr = lr or config.lr
+        phases = list(phases) if phases is not None else [Phase(loss=loss, extra_loss=extra_loss)]
         self.model.load_trainable(params)
         named = {name: p for name, p in self.model.named_parameters() if name in params}
         self.model.train()
         graphed = None
-        if config.cuda_graphs and self.device.type == "cuda" and extra_loss is None:
+        if (config.cuda_graphs and self.device.type == "cuda" and len(phases) == 1 and phases[0].loss is None
+                and phases[0].extra_loss is None and len(self.data.parts) == 1 and config.grad_accum == 1
+                and optimizer_state is None and not keep_optimizer_state):
             # Before seeding: a first capture runs warm-up steps, which would draw dropout masks.
-            graphed = _graphed_step(self.model, named, config, lr or config.lr, self.data, self.task)  # None: eager
+            graphed = _graphed_step(self.model, named, config, base_lr, self.data, self.tasks[self.task])
         generator = seeding.torch_generator(self.seed, self.round, self.client_id, purpose + ":batches")
         torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
-        batches = _batches(self.data.num_train, config.batch_size, steps, generator, self.data.train_x.device)
+        batches = _batches(self.data.num_train, config.batch_size, steps * config.grad_accum, generator,
+                           self.data.parts[0].train[next(iter(self.data.parts[0].train))].device)
         # Summed on the device: reading each step's loss would make the host wait for the GPU every step.
         total_loss = torch.zeros((), device=self.device)
         if graphed is not None:
+            part = self.data.parts[0]
             for indices in batches:
-                total_loss += graphed.step(self.data.train_x[indices], self.data.train_y[indices])
-        else:
-            optimizer = _optimizer(config, list(named.values()), lr or config.lr)
-            for step, indices in enumerate(batches):
-                if config.schedule != "constant" and purpose == "train":  # global step: all rounds' local steps
+                total_loss += graphed.step({k: v[indices] for k, v in part.train.items()})
+            return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss.item() / max(steps, 1))
+        optimizers = [self._optimizer(phase, named, base_lr) for phase in phases]
+        if optimizer_state is not None:
+            _load_optimizer_state(optimizers, phases, named, optimizer_state)
+        task_sums: dict[int, torch.Tensor] = {}
+        task_counts: dict[int, int] = {}
+        for step in range(steps):
+            if config.schedule != "constant" and purpose == "train":
+                for optimizer in optimizers:
                     for group in optimizer.param_groups:
-                        group["lr"] = scheduled_lr(config, lr or config.lr, self.round * steps + step)
-                x = self.data.train_x[indices].to(self.device, non_blocking=True)
-                y = self.data.train_y[indices].to(self.device, non_blocking=True)
-                with _autocast(self.device):
-                    loss = nn.functional.cross_entropy(self.model(x), y)
-                total_loss += loss.detach().float()
-                if extra_loss is not None:
-                    loss = loss + extra_loss(named)
+                        group["lr"] = scheduled_lr(config, group["base_lr"], self.round, self.round * steps + step)
+            micro_batches = [self._micro_batch(next(batches)) for _ in range(config.grad_accum)]
+            memories: list[dict] = [{} for _ in micro_batches]
+            for index, (phase, optimizer) in enumerate(zip(phases, optimizers)):
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                for parts, memory in zip(micro_batches, memories):
+                    step_view = Step(self, parts, named, index, step, memory)
+                    with _autocast(self.device):
+                        if phase.loss is None:
+                            losses = step_view.part_losses()
+                            value = step_view.task_loss(losses)
+                            if index == 0:
+                                _add_task_losses(task_sums, task_counts, parts, losses)
+                        else:
+                            value = phase.loss(step_view)
+                    if index == 0:
+                        total_loss += value.detach().float() / config.grad_accum
+                    if phase.extra_loss is not None:
+                        value = value + phase.extra_loss(named)
+                    if config.grad_accum > 1:
+                        value = value / config.grad_accum
+                    value.backward()
+                trained = [p for group in optimizer.param_groups for p in group["params"]]
                 if config.grad_clip is not None:
-                    nn.utils.clip_grad_norm_(list(named.values()), config.grad_clip)
+                    nn.utils.clip_grad_norm_(trained, config.grad_clip)
                 optimizer.step()
-        return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss.item() / max(steps, 1))
+        task_losses = {task: (task_sums[task] / task_counts[task]).item() for task in task_sums}
+        state = _optimizer_state(optimizers, named) if keep_optimizer_state else None
+        return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss.item() / max(steps, 1),
+                           task_losses, state)
+
+    def _optimizer(self, phase: Phase, named: dict[str, torch.Tensor], lr: float) -> torch.optim.Optimizer:
+        phase_lr = phase.lr or lr
+        groups: dict[float, list[torch.Tensor]] = {}
+        for name, param in named.items():
+            if phase.selects(name):
+                own = phase.lr_of(name) if phase.lr_of is not None else None
+                groups.setdefault(own or phase_lr, []).append(param)
+        optimizer = _optimizer(self.train_config, [{"params": ps, "lr": group_lr} for group_lr, ps in groups.items()],
+                               phase_lr)
+        for group in optimizer.param_groups:
+            group["base_lr"] = group["lr"]
+        return optimizer
+
+    def _micro_batch(self, indices: torch.Tensor) -> list[tuple[Task, Batch]]:
+        return [(self.tasks[part.task], {k: v[rows].to(self.device, non_blocking=True) for k, v in part.train.items()})
+                for part, rows in self.data.split(indices)]
 
     @torch.no_grad()
     def evaluate(self, params: TensorDict) -> dict[str, float]:
-        """Accuracy and loss on the client's own test set (personalization), and accuracy on each shared
-        evaluation set; plus the metrics derived from these (:mod:`rayfed.metrics`)."""
+        """The metrics of each of the client's tasks on its own test data (personalization), ``local_<metric>``
+        (``<task>/local_<metric>`` for a client holding several tasks), and on each shared evaluation set
+        ``<set>_<metric>``; plus the metrics derived from these (:mod:`rayfed.metrics`)."""
         self.model.load_trainable(params)
         self.model.eval()
-        correct, loss_sum = self._score(self.data.test_x, self.data.test_y)
-        metrics = {"local_acc": correct / self.data.num_test, "local_loss": loss_sum / self.data.num_test}
+        metrics: dict[str, float] = {}
+        for part in self.data.parts:
+            task = self.tasks[part.task]
+            select_task(self.model, part.task)
+            values = task.kind.summarize(*self._score(task, part.test))
+            prefix = "" if len(self.data.parts) == 1 else f"{task.name}/"
+            metrics.update({f"{prefix}local_{name}": value for name, value in values.items()})
         for eval_set in self.eval_sets:
-            x, y = eval_set.x, eval_set.y
+            columns = eval_set.columns
             if eval_set.exclude_own_classes:
-                keep = ~torch.isin(y, self.data.train_y.unique())
-                x, y = x[keep], y[keep]
+                own = torch.cat([part.train["labels"] for part in self.data.parts]).unique()
+                keep = ~torch.isin(columns["labels"], own.to(columns["labels"].device))
+                columns = {name: column[keep] for name, column in columns.items()}
+            task = self.tasks[eval_set.task]
             select_task(self.model, eval_set.task)
-            metrics[f"{eval_set.name}_acc"] = self._score(x, y)[0] / len(y)
+            values = task.kind.summarize(*self._score(task, columns))
+            metrics.update({f"{eval_set.name}_{name}": values[name] for name in task.kind.shared_metrics})
         if self.eval_sets:
             select_task(self.model, self.task)
         return with_derived(metrics)
 
-    def _score(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[int, float]:
-        """(correct predictions, summed cross-entropy) of the model over ``images``."""
-        correct, loss_sum = 0, 0.0
-        size = self.train_config.eval_batch_size
-        for start in range(0, len(labels), size):
-            x = images[start:start + size].to(self.device)
-            y = labels[start:start + size].to(self.device)
+    def _score(self, task: Task, columns: Columns) -> tuple[dict[str, float], int]:
+        """The task kind's sums over ``columns``, scored in batches of ``eval_batch_size``, and the row count."""
+        sums: dict[str, float] = {}
+        size, rows = self.train_config.eval_batch_size, num_rows(columns)
+        for start in range(0, rows, size):
+            batch = {name: column[start:start + size].to(self.device) for name, column in columns.items()}
             with _autocast(self.device):
-                logits = self.model(x).float()
-            loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").item()
-            correct += (logits.argmax(dim=1) == y).sum().item()
-        return correct, loss_sum
+                scored = task.kind.score(self.model, batch)
+            for name, value in scored.items():
+                sums[name] = sums.get(name, 0.0) + value
+        return sums, rows
+
+
+def _add_task_losses(sums: dict[int, torch.Tensor], counts: dict[int, int], parts: list[tuple[Task, Batch]],
+                     losses: list[torch.Tensor]) -> None:
+    for (task, _), loss in zip(parts, losses):
+        loss = loss.detach().float()
+        sums[task.index] = sums[task.index] + loss if task.index in sums else loss
+        counts[task.index] = counts.get(task.index, 0) + 1
 
 
 def local_steps(config: TrainConfig, num_train: int) -> int:
     """Steps of one local update: ``local_steps``, or ``local_epochs`` passes over the client's data."""
     if config.local_epochs is not None:
-        return config.local_epochs * math.ceil(num_train / config.batch_size)
+        return config.local_epochs * math.ceil(num_train / (config.batch_size * config.grad_accum))
     return config.local_steps
 
 
-def scheduled_lr(config: TrainConfig, base_lr: float, global_step: int) -> float:
-    """Linear warm-up to ``base_lr`` over ``warmup_steps``, then cosine decay to 0 at ``decay_steps``."""
+def scheduled_lr(config: TrainConfig, base_lr: float, round_idx: int, global_step: int) -> float:
+    """``warmup_cosine``: linear warm-up to ``base_lr`` over ``warmup_steps``, then cosine decay to 0 at
+    ``decay_steps`` global steps; ``round_warmup``: linear from ``warmup_start_lr`` at round 0 to ``base_lr``
+    at round ``warmup_rounds``, then constant."""
+    if config.schedule == "round_warmup":
+        progress = min(round_idx / config.warmup_rounds, 1.0)
+        return config.warmup_start_lr + (base_lr - config.warmup_start_lr) * progress
     if global_step < config.warmup_steps:
         return base_lr * (global_step + 1) / config.warmup_steps
     span = max(config.decay_steps - config.warmup_steps, 1)
@@ -207,18 +342,46 @@ def scheduled_lr(config: TrainConfig, base_lr: float, global_step: int) -> float
 
 
 def _optimizer(
-    config: TrainConfig, params: list[torch.Tensor], lr: float, capturable: bool = False,
+    config: TrainConfig, params: list[torch.Tensor] | list[dict], lr: float, capturable: bool = False,
 ) -> torch.optim.Optimizer:
+    tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
     # One fused kernel per step on the GPU instead of a few per tensor: the steps are launch-bound.
-    fused = all(p.is_cuda for p in params) or None
+    fused = all(p.is_cuda for p in tensors) or None
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay, fused=fused)
     adam = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
     return adam(params, lr=lr, weight_decay=config.weight_decay, fused=fused, capturable=capturable)
 
 
+def _optimizer_state(optimizers: list[torch.optim.Optimizer], named: dict[str, torch.Tensor]) -> TensorDict:
+    """Every optimizer's per-parameter state as plain tensors named ``<phase>/<parameter>/<key>``."""
+    name_of = {id(p): n for n, p in named.items()}
+    state: TensorDict = {}
+    for phase, optimizer in enumerate(optimizers):
+        for param, values in optimizer.state.items():
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    state[f"{phase}/{name_of[id(param)]}/{key}"] = value.detach().clone()
+    return state
+
+
+def _load_optimizer_state(optimizers: list[torch.optim.Optimizer], phases: list[Phase], named: dict[str, torch.Tensor],
+                          state: TensorDict) -> None:
+    for phase, optimizer in enumerate(optimizers):
+        saved = optimizer.state_dict()
+        order = [id(p) for group in optimizer.param_groups for p in group["params"]]
+        names = {id(p): n for n, p in named.items()}
+        per_param: dict[int, dict] = {}
+        for position, param_id in enumerate(order):
+            prefix = f"{phase}/{names[param_id]}/"
+            values = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+            if values:
+                per_param[position] = values
+        optimizer.load_state_dict({"state": per_param, "param_groups": saved["param_groups"]})
+
+
 class GraphedStep:
-    """One training step (forward, loss, backward, optimizer step) of one model, trained set and batch
+    """One training step (forward, loss, backward, optimizer step) of one model, trained set, task and batch
     shape, captured once as a CUDA graph and replayed for every client that trains the same set.
 
     The steps of a foundation model with small adapters are bound by kernel launches (about a thousand
@@ -227,20 +390,22 @@ class GraphedStep:
     starts; each batch is copied into the static inputs the graph reads.
     """
 
-    def __init__(self, model: ClientModel, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
-                 x: torch.Tensor, y: torch.Tensor):
+    def __init__(self, model: nn.Module, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
+                 batch: Batch, task: Task):
         self.optimizer = _optimizer(config, list(named.values()), lr, capturable=True)
-        self.x, self.y = x.clone(), y.clone()
+        self.batch = {name: column.clone() for name, column in batch.items()}
+        self.task = task
+        device = next(iter(self.batch.values())).device
         start = {name: param.detach().clone() for name, param in named.items()}
         try:
-            side = torch.cuda.Stream(x.device)  # warm-up off the default stream, as graph capture requires
-            side.wait_stream(torch.cuda.current_stream(x.device))
+            side = torch.cuda.Stream(device)  # warm-up off the default stream, as graph capture requires
+            side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*capturable=True.*")  # uncaptured warm-up steps
                 for _ in range(3):
                     self.optimizer.zero_grad(set_to_none=True)
                     self._forward_backward_step(model)
-            torch.cuda.current_stream(x.device).wait_stream(side)
+            torch.cuda.current_stream(device).wait_stream(side)
             self.optimizer.zero_grad(set_to_none=True)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
@@ -250,9 +415,10 @@ class GraphedStep:
                 for name, param in named.items():
                     param.copy_(start[name])
 
-    def _forward_backward_step(self, model: ClientModel) -> torch.Tensor:
-        with _autocast(self.x.device, cache_enabled=False):  # no cast cache under capture
-            loss = nn.functional.cross_entropy(model(self.x), self.y)
+    def _forward_backward_step(self, model: nn.Module) -> torch.Tensor:
+        device = next(iter(self.batch.values())).device
+        with _autocast(device, cache_enabled=False):  # no cast cache under capture
+            loss = self.task.kind.loss(model(self.batch), self.batch)
         loss.backward()
         self.optimizer.step()
         return loss.detach().float()
@@ -262,10 +428,10 @@ class GraphedStep:
             for value in state.values():
                 value.zero_()
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One step on batch (x, y); returns its loss (a tensor on the GPU, valid until the next step)."""
-        self.x.copy_(x, non_blocking=True)
-        self.y.copy_(y, non_blocking=True)
+    def step(self, batch: Batch) -> torch.Tensor:
+        """One step on ``batch``; returns its loss (a tensor on the GPU, valid until the next step)."""
+        for name, column in batch.items():
+            self.batch[name].copy_(column, non_blocking=True)
         self.graph.replay()
         return self.loss
 
@@ -274,14 +440,15 @@ MAX_GRAPHS_PER_MODEL = 4  # each graph keeps a step's activations in a memory po
 _GRAPHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, GraphedStep | None]] = weakref.WeakKeyDictionary()
 
 
-def _graphed_step(model: ClientModel, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
-                  data: ClientData, task: int) -> GraphedStep | None:
+def _graphed_step(model: nn.Module, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
+                  data: ClientData, task: Task) -> GraphedStep | None:
     """The model's graph for this trained set, task (the forward path: heads, label space), batch shape
     and optimizer (captured on first use, the least recently used of :data:`MAX_GRAPHS_PER_MODEL`
     dropped), its optimizer state zeroed; None when the step cannot be captured (it then runs eagerly)."""
-    batch = min(config.batch_size, data.num_train)
-    key = (tuple(named), task, batch, tuple(data.train_x.shape[1:]), data.train_x.dtype, config.optimizer,
-           config.weight_decay, lr)
+    part: TaskData = data.parts[0]
+    batch_size = min(config.batch_size, data.num_train)
+    shapes = tuple((name, tuple(column.shape[1:]), column.dtype) for name, column in part.train.items())
+    key = (tuple(named), task.index, batch_size, shapes, config.optimizer, config.weight_decay, lr)
     graphs = _GRAPHS.setdefault(model, {})
     if key in graphs:
         graphs[key] = graphs.pop(key)  # most recently used last
@@ -290,8 +457,8 @@ def _graphed_step(model: ClientModel, named: dict[str, torch.Tensor], config: Tr
             del graphs[next(iter(graphs))]
         device = next(iter(named.values())).device
         try:
-            graphs[key] = GraphedStep(model, named, config, lr, data.train_x[:batch].to(device),
-                                      data.train_y[:batch].to(device))
+            graphs[key] = GraphedStep(model, named, config, lr,
+                                      {name: column[:batch_size].to(device) for name, column in part.train.items()}, task)
         except RuntimeError as err:  # e.g. a forward that reads a value back to the host mid-step
             log.warning("train.cuda_graphs: the training step of this %s could not be captured as a CUDA graph "
                         "(%s); it trains eagerly.", type(model).__name__, str(err).splitlines()[0])
@@ -301,7 +468,8 @@ def _graphed_step(model: ClientModel, named: dict[str, torch.Tensor], config: Tr
     return graphs[key]
 
 
-def _batches(num_samples: int, batch_size: int, steps: int, generator: torch.Generator, device: torch.device):
+def _batches(num_samples: int, batch_size: int, steps: int, generator: torch.Generator,
+             device: torch.device) -> Iterator[torch.Tensor]:
     """``steps`` batches from successive seeded permutations (epochs) of the client's samples.
 
     The permutations are drawn on the CPU (the same numbers on every device) and moved once per
@@ -320,3 +488,5 @@ def _batches(num_samples: int, batch_size: int, steps: int, generator: torch.Gen
 
 def _autocast(device: torch.device, cache_enabled: bool = True):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda", cache_enabled=cache_enabled)
+
+

@@ -1,13 +1,13 @@
-"""Federated classification data: in-memory sources and client partitioners."""
+"""Federated data: in-memory sources, client partitioners, and per-client named tensors."""
 
-from rayfed.data.partition import PARTITIONERS, partition, split_train_test
-from rayfed.data.sources import SOURCES, ArrayDataset, DataError, load_source
+from rayfed.data.partition import PartitionRequest, partition, split_train_test
+from rayfed.data.sources import ArrayDataset, DataError, SourceRequest, load_source
 
 __all__ = [
-    "PARTITIONERS",
-    "SOURCES",
     "ArrayDataset",
     "DataError",
+    "PartitionRequest",
+    "SourceRequest",
     "load_source",
     "partition",
     "split_train_test",

@@ -1,143 +1,149 @@
-"""From a data config to per-client datasets: load the source, partition, split train/test."""
+"""From a data config to per-client data: load each task's source, partition it, split train/test, and
+encode a client's samples for the backbone (by the task's kind) where the client lives."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from rayfed.config import DataConfig
 from rayfed.data.base_novel import base_novel_split
+from rayfed.data.batches import ClientData, EvalSet, TaskData
 from rayfed.data.partition import exact_test_split, global_test_indices, partition, split_train_test
 from rayfed.data.sources import ArrayDataset, load_source
-from rayfed.models import Backbone, check_image_channels, to_tensor_images
-from rayfed.tasks import Task
-from rayfed.training import ClientData, EvalSet
+from rayfed.errors import ConfigError
+from rayfed.kinds import TaskKind, infer_kind
+from rayfed.models import Backbone, check_image_channels
+from rayfed.registry import resolve
+from rayfed.tasks import Task, task_client_ids
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One task's data: its dataset, the clients holding it and each one's (train, test) sample indices."""
+
+    task: int
+    dataset: ArrayDataset
+    clients: tuple[int, ...]
+    splits: tuple[tuple[np.ndarray, np.ndarray], ...]
+    where: str  # the config section it comes from, for errors ("data", "data.tasks['vqa']")
+    text_length: int | None = None  # data.max_text_length
+
+    def split_of(self, client_id: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.splits[self.clients.index(client_id)]
+
+
+@dataclass(frozen=True)
+class SharedEval:
+    """A test set every client is scored on: ``indices`` of ``dataset`` in the run's task ``task``."""
+
+    name: str
+    holding: Holding
+    indices: np.ndarray
+    task: int
+    exclude_own_classes: bool = False
 
 
 @dataclass(frozen=True)
 class Federation:
-    """The pooled dataset and, for every client, its (train, test) sample indices."""
+    """The run's tasks, which clients hold each task's data, and the shared evaluation sets."""
 
-    dataset: ArrayDataset
-    splits: list[tuple[np.ndarray, np.ndarray]]
-    label_spaces: tuple[Task, ...] = ()  # default: one task over all of the dataset's classes
-    shared_eval: Mapping[str, tuple[np.ndarray, int, bool]] = field(default_factory=dict)  # name -> (indices, task, exclude own)
+    tasks: tuple[Task, ...]
+    holdings: tuple[Holding, ...]
+    num_clients: int
+    shared: tuple[SharedEval, ...] = ()
 
-    @property
-    def tasks(self) -> list[Task]:
-        return list(self.label_spaces) or [Task(0, "task", self.dataset.class_names)]
+    def tasks_of(self, client_id: int) -> tuple[int, ...]:
+        return tuple(sorted(h.task for h in self.holdings if client_id in h.clients))
+
+    def sizes(self, client_id: int) -> dict[str, int]:
+        splits = [h.split_of(client_id) for h in self.holdings if client_id in h.clients]
+        return {"num_train": sum(len(train) for train, _ in splits), "num_test": sum(len(test) for _, test in splits)}
+
+    def check(self, backbone: Backbone) -> None:
+        """One sentence if the backbone cannot run a task on its data (wrong inputs, kind, channels)."""
+        for holding in self.holdings:
+            self.tasks[holding.task].kind.check(holding.dataset, backbone, holding.where)
+            if holding.dataset.images is not None:
+                check_image_channels(holding.dataset.images.shape[-1], backbone)
+
+    def client_data(self, client_id: int, backbone: Backbone) -> ClientData:
+        """The client's samples of every task it holds, encoded for ``backbone``."""
+        parts = []
+        for holding in self.holdings:
+            if client_id in holding.clients:
+                train, test = holding.split_of(client_id)
+                parts.append(TaskData(holding.task, self._encode(holding, train, backbone),
+                                      self._encode(holding, test, backbone)))
+        return ClientData(sorted(parts, key=lambda part: part.task))
 
     def eval_sets(self, backbone: Backbone) -> list[EvalSet]:
         """The test sets every client is also scored on; an actor loads them once for all its clients."""
-        check_image_channels(self.dataset.images.shape[-1], backbone)
-        labels = torch.as_tensor(self.dataset.labels, dtype=torch.long)
-        return [
-            EvalSet(name, to_tensor_images(self.dataset.images[indices]), labels[indices], task, exclude_own)
-            for name, (indices, task, exclude_own) in self.shared_eval.items()
-        ]
+        return [EvalSet(e.name, self._encode(e.holding, e.indices, backbone), e.task, e.exclude_own_classes)
+                for e in self.shared]
 
-    def task_of(self, client_id: int) -> int:
-        return 0
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.splits)
-
-    def sizes(self, client_id: int) -> dict[str, int]:
-        train, test = self.splits[client_id]
-        return {"num_train": len(train), "num_test": len(test)}
-
-    def client_data(self, client_id: int, backbone: Backbone) -> ClientData:
-        check_image_channels(self.dataset.images.shape[-1], backbone)
-        train, test = self.splits[client_id]
-        labels = torch.as_tensor(self.dataset.labels, dtype=torch.long)
-        return ClientData(
-            train_x=to_tensor_images(self.dataset.images[train]),
-            train_y=labels[train],
-            test_x=to_tensor_images(self.dataset.images[test]),
-            test_y=labels[test],
-        )
+    def _encode(self, holding: Holding, indices: np.ndarray, backbone: Backbone):
+        if holding.text_length is not None:
+            backbone = dataclasses.replace(backbone, max_text_length=holding.text_length)
+        return self.tasks[holding.task].kind.encode(holding.dataset, indices, backbone)
 
 
-@dataclass(frozen=True)
-class MultiTaskFederation:
-    """Several tasks, each a :class:`Federation` of its own; client ids are contiguous in task order."""
-
-    parts: list[Federation]
-    names: list[str]
-
-    @property
-    def tasks(self) -> list[Task]:
-        return [Task(index, name, part.dataset.class_names) for index, (name, part) in enumerate(zip(self.names, self.parts))]
-
-    @property
-    def num_clients(self) -> int:
-        return sum(part.num_clients for part in self.parts)
-
-    def _locate(self, client_id: int) -> tuple[int, int]:
-        for index, part in enumerate(self.parts):
-            if client_id < part.num_clients:
-                return index, client_id
-            client_id -= part.num_clients
-        raise IndexError(f"client {client_id} is beyond the federation's {self.num_clients} clients")
-
-    def task_of(self, client_id: int) -> int:
-        return self._locate(client_id)[0]
-
-    def sizes(self, client_id: int) -> dict[str, int]:
-        task, local = self._locate(client_id)
-        return self.parts[task].sizes(local)
-
-    def client_data(self, client_id: int, backbone: Backbone) -> ClientData:
-        task, local = self._locate(client_id)
-        return self.parts[task].client_data(local, backbone)
-
-    def eval_sets(self, backbone: Backbone) -> list[EvalSet]:
-        """Every task's shared test sets, named ``<task>_<name>`` and scored in that task's label space."""
-        return [
-            dataclasses.replace(eval_set, name=f"{name}_{eval_set.name}", task=index)
-            for index, (name, part) in enumerate(zip(self.names, self.parts))
-            for eval_set in part.eval_sets(backbone)
-        ]
+def task_kind(config: DataConfig, dataset: ArrayDataset, where: str) -> TaskKind:
+    """The task kind ``config.kind`` names (an instance, a class or a name), else the one the data calls for."""
+    resolved = resolve("task_kind", config.kind if config.kind is not None else infer_kind(dataset), f"{where}.kind")
+    kind = resolved.obj() if isinstance(resolved.obj, type) else resolved.obj
+    if not isinstance(kind, TaskKind):
+        raise ConfigError(f"{where}.kind = {resolved.name!r} is a {type(kind).__name__}, not a rayfed.kinds.TaskKind.")
+    return kind
 
 
-def build_federation(config: DataConfig, seed: int) -> Federation | MultiTaskFederation:
+def build_federation(config: DataConfig, seed: int) -> Federation:
     """Deterministic in (config, seed): every actor that calls it gets the same clients.
 
-    With ``data.tasks`` every task's clients are built from its own config alone, so a task's data
-    does not depend on which other tasks exist."""
-    if config.tasks is not None:
-        return MultiTaskFederation([build_federation(task, seed) for task in config.tasks], [t.name for t in config.tasks])
-    dataset = load_source(
-        config.source, path=config.path, split=config.split, image_column=config.image_column,
-        label_column=config.label_column, group_column=config.partition.column,
-        max_samples=config.max_samples, seed=seed, synthetic=config.synthetic, resize=config.resize,
-        group_size=(1, None) if config.partition.max_group_size is None else
-        (config.partition.min_samples, config.partition.max_group_size),
-    )
+    With ``data.tasks`` every task's clients are built from its own config alone, so a task's data does
+    not depend on which other tasks exist."""
+    if config.tasks is None:
+        return _one_task(config, seed, index=0, name="task", clients=list(range(config.num_clients)), where="data")
+    tasks, holdings, shared = [], [], []
+    for index, task_config in enumerate(config.tasks):
+        part = _one_task(task_config, seed, index, task_config.name, task_client_ids(config, index),
+                         where=f"data.tasks[{task_config.name!r}]")
+        tasks += part.tasks
+        holdings += part.holdings
+        shared += [dataclasses.replace(e, name=f"{task_config.name}_{e.name}") for e in part.shared]
+    return Federation(tuple(tasks), tuple(holdings), config.num_clients, tuple(shared))
+
+
+def _one_task(config: DataConfig, seed: int, index: int, name: str, clients: list[int], where: str) -> Federation:
+    dataset = load_source(config, seed)
+    kind = task_kind(config, dataset, where)
     if config.base_novel is not None:
-        relabelled, splits, tasks, shared_eval = base_novel_split(
-            dataset, config.num_clients, config.base_novel, config.test_fraction, seed
+        relabelled, splits, (base, novel), shared_eval = base_novel_split(
+            dataset, len(clients), config.base_novel, config.test_fraction, seed
         )
-        return Federation(relabelled, splits, tasks, shared_eval)
+        tasks = (dataclasses.replace(base, index=index, kind=kind), dataclasses.replace(novel, index=index + 1, kind=kind))
+        holding = Holding(index, relabelled, tuple(clients), tuple(splits), where, config.max_text_length)
+        shared = tuple(SharedEval(eval_name, holding, indices, index + task, exclude)
+                       for eval_name, (indices, task, exclude) in shared_eval.items())
+        return Federation(tasks, (holding,), len(clients), shared)
     part = config.partition
     test_samples = part.test_samples_per_client
     total_per_client = None if part.samples_per_client is None else part.samples_per_client + (test_samples or 0)
     client_indices = partition(
-        dataset.labels, config.num_clients, part.name, seed=seed, alpha=part.alpha,
-        classes_per_client=part.classes_per_client, groups=dataset.groups,
-        min_samples=part.min_samples, samples_per_client=total_per_client,
+        dataset.strata, len(clients), part.name, seed=seed, groups=dataset.groups, alpha=part.alpha,
+        classes_per_client=part.classes_per_client, min_samples=part.min_samples, samples_per_client=total_per_client,
         clients_per_domain=part.clients_per_domain,
     )
     if test_samples is not None:
-        splits = exact_test_split(client_indices, dataset.labels, test_samples, seed=seed)
+        splits = exact_test_split(client_indices, dataset.strata, test_samples, seed=seed)
     else:
-        splits = split_train_test(client_indices, dataset.labels, config.test_fraction, seed=seed)
-    if part.global_test_samples is None:
-        return Federation(dataset, splits)
-    indices = global_test_indices(splits, len(dataset), part.global_test_samples, seed=seed)
-    return Federation(dataset, splits, shared_eval={"global": (indices, 0, False)})
+        splits = split_train_test(client_indices, dataset.strata, config.test_fraction, seed=seed)
+    task = Task(index, name, kind=kind, **kind.task_fields(dataset))
+    holding = Holding(index, dataset, tuple(clients), tuple(splits), where, config.max_text_length)
+    shared: tuple[SharedEval, ...] = ()
+    if part.global_test_samples is not None:
+        indices = global_test_indices(splits, len(dataset), part.global_test_samples, seed=seed)
+        shared = (SharedEval("global", holding, indices, index),)
+    return Federation((task,), (holding,), len(clients), shared)

@@ -139,8 +139,9 @@ def features(image_size: int = 32) -> datasets.Features:
     return datasets.Features({
         "image": datasets.Array3D((image_size, image_size, 3), "uint8"),
         "text": string, "target": string, "label": integer, "class_name": string,
-        "task": string, "modality": string, "domain": string,
+        "task": string, "modality": string, "domain": string, "question_type": string,
         "shape": string, "color": string, "texture": string, "count": integer,
+        "choices": datasets.Sequence(string),
     })  # fmt: skip
 
 
@@ -285,7 +286,8 @@ def _columns(n: int, task: str, **values: Any) -> dict[str, Any]:
     columns: dict[str, Any] = {
         "image": [None] * n, "text": [""] * n, "target": [""] * n, "label": np.full(n, -1, np.int64),
         "class_name": [""] * n, "task": [task] * n, "modality": [_MODALITY[task]] * n, "domain": [""] * n,
-        "shape": [""] * n, "color": [""] * n, "texture": [""] * n, "count": np.zeros(n, np.int64),
+        "question_type": [""] * n, "shape": [""] * n, "color": [""] * n, "texture": [""] * n,
+        "count": np.zeros(n, np.int64), "choices": [[] for _ in range(n)],
     }  # fmt: skip
     columns.update(values)
     return columns
@@ -355,7 +357,7 @@ def vqa_columns(
     ]
     return _columns(
         n, "vqa", **_object_columns(objects, counts, images), text=[_VQA_QUESTIONS[k] for k in kinds],
-        target=[f"Answer: {a}" for a in answers], class_name=answers,
+        target=[f"Answer: {a}" for a in answers], class_name=answers, question_type=[str(k) for k in kinds],
         label=np.asarray([VQA_ANSWERS.index(a) for a in answers], np.int64),
     )  # fmt: skip
 
@@ -415,7 +417,7 @@ def multiple_choice_columns(n: int, *, seed: int, subjects: Sequence[str] = SUBJ
     if unknown or not subjects:
         raise choice_error("subjects", unknown[0] if unknown else "", SUBJECTS)
     rng = _rng(seed, "multiple-choice")
-    texts, targets, labels, answers, domains = [], [], [], [], []
+    texts, targets, labels, answers, domains, choices = [], [], [], [], [], []
     for subject in np.asarray(subjects)[rng.integers(0, len(subjects), n)]:
         facts = _facts(str(subject))
         question, answer, _ = facts[rng.integers(len(facts))]
@@ -429,9 +431,10 @@ def multiple_choice_columns(n: int, *, seed: int, subjects: Sequence[str] = SUBJ
         labels.append(correct)
         answers.append(answer)
         domains.append(str(subject))
+        choices.append(options)
     return _columns(
         n, "multiple-choice", text=texts, target=targets, label=np.asarray(labels, np.int64),
-        class_name=answers, domain=domains,
+        class_name=answers, domain=domains, choices=choices,
     )  # fmt: skip
 
 
@@ -463,14 +466,19 @@ def generate(task: str, n: int, *, seed: int, image_size: int = 32, **options: A
 
     ``options`` go to the task's column maker (e.g. ``distribution=PRETRAIN``, ``label_noise=0.1``).
     """
+    return datasets.Dataset.from_dict(columns(task, n, seed=seed, image_size=image_size, **options),
+                                      features=features(image_size))
+
+
+def columns(task: str, n: int, *, seed: int, image_size: int = 32, **options: Any) -> dict[str, Any]:
+    """The columns of :func:`generate` as a dict (images as one uint8 array), without building a Dataset."""
     if task not in _COLUMN_MAKERS:
         raise choice_error("task", task, TASKS)
     if n < 1:
         raise ConfigError(f"n = {n} is invalid: a dataset needs at least one sample.")
     if task in ("shapes", "vqa"):
         options["image_size"] = image_size
-    columns = _COLUMN_MAKERS[task](n, seed=seed, **options)
-    return datasets.Dataset.from_dict(columns, features=features(image_size))
+    return _COLUMN_MAKERS[task](n, seed=seed, **options)
 
 
 def shapes(n: int, *, seed: int, distribution: Distribution = FINETUNE, image_size: int = 32) -> datasets.Dataset:

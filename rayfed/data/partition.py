@@ -6,12 +6,13 @@ uses its own stream ``np.random.SeedSequence([seed, purpose, ...])``, never the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from rayfed.data.sources import DataError
-from rayfed.errors import suggest
-
-PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "shards", "natural", "labeldir", "domain_dirichlet")
+from rayfed.registry import register_partitioner, resolve
 
 _DIRICHLET_ATTEMPTS = 100
 
@@ -30,21 +31,39 @@ def _rng(seed: int, purpose: int, *extra: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, purpose, *extra]))
 
 
+@dataclass(frozen=True)
+class PartitionRequest:
+    """What a partitioner is asked for: split the samples (by ``labels`` and/or ``groups``) into
+    ``num_clients`` clients, with the partition config's fields as given."""
+
+    labels: np.ndarray  # (N,) what the partitioners skew by: the class labels, or one stratum when there are none
+    num_clients: int
+    seed: int
+    groups: np.ndarray | None = None  # (N,) the data.partition.column values, when set
+    alpha: float | None = None
+    classes_per_client: int | None = None
+    samples_per_client: int | None = None
+    clients_per_domain: int | None = None
+    min_samples: int = 2
+
+    def rng(self, purpose: int, *extra: int) -> np.random.Generator:
+        """A random stream of its own for one kind of draw."""
+        return _rng(self.seed, purpose, *extra)
+
+
 def partition(
     labels: np.ndarray,
     num_clients: int,
-    method: str,
+    method: Any,
     *,
     seed: int,
-    alpha: float | None = None,
-    classes_per_client: int | None = None,
     groups: np.ndarray | None = None,
-    min_samples: int = 2,
-    samples_per_client: int | None = None,
-    clients_per_domain: int | None = None,
+    **fields: Any,
 ) -> list[np.ndarray]:
     """Index arrays (sorted, int64, disjoint) one per client, client i = list index i.
 
+    ``method`` is a partitioner plug-in (a registered name such as ``dirichlet``, an import path or a
+    function of a :class:`PartitionRequest`); ``fields`` are the partition config's (alpha, ...).
     Every client must end with at least ``min_samples`` samples, else :class:`DataError`.
     """
     labels = np.asarray(labels)
@@ -52,35 +71,23 @@ def partition(
         raise DataError(f"data.label_column: labels must be one value per sample, got shape {labels.shape}.")
     if num_clients <= 0:
         raise DataError(f"data.num_clients = {num_clients} is invalid: it must be >= 1.")
-    if min_samples < 1:
-        raise DataError(f"data.partition.min_samples = {min_samples} is invalid: it must be >= 1.")
-
-    if method == "iid":
-        clients = _iid(len(labels), num_clients, seed)
-        reason = f"iid split of {len(labels)} samples over {num_clients} clients"
-    elif method == "dirichlet":
-        clients = _dirichlet(labels, num_clients, alpha, min_samples, seed)
-        reason = f"Dirichlet split with data.partition.alpha = {alpha}"
-    elif method == "shards":
-        clients = _shards(labels, num_clients, classes_per_client, samples_per_client, seed)
-        reason = f"shards of {classes_per_client} classes over {num_clients} clients"
-    elif method == "natural":
-        clients = _natural(labels, num_clients, groups)
-        reason = "one client per group of data.partition.column"
-    elif method == "labeldir":
-        _require_alpha(alpha, method)
-        clients = _labeldir(np.arange(len(labels)), labels, num_clients, alpha, min_samples, _rng(seed, _PURPOSE_LABELDIR))
-        reason = f"capped Dirichlet (labeldir) split with data.partition.alpha = {alpha}"
-    elif method == "domain_dirichlet":
-        clients = _domain_dirichlet(labels, num_clients, groups, clients_per_domain, alpha, min_samples, seed)
-        reason = f"{clients_per_domain} client(s) per domain, Dirichlet within domains (alpha = {alpha})"
-    else:
-        raise DataError(
-            f"data.partition.name = {method!r} is not known{suggest(method, PARTITIONERS)}; "
-            f"allowed: {', '.join(PARTITIONERS)}."
-        )
-    _check_client_sizes(clients, min_samples, reason)
-    return [np.sort(indices).astype(np.int64) for indices in clients]
+    request = PartitionRequest(labels, num_clients, seed, groups, **fields)
+    if request.min_samples < 1:
+        raise DataError(f"data.partition.min_samples = {request.min_samples} is invalid: it must be >= 1.")
+    resolved = resolve("partitioner", method)
+    clients = resolved.obj(request)
+    if not isinstance(clients, (list, tuple)) or len(clients) != num_clients:
+        got = f"{len(clients)} index arrays" if isinstance(clients, (list, tuple)) else f"a {type(clients).__name__}"
+        raise DataError(f"data.partition.name = {resolved.name!r} returned {got}; expected a list of "
+                        f"data.num_clients = {num_clients} index arrays, one per client.")
+    clients = [np.asarray(indices, dtype=np.int64).reshape(-1) for indices in clients]
+    held = np.concatenate(clients) if clients else np.array([], np.int64)
+    if len(held) and (held.min() < 0 or held.max() >= len(labels) or len(np.unique(held)) != len(held)):
+        raise DataError(f"data.partition.name = {resolved.name!r} returned indices that repeat or fall outside the "
+                        f"{len(labels)} samples; clients must hold disjoint samples.")
+    settings = "".join(f", {name} = {value}" for name, value in fields.items() if value is not None and name != "min_samples")
+    _check_client_sizes(clients, request.min_samples, f"{resolved.name} over {num_clients} clients{settings}")
+    return [np.sort(indices) for indices in clients]
 
 
 def _check_client_sizes(clients: list[np.ndarray], min_samples: int, reason: str) -> None:
@@ -98,9 +105,17 @@ def _check_client_sizes(clients: list[np.ndarray], min_samples: int, reason: str
         )
 
 
-def _iid(num_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
-    order = _rng(seed, _PURPOSE_IID).permutation(num_samples)
-    return np.array_split(order, num_clients)
+@register_partitioner("iid")
+def _iid(request: PartitionRequest) -> list[np.ndarray]:
+    """A seeded shuffle cut into equal parts."""
+    order = request.rng(_PURPOSE_IID).permutation(len(request.labels))
+    return np.array_split(order, request.num_clients)
+
+
+@register_partitioner("dirichlet")
+def _dirichlet_request(request: PartitionRequest) -> list[np.ndarray]:
+    """Each class split over the clients with proportions ~ Dir(alpha) (label skew)."""
+    return _dirichlet(request.labels, request.num_clients, request.alpha, request.min_samples, request.seed)
 
 
 def _dirichlet(
@@ -133,14 +148,11 @@ def _dirichlet(
     )
 
 
-def _shards(
-    labels: np.ndarray,
-    num_clients: int,
-    classes_per_client: int | None,
-    samples_per_client: int | None,
-    seed: int,
-) -> list[np.ndarray]:
+@register_partitioner("shards")
+def _shards(request: PartitionRequest) -> list[np.ndarray]:
     """Every client holds exactly ``classes_per_client`` classes; a class is split evenly among its holders."""
+    labels, num_clients, seed = request.labels, request.num_clients, request.seed
+    classes_per_client, samples_per_client = request.classes_per_client, request.samples_per_client
     classes = np.unique(labels)
     if classes_per_client is None:
         raise DataError("data.partition.classes_per_client is required for data.partition.name = 'shards'.")
@@ -200,8 +212,10 @@ def _balanced_quotas(total: int, parts: int) -> list[int]:
     return [base + (1 if part < extra else 0) for part in range(parts)]
 
 
-def _natural(labels: np.ndarray, num_clients: int, groups: np.ndarray | None) -> list[np.ndarray]:
+@register_partitioner("natural")
+def _natural(request: PartitionRequest) -> list[np.ndarray]:
     """One client per distinct group value, in sorted order; the first ``num_clients`` groups are used."""
+    labels, num_clients, groups = request.labels, request.num_clients, request.groups
     if groups is None:
         raise DataError(
             "data.partition.column must name a column whose values are the clients for "
@@ -273,6 +287,14 @@ def _stratified_test_counts(class_sizes: np.ndarray, test_fraction: float) -> np
     return counts
 
 
+@register_partitioner("labeldir")
+def _labeldir_request(request: PartitionRequest) -> list[np.ndarray]:
+    """Per class, Dir(alpha) proportions capped at an equal share per client (pFedMMA's noniid-labeldir)."""
+    _require_alpha(request.alpha, "labeldir")
+    return _labeldir(np.arange(len(request.labels)), request.labels, request.num_clients, request.alpha,
+                     request.min_samples, request.rng(_PURPOSE_LABELDIR))
+
+
 def _require_alpha(alpha: float | None, method: str) -> None:
     if alpha is None or not alpha > 0:
         raise DataError(f"data.partition.alpha = {alpha} is invalid for data.partition.name = {method!r}: set it > 0.")
@@ -303,12 +325,12 @@ def _labeldir(
     return [np.concatenate(parts) for parts in shares]
 
 
-def _domain_dirichlet(
-    labels: np.ndarray, num_clients: int, groups: np.ndarray | None, clients_per_domain: int | None,
-    alpha: float | None, min_samples: int, seed: int,
-) -> list[np.ndarray]:
+@register_partitioner("domain_dirichlet")
+def _domain_dirichlet(request: PartitionRequest) -> list[np.ndarray]:
     """Each domain (a value of data.partition.column) goes to ``clients_per_domain`` clients, split among
     them by the labeldir rule; clients are numbered domain by domain, in sorted domain order."""
+    labels, num_clients, groups = request.labels, request.num_clients, request.groups
+    clients_per_domain, alpha, min_samples, seed = request.clients_per_domain, request.alpha, request.min_samples, request.seed
     _require_alpha(alpha, "domain_dirichlet")
     if groups is None:
         raise DataError(

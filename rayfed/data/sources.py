@@ -1,7 +1,14 @@
-"""Classification datasets loaded into memory as numpy arrays.
+"""Datasets loaded into memory, from the built-in sources or a user's own (``data.source``).
 
-Every source yields an :class:`ArrayDataset`: float32 images (N, H, W, C) in [0, 1], int64 labels
-0..K-1, the class names and, where the data has them, natural per-sample groups (e.g. writers).
+Every source yields an :class:`ArrayDataset` of named columns, each one value per sample: float32
+images (N, H, W, C) in [0, 1], int64 labels 0..K-1 with their class names, input ``text``, output
+``target`` text, the ``choices`` of a multiple-choice question, and, where the data has them, natural
+per-sample ``groups`` (writers, render styles, question types) for the partitioners.
+
+A source is a plug-in (:mod:`rayfed.registry`): a function ``source(request: SourceRequest)`` returning
+an :class:`ArrayDataset`, a dict of columns (``image``, ``label``, ``text``, ``target``, ``choices``,
+``class_names``, and the ``data.partition.column`` if any), an ``(images, labels)`` pair, or a
+``datasets.Dataset`` (read with ``data.*_column``).
 """
 
 from __future__ import annotations
@@ -9,15 +16,18 @@ from __future__ import annotations
 import gzip
 import os
 import struct
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rayfed.errors import ConfigError, suggest
+from rayfed.registry import register_source, resolve
 
-SOURCES: tuple[str, ...] = ("sklearn:digits", "fashion_mnist", "hf:<dataset>", "synthetic", "shapes", "parts")
+if TYPE_CHECKING:
+    from rayfed.config import DataConfig
 
 FASHION_MNIST_DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 FASHION_MNIST_CLASSES = (
@@ -53,98 +63,169 @@ class DataError(ConfigError):
     """Bad data input; the message is one sentence naming the field, the value and what is allowed."""
 
 
+_COLUMNS = ("images", "labels", "groups", "text", "target", "choices")
+
+
 @dataclass(frozen=True, eq=False)
 class ArrayDataset:
-    """An in-memory classification dataset."""
+    """An in-memory dataset: named columns, one value per sample (any of them may be absent)."""
 
-    images: np.ndarray  # float32, (N, H, W, C), values in [0, 1]
-    labels: np.ndarray  # int64, (N,), values in 0..num_classes-1
-    class_names: tuple[str, ...]
+    images: np.ndarray | None = None  # float32, (N, H, W, C), values in [0, 1]
+    labels: np.ndarray | None = None  # int64, (N,), values in 0..num_classes-1
+    class_names: tuple[str, ...] = ()
     groups: np.ndarray | None = None  # (N,) natural group id per sample, for the `natural` partitioner
+    text: np.ndarray | None = None  # (N,) input text: a question, caption or prompt
+    target: np.ndarray | None = None  # (N,) output text: an answer or description
+    choices: np.ndarray | None = None  # (N, K) the options of a multiple-choice question; labels index them
+    domains: tuple[str, ...] = field(default=())  # names of the group ids, where they have names
 
     def __post_init__(self) -> None:
-        if self.images.ndim != 4 or self.images.dtype != np.float32:
+        present = {name: getattr(self, name) for name in _COLUMNS if getattr(self, name) is not None}
+        if not present:
+            raise ValueError("a dataset needs at least one column (images, labels, text, target or choices)")
+        size = len(next(iter(present.values())))
+        for name, column in present.items():
+            if len(column) != size:
+                raise ValueError(f"column {name} has {len(column)} values but the dataset has {size} samples")
+        if self.images is not None and (self.images.ndim != 4 or self.images.dtype != np.float32):
             raise ValueError(f"images must be float32 (N, H, W, C), got {self.images.dtype} {self.images.shape}")
-        if self.labels.shape != (len(self.images),) or self.labels.dtype != np.int64:
-            raise ValueError(f"labels must be int64 ({len(self.images)},), got {self.labels.dtype} {self.labels.shape}")
-        if self.groups is not None and self.groups.shape != self.labels.shape:
-            raise ValueError(f"groups must have shape {self.labels.shape}, got {self.groups.shape}")
+        if self.labels is not None and (self.labels.ndim != 1 or self.labels.dtype != np.int64):
+            raise ValueError(f"labels must be int64 (N,), got {self.labels.dtype} {self.labels.shape}")
+        if self.choices is not None and self.choices.ndim != 2:
+            raise ValueError(f"choices must be (N, K), got shape {self.choices.shape}")
 
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(next(getattr(self, name) for name in _COLUMNS if getattr(self, name) is not None))
+
+    @property
+    def strata(self) -> np.ndarray:
+        """What train/test splits stratify by: the labels where there are any, else one stratum."""
+        return self.labels if self.labels is not None else np.zeros(len(self), dtype=np.int64)
 
     def subset(self, indices: np.ndarray) -> ArrayDataset:
         """The samples at ``indices``, in that order."""
-        groups = None if self.groups is None else self.groups[indices]
-        return ArrayDataset(self.images[indices], self.labels[indices], self.class_names, groups)
+        columns = {name: getattr(self, name)[indices] for name in _COLUMNS if getattr(self, name) is not None}
+        return ArrayDataset(**columns, class_names=self.class_names, domains=self.domains)
 
 
-def load_source(
-    source: str,
-    *,
-    path: str | None = None,
-    split: str | None = None,
-    image_column: str = "image",
-    label_column: str = "label",
-    group_column: str | None = None,
-    max_samples: int | None = None,
-    seed: int = 0,
-    synthetic: dict[str, Any] | None = None,
-    resize: int | None = None,
-    group_size: tuple[int, int | None] = (1, None),
-) -> ArrayDataset:
-    """Load ``source`` (one of :data:`SOURCES`) into memory, optionally keeping a seeded subset.
+@dataclass(frozen=True)
+class SourceRequest:
+    """What a source is asked for: the run's data config, its seed, a prefix source's argument (``cifar10``
+    for ``hf:cifar10``) and its options (``data.options``)."""
 
-    ``resize``: hf: images are converted to RGB and resized to ``resize`` x ``resize`` as they are read
-    (real datasets whose images differ in size). With a group column, only samples of groups whose
-    size is within ``group_size`` (min, max or None) are kept; for ``hf:`` sources they are selected
-    before any image is decoded.
-    """
-    if max_samples is not None and max_samples <= 0:
-        raise DataError(f"data.max_samples = {max_samples} is invalid: it must be > 0 (or unset for all samples).")
-    if synthetic is not None and source not in ("synthetic", "shapes", "parts"):
+    config: DataConfig
+    seed: int
+    argument: str | None = None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.config.options or {})
+
+    @property
+    def name(self) -> str:
+        source = self.config.source
+        return source if isinstance(source, str) else getattr(source, "__name__", repr(source))
+
+
+def load_source(config: DataConfig, seed: int = 0) -> ArrayDataset:
+    """Load ``config.source`` into memory: then keep only samples of groups whose size is within the
+    partition's bounds, and a seeded subset of ``max_samples`` samples."""
+    if config.max_samples is not None and config.max_samples <= 0:
+        raise DataError(f"data.max_samples = {config.max_samples} is invalid: it must be > 0 (or unset for all samples).")
+    resolved = resolve("source", config.source)
+    request = SourceRequest(config, seed, resolved.argument)
+    if config.resize is not None and resolved.obj is not _hf:
+        raise DataError(f"data.resize = {config.resize} is set but data.source = {resolved.name!r}; it only applies to hf: sources.")
+    dataset = as_dataset(resolved.obj(request), request)
+    group_column, group_size = config.partition.column, _group_size(config)
+    if group_column is not None and dataset.groups is None:
         raise DataError(
-            f"data.synthetic is set but data.source = {source!r}; it only applies to 'synthetic', 'shapes' and 'parts'."
+            f"data.partition.column = {group_column!r} cannot be used with data.source = {resolved.name!r}: "
+            "it has no such group column."
         )
-    if resize is not None and not source.startswith("hf:"):
-        raise DataError(f"data.resize = {resize} is set but data.source = {source!r}; it only applies to hf: sources.")
-    if source == "sklearn:digits":
-        _require_no_split(source, split)
-        _require_no_group_column(source, group_column)
-        dataset = _load_digits()
-    elif source == "fashion_mnist":
-        _require_no_group_column(source, group_column)
-        dataset = _load_fashion_mnist(path, split)
-    elif source.startswith("hf:"):
-        dataset = _load_hf(
-            source.removeprefix("hf:"), path, split, image_column, label_column, group_column, resize, group_size
-        )
-    elif source == "synthetic":
-        _require_no_split(source, split)
-        _require_group_column(source, group_column, SYNTHETIC_GROUP_COLUMN)
-        dataset = _make_synthetic(seed, synthetic or {})
-    elif source == "shapes":
-        _require_no_split(source, split)
-        _require_group_column(source, group_column, SHAPES_GROUP_COLUMN)
-        dataset = _make_shapes(seed, synthetic or {})
-    elif source == "parts":
-        _require_no_split(source, split)
-        _require_no_group_column(source, group_column)
-        dataset = _make_parts(seed, synthetic or {})
-    else:
-        raise DataError(
-            f"data.source = {source!r} is not known{suggest(source, SOURCES)}; allowed: {', '.join(SOURCES)}."
-        )
-    if group_column is not None and group_size != (1, None) and not source.startswith("hf:"):  # hf: filtered above
+    if group_column is not None and group_size != (1, None):  # (a datasets.Dataset is filtered before decoding)
         dataset = dataset.subset(_rows_of_sized_groups(dataset.groups, group_size))
-    if max_samples is not None and max_samples < len(dataset):
+    if config.max_samples is not None and config.max_samples < len(dataset):
         rng = np.random.default_rng(np.random.SeedSequence([seed, _PURPOSE_SUBSET]))
-        dataset = dataset.subset(np.sort(rng.choice(len(dataset), size=max_samples, replace=False)))
+        dataset = dataset.subset(np.sort(rng.choice(len(dataset), size=config.max_samples, replace=False)))
     return dataset
+
+
+def _group_size(config: DataConfig) -> tuple[int, int | None]:
+    partition = config.partition
+    return (1, None) if partition.max_group_size is None else (partition.min_samples, partition.max_group_size)
+
+
+def as_dataset(result: Any, request: SourceRequest) -> ArrayDataset:
+    """A source's return value as an :class:`ArrayDataset`; one sentence naming what is wrong with it."""
+    if isinstance(result, ArrayDataset):
+        return result
+    if _is_hf_dataset(result):
+        return _from_hf(result, request.config, f"data.source = {request.name!r}")
+    if isinstance(result, tuple) and len(result) == 2:
+        result = {"image": result[0], "label": result[1]}
+    if not isinstance(result, Mapping):
+        raise DataError(
+            f"data.source = {request.name!r} returned a {type(result).__name__}; a source returns an ArrayDataset, "
+            "a dict of columns (image, label, text, target, choices), an (images, labels) pair or a datasets.Dataset."
+        )
+    return _from_columns(dict(result), request)
+
+
+def _from_columns(columns: dict[str, Any], request: SourceRequest) -> ArrayDataset:
+    where = f"data.source = {request.name!r}"
+    aliases = {"images": "image", "labels": "label"}
+    columns = {aliases.get(name, name): value for name, value in columns.items()}
+    group_column = request.config.partition.column
+    known = {"image", "label", "text", "target", "choices", "class_names", "groups", *([group_column] if group_column else [])}
+    unknown = sorted(set(columns) - known)
+    if unknown:
+        raise DataError(f"{where} returned a column {unknown[0]!r} rayfed does not read; columns: {', '.join(sorted(known))}.")
+    images = None
+    if columns.get("image") is not None:
+        images = _image_array(np.asarray(columns["image"]), f"{where} column 'image'")
+    labels, class_names = None, tuple(str(name) for name in columns.get("class_names", ()))
+    if columns.get("label") is not None:
+        raw = np.asarray(columns["label"])
+        if raw.ndim != 1:
+            raise DataError(f"{where} returned labels of shape {raw.shape}; expected one label per sample, shape (N,).")
+        if class_names and np.issubdtype(raw.dtype, np.integer):
+            if raw.min() < 0 or raw.max() >= len(class_names):
+                raise DataError(f"{where} returned a label outside its {len(class_names)} class_names.")
+            labels = raw.astype(np.int64)
+        else:
+            found, codes = np.unique(raw, return_inverse=True)
+            labels, class_names = codes.astype(np.int64).reshape(-1), tuple(str(c) for c in found)
+    groups = columns.get(group_column) if group_column else columns.get("groups")
+    try:
+        return ArrayDataset(
+            images, labels, class_names, None if groups is None else np.asarray(groups),
+            text=_strings(columns.get("text")), target=_strings(columns.get("target")),
+            choices=None if columns.get("choices") is None else np.asarray(columns["choices"], dtype=object),
+        )
+    except ValueError as err:
+        raise DataError(f"{where} returned columns that do not fit together: {err}.") from None
+
+
+def _strings(values: Any) -> np.ndarray | None:
+    return None if values is None else np.asarray([str(v) for v in values], dtype=object)
+
+
+def _image_array(pixels: np.ndarray, where: str) -> np.ndarray:
+    """(N, H, W) or (N, H, W, C) numbers -> float32 (N, H, W, C) in [0, 1] (integers are read as 0..255)."""
+    if pixels.ndim == 3:
+        pixels = pixels[..., None]
+    if pixels.ndim != 4 or not np.issubdtype(pixels.dtype, np.number):
+        raise DataError(f"{where} holds {pixels.dtype} values of shape {pixels.shape}; expected images (N, H, W, C) or (N, H, W).")
+    if np.issubdtype(pixels.dtype, np.integer):
+        pixels = pixels / 255.0
+    if pixels.size and (pixels.min() < 0 or pixels.max() > 1):
+        raise DataError(f"{where} has pixel values outside [0, 1]; give floats in [0, 1] or integers in 0..255.")
+    return pixels.astype(np.float32)
 
 
 def _require_no_split(source: str, split: str | None) -> None:
@@ -166,9 +247,22 @@ def _require_no_group_column(source: str, group_column: str | None) -> None:
         )
 
 
-def _load_digits() -> ArrayDataset:
+def _require_no_options(request: SourceRequest) -> None:
+    if request.config.options is not None:
+        raise DataError(
+            f"data.options is set but data.source = {request.name!r} takes no options; they apply to generators "
+            "(synthetic, shapes, parts, multimodal:<task>) and user sources."
+        )
+
+
+@register_source("sklearn:digits")
+def _load_digits(request: SourceRequest) -> ArrayDataset:
+    """scikit-learn's 1,797 8x8 handwritten digits, 10 classes."""
     from sklearn.datasets import load_digits
 
+    _require_no_options(request)
+    _require_no_split(request.name, request.config.split)
+    _require_no_group_column(request.name, request.config.partition.column)
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]
     return ArrayDataset(images, digits.target.astype(np.int64), tuple(str(d) for d in range(10)))
@@ -178,7 +272,12 @@ def _load_digits() -> ArrayDataset:
 # Fashion-MNIST from IDX files
 
 
-def _load_fashion_mnist(path: str | None, split: str | None) -> ArrayDataset:
+@register_source("fashion_mnist")
+def _load_fashion_mnist(request: SourceRequest) -> ArrayDataset:
+    """Fashion-MNIST (70,000 28x28 images, 10 classes) from IDX files, Debian's dataset-fashion-mnist by default."""
+    _require_no_options(request)
+    _require_no_group_column(request.name, request.config.partition.column)
+    path, split = request.config.path, request.config.split
     if split not in (None, "train", "test"):
         raise DataError(
             f"data.split = {split!r} is not a Fashion-MNIST split; use 'train', 'test' or leave it unset for both."
@@ -187,9 +286,9 @@ def _load_fashion_mnist(path: str | None, split: str | None) -> ArrayDataset:
     splits = [split] if split is not None else ["train", "test"]
     needed = [folder / name for s in splits for name in _FASHION_MNIST_FILES[s]]
     if not all(f.is_file() for f in needed):
-        field = "data.path" if path is not None else "data.path (unset, default)"
+        field_name = "data.path" if path is not None else "data.path (unset, default)"
         raise DataError(
-            f"{field}: '{folder}' has no Fashion-MNIST IDX files ({', '.join(f.name for f in needed)}); "
+            f"{field_name}: '{folder}' has no Fashion-MNIST IDX files ({', '.join(f.name for f in needed)}); "
             f"install Debian's dataset-fashion-mnist, point data.path at a folder that has them, "
             f"or use data.source 'hf:fashion_mnist'."
         )
@@ -226,58 +325,91 @@ def _read_idx(file: Path, ndim: int) -> np.ndarray:
 # HuggingFace datasets
 
 
-def _load_hf(
-    name: str,
-    path: str | None,
-    split: str | None,
-    image_column: str,
-    label_column: str,
-    group_column: str | None,
-    resize: int | None = None,
-    group_size: tuple[int, int | None] = (1, None),
-) -> ArrayDataset:
+def _is_hf_dataset(value: Any) -> bool:
+    return type(value).__name__ in ("Dataset", "DatasetDict") and type(value).__module__.startswith("datasets")
+
+
+@register_source("hf:")
+def _hf(request: SourceRequest) -> ArrayDataset:
+    """A HuggingFace dataset by hub name or ``save_to_disk`` folder; columns named by ``data.*_column``."""
     import datasets
 
-    location = path if path is not None else name
+    _require_no_options(request)
+    config, name = request.config, request.argument or ""
+    location = config.path if config.path is not None else name
     if not location:
         raise DataError("data.source = 'hf:' names no dataset; use 'hf:<hub name or save_to_disk folder>'.")
-    if path is not None and not os.path.isdir(path):
-        raise DataError(f"data.path = {path!r} is not a folder written by save_to_disk.")
+    if config.path is not None and not os.path.isdir(config.path):
+        raise DataError(f"data.path = {config.path!r} is not a folder written by save_to_disk.")
     try:
         if os.path.isdir(location):
             loaded = datasets.load_from_disk(location)
         else:
-            loaded = datasets.load_dataset(name, split=split or "train")
+            loaded = datasets.load_dataset(name, split=config.split or "train")
     except Exception as err:  # offline, unknown name, unreadable folder, ...: all reported the same way
         raise DataError(f"data.source = 'hf:{name}' could not be loaded ({type(err).__name__}: {err}).") from err
+    return _from_hf(loaded, config, f"'hf:{name}'")
+
+
+def _from_hf(loaded: Any, config: DataConfig, shown_as: str) -> ArrayDataset:
+    """The columns of a ``datasets`` Dataset (or DatasetDict) that ``config``'s ``*_column`` fields name.
+
+    The image and label columns default to ``image`` and ``label`` and are read when present; a column set
+    explicitly must exist."""
+    import datasets
 
     if isinstance(loaded, datasets.DatasetDict):
+        split = config.split
         if split is None:
             loaded = datasets.concatenate_datasets(list(loaded.values()))
         elif split in loaded:
             loaded = loaded[split]
         else:
             raise DataError(
-                f"data.split = {split!r} is not a split of 'hf:{name}'{suggest(split, loaded)}; "
+                f"data.split = {split!r} is not a split of {shown_as}{suggest(split, loaded)}; "
                 f"available: {', '.join(loaded)}."
             )
-
-    columns = [("data.image_column", image_column), ("data.label_column", label_column)]
-    if group_column is not None:
-        columns.append(("data.partition.column", group_column))
-    for field, column in columns:
+    chosen: dict[str, str] = {}
+    for role in ("image", "label", "text", "target", "choices"):
+        field_name = f"{role}_column"
+        column = getattr(config, field_name)
+        explicit = field_name in config.model_fields_set or role in ("text", "target", "choices")
+        if column is None or (column not in loaded.column_names and not explicit):
+            continue
         if column not in loaded.column_names:
             raise DataError(
-                f"{field} = {column!r} is not a column of 'hf:{name}'{suggest(column, loaded.column_names)}; "
+                f"data.{field_name} = {column!r} is not a column of {shown_as}{suggest(column, loaded.column_names)}; "
                 f"columns: {', '.join(loaded.column_names)}."
             )
-
+        chosen[role] = column
+    group_column = config.partition.column
+    if group_column is not None and group_column not in loaded.column_names:
+        raise DataError(
+            f"data.partition.column = {group_column!r} is not a column of {shown_as}"
+            f"{suggest(group_column, loaded.column_names)}; columns: {', '.join(loaded.column_names)}."
+        )
+    if not chosen:
+        raise DataError(
+            f"{shown_as} has none of the columns data.image_column, data.label_column, data.text_column, "
+            f"data.target_column or data.choices_column name; columns: {', '.join(loaded.column_names)}."
+        )
+    group_size = _group_size(config)
     if group_column is not None and group_size != (1, None):
         loaded = loaded.select(_rows_of_sized_groups(np.asarray(loaded[group_column]), group_size))
-    images = _stack_images(loaded[image_column], image_column, resize)
-    labels, class_names = _encode_labels(loaded[label_column], loaded.features[label_column], label_column)
+    images = _stack_images(loaded[chosen["image"]], chosen["image"], config.resize) if "image" in chosen else None
+    labels, class_names = None, ()
+    if "label" in chosen:
+        labels, class_names = _encode_labels(loaded[chosen["label"]], loaded.features[chosen["label"]], chosen["label"])
+    text_columns = {role: _strings(loaded[chosen[role]]) for role in ("text", "target") if role in chosen}
+    choices = None
+    if "choices" in chosen:
+        rows = [list(options) for options in loaded[chosen["choices"]]]
+        if len({len(options) for options in rows}) > 1:
+            raise DataError(f"data.choices_column = {chosen['choices']!r} holds questions with different numbers of options; "
+                            "every question needs the same number.")
+        choices = np.asarray([[str(option) for option in options] for options in rows], dtype=object)
     groups = np.asarray(loaded[group_column]) if group_column is not None else None
-    return ArrayDataset(images, labels, class_names, groups)
+    return ArrayDataset(images, labels, class_names, groups, choices=choices, **text_columns)
 
 
 def _rows_of_sized_groups(groups: np.ndarray, group_size: tuple[int, int | None]) -> np.ndarray:
@@ -353,40 +485,43 @@ def _encode_labels(values: list[Any], feature: Any, label_column: str) -> tuple[
 # Synthetic data
 
 
-def _generator_options(
+def generator_options(
     options: dict[str, Any], defaults: dict[str, Any], source_note: str, positive_ints: tuple[str, ...]
 ) -> dict[str, Any]:
-    """``data.synthetic`` over a generator's defaults; unknown keys and non-positive counts are errors."""
+    """``data.options`` over a generator's defaults; unknown keys and non-positive counts are errors."""
     unknown = [key for key in options if key not in defaults]
     if unknown:
         raise DataError(
-            f"data.synthetic has no option {unknown[0]!r}{suggest(unknown[0], defaults)}{source_note}; "
+            f"data.options has no option {unknown[0]!r}{suggest(unknown[0], defaults)}{source_note}; "
             f"allowed: {', '.join(defaults)}."
         )
     params = {**defaults, **options}
     for key in positive_ints:
         if not isinstance(params[key], int) or isinstance(params[key], bool) or params[key] < 1:
-            raise DataError(f"data.synthetic.{key} = {params[key]!r} is invalid: it must be an integer >= 1.")
+            raise DataError(f"data.options.{key} = {params[key]!r} is invalid: it must be an integer >= 1.")
     return params
 
 
-def _non_negative(params: dict[str, Any], key: str) -> float:
+def non_negative(params: dict[str, Any], key: str) -> float:
     value = params[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise DataError(f"data.synthetic.{key} = {value!r} is invalid: it must be a number >= 0.")
+        raise DataError(f"data.options.{key} = {value!r} is invalid: it must be a number >= 0.")
     return value
 
 
-def _make_synthetic(seed: int, options: dict[str, Any]) -> ArrayDataset:
-    """Class prototypes + per-writer style offset + Gaussian noise, clipped to [0, 1]."""
-    params = _generator_options(
-        options, _SYNTHETIC_DEFAULTS, "", ("num_samples", "num_classes", "image_size", "channels", "num_writers")
+@register_source("synthetic")
+def _make_synthetic(request: SourceRequest) -> ArrayDataset:
+    """Class prototypes + per-writer style offset + Gaussian noise, clipped to [0, 1]; groups = writers."""
+    _require_no_split(request.name, request.config.split)
+    _require_group_column(request.name, request.config.partition.column, SYNTHETIC_GROUP_COLUMN)
+    params = generator_options(
+        request.options, _SYNTHETIC_DEFAULTS, "", ("num_samples", "num_classes", "image_size", "channels", "num_writers")
     )
-    noise = _non_negative(params, "noise")
+    noise = non_negative(params, "noise")
 
     num_samples, num_classes, num_writers = params["num_samples"], params["num_classes"], params["num_writers"]
     image_shape = (params["image_size"], params["image_size"], params["channels"])
-    rng = np.random.default_rng(np.random.SeedSequence([seed, _PURPOSE_SYNTHETIC]))
+    rng = np.random.default_rng(np.random.SeedSequence([request.seed, _PURPOSE_SYNTHETIC]))
     prototypes = rng.uniform(0.0, 1.0, size=(num_classes, *image_shape))
     writer_styles = rng.normal(0.0, _WRITER_STYLE_SCALE, size=(num_writers, *image_shape))
     labels = rng.permutation(np.arange(num_samples) % num_classes)
@@ -397,7 +532,8 @@ def _make_synthetic(seed: int, options: dict[str, Any]) -> ArrayDataset:
     return ArrayDataset(images, labels.astype(np.int64), class_names, writers.astype(np.int64))
 
 
-def _make_shapes(seed: int, options: dict[str, Any]) -> ArrayDataset:
+@register_source("shapes")
+def _make_shapes(request: SourceRequest) -> ArrayDataset:
     """The 64 "{colour} {shape}" classes rendered in ``styles`` (:mod:`rayfed.data.multimodal`); groups = style.
 
     Class ids put the 32 classes with an even (shape + colour) index first, so that the first half (the
@@ -405,9 +541,11 @@ def _make_shapes(seed: int, options: dict[str, Any]) -> ArrayDataset:
     """
     from rayfed.data import multimodal
 
-    params = _generator_options(options, _SHAPES_DEFAULTS, " for 'shapes'", ("num_samples", "image_size"))
+    _require_no_split(request.name, request.config.split)
+    _require_group_column(request.name, request.config.partition.column, SHAPES_GROUP_COLUMN)
+    params = generator_options(request.options, _SHAPES_DEFAULTS, " for 'shapes'", ("num_samples", "image_size"))
     distribution = multimodal.Distribution(multimodal.CLASSES, tuple(params["styles"]), ("shapes",))
-    columns = multimodal.shape_columns(params["num_samples"], seed=seed, distribution=distribution,
+    columns = multimodal.shape_columns(params["num_samples"], seed=request.seed, distribution=distribution,
                                        image_size=params["image_size"])  # fmt: skip
     order = sorted(range(len(multimodal.CLASSES)), key=lambda k: ((k // 8 + k % 8) % 2, k))
     class_names = tuple(multimodal.CLASSES[k] for k in order)
@@ -416,20 +554,124 @@ def _make_shapes(seed: int, options: dict[str, Any]) -> ArrayDataset:
     return ArrayDataset(columns["image"].astype(np.float32) / 255.0, labels, class_names, styles)
 
 
-def _make_parts(seed: int, options: dict[str, Any]) -> ArrayDataset:
+@register_source("parts")
+def _make_parts(request: SourceRequest) -> ArrayDataset:
     """Part-texture layouts (:mod:`rayfed.data.parts`) in one of its label spaces; the world is fixed by
     ``world``, the samples by the run's seed."""
     from rayfed.data import parts
 
-    params = _generator_options(options, _PARTS_DEFAULTS, " for 'parts'", ("num_samples",))
+    _require_no_split(request.name, request.config.split)
+    _require_no_group_column(request.name, request.config.partition.column)
+    params = generator_options(request.options, _PARTS_DEFAULTS, " for 'parts'", ("num_samples",))
     if params["label_space"] not in parts.LABEL_SPACES:
         raise DataError(
-            f"data.synthetic.label_space = {params['label_space']!r} is not known; allowed: {', '.join(parts.LABEL_SPACES)}."
+            f"data.options.label_space = {params['label_space']!r} is not known; allowed: {', '.join(parts.LABEL_SPACES)}."
         )
     if isinstance(params["world"], bool) or not isinstance(params["world"], int) or params["world"] < 0:
-        raise DataError(f"data.synthetic.world = {params['world']!r} is invalid: it must be an integer >= 0.")
-    noise = _non_negative(params, "noise")
+        raise DataError(f"data.options.world = {params['world']!r} is invalid: it must be an integer >= 0.")
+    noise = non_negative(params, "noise")
     images, labels = parts.render(
-        params["num_samples"], label_space=params["label_space"], seed=seed, world_seed=params["world"], noise=noise
+        params["num_samples"], label_space=params["label_space"], seed=request.seed, world_seed=params["world"],
+        noise=noise,
     )
     return ArrayDataset(images, labels, parts.class_names(params["label_space"]))
+
+
+_MULTIMODAL_DEFAULTS: dict[str, Any] = {
+    "num_samples": 2000, "image_size": 32, "styles": None, "classes": None, "question_types": None,
+    "subjects": None, "label_noise": 0.0, "scenes": 0, "scene_classes": 16,
+}  # fmt: skip
+MULTIMODAL_GROUP_COLUMNS = ("domain", "question_type", "scene", "shape", "color")
+_PURPOSE_SCENES = 1003
+
+
+@register_source("multimodal:")
+def _make_multimodal(request: SourceRequest) -> ArrayDataset:
+    """Synthetic multi-modal tasks (:mod:`rayfed.data.multimodal`): ``multimodal:vqa`` (image + question ->
+    answer), ``shapes`` (image -> class, or its caption), ``topics`` (text -> topic), ``description``
+    (concepts -> description), ``multiple-choice`` (question -> one of 4 options), ``statements`` (text).
+
+    Group columns for the partitioners (heterogeneity): ``domain`` (render style, or a text task's topic
+    or subject), ``question_type`` (VQA's function), ``scene`` (with ``scenes: N``: N scenes, each with its
+    own background style and its own ``scene_classes`` object classes), ``shape``, ``color``.
+    """
+    from rayfed.data import multimodal
+
+    task = request.argument or ""
+    if task not in multimodal.TASKS:
+        raise DataError(f"data.source = {request.name!r} names no generator{suggest(task, multimodal.TASKS)}; "
+                        f"allowed: {', '.join('multimodal:' + t for t in multimodal.TASKS)}.")
+    _require_no_split(request.name, request.config.split)
+    group_column = request.config.partition.column
+    if group_column is not None and group_column not in MULTIMODAL_GROUP_COLUMNS:
+        raise DataError(f"data.partition.column = {group_column!r} is not a column of {request.name!r}"
+                        f"{suggest(group_column, MULTIMODAL_GROUP_COLUMNS)}; allowed: {', '.join(MULTIMODAL_GROUP_COLUMNS)}.")
+    params = generator_options(request.options, _MULTIMODAL_DEFAULTS, f" for {request.name!r}",
+                               ("num_samples", "image_size", "scene_classes"))
+    options = {key: tuple(params[key]) for key in ("question_types", "subjects") if params[key] is not None}
+    if params["label_noise"]:
+        options["label_noise"] = non_negative(params, "label_noise")
+    classes = tuple(params["classes"] or multimodal.CLASSES)
+    styles = tuple(params["styles"] or multimodal.FINETUNE_STYLES)
+    try:
+        if params["scenes"]:
+            columns = _scenes(task, params, classes, styles, request.seed, options)
+        else:
+            if task in ("shapes", "vqa", "description"):
+                options["distribution"] = multimodal.Distribution(classes, styles, (task,))
+            columns = multimodal.columns(task, params["num_samples"], seed=request.seed,
+                                         image_size=params["image_size"], **options)
+    except ConfigError as err:  # the generators name their own arguments: point at data.options
+        raise DataError(f"data.options.{str(err)}") from None
+    return _multimodal_dataset(task, columns, group_column)
+
+
+def _scenes(task: str, params: dict[str, Any], classes: tuple[str, ...], styles: tuple[str, ...], seed: int,
+            options: dict[str, Any]) -> dict[str, Any]:
+    """``scenes`` image datasets, each from its own background style and subset of classes, concatenated."""
+    from rayfed.data import multimodal
+
+    if task not in ("shapes", "vqa"):
+        raise DataError(f"data.options.scenes applies to image tasks (multimodal:shapes, multimodal:vqa), not {task!r}.")
+    scenes, per_scene = int(params["scenes"]), params["scene_classes"]
+    if per_scene > len(classes):
+        raise DataError(f"data.options.scene_classes = {per_scene} is more than the {len(classes)} classes.")
+    rng = np.random.default_rng(np.random.SeedSequence([seed, _PURPOSE_SCENES]))
+    parts = []
+    for scene, count in enumerate(np.array_split(np.arange(params["num_samples"]), scenes)):
+        chosen = tuple(classes[k] for k in np.sort(rng.choice(len(classes), per_scene, replace=False)))
+        distribution = multimodal.Distribution(chosen, (styles[scene % len(styles)],), (task,))
+        scene_seed = int(np.random.SeedSequence([seed, _PURPOSE_SCENES, scene]).generate_state(1)[0])
+        part = multimodal.columns(task, len(count), seed=scene_seed, image_size=params["image_size"],
+                                  distribution=distribution, **options)
+        part["scene"] = np.full(len(count), scene, dtype=np.int64)
+        parts.append(part)
+    return {key: np.concatenate([np.asarray(part[key]) for part in parts]) for key in parts[0] if key != "choices"}
+
+
+def _multimodal_dataset(task: str, columns: dict[str, Any], group_column: str | None) -> ArrayDataset:
+    from rayfed.data import multimodal
+
+    images = None
+    if task in ("shapes", "vqa"):
+        images = np.asarray(columns["image"]).astype(np.float32) / 255.0
+    labels, class_names, choices, text = None, (), None, _strings(columns["text"])
+    if task == "shapes":
+        labels = np.asarray(columns["label"], np.int64)
+        class_names, text = multimodal.CLASSES, None  # the caption names the class: it is a target, not an input
+    elif task == "vqa":
+        labels, class_names = np.asarray(columns["label"], np.int64), multimodal.VQA_ANSWERS
+    elif task == "topics":
+        labels, class_names = np.asarray(columns["label"], np.int64), tuple(multimodal.TOPICS)
+    elif task == "multiple-choice":
+        labels, class_names = np.asarray(columns["label"], np.int64), ("A", "B", "C", "D")
+        choices = np.asarray(columns["choices"], dtype=object)
+    target = _strings(columns["text"] if task == "shapes" else columns["target"])
+    if task == "statements":
+        text, target = _strings([""] * len(columns["text"])), _strings(columns["text"])
+    groups, domains = None, ()
+    if group_column is not None:
+        values = np.asarray(columns[group_column])
+        domains_found, groups = np.unique(values, return_inverse=True)
+        domains, groups = tuple(str(v) for v in domains_found), groups.astype(np.int64).reshape(-1)
+    return ArrayDataset(images, labels, class_names, groups, text=text, target=target, choices=choices, domains=domains)

@@ -1,0 +1,403 @@
+"""Task kinds: what a task's examples become, its loss, and its metrics.
+
+A task kind is a plug-in (:mod:`rayfed.registry`, ``data.kind``): a :class:`TaskKind` subclass that
+turns a dataset's columns into named tensors for a backbone (:meth:`TaskKind.encode`), adds a head to
+the default client model (:meth:`TaskKind.build_head`), computes the model's outputs and the loss of a
+batch, and scores a model on test data. The built-ins:
+
+- ``classification``: images, text or both -> one of the task's classes (VQA as answer classification);
+  ``acc``, ``loss``;
+- ``multiple_choice``: a question and its options -> the right option, each option scored by a head on
+  the backbone's features of (question, option) or, on a causal LM, by the option's log-likelihood;
+  ``acc``, ``loss``;
+- ``text_generation``: a prompt (and image) -> the target text, a causal LM's next-token loss on the
+  target tokens; ``token_f1``, ``exact_match`` and ``meteor`` of greedy generations
+  (:mod:`rayfed.text_metrics`), ``perplexity`` of the target;
+- ``reconstruction``: an image -> the same image from the backbone's features through a decoder head;
+  ``mse``.
+
+Metrics are reported as ``local_<metric>`` on a client's own test data and ``<set>_<metric>`` on shared
+evaluation sets; :attr:`TaskKind.lower_is_better` tells reports which way is better.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from rayfed import text_metrics
+from rayfed.data.batches import Columns
+from rayfed.errors import ConfigError
+from rayfed.registry import register_task_kind
+from rayfed.types import Batch
+
+if TYPE_CHECKING:
+    from rayfed.data.sources import ArrayDataset
+    from rayfed.models import Backbone, ClientModel
+    from rayfed.tasks import Task
+
+IGNORE = -100  # label of positions no loss is taken on
+
+
+class TaskKind:
+    """Base class of task kinds; subclasses set the class variables and override the methods."""
+
+    name: ClassVar[str] = ""
+    metrics: ClassVar[tuple[str, ...]] = ()  # reported as local_<metric>, in this order
+    shared_metrics: ClassVar[tuple[str, ...]] = ()  # reported on shared evaluation sets as <set>_<metric>
+    lower_is_better: ClassVar[frozenset[str]] = frozenset({"loss"})
+
+    def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+        """Raise one sentence if ``dataset`` lacks what this kind needs or ``backbone`` cannot run it."""
+
+    def task_fields(self, dataset: ArrayDataset) -> dict[str, Any]:
+        """What a :class:`~rayfed.tasks.Task` of this kind records of its dataset (class names, shapes)."""
+        return {"class_names": dataset.class_names}
+
+    def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
+        """The samples ``indices`` of ``dataset`` as named tensors for ``backbone``."""
+        raise NotImplementedError
+
+    def build_head(self, backbone: Backbone, task: Task) -> nn.Module | None:
+        """What the default client model adds for this task over the backbone's features (None: nothing)."""
+        return None
+
+    def forward(self, model: ClientModel, batch: Batch) -> torch.Tensor:
+        """The model's outputs on ``batch``, which :meth:`loss` scores."""
+        return model.head(model.features(batch))
+
+    def loss(self, outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def score(self, model: ClientModel, batch: Batch) -> dict[str, float]:
+        """Sums over the test ``batch`` (under ``torch.no_grad``) that :meth:`summarize` turns into metrics."""
+        raise NotImplementedError
+
+    def summarize(self, sums: dict[str, float], count: int) -> dict[str, float]:
+        """The metrics from the sums of every test batch over ``count`` samples."""
+        raise NotImplementedError
+
+
+# Inputs ----------------------------------------------------------------------------------------------
+def image_tensor(images: np.ndarray) -> torch.Tensor:
+    """(N, H, W, C) numpy floats in [0, 1] -> (N, C, H, W) float32 tensor."""
+    return torch.as_tensor(images, dtype=torch.float32).permute(0, 3, 1, 2).contiguous()
+
+
+def tokenize(texts: list[str], backbone: Backbone, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), padded on the right to ``max_length`` tokens."""
+    encoded = backbone.tokenizer(list(texts), padding="max_length", truncation=True, max_length=max_length,
+                                 return_tensors="pt")
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+def _images(dataset: ArrayDataset, indices: np.ndarray) -> Columns:
+    return {} if dataset.images is None else {"pixel_values": image_tensor(dataset.images[indices])}
+
+
+def _prompts(dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> list[str]:
+    """The input texts of ``indices``, after the backbone's image tokens where there are images (LLaVA)."""
+    texts = [str(t) for t in dataset.text[indices]] if dataset.text is not None else [""] * len(indices)
+    if backbone.image_prompt and dataset.images is not None:
+        texts = [f"{backbone.image_prompt} {t}" for t in texts]
+    return texts
+
+
+def _inputs(dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
+    """The images (``pixel_values``) and input text (``input_ids``, ``attention_mask``) a backbone reads."""
+    columns = _images(dataset, indices)
+    if dataset.text is not None and "text" in backbone.modalities:
+        texts = _prompts(dataset, indices, backbone)
+        columns["input_ids"], columns["attention_mask"] = tokenize(texts, backbone, backbone.max_text_length)
+    return columns
+
+
+def _check_inputs(dataset: ArrayDataset, backbone: Backbone, kind: str, where: str) -> None:
+    """The backbone must read the dataset's inputs: images, text or both."""
+    needs = {name for name, column in (("image", dataset.images), ("text", dataset.text)) if column is not None}
+    if not needs:
+        raise ConfigError(f"{where}.kind = {kind!r} needs inputs, but {where}.source has no images and no input text.")
+    missing = needs - backbone.modalities
+    if missing:
+        reads = " and ".join(sorted(backbone.modalities))
+        raise ConfigError(
+            f"model.backbone = {backbone.name!r} reads {reads} only and cannot run {where}.kind = {kind!r} on the "
+            f"{' and '.join(sorted(missing))} of {where}.source; use a backbone that reads "
+            f"{' and '.join(sorted(needs))} (e.g. tiny-pretrained:vilt, tiny-pretrained:flava"
+            f"{', tiny-pretrained:llama-small' if needs == {'text'} else ', tiny-pretrained:llava'})."
+        )
+
+
+def _require(dataset: ArrayDataset, column: str, kind: str, where: str, what: str) -> None:
+    if getattr(dataset, column) is None:
+        raise ConfigError(f"{where}.kind = {kind!r} needs {what}, which {where}.source does not have.")
+
+
+# Classification --------------------------------------------------------------------------------------
+@register_task_kind("classification")
+class Classification(TaskKind):
+    """Images, text or both -> one of the task's classes (cross-entropy)."""
+
+    name = "classification"
+    metrics = ("acc", "loss")
+    shared_metrics = ("acc",)
+
+    def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+        _require(dataset, "labels", self.name, where, "class labels")
+        _check_inputs(dataset, backbone, self.name, where)
+
+    def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
+        columns = _inputs(dataset, indices, backbone)
+        columns["labels"] = torch.as_tensor(dataset.labels, dtype=torch.long)[indices]
+        return columns
+
+    def build_head(self, backbone: Backbone, task: Task) -> nn.Module:
+        return nn.Linear(backbone.feature_dim, task.num_classes)
+
+    def loss(self, outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return nn.functional.cross_entropy(outputs, batch["labels"])
+
+    def score(self, model: ClientModel, batch: Batch) -> dict[str, float]:
+        logits = model(batch).float()
+        labels = batch["labels"]
+        return {"correct": (logits.argmax(dim=1) == labels).sum().item(),
+                "loss": nn.functional.cross_entropy(logits, labels, reduction="sum").item()}
+
+    def summarize(self, sums: dict[str, float], count: int) -> dict[str, float]:
+        return {"acc": sums["correct"] / count, "loss": sums["loss"] / count}
+
+
+# Multiple choice -------------------------------------------------------------------------------------
+@register_task_kind("multiple_choice")
+class MultipleChoice(Classification):
+    """A question and K options -> the right option: each (question, option) pair scored by a linear head on
+    the backbone's features, or on a causal LM by the option's log-likelihood after the question."""
+
+    name = "multiple_choice"
+
+    def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+        _require(dataset, "choices", self.name, where, "the options of each question (data.choices_column)")
+        _require(dataset, "labels", self.name, where, "the index of each question's right option")
+        _check_inputs(dataset, backbone, self.name, where)
+
+    def task_fields(self, dataset: ArrayDataset) -> dict[str, Any]:
+        return {"class_names": dataset.class_names, "num_choices": dataset.choices.shape[1]}
+
+    def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
+        columns = _images(dataset, indices)
+        questions, options, length = _prompts(dataset, indices, backbone), dataset.choices[indices], backbone.max_text_length
+        pairs = [f"{q} {option}" for q, row in zip(questions, options) for option in row]
+        ids, mask = tokenize(pairs, backbone, length)
+        size, choices = options.shape
+        columns["input_ids"], columns["attention_mask"] = ids.view(size, choices, -1), mask.view(size, choices, -1)
+        if backbone.generates_text:  # the option's own tokens: those after the question's
+            question_lengths = tokenize(questions, backbone, length)[1].sum(dim=1).repeat_interleave(choices)
+            positions = torch.arange(ids.shape[1]).expand(len(pairs), -1)
+            option_mask = (positions >= question_lengths[:, None]) & mask.bool()
+            columns["option_mask"] = option_mask.view(size, choices, -1)
+        columns["labels"] = torch.as_tensor(dataset.labels, dtype=torch.long)[indices]
+        return columns
+
+    def build_head(self, backbone: Backbone, task: Task) -> nn.Module | None:
+        return None if backbone.generates_text else nn.Linear(backbone.feature_dim, 1)
+
+    def forward(self, model: ClientModel, batch: Batch) -> torch.Tensor:
+        size, choices, length = batch["input_ids"].shape
+        flat = {"input_ids": batch["input_ids"].reshape(-1, length),
+                "attention_mask": batch["attention_mask"].reshape(-1, length)}
+        if "pixel_values" in batch:
+            flat["pixel_values"] = batch["pixel_values"].repeat_interleave(choices, dim=0)
+        if "option_mask" not in batch:
+            return model.head(model.features(flat)).view(size, choices)
+        log_probs = model.lm_logits(flat)[:, :-1].float().log_softmax(dim=-1)
+        taken = log_probs.gather(-1, flat["input_ids"][:, 1:, None]).squeeze(-1)
+        return (taken * batch["option_mask"].reshape(-1, length)[:, 1:]).sum(dim=1).view(size, choices)
+
+
+# Text generation -------------------------------------------------------------------------------------
+@register_task_kind("text_generation")
+class TextGeneration(TaskKind):
+    """A prompt (and an image) -> the target text: next-token cross-entropy on the target's tokens."""
+
+    name = "text_generation"
+    metrics = ("token_f1", "exact_match", "meteor", "perplexity")
+    shared_metrics = ("token_f1",)
+    lower_is_better = frozenset({"loss", "perplexity"})
+
+    def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+        _require(dataset, "target", self.name, where, "target text (data.target_column)")
+        if not backbone.generates_text:
+            raise ConfigError(
+                f"model.backbone = {backbone.name!r} does not generate text, so it cannot run {where}.kind = "
+                f"{self.name!r}; use a causal LM such as tiny-pretrained:llama-small, tiny-pretrained:qwen or "
+                "tiny-pretrained:llava (or a method whose model adds a text decoder)."
+            )
+        if dataset.images is not None and "image" not in backbone.modalities:
+            raise ConfigError(
+                f"model.backbone = {backbone.name!r} reads text only and cannot run {where}.kind = {self.name!r} on "
+                f"the images of {where}.source; use an image-text LLM such as tiny-pretrained:llava."
+            )
+
+    def task_fields(self, dataset: ArrayDataset) -> dict[str, Any]:
+        return {}
+
+    def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
+        tokenizer, length = backbone.tokenizer, backbone.max_text_length
+        prompts = _prompts(dataset, indices, backbone)
+        targets = [str(t) for t in dataset.target[indices]]
+        prompt_tokens = [tokenizer(p)["input_ids"] for p in prompts]
+        target_tokens = [tokenizer(" " + t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                         for t in targets]
+        longest_target = max(len(t) for t in target_tokens)
+        pad = tokenizer.pad_token_id
+        rows = len(prompts)
+        input_ids = torch.full((rows, length), pad, dtype=torch.long)
+        attention_mask = torch.zeros((rows, length), dtype=torch.long)
+        labels = torch.full((rows, length), IGNORE, dtype=torch.long)
+        prompt_length = length - longest_target
+        prompt_ids = torch.full((rows, prompt_length), pad, dtype=torch.long)
+        target_ids = torch.full((rows, longest_target), pad, dtype=torch.long)
+        for row, (prompt, target) in enumerate(zip(prompt_tokens, target_tokens)):
+            if len(prompt) > prompt_length:
+                raise ConfigError(
+                    f"data.max_text_length = {length} is too short for a prompt of {len(prompt)} tokens and a target "
+                    f"of {longest_target}; raise data.max_text_length."
+                )
+            sequence = prompt + target
+            input_ids[row, :len(sequence)] = torch.as_tensor(sequence)
+            attention_mask[row, :len(sequence)] = 1
+            labels[row, len(prompt):len(sequence)] = torch.as_tensor(target)
+            prompt_ids[row, prompt_length - len(prompt):] = torch.as_tensor(prompt)  # left-padded, for generation
+            target_ids[row, :len(target)] = torch.as_tensor(target)
+        prompt_mask = torch.zeros_like(prompt_ids)
+        for row, prompt in enumerate(prompt_tokens):
+            prompt_mask[row, prompt_length - len(prompt):] = 1
+        return {**_images(dataset, indices), "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+                "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "target_ids": target_ids}
+
+    def forward(self, model: ClientModel, batch: Batch) -> torch.Tensor:
+        return model.lm_logits({k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values") if k in batch})
+
+    def loss(self, outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return nn.functional.cross_entropy(outputs[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                                           ignore_index=IGNORE)
+
+    def score(self, model: ClientModel, batch: Batch) -> dict[str, float]:
+        logits = model(batch).float()
+        targets = batch["labels"][:, 1:]
+        nll = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                                          reduction="sum").item()
+        generated = generate(model, batch, max_new_tokens=batch["target_ids"].shape[1])
+        tokenizer = model.tokenizer
+        predictions = tokenizer.batch_decode(generated, skip_special_tokens=True)
+        references = tokenizer.batch_decode(batch["target_ids"], skip_special_tokens=True)
+        sums = {
+            "nll": nll, "tokens": float((targets != IGNORE).sum()),
+            "token_f1": sum(text_metrics.token_f1(p, r) for p, r in zip(predictions, references)),
+            "exact_match": sum(text_metrics.exact_match(p, r) for p, r in zip(predictions, references)),
+            "meteor": sum(text_metrics.meteor(p, r) for p, r in zip(predictions, references)),
+        }
+        full_meteor = [text_metrics.nltk_meteor(p, r) for p, r in zip(predictions, references)]
+        if all(score is not None for score in full_meteor):
+            sums["nltk_meteor"] = sum(full_meteor)
+        bertscore = text_metrics.bertscore_f1(predictions, references)
+        if bertscore is not None:
+            sums["bertscore_f1"] = sum(bertscore)
+        return sums
+
+    def summarize(self, sums: dict[str, float], count: int) -> dict[str, float]:
+        metrics = {name: sums[name] / count for name in ("token_f1", "exact_match", "meteor")}
+        metrics["perplexity"] = math.exp(sums["nll"] / max(sums["tokens"], 1.0))
+        metrics.update({name: sums[name] / count for name in ("nltk_meteor", "bertscore_f1") if name in sums})
+        return metrics
+
+
+@torch.no_grad()
+def generate(model: ClientModel, batch: Batch, max_new_tokens: int) -> torch.Tensor:
+    """Greedy continuations (batch, new tokens) of the left-padded ``prompt_ids``, stopping at end-of-text."""
+    tokenizer = model.tokenizer
+    inputs = {"input_ids": batch["prompt_ids"], "attention_mask": batch["prompt_mask"]}
+    if "pixel_values" in batch:
+        inputs["pixel_values"] = model.pixels(batch["pixel_values"])
+    output = model.encoder.generate(
+        **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return output[:, batch["prompt_ids"].shape[1]:]
+
+
+# Reconstruction --------------------------------------------------------------------------------------
+class ImageDecoder(nn.Module):
+    """Features -> an image: a linear layer to a 64-channel map at 1/8 of the size, three transposed
+    convolutions doubling it (ReLU between, none after), like TAP's image-generation head."""
+
+    def __init__(self, feature_dim: int, shape: tuple[int, int, int]):
+        super().__init__()
+        channels, height, width = shape
+        self.shape = shape
+        self.start = (max(height // 8, 1), max(width // 8, 1))
+        self.project = nn.Linear(feature_dim, 64 * self.start[0] * self.start[1])
+        self.upsample = nn.Sequential(
+            nn.ConvTranspose2d(64, 32, 4, stride=2, padding=1), nn.ReLU(),
+            nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1), nn.ReLU(),
+            nn.ConvTranspose2d(16, channels, 4, stride=2, padding=1),
+        )
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        images = self.upsample(self.project(features).view(len(features), 64, *self.start))
+        if images.shape[-2:] != self.shape[1:]:
+            images = nn.functional.interpolate(images, size=self.shape[1:], mode="bilinear", align_corners=False)
+        return images
+
+
+@register_task_kind("reconstruction")
+class Reconstruction(TaskKind):
+    """An image -> the same image (raw [0, 1] pixels), through a decoder head: mean squared error."""
+
+    name = "reconstruction"
+    metrics = ("mse",)
+    shared_metrics = ("mse",)
+    lower_is_better = frozenset({"loss", "mse"})
+
+    def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+        _require(dataset, "images", self.name, where, "images")
+        if "image" not in backbone.modalities:
+            raise ConfigError(f"model.backbone = {backbone.name!r} reads no images and cannot run {where}.kind = "
+                              f"{self.name!r}; use an image backbone.")
+
+    def task_fields(self, dataset: ArrayDataset) -> dict[str, Any]:
+        _, height, width, channels = dataset.images.shape
+        return {"image_shape": (channels, height, width)}
+
+    def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
+        return {"pixel_values": image_tensor(dataset.images[indices])}
+
+    def build_head(self, backbone: Backbone, task: Task) -> nn.Module:
+        return ImageDecoder(backbone.feature_dim, task.image_shape)
+
+    def loss(self, outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return nn.functional.mse_loss(outputs.float(), batch.get("target_pixels", batch["pixel_values"]))
+
+    def score(self, model: ClientModel, batch: Batch) -> dict[str, float]:
+        outputs = model(batch).float()
+        target = batch.get("target_pixels", batch["pixel_values"])
+        return {"mse": ((outputs - target) ** 2).flatten(1).mean(dim=1).sum().item()}
+
+    def summarize(self, sums: dict[str, float], count: int) -> dict[str, float]:
+        return {"mse": sums["mse"] / count}
+
+
+def infer_kind(dataset: ArrayDataset) -> str:
+    """The kind a dataset's columns call for: options -> multiple_choice, labels -> classification, target
+    text -> text_generation, images alone -> reconstruction."""
+    if dataset.choices is not None:
+        return "multiple_choice"
+    if dataset.labels is not None:
+        return "classification"
+    if dataset.target is not None:
+        return "text_generation"
+    return "reconstruction"

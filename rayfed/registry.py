@@ -1,0 +1,210 @@
+"""The one plug-in mechanism, for everything a user may bring.
+
+A method, a data source, a partitioner, a backbone and a task kind are each given (in a config, or in a
+``Simulation(...)`` call from Python) as
+
+- a registered name (``fedavg``, ``sklearn:digits``, ``dirichlet``, ``tiny:vit``, ``classification``),
+  including prefix entries that take the rest of the name as their argument (``hf:<dataset>``);
+- an importable ``"package.module:Name"`` string;
+- or, from Python, the object itself.
+
+Built-ins register through the same decorators as users (``@register_method("fedavg")``); their modules
+are imported the first time a kind is looked up. What a driver script registers is shipped to the actors
+with the run (:func:`user_entries`, :func:`install`), so a class defined in a user's ``__main__`` works on
+every actor.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rayfed.errors import ConfigError, suggest
+
+T = TypeVar("T")
+
+# kind -> the config field it is named in (for error messages), and the modules holding its built-ins
+KINDS: dict[str, str] = {
+    "method": "methods[i].name",
+    "source": "data.source",
+    "partitioner": "data.partition.name",
+    "backbone": "model.backbone",
+    "task_kind": "data.kind",
+}
+_BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
+    "method": ("rayfed.methods",),
+    "source": ("rayfed.data.sources",),
+    "partitioner": ("rayfed.data.partition",),
+    "backbone": ("rayfed.models", "rayfed.clip"),
+    "task_kind": ("rayfed.kinds",),
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered plug-in. A ``prefix`` entry (its name ends with ``:``) answers every name that starts
+    with it and receives the rest as its argument."""
+
+    kind: str
+    name: str
+    obj: Any
+    builtin: bool
+    help: str = ""
+
+    @property
+    def prefix(self) -> bool:
+        return self.name.endswith(":")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A plug-in as resolved from a config value: the object, the name it goes by, and a prefix's argument."""
+
+    obj: Any
+    name: str
+    argument: str | None = None
+
+
+_ENTRIES: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
+_loaded: set[str] = set()
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"plug-in kind {kind!r} is not one of {', '.join(KINDS)}")
+
+
+def register(kind: str, name: str, obj: T | None = None, *, help: str = "") -> T | Callable[[T], T]:
+    """Register ``obj`` as plug-in ``name`` of ``kind``; without ``obj``, a decorator.
+
+    A name ending with ``:`` is a prefix: ``register("source", "mydata:", load)`` makes ``mydata:train``
+    resolve to ``load`` with the argument ``"train"``. Registering a name again replaces the entry.
+    """
+    _check_kind(kind)
+    if not name or any(c.isspace() for c in name):
+        raise ConfigError(f"a {kind} plug-in name must be a non-empty word, not {name!r}.")
+
+    def add(target: T) -> T:
+        text = help or _first_sentence(getattr(target, "__doc__", None) or "")
+        builtin = str(getattr(target, "__module__", "")).startswith("rayfed.")
+        _ENTRIES[kind][name] = Entry(kind, name, target, builtin, text)
+        return target
+
+    return add if obj is None else add(obj)
+
+
+def _first_sentence(doc: str) -> str:
+    text = " ".join(doc.split())
+    end = text.find(". ")
+    return text if end < 0 else text[:end + 1]
+
+
+def register_method(name: str) -> Callable[[T], T]:
+    """Decorator: ``@rayfed.register_method("fedavgm")`` on a :class:`~rayfed.method.Method` subclass."""
+    return register("method", name)
+
+
+def register_source(name: str) -> Callable[[T], T]:
+    """Decorator on a function ``(request: SourceRequest) -> dataset`` (see ``docs/extending.md``)."""
+    return register("source", name)
+
+
+def register_partitioner(name: str) -> Callable[[T], T]:
+    """Decorator on a function ``(request: PartitionRequest) -> list of index arrays``, one per client."""
+    return register("partitioner", name)
+
+
+def register_backbone(name: str) -> Callable[[T], T]:
+    """Decorator on a function ``(request: BackboneRequest) -> Backbone``."""
+    return register("backbone", name)
+
+
+def register_task_kind(name: str) -> Callable[[T], T]:
+    """Decorator on a :class:`~rayfed.kinds.TaskKind` subclass (instantiated without arguments)."""
+    return register("task_kind", name)
+
+
+def _load_builtins(kind: str) -> None:
+    if kind not in _loaded:
+        _loaded.add(kind)
+        for module in _BUILTIN_MODULES[kind]:
+            importlib.import_module(module)
+
+
+def entries(kind: str) -> list[Entry]:
+    """Every registered plug-in of ``kind``, built-ins first, each group in registration order."""
+    _check_kind(kind)
+    _load_builtins(kind)
+    registered = list(_ENTRIES[kind].values())
+    return [e for e in registered if e.builtin] + [e for e in registered if not e.builtin]
+
+
+def names(kind: str) -> list[str]:
+    """The names a config may use for ``kind`` (prefix entries shown as ``prefix<...>``)."""
+    return [entry.name + ("<...>" if entry.prefix else "") for entry in entries(kind)]
+
+
+def resolve(kind: str, value: Any, field: str | None = None) -> Resolved:
+    """The plug-in ``value`` names (or is); one sentence naming ``field`` and the choices if there is none."""
+    _check_kind(kind)
+    field = field or KINDS[kind]
+    if not isinstance(value, str):
+        return Resolved(value, name_of(kind, value))
+    _load_builtins(kind)
+    registered = _ENTRIES[kind]
+    if value in registered:
+        return Resolved(registered[value].obj, value)
+    prefixes = [name for name in registered if name.endswith(":") and value.startswith(name)]
+    if prefixes:
+        longest = max(prefixes, key=len)
+        return Resolved(registered[longest].obj, value, value[len(longest):])
+    if ":" in value:
+        return Resolved(import_object(value, field), value)
+    allowed = names(kind)
+    raise ConfigError(
+        f"{field} = {value!r} is not known{suggest(value, allowed)}; allowed: {', '.join(allowed)}, "
+        "or an importable 'package.module:Name'."
+    )
+
+
+def import_object(path: str, field: str) -> Any:
+    """The object named by ``"package.module:Name"`` (``Name`` may be dotted: ``module:Class.attr``)."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"{field} = {path!r} is not of the form 'package.module:Name'.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"{field} = {path!r}: module {module_name!r} cannot be imported ({err}).") from None
+    target: Any = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            available = [n for n in dir(target) if not n.startswith("_")]
+            raise ConfigError(
+                f"{field} = {path!r}: module {module_name!r} has no attribute {attribute!r}{suggest(part, available)}."
+            )
+        target = getattr(target, part)
+    return target
+
+
+def name_of(kind: str, obj: Any) -> str:
+    """The name a config dump gives ``obj``: its registered name, else ``"module:QualifiedName"``."""
+    for entry in _ENTRIES[kind].values():
+        if entry.obj is obj and not entry.prefix:
+            return entry.name
+    owner = obj if isinstance(obj, type) or callable(obj) else type(obj)
+    qualname = getattr(owner, "__qualname__", type(owner).__qualname__)
+    return f"{getattr(owner, '__module__', '__main__')}:{qualname}"
+
+
+def user_entries() -> list[Entry]:
+    """What this process registered beyond the built-ins: shipped to actors with a run (:func:`install`)."""
+    return [entry for kind in KINDS for entry in _ENTRIES[kind].values() if not entry.builtin]
+
+
+def install(shipped: Iterable[Entry]) -> None:
+    """Register entries shipped from the driver, as they were registered there."""
+    for entry in shipped:
+        _ENTRIES[entry.kind][entry.name] = entry
