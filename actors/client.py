@@ -30,15 +30,6 @@ Payloads = dict[int, TensorDict | None]
 
 
 @dataclass
-class MethodStart:
-    """What a ClientActor tells the DriverActor when a method starts: the initial shared parameters, and the
-    tasks each parameter belongs to (untagged ones are shared by all tasks)."""
-
-    shared: TensorDict
-    tags: dict[str, frozenset[int]]
-
-
-@dataclass
 class RoundUploads:
     """One actor's part of a round: what goes to the server, and what its clients sent and lost."""
 
@@ -87,9 +78,9 @@ class ClientActor:
         self.round_times: list[dict[str, float]] = []
         self._update_s = 0.0
 
-    def start_method(self, method_index: int) -> MethodStart:
+    def start_method(self, method_index: int) -> TensorDict:
         """Build the method's client model and every hosted client's initial state; return the initial shared
-        parameters and the parameters' task tags."""
+        parameters."""
         entry = self.config.methods[method_index]
         self.method = self.methods[method_index]
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
@@ -104,7 +95,11 @@ class ClientActor:
         self.states = {cid: self.method.init_client(self.initial[cid]) for cid in self.client_ids}
         self.initial_features: dict[int, torch.Tensor] = {}
         shared, _ = self.method.split(initial)
-        return MethodStart(shared, self.tags)
+        return shared
+
+    def task_tags(self) -> dict[str, frozenset[int]]:
+        """The tasks each parameter of the method's model belongs to (untagged ones are shared by all)."""
+        return self.tags
 
     def _resident_device(self, nbytes: int) -> torch.device:
         """Where hosted clients' data or state (``nbytes`` in all) live between rounds: the GPU when

@@ -9,27 +9,37 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rayfed import registry
-from rayfed.actors.client import MethodStart, RoundUploads
+from rayfed.actors.client import RoundUploads, run_methods
 from rayfed.config import RunConfig, build_config
+from rayfed.data.clients import build_federation
 from rayfed.method import Method, ServerState, TensorDict, tensor_bytes, tensor_params
 from rayfed.tasks import client_tasks, task_view
 from rayfed.transport import use_raw_tensor_transport
 
 
 class DriverActor:
-    def __init__(self, config: RunConfig | dict, methods: Sequence[Method], plugins: Sequence[registry.Entry] = ()):
+    def __init__(
+        self, config: RunConfig | dict, methods: Sequence[Method] | None = None, plugins: Sequence[registry.Entry] = (),
+    ):
+        """``methods``: the run's methods as the driver built them (default: built here from the config);
+        ``plugins``: what the driver script registered."""
         registry.install(plugins)
         use_raw_tensor_transport()
         self.config = config if isinstance(config, RunConfig) else build_config(config)
+        if methods is None:
+            methods = run_methods(self.config, build_federation(self.config.data, self.config.seed))
         self.methods = list(methods)
         self.tasks_of = client_tasks(self.config.data)
         self.down_bytes = self.down_params = 0
 
-    def start_method(self, method_index: int, start: MethodStart) -> None:
-        """The method's initial server state, after its pre-federation stage."""
+    def start_method(
+        self, method_index: int, initial_shared: TensorDict, tags: dict[str, frozenset[int]] | None = None,
+    ) -> None:
+        """The method's initial server state, after its pre-federation stage; ``tags``: the tasks each parameter
+        belongs to (``ClientActor.task_tags``), which decide what each client receives."""
         self.method = self.methods[method_index]
-        self.tags = start.tags
-        self.server: ServerState = self.method.before_federation(self.method.init_server(start.shared))
+        self.tags = tags or {}
+        self.server: ServerState = self.method.before_federation(self.method.init_server(initial_shared))
         self.down_bytes = self.down_params = 0
 
     def payloads(self, client_ids: list[int], count_bytes: bool = True) -> dict[int, TensorDict | None]:

@@ -416,7 +416,7 @@ def _per_channel(value: float | tuple[float, ...], images: torch.Tensor) -> floa
 
 def classification_task(num_classes: int) -> Task:
     """The run's one task of the default image -> label path, with ``num_classes`` classes."""
-    return Task(0, "task", resolve("task_kind", "classification").obj(), ("",) * num_classes)
+    return Task(0, "task", ("",) * num_classes)
 
 
 def build_client_model(backbone: Backbone, config: ModelConfig, task: Task | int, seed: int) -> ClientModel:

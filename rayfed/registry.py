@@ -160,13 +160,19 @@ def resolve(kind: str, value: Any, field: str | None = None) -> Resolved:
     if prefixes:
         longest = max(prefixes, key=len)
         return Resolved(registered[longest].obj, value, value[len(longest):])
-    if ":" in value:
-        return Resolved(import_object(value, field), value)
     allowed = names(kind)
-    raise ConfigError(
+    unknown = ConfigError(
         f"{field} = {value!r} is not known{suggest(value, allowed)}; allowed: {', '.join(allowed)}, "
         "or an importable 'package.module:Name'."
     )
+    if ":" not in value:
+        raise unknown
+    try:
+        return Resolved(import_object(value, field), value)
+    except ConfigError:
+        if suggest(value, allowed):  # a misspelt registered name (sklearn:digit), not an import path
+            raise unknown from None
+        raise
 
 
 def import_object(path: str, field: str) -> Any:
@@ -190,13 +196,16 @@ def import_object(path: str, field: str) -> Any:
 
 
 def name_of(kind: str, obj: Any) -> str:
-    """The name a config dump gives ``obj``: its registered name, else ``"module:QualifiedName"``."""
+    """The name a config dump gives ``obj``: its registered name, else ``"module:QualifiedName"``, under which
+    it is then registered (so that the dumped config resolves to the same object, here and on the actors)."""
     for entry in _ENTRIES[kind].values():
         if entry.obj is obj and not entry.prefix:
             return entry.name
     owner = obj if isinstance(obj, type) or callable(obj) else type(obj)
     qualname = getattr(owner, "__qualname__", type(owner).__qualname__)
-    return f"{getattr(owner, '__module__', '__main__')}:{qualname}"
+    name = f"{getattr(owner, '__module__', '__main__')}:{qualname}"
+    register(kind, name, obj)
+    return name
 
 
 def user_entries() -> list[Entry]:

@@ -247,7 +247,8 @@ class Simulation:
         if not self.actors:
             self._start_actors()
         initial = [actor.start_method.remote(method_index) for actor in self.actors]
-        ray.get([*initial, self.driver.start_method.remote(method_index, initial[0])])
+        tags = self.actors[0].task_tags.remote()
+        ray.get([*initial, self.driver.start_method.remote(method_index, initial[0], tags)])
 
     def _stop_actors(self) -> None:
         for actor in [*self.actors, self.driver]:

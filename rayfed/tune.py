@@ -98,10 +98,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import tune as ray_tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
+from rayfed import registry
 from rayfed.config import RunConfig, apply_overrides, build_config, dump_config, load_config
 from rayfed.errors import ConfigError, choice_error, suggest
 from rayfed.io import atomic_write_bytes, atomic_write_text
-from rayfed.simulation import RoundCallback, Simulation, init_ray
+from rayfed.method import build_method
+from rayfed.simulation import RoundCallback, Simulation, import_plugin_modules, init_ray, ship_by_value
 
 __all__ = [
     "SchedulerSpec", "SearchSpace", "SweepResult", "TrialRecord", "TuneSpec", "resume", "trial_resources", "tune",
@@ -384,6 +386,7 @@ class _Sweep:
     callbacks: tuple[RoundCallback, ...]
     max_rounds: int
     trial_needs: dict[str, float]
+    plugins: tuple[registry.Entry, ...] = ()  # what the driver registered, installed in every trial's process
 
     @classmethod
     def build(cls, config: RunConfig, tune_dir: Path, callbacks: list[RoundCallback] | None) -> _Sweep:
@@ -413,7 +416,9 @@ class _Sweep:
                 f"tune.scheduler.grace_period = {asha.grace_period} is more than the {last_rung} rounds "
                 "a trial runs; it must be at most that."
             )
-        return cls(base, spec, space, tune_dir / RUNS_DIR, tuple(callbacks or ()), max_rounds, trial_needs)
+        plugins = tuple(registry.user_entries())
+        ship_by_value(entry.obj for entry in plugins)
+        return cls(base, spec, space, tune_dir / RUNS_DIR, tuple(callbacks or ()), max_rounds, trial_needs, plugins)
 
     def check_cluster(self) -> None:
         """A trial larger than the whole cluster would wait forever: say so instead."""
@@ -475,7 +480,10 @@ def _trial_config(base: dict[str, Any], values: dict[str, Any]) -> RunConfig:
     raw["tune"] = None
     # safe_dump writes values in the form apply_overrides' YAML parsing reads back unchanged (e.g. 1.0e-07).
     overrides = [f"{path}={yaml.safe_dump(value, default_flow_style=True)}" for path, value in values.items()]
-    return build_config(apply_overrides(raw, overrides))
+    config = build_config(apply_overrides(raw, overrides))
+    for index, entry in enumerate(config.methods):  # the methods' hyperparameters, as each trial will build them
+        build_method(entry, index)
+    return config
 
 
 def _checked_configs(base: dict[str, Any], space: SearchSpace) -> list[RunConfig]:
@@ -548,6 +556,7 @@ def _metric_of(spec: TuneSpec, means: dict[str, Any]) -> float:
 
 
 def _run_trial(params: dict[str, Any], sweep: _Sweep) -> None:
+    registry.install(sweep.plugins)
     run_dir = sweep.runs_dir / ray_tune.get_context().get_trial_id()
     callbacks = [*sweep.callbacks, _Reporter(sweep.spec)]  # the reporter last: a stopped trial ends inside it
     if (run_dir / "config.yaml").is_file():  # Tune restarted this trial: continue from its engine checkpoints
@@ -601,6 +610,7 @@ def tune(
     ``verbose`` is Ray Tune's (0 silent, 1 status, 2 with every result).
     """
     run_config = load_config(config, overrides)
+    import_plugin_modules(run_config)
     tune_dir = _fresh_tune_dir(run_config.name, out_dir)
     sweep = _Sweep.build(run_config, tune_dir, callbacks)
     with _ray(run_config):
@@ -621,6 +631,7 @@ def resume(run_dir: str | os.PathLike, *, callbacks: list[RoundCallback] | None 
     """
     tune_dir = _existing_tune_dir(run_dir)
     run_config = load_config(tune_dir / SWEEP_FILE)
+    import_plugin_modules(run_config)
     sweep = _Sweep.build(run_config, tune_dir, callbacks)
     with _ray(run_config):
         sweep.check_cluster()

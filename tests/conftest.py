@@ -44,3 +44,21 @@ def ray_local():
     init_local_ray(num_cpus=4, object_store_memory=5 * 10**8)
     yield
     ray.shutdown()
+
+
+def load_data(source, seed: int = 0, *, synthetic: dict | None = None, group_column: str | None = None, **fields):
+    """``load_source`` of a data config with these fields (``synthetic``: the source's options)."""
+    from rayfed.config import build_config
+    from rayfed.data import load_source
+
+    data = {"source": source, "options": synthetic, **fields}
+    if group_column is not None:
+        data["partition"] = {"column": group_column}
+    return load_source(build_config({"data": data}).data, seed)
+
+
+def method_class(name: str) -> type:
+    """The registered method class ``name``."""
+    from rayfed import registry
+
+    return registry.resolve("method", name).obj

@@ -4,11 +4,15 @@ import pytest
 
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
+from rayfed.method import build_method
 
 
 def _error(raw: dict, overrides: list[str] | None = None) -> str:
+    """The one-sentence error of loading the config and building its methods (as a run does, once)."""
     with pytest.raises(ConfigError) as info:
-        load_config(raw, overrides)
+        config = load_config(raw, overrides)
+        for index, entry in enumerate(config.methods):
+            build_method(entry, index)
     message = str(info.value)
     assert "\n" not in message and message.endswith((".", "?")), message
     return message

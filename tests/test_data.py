@@ -9,22 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rayfed.data import (
-    PARTITIONERS,
-    SOURCES,
-    ArrayDataset,
-    DataError,
-    load_source,
-    partition,
-    split_train_test,
-)
+from conftest import load_data
+from rayfed import registry
+from rayfed.data import ArrayDataset, DataError, partition, split_train_test
 from rayfed.data.sources import FASHION_MNIST_CLASSES, FASHION_MNIST_DEFAULT_DIR
 from rayfed.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
 def digits() -> ArrayDataset:
-    return load_source("sklearn:digits")
+    return load_data("sklearn:digits")
 
 
 def label_histograms(labels: np.ndarray, clients: list[np.ndarray], num_classes: int) -> np.ndarray:
@@ -44,8 +38,9 @@ def mean_distance_to_global(labels: np.ndarray, clients: list[np.ndarray], num_c
 
 
 def test_registry_names() -> None:
-    assert SOURCES == ("sklearn:digits", "fashion_mnist", "hf:<dataset>", "synthetic", "shapes", "parts")
-    assert PARTITIONERS == ("iid", "dirichlet", "shards", "natural", "labeldir", "domain_dirichlet")
+    assert registry.names("source") == [
+        "sklearn:digits", "fashion_mnist", "hf:<...>", "synthetic", "shapes", "parts", "multimodal:<...>"]
+    assert registry.names("partitioner") == ["iid", "dirichlet", "shards", "natural", "labeldir", "domain_dirichlet"]
     assert issubclass(DataError, ConfigError) and issubclass(DataError, ValueError)
 
 
@@ -59,33 +54,33 @@ def test_digits_shapes_and_range(digits: ArrayDataset) -> None:
 
 
 def test_unknown_source_suggests_close_match() -> None:
-    with pytest.raises(DataError, match=r"data\.source = 'sklearn:digit' .*did you mean 'sklearn:digits'\?"):
-        load_source("sklearn:digit")
+    with pytest.raises(ConfigError, match=r"data\.source = 'sklearn:digit' .*did you mean 'sklearn:digits'\?"):
+        load_data("sklearn:digit")
 
 
 def test_max_samples_is_a_seeded_subset(digits: ArrayDataset) -> None:
-    first = load_source("sklearn:digits", max_samples=100, seed=3)
-    again = load_source("sklearn:digits", max_samples=100, seed=3)
-    other = load_source("sklearn:digits", max_samples=100, seed=4)
+    first = load_data("sklearn:digits", max_samples=100, seed=3)
+    again = load_data("sklearn:digits", max_samples=100, seed=3)
+    other = load_data("sklearn:digits", max_samples=100, seed=4)
     assert len(first) == 100
     np.testing.assert_array_equal(first.images, again.images)
     assert not np.array_equal(first.labels, other.labels)
     # every kept sample is a real sample of the full set
     flat = digits.images.reshape(len(digits), -1)
     assert all((flat == image.reshape(-1)).all(axis=1).any() for image in first.images[:10])
-    with pytest.raises(DataError, match=r"data\.max_samples = 0"):
-        load_source("sklearn:digits", max_samples=0)
+    with pytest.raises(ConfigError, match=r"data\.max_samples = 0"):
+        load_data("sklearn:digits", max_samples=0)
 
 
 def test_split_rejected_for_single_split_sources() -> None:
     with pytest.raises(DataError, match=r"data\.split = 'train'"):
-        load_source("sklearn:digits", split="train")
+        load_data("sklearn:digits", split="train")
 
 
 def test_synthetic_is_deterministic_by_seed() -> None:
-    first = load_source("synthetic", seed=1)
-    again = load_source("synthetic", seed=1)
-    other = load_source("synthetic", seed=2)
+    first = load_data("synthetic", seed=1)
+    again = load_data("synthetic", seed=1)
+    other = load_data("synthetic", seed=2)
     np.testing.assert_array_equal(first.images, again.images)
     np.testing.assert_array_equal(first.labels, again.labels)
     np.testing.assert_array_equal(first.groups, again.groups)
@@ -96,7 +91,7 @@ def test_synthetic_is_deterministic_by_seed() -> None:
 
 
 def test_synthetic_options_and_learnable_classes() -> None:
-    data = load_source(
+    data = load_data(
         "synthetic", synthetic={"num_samples": 90, "num_classes": 3, "image_size": 4, "channels": 3, "noise": 0.05}
     )
     assert data.images.shape == (90, 4, 4, 3) and np.bincount(data.labels).tolist() == [30, 30, 30]
@@ -104,21 +99,21 @@ def test_synthetic_options_and_learnable_classes() -> None:
     means = np.stack([data.images[data.labels == k].mean(axis=0) for k in range(3)])
     distances = ((data.images[:, None] - means[None]) ** 2).sum(axis=(2, 3, 4))
     assert (distances.argmin(axis=1) == data.labels).all()
-    with pytest.raises(DataError, match=r"data\.synthetic\.num_samples = 0"):
-        load_source("synthetic", synthetic={"num_samples": 0})
-    with pytest.raises(DataError, match=r"data\.synthetic has no option 'num_sample' \(did you mean 'num_samples'"):
-        load_source("synthetic", synthetic={"num_sample": 10})
-    with pytest.raises(DataError, match=r"data\.synthetic is set"):
-        load_source("sklearn:digits", synthetic={"num_samples": 10})
+    with pytest.raises(DataError, match=r"data\.options\.num_samples = 0"):
+        load_data("synthetic", synthetic={"num_samples": 0})
+    with pytest.raises(DataError, match=r"data\.options has no option 'num_sample' \(did you mean 'num_samples'"):
+        load_data("synthetic", synthetic={"num_sample": 10})
+    with pytest.raises(DataError, match=r"data\.options is set but data\.source = 'sklearn:digits' takes no options"):
+        load_data("sklearn:digits", synthetic={"num_samples": 10})
 
 
 def test_group_column_per_source() -> None:
-    writers = load_source("synthetic", group_column="writer").groups
-    np.testing.assert_array_equal(writers, load_source("synthetic").groups)
+    writers = load_data("synthetic", group_column="writer").groups
+    np.testing.assert_array_equal(writers, load_data("synthetic").groups)
     with pytest.raises(DataError, match=r"data\.partition\.column = 'author' is not a column of 'synthetic'"):
-        load_source("synthetic", group_column="author")
+        load_data("synthetic", group_column="author")
     with pytest.raises(DataError, match=r"data\.partition\.column = 'writer' cannot be used with source"):
-        load_source("sklearn:digits", group_column="writer")
+        load_data("sklearn:digits", group_column="writer")
 
 
 def test_hf_float_arrays_and_bad_pixels(tmp_path: Path) -> None:
@@ -126,13 +121,13 @@ def test_hf_float_arrays_and_bad_pixels(tmp_path: Path) -> None:
     unit = np.linspace(0, 1, 12, dtype=np.float32).reshape(2, 3, 2)
     folder = tmp_path / "floats"
     datasets.Dataset.from_dict({"image": unit.tolist(), "label": [7, 3]}).save_to_disk(str(folder))
-    data = load_source("hf:" + str(folder))
+    data = load_data("hf:" + str(folder))
     assert data.images.shape == (2, 3, 2, 1) and data.class_names == ("3", "7") and data.labels.tolist() == [1, 0]
     np.testing.assert_allclose(data.images[..., 0], unit, rtol=1e-6)
     bad = tmp_path / "bad"
     datasets.Dataset.from_dict({"image": (unit * 300).tolist(), "label": [0, 1]}).save_to_disk(str(bad))
     with pytest.raises(DataError, match=r"data\.image_column = 'image' has pixel values outside"):
-        load_source("hf:" + str(bad))
+        load_data("hf:" + str(bad))
 
 
 def write_idx(file: Path, array: np.ndarray) -> None:
@@ -151,9 +146,9 @@ def tiny_fashion_dir(tmp_path: Path) -> Path:
 
 
 def test_fashion_mnist_from_idx_files(tiny_fashion_dir: Path) -> None:
-    pooled = load_source("fashion_mnist", path=str(tiny_fashion_dir))
-    train = load_source("fashion_mnist", path=str(tiny_fashion_dir), split="train")
-    test = load_source("fashion_mnist", path=str(tiny_fashion_dir), split="test")
+    pooled = load_data("fashion_mnist", path=str(tiny_fashion_dir))
+    train = load_data("fashion_mnist", path=str(tiny_fashion_dir), split="train")
+    test = load_data("fashion_mnist", path=str(tiny_fashion_dir), split="test")
     assert pooled.images.shape == (17, 28, 28, 1) and len(train) == 12 and len(test) == 5
     assert pooled.class_names == FASHION_MNIST_CLASSES and pooled.num_classes == 10
     np.testing.assert_array_equal(pooled.labels, np.concatenate([np.arange(12) % 10, np.arange(5)]))
@@ -162,17 +157,17 @@ def test_fashion_mnist_from_idx_files(tiny_fashion_dir: Path) -> None:
     np.testing.assert_allclose(test.images[0, ..., 0], raw_first / 255.0, rtol=1e-6)
     assert pooled.images.dtype == np.float32 and pooled.images.max() <= 1.0
     with pytest.raises(DataError, match=r"data\.split = 'valid'"):
-        load_source("fashion_mnist", path=str(tiny_fashion_dir), split="valid")
+        load_data("fashion_mnist", path=str(tiny_fashion_dir), split="valid")
 
 
 def test_fashion_mnist_missing_and_corrupt_files(tmp_path: Path, tiny_fashion_dir: Path) -> None:
     missing = tmp_path / "nothing-here"
     with pytest.raises(DataError, match=r"data\.path: '.*nothing-here' has no Fashion-MNIST IDX files"):
-        load_source("fashion_mnist", path=str(missing))
+        load_data("fashion_mnist", path=str(missing))
     with gzip.open(tiny_fashion_dir / "train-labels-idx1-ubyte.gz", "wb") as stream:
         stream.write(b"not an idx file")
     with pytest.raises(DataError, match=r"data\.path: '.*train-labels-idx1-ubyte\.gz' is not an IDX file"):
-        load_source("fashion_mnist", path=str(tiny_fashion_dir))
+        load_data("fashion_mnist", path=str(tiny_fashion_dir))
 
 
 @pytest.mark.skipif(
@@ -180,7 +175,7 @@ def test_fashion_mnist_missing_and_corrupt_files(tmp_path: Path, tiny_fashion_di
     reason="Debian's dataset-fashion-mnist is not installed",
 )
 def test_fashion_mnist_from_debian_location() -> None:
-    test = load_source("fashion_mnist", split="test")
+    test = load_data("fashion_mnist", split="test")
     assert test.images.shape == (10000, 28, 28, 1)
     assert np.bincount(test.labels).tolist() == [1000] * 10
     assert 0.0 <= test.images.min() and test.images.max() == 1.0
@@ -212,24 +207,24 @@ def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndar
 
 def test_hf_round_trip_from_save_to_disk(tiny_hf_dir: tuple[Path, np.ndarray]) -> None:
     folder, pixels = tiny_hf_dir
-    data = load_source("hf:" + str(folder), image_column="img", label_column="target", group_column="writer")
+    data = load_data("hf:" + str(folder), image_column="img", label_column="target", group_column="writer")
     assert data.images.shape == (6, 5, 4, 3) and data.images.dtype == np.float32
     np.testing.assert_allclose(data.images, pixels / 255.0, rtol=1e-6)
     assert data.class_names == ("cat", "dog", "eel")
     assert data.labels.tolist() == [0, 1, 2, 0, 1, 2]
     assert data.groups.tolist() == ["w1", "w2", "w1", "w2", "w1", "w2"]
-    via_path = load_source("hf:tiny", path=str(folder), image_column="img", label_column="target")
+    via_path = load_data("hf:tiny", path=str(folder), image_column="img", label_column="target")
     np.testing.assert_array_equal(via_path.images, data.images)
 
 
 def test_hf_missing_column_lists_columns(tiny_hf_dir: tuple[Path, np.ndarray]) -> None:
     folder, _ = tiny_hf_dir
     with pytest.raises(DataError, match=r"data\.image_column = 'image' .*columns: img, target, writer"):
-        load_source("hf:" + str(folder), label_column="target")
+        load_data("hf:" + str(folder), label_column="target")
     with pytest.raises(DataError, match=r"data\.label_column = 'label' .*columns: img, target, writer"):
-        load_source("hf:" + str(folder), image_column="img")
+        load_data("hf:" + str(folder), image_column="img")
     with pytest.raises(DataError, match=r"data\.partition\.column = 'author' .*columns: img, target, writer"):
-        load_source("hf:" + str(folder), image_column="img", label_column="target", group_column="author")
+        load_data("hf:" + str(folder), image_column="img", label_column="target", group_column="author")
 
 
 def test_hf_dataset_dict_grayscale_and_plain_labels(tmp_path: Path) -> None:
@@ -242,14 +237,14 @@ def test_hf_dataset_dict_grayscale_and_plain_labels(tmp_path: Path) -> None:
 
     folder = tmp_path / "dict"
     datasets.DatasetDict({"train": part(["b", "a", "c"]), "test": part(["c", "b"])}).save_to_disk(str(folder))
-    pooled = load_source("hf:" + str(folder))
+    pooled = load_data("hf:" + str(folder))
     assert pooled.images.shape == (5, 3, 2, 1)
     assert pooled.class_names == ("a", "b", "c") and pooled.labels.tolist() == [1, 0, 2, 2, 1]
     np.testing.assert_allclose(pooled.images[:3, 0, 0, 0], [0.0, 0.2, 0.4], rtol=1e-6)
-    test = load_source("hf:" + str(folder), split="test")
+    test = load_data("hf:" + str(folder), split="test")
     assert test.class_names == ("b", "c") and test.labels.tolist() == [1, 0]
     with pytest.raises(DataError, match=r"data\.split = 'tset' .*did you mean 'test'.*available: train, test"):
-        load_source("hf:" + str(folder), split="tset")
+        load_data("hf:" + str(folder), split="tset")
 
 
 def test_hf_unloadable_dataset_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -259,10 +254,10 @@ def test_hf_unloadable_dataset_is_one_clear_error(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(DataError, match=r"^data\.source = 'hf:no-such/dataset-xyz' could not be loaded") as info:
-        load_source("hf:no-such/dataset-xyz")
+        load_data("hf:no-such/dataset-xyz")
     assert info.value.__cause__ is not None
     with pytest.raises(DataError, match=r"data\.path = '.*absent' is not a folder"):
-        load_source("hf:x", path=str(tmp_path / "absent"))
+        load_data("hf:x", path=str(tmp_path / "absent"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +351,7 @@ def test_shards_errors(digits: ArrayDataset) -> None:
 
 
 def test_natural_one_client_per_group() -> None:
-    data = load_source("synthetic", synthetic={"num_samples": 120, "num_writers": 12})
+    data = load_data("synthetic", synthetic={"num_samples": 120, "num_writers": 12})
     clients = partition(data.labels, 12, "natural", seed=0, groups=data.groups)
     assert [np.unique(data.groups[c]).tolist() for c in clients] == [[g] for g in range(12)]
     assert len(np.concatenate(clients)) == 120
@@ -381,9 +376,9 @@ def test_natural_errors() -> None:
 def test_partition_general_errors(digits: ArrayDataset) -> None:
     with pytest.raises(DataError, match=r"data\.num_clients = 0 is invalid"):
         partition(digits.labels, 0, "iid", seed=0)
-    with pytest.raises(DataError, match=r"data\.partition\.name = 'dirichlett' .*did you mean 'dirichlet'"):
+    with pytest.raises(ConfigError, match=r"data\.partition\.name = 'dirichlett' .*did you mean 'dirichlet'"):
         partition(digits.labels, 3, "dirichlett", seed=0)
-    with pytest.raises(DataError, match=r"data\.partition: client 7 has no samples \(iid split of 7 samples"):
+    with pytest.raises(DataError, match=r"data\.partition: client 7 has no samples \(iid over 8 clients\)"):
         partition(np.arange(7) % 2, 8, "iid", seed=0, min_samples=1)
 
 

@@ -15,8 +15,8 @@ from rayfed.actors.driver import DriverActor
 from rayfed.config import ModelConfig, load_config
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
-from rayfed.method import Upload
-from rayfed.methods import METHODS
+from rayfed.method import Upload, build_method
+from conftest import method_class
 from rayfed.methods.feddyn import FedDyn, FedDynParams
 from rayfed.methods.fedyolo import FedYoloParams
 from rayfed.models import VIT_SIZES, build_backbone, build_client_model, build_task_model
@@ -171,7 +171,7 @@ def _trajectory(run: dict, rounds: int = 3) -> dict[str, torch.Tensor]:
     config = load_config(run)
     actor = ClientActor(config.to_dict(), list(range(config.data.num_clients)))
     driver = DriverActor(config.to_dict())
-    driver.start_method(0, actor.start_method(0))
+    driver.start_method(0, actor.start_method(0), actor.task_tags())
     for round_idx in range(rounds):
         sampled = sample_round(config, round_idx)
         driver.aggregate(actor.train_round(round_idx, sampled, driver.payloads(sampled), {cid: 1.0 for cid in sampled}))
@@ -200,8 +200,8 @@ def test_private_uploads_send_every_tasks_slots_and_give_the_same_parameters(tin
     assert all(torch.equal(default[n], value) for n, value in _trajectory(_multitask_run(copy.deepcopy(tiny_run), tasks, [private])).items())
     run = _multitask_run(copy.deepcopy(tiny_run), tasks, [private])
     actor = ClientActor(load_config(run).to_dict(), [0, 3])
-    assert not METHODS["fedyolo"](FedYoloParams(private_uploads=True)).presums_uploads
-    assert METHODS["fedyolo"](FedYoloParams()).presums_uploads  # the default still pre-sums on actors
+    assert not method_class("fedyolo")(FedYoloParams(private_uploads=True)).presums_uploads
+    assert method_class("fedyolo")(FedYoloParams()).presums_uploads  # the default still pre-sums on actors
     everything = actor.start_method(0)
     sent = actor.train(0, [0, 3], {0: task_view(everything, 0), 3: task_view(everything, 1)})
     for upload, own in zip(sent, (0, 1)):
@@ -222,7 +222,7 @@ def test_fedyolo_clients_hold_only_their_tasks_view(tiny_run, sharing, dedicated
     dedicated = {int(n.split("layers.")[1].split(".")[0]) for n in everything if "adapters.task_1" in n}
     assert dedicated == dedicated_blocks
     driver = DriverActor(load_config(run).to_dict())
-    driver.start_method(0, everything)
+    driver.start_method(0, everything, actor.task_tags())
     payloads = driver.payloads([0, 3])
     assert all(task_of_name(n) in (None, 0) for n in payloads[0])
     assert all(task_of_name(n) in (None, 1) for n in payloads[3])
@@ -237,7 +237,7 @@ def test_a_task_without_sampled_clients_keeps_its_modules_and_shared_modules_ave
     actor = ClientActor(load_config(run).to_dict(), [0, 1])
     driver = DriverActor(load_config(run).to_dict())
     initial = actor.start_method(0)
-    driver.start_method(0, initial)
+    driver.start_method(0, initial, actor.task_tags())
     uploads = actor.train(0, [0, 1], driver.payloads([0, 1]))
     driver.aggregate(RoundUploads(uploads, 0, 0, {}))
     after = driver.get_state()["global"]
@@ -288,7 +288,7 @@ def test_task_config_errors_name_the_field(tiny_run):
         load_config({"data": {"source": "fashion_mnist", "tasks": [_task("a", 4, 0)]},
                      "federation": {"clients_per_round": 2}})
     with pytest.raises(ConfigError, match=r"fedyolo.*sharing must be one of none, half, all"):
-        load_config({"methods": [{"name": "fedyolo", "sharing": "some"}]})
+        build_method(load_config({"methods": [{"name": "fedyolo", "sharing": "some"}]}).methods[0], 0)
 
 
 # FedDyn -------------------------------------------------------------------------------------
@@ -322,11 +322,11 @@ def test_every_client_of_a_classes_per_client_partition_has_c_classes_and_100_tr
         "num_clients": 20, "partition": {"name": "shards", "classes_per_client": classes_per_client,
                                          "samples_per_client": 100, "test_samples_per_client": 40}},
         "federation": {"clients_per_round": 5}}).data
-    federation = build_federation(data, seed=1)
-    labels = federation.dataset.labels
-    used = np.concatenate([np.concatenate(split) for split in federation.splits])
+    (holding,) = build_federation(data, seed=1).holdings
+    labels = holding.dataset.labels
+    used = np.concatenate([np.concatenate(split) for split in holding.splits])
     assert len(used) == len(np.unique(used))  # no sample is reused
-    for train, test in federation.splits:
+    for train, test in holding.splits:
         assert len(train) == 100 and len(test) == 40
         assert len(np.unique(labels[train])) == classes_per_client
         assert set(labels[test]) == set(labels[train])
@@ -339,16 +339,17 @@ def test_a_global_test_set_holds_samples_no_client_holds_and_gives_global_acc(ti
                                   "test_samples_per_client": 4, "global_test_samples": 30})  # fmt: skip
     config = load_config(run)
     federation = build_federation(config.data, config.seed)
-    (name, (indices, task, exclude_own)), = federation.shared_eval.items()
-    held = np.concatenate([np.concatenate(split) for split in federation.splits])
+    (shared,) = federation.shared
+    name, indices, task, exclude_own = shared.name, shared.indices, shared.task, shared.exclude_own_classes
+    held = np.concatenate([np.concatenate(split) for split in shared.holding.splits])
     assert (name, task, exclude_own, len(indices), len(np.unique(indices))) == ("global", 0, False, 30, 30)
     assert not set(indices) & set(held)
-    assert len(np.unique(federation.dataset.labels[indices])) > 2  # more classes than any one client holds
+    assert len(np.unique(shared.holding.dataset.labels[indices])) > 2  # more classes than any one client holds
     actor = ClientActor(config.to_dict(), [0, 1])
     shared = actor.start_method(0)
     metrics = actor.evaluate(0, {0: shared, 1: shared})
-    model_preds = actor.model(actor.eval_sets[0].x.to(actor.device)).argmax(-1).cpu()
-    expected = float((model_preds == actor.eval_sets[0].y.cpu()).float().mean())
+    model_preds = actor.model(actor.eval_sets[0].columns["pixel_values"].to(actor.device)).argmax(-1).cpu()
+    expected = float((model_preds == actor.eval_sets[0].columns["labels"].cpu()).float().mean())
     assert metrics[0]["global_acc"] == metrics[1]["global_acc"] == pytest.approx(expected)
     run["data"]["partition"]["global_test_samples"] = 10**6
     with pytest.raises(ConfigError, match=r"data\.partition\.global_test_samples = 1000000 is more than the \d+ samples"):
@@ -391,10 +392,10 @@ def test_warmup_cosine_schedule_rises_linearly_then_decays_to_zero():
     from rayfed.training import scheduled_lr
 
     config = TrainConfig(schedule="warmup_cosine", warmup_steps=10, decay_steps=110)
-    assert scheduled_lr(config, 0.03, 0) == pytest.approx(0.003)
-    assert scheduled_lr(config, 0.03, 9) == pytest.approx(0.03)
-    assert scheduled_lr(config, 0.03, 60) == pytest.approx(0.015)
-    assert scheduled_lr(config, 0.03, 110) == pytest.approx(0.0, abs=1e-12)
+    assert scheduled_lr(config, 0.03, 0, 0) == pytest.approx(0.003)
+    assert scheduled_lr(config, 0.03, 0, 9) == pytest.approx(0.03)
+    assert scheduled_lr(config, 0.03, 5, 60) == pytest.approx(0.015)
+    assert scheduled_lr(config, 0.03, 9, 110) == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(ConfigError, match="needs train.decay_steps"):
         load_config({"train": {"schedule": "warmup_cosine"}})
 
@@ -420,9 +421,9 @@ def test_natural_partition_keeps_only_groups_within_the_size_filter():
         "num_clients": 20, "test_fraction": 0.5,
         "partition": {"name": "natural", "column": "writer", "max_group_size": 3}},
         "federation": {"clients_per_round": 2}}).data
-    federation = build_federation(data, seed=0)
-    assert len(federation.dataset.labels) == 60  # the 20 writers of 3 samples; the 10 of 4 are dropped
-    assert all(len(train) + len(test) == 3 for train, test in federation.splits)
+    (holding,) = build_federation(data, seed=0).holdings
+    assert len(holding.dataset.labels) == 60  # the 20 writers of 3 samples; the 10 of 4 are dropped
+    assert all(len(train) + len(test) == 3 for train, test in holding.splits)
     with pytest.raises(ConfigError, match="more than the 20 groups"):
         build_federation(data.model_copy(update={"num_clients": 21}), seed=0)
 

@@ -14,7 +14,9 @@ import transformers
 from rayfed import zoo
 from rayfed.config import ModelConfig
 from rayfed.data import parts
-from rayfed.data.sources import DataError, load_source
+from rayfed.data.sources import DataError
+
+from conftest import load_data
 from rayfed.models import build_backbone, build_client_model
 from rayfed.zoo import cache, vit_ladder
 
@@ -61,14 +63,14 @@ def test_render_is_seeded_balanced_and_keeps_the_world() -> None:
 
 
 def test_parts_source_and_its_errors() -> None:
-    dataset = load_source("parts", seed=0, synthetic={"num_samples": 40, "label_space": "coarse"})
+    dataset = load_data("parts", seed=0, synthetic={"num_samples": 40, "label_space": "coarse"})
     assert dataset.class_names == parts.class_names("coarse") and len(dataset) == 40
-    with pytest.raises(DataError, match=r"data\.synthetic\.label_space = 'medium'.*upstream, fine, coarse"):
-        load_source("parts", synthetic={"label_space": "medium"})
-    with pytest.raises(DataError, match=r"data\.synthetic\.world = -1"):
-        load_source("parts", synthetic={"world": -1})
+    with pytest.raises(DataError, match=r"data\.options\.label_space = 'medium'.*upstream, fine, coarse"):
+        load_data("parts", synthetic={"label_space": "medium"})
+    with pytest.raises(DataError, match=r"data\.options\.world = -1"):
+        load_data("parts", synthetic={"world": -1})
     with pytest.raises(DataError, match=r"no option 'classes'"):
-        load_source("parts", synthetic={"classes": 3})
+        load_data("parts", synthetic={"classes": 3})
 
 
 @pytest.mark.parametrize("size", "tsb")
@@ -178,7 +180,7 @@ def test_the_ladder_configs_use_a_shipped_backbone_and_the_papers_partitions(nam
     config = load_config(Path(__file__).parents[1] / "configs" / "fedyolo" / name)
     assert zoo.shipped(config.model.backbone.removeprefix("tiny-pretrained:"))
     federation = build_federation(config.data, config.seed)
-    for part, classes in zip(getattr(federation, "parts", [federation]), (20, 2)):  # fine, then coarse
+    for part, classes in zip(federation.holdings, (20, 2)):  # fine, then coarse
         assert len(part.splits) == 20
         for train, test in part.splits:
             assert len(train) == 100 and len(test) == 100

@@ -8,7 +8,7 @@ import torch
 from rayfed.actors.client import ClientActor
 from rayfed.config import load_config
 from rayfed.method import Method, PartialSum, Upload, presum, weighted_mean
-from rayfed.methods import METHODS
+from conftest import method_class
 
 
 def _actor(tiny_run: dict, methods: list, **train) -> ClientActor:
@@ -93,7 +93,7 @@ def test_each_tensor_is_averaged_over_the_uploads_that_contain_it_and_the_rest_k
     mean = weighted_mean([a, b], "shared")
     assert mean == {"w": torch.tensor([4.0]), "head_a": torch.tensor([2.0]), "head_b": torch.tensor([8.0])}
     server = {"global": {"w": torch.zeros(1), "head_a": torch.zeros(1), "head_b": torch.zeros(1), "head_c": torch.ones(1)}}
-    assert METHODS["fedavg"]().aggregate(server, [a, b])["global"]["head_c"] == torch.ones(1)
+    assert method_class("fedavg")().aggregate(server, [a, b])["global"]["head_c"] == torch.ones(1)
 
 
 def test_partial_sums_from_actors_give_the_same_float32_mean_as_every_upload():
@@ -117,7 +117,7 @@ def test_only_methods_that_keep_the_weighted_mean_aggregate_are_pre_summed():
         def aggregate(self, server, uploads):
             return server
 
-    assert METHODS["fedavg"]().presums_uploads and METHODS["ditto"]().presums_uploads
+    assert method_class("fedavg")().presums_uploads and method_class("ditto")().presums_uploads
     assert not CustomAggregate().presums_uploads
 
 

@@ -8,7 +8,7 @@ import transformers
 
 from rayfed.config import LoraConfig, ModelConfig
 from rayfed.errors import ConfigError
-from rayfed.models import build_backbone, build_client_model, check_image_channels
+from rayfed.models import build_backbone, build_client_model, check_image_channels, cls_features, pooler_features
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=8)
 
@@ -20,7 +20,7 @@ def test_hf_vit_loads_from_a_save_pretrained_folder(tmp_path):
     backbone = build_backbone(ModelConfig(backbone=f"hf:{tmp_path}", lora=None), seed=123)
     loaded = dict(backbone.encoder.named_parameters())
     assert all(torch.equal(loaded[n], p) for n, p in saved.named_parameters())
-    assert (backbone.feature_dim, backbone.image_size, backbone.pooling) == (32, 16, "cls")
+    assert (backbone.feature_dim, backbone.image_size, backbone.features) == (32, 16, cls_features)
 
 
 def test_hf_clip_vision_tower_loads_from_a_full_clip_folder(tmp_path):
@@ -31,8 +31,8 @@ def test_hf_clip_vision_tower_loads_from_a_full_clip_folder(tmp_path):
     )
     transformers.CLIPModel(config).save_pretrained(tmp_path)
     backbone = build_backbone(ModelConfig(backbone=f"hf:{tmp_path}"), seed=0)
-    assert backbone.pooling == "pooler" and backbone.feature_dim == 32
-    model = build_client_model(backbone, ModelConfig(backbone=f"hf:{tmp_path}"), num_classes=5, seed=0)
+    assert backbone.features is pooler_features and backbone.feature_dim == 32
+    model = build_client_model(backbone, ModelConfig(backbone=f"hf:{tmp_path}"), 5, seed=0)
     assert model(torch.zeros(2, 3, 16, 16)).shape == (2, 5)
 
 
@@ -48,7 +48,7 @@ def test_unknown_backbone_suggests_a_name():
 
 def test_lora_and_head_are_the_only_trainable_parameters():
     config = ModelConfig(backbone="tiny:vit", lora=LoraConfig(rank=2, targets=("q_proj", "v_proj")))
-    model = build_client_model(build_backbone(config, seed=0), config, num_classes=10, seed=0)
+    model = build_client_model(build_backbone(config, seed=0), config, 10, seed=0)
     trainable = model.trainable_names()
     lora = [n for n in trainable if "lora_" in n]
     # 2 blocks x (q, v) x (A, B), no biases
@@ -76,7 +76,7 @@ def test_bad_lora_target_lists_the_linear_layers():
 
 def test_client_model_resizes_and_replicates_gray_images():
     config = ModelConfig(image_size=16)
-    model = build_client_model(build_backbone(config, seed=0), config, num_classes=3, seed=0)
+    model = build_client_model(build_backbone(config, seed=0), config, 3, seed=0)
     pixels = model.pixels(torch.ones(2, 1, 8, 8))
     assert pixels.shape == (2, 3, 16, 16)
     assert torch.allclose(pixels, torch.ones_like(pixels))
@@ -97,7 +97,7 @@ def test_open_clip_image_tower_with_lora_on_its_mlp(tmp_path):
     config = ModelConfig(backbone="open_clip:ViT-B-16", lora=LoraConfig(rank=8, targets=("c_fc", "c_proj")))
     backbone = build_backbone(config, seed=0)
     assert (backbone.feature_dim, backbone.image_size) == (512, 224)
-    model = build_client_model(backbone, config, num_classes=10, seed=0)
+    model = build_client_model(backbone, config, 10, seed=0)
     lora = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
     assert lora == 12 * 8 * ((768 + 3072) + (3072 + 768))  # rank 8 on c_fc (768->3072) and c_proj in 12 blocks
 

@@ -14,8 +14,11 @@ from rayfed.clip import build_classifier
 from rayfed.config import BaseNovelConfig, ModelConfig, load_config
 from rayfed.data.base_novel import base_novel_split
 from rayfed.data.sources import ArrayDataset
+from rayfed.method import build_method
+
+from conftest import load_data
 from rayfed.method import Upload
-from rayfed.methods import METHODS
+from conftest import method_class
 from rayfed.metrics import across_datasets, harmonic_mean
 from rayfed.mma import MultiModalAdapter, attach
 from rayfed.tasks import Task
@@ -26,7 +29,7 @@ TASKS = [Task(0, "base", ("red circle", "blue square", "green_star")), Task(1, "
 
 
 def _pfedmma(**params):
-    method_cls = METHODS["pfedmma"]
+    method_cls = method_class("pfedmma")
     return method_cls(method_cls.Params(**params))
 
 
@@ -195,7 +198,7 @@ def test_uploads_hold_only_the_shared_projections_and_evaluation_scores_both_lab
     config = load_config(_clip_run(tiny_hf_clip, [{"name": "pfedmma", "rank": 4, "first_layer": 3}])).to_dict()
     actor, driver = ClientActor(config, [0, 1]), DriverActor(config)
     initial = actor.start_method(0)
-    driver.start_method(0, initial)
+    driver.start_method(0, initial, actor.task_tags())
     uploads = actor.train(0, [0, 1], driver.payloads([0, 1]))
     for upload in uploads:
         assert set(upload.tensors) == {"shared"}
@@ -214,8 +217,9 @@ def test_uploads_hold_only_the_shared_projections_and_evaluation_scores_both_lab
         assert {"local_acc", "base_acc", "novel_acc", "hm"} <= set(client_metrics)
         parts = [client_metrics[k] for k in ("local_acc", "base_acc", "novel_acc")]
         assert client_metrics["hm"] == pytest.approx(harmonic_mean(parts))
-    assert len(actor.eval_sets[0].y) == 40 and len(actor.eval_sets[1].y) == 40  # whole base / novel test splits
-    assert int(actor.eval_sets[1].y.max()) == 3  # 4 novel classes, 4-way
+    base_labels, novel_labels = (eval_set.columns["labels"] for eval_set in actor.eval_sets)
+    assert len(base_labels) == 40 and len(novel_labels) == 40  # whole base / novel test splits
+    assert int(novel_labels.max()) == 3  # 4 novel classes, 4-way
 
 
 def test_local_accuracy_is_over_all_base_classes_and_novel_over_novel_ones(tiny_hf_clip):
@@ -246,7 +250,7 @@ def test_eval_text_features_follow_the_loaded_adapter_values(tiny_hf_clip):
 
 
 def test_promptfl_trains_and_shares_only_the_context(tiny_hf_clip):
-    method_cls = METHODS["promptfl"]
+    method_cls = method_class("promptfl")
     method = method_cls(method_cls.Params(n_ctx=4))
     model = method.build_model(None, ModelConfig(backbone=tiny_hf_clip, lora=None), TASKS, seed=0)
     trainable = model.trainable_params()
@@ -266,7 +270,7 @@ def test_round_zero_trains_every_client_and_zero_shot_trains_none():
     assert _pfedmma().participants(0, [3], 5) == [0, 1, 2, 3, 4]
     assert _pfedmma().participants(1, [3], 5) == [3]
     assert _pfedmma(first_round_all=False).participants(0, [3], 5) == [3]
-    assert METHODS["clip_zeroshot"]().participants(0, [3], 5) == []
+    assert method_class("clip_zeroshot")().participants(0, [3], 5) == []
 
 
 def test_mean_hm_is_the_hm_of_client_means_and_the_dataset_average_is_the_mean_of_hms():
@@ -285,7 +289,7 @@ def test_novel_evaluation_needs_a_text_classifier(tiny_hf_clip, tmp_path):
 
     run = _clip_run(tiny_hf_clip, ["fedavg"])
     run["model"]["lora"] = {"rank": 2}
-    with pytest.raises(ConfigError, match="cannot score the classes"):
+    with pytest.raises(ConfigError, match=r"cannot score task\(s\) \[1\] that no client holds"):
         Simulation(run, out_dir=tmp_path / "run", progress=False).run()  # fails before Ray starts
 
 
@@ -293,7 +297,7 @@ def test_pfedmma_config_errors_name_the_field(tiny_hf_clip):
     from rayfed.errors import ConfigError
 
     with pytest.raises(ConfigError, match="variant"):
-        load_config(_clip_run(tiny_hf_clip, [{"name": "pfedmma", "variant": "tied"}]))
+        build_method(load_config(_clip_run(tiny_hf_clip, [{"name": "pfedmma", "variant": "tied"}])).methods[0], 0)
     with pytest.raises(ConfigError, match="first_layer = 9"):
         _pfedmma(first_layer=9).build_model(None, ModelConfig(backbone=tiny_hf_clip, lora=None), TASKS, 0)
     with pytest.raises(ConfigError, match="not a CLIP model"):
@@ -349,7 +353,7 @@ def test_domain_dirichlet_gives_each_domain_its_own_clients():
 def test_shapes_source_puts_a_colour_and_shape_covering_half_first():
     from rayfed.data.sources import load_source
 
-    dataset = load_source("shapes", seed=0, synthetic={"num_samples": 256, "styles": ["sketch"]})
+    dataset = load_data("shapes", seed=0, synthetic={"num_samples": 256, "styles": ["sketch"]})
     base = dataset.class_names[:32]
     assert len(set(dataset.class_names)) == 64
     assert {name.split()[0] for name in base} == {name.split()[0] for name in dataset.class_names}
@@ -395,11 +399,12 @@ def test_base_excludes_local_scores_base_accuracy_on_other_clients_classes_only(
     actor = ClientActor(load_config(run).to_dict(), [0])
     actor.start_method(0)
     base = actor.eval_sets[0]
-    keep = ~torch.isin(base.y, actor.data[0].train_y.unique())
-    assert base.exclude_own_classes and 0 < int(keep.sum()) < len(base.y)
+    labels, own = base.columns["labels"], actor.data[0].parts[0].train["labels"]
+    keep = ~torch.isin(labels, own.unique())
+    assert base.exclude_own_classes and 0 < int(keep.sum()) < len(labels)
     actor.model.eval()
     with torch.no_grad():
-        correct = actor.model(base.x).argmax(1) == base.y
+        correct = actor.model(base.columns["pixel_values"]).argmax(1) == labels
     expected, over_all = correct[keep].float().mean().item(), correct.float().mean().item()
     assert expected != pytest.approx(over_all)  # the two rules give different numbers on this case
     assert actor.evaluate(0, {0: None})[0]["base_acc"] == pytest.approx(expected)

@@ -10,6 +10,7 @@ import torch
 from rayfed import training
 from rayfed.actors.client import ClientActor
 from rayfed.benchmarks.overhead import Workload
+from rayfed.data.batches import ClientData, TaskData
 from rayfed.errors import ConfigError
 
 WORKLOAD = Workload(num_clients=3, clients_per_round=3, local_steps=6, batch_size=8, samples_per_client=24)
@@ -65,8 +66,8 @@ def test_an_actor_keeps_the_most_recently_used_graphs_one_per_trained_set_task_a
     captured = []
 
     class CountingStep:  # stands in for a captured graph: counts captures and optimizer resets
-        def __init__(self, model, named, config, lr, x, y):
-            self.shape, self.resets = tuple(x.shape), 0
+        def __init__(self, model, named, config, lr, batch, task):
+            self.shape, self.resets = tuple(batch["pixel_values"].shape), 0
             captured.append(self)
 
         def reset_optimizer(self):
@@ -76,16 +77,18 @@ def test_an_actor_keeps_the_most_recently_used_graphs_one_per_trained_set_task_a
     host, _ = _host(cuda_graphs=False)
     config, model = host.config.train, host.model
     named = dict(model.named_parameters())
-    small = dataclasses.replace(host.data[0], train_x=host.data[0].train_x[:5], train_y=host.data[0].train_y[:5])
-    first = training._graphed_step(model, named, config, 0.1, host.data[0], task=0)
-    assert training._graphed_step(model, named, config, 0.1, host.data[1], task=0) is first and first.resets == 2
+    part = host.data[0].parts[0]
+    small = ClientData([TaskData(0, {name: column[:5] for name, column in part.train.items()}, part.test)])
+    task0, task1 = host.tasks[0], dataclasses.replace(host.tasks[0], index=1)
+    first = training._graphed_step(model, named, config, 0.1, host.data[0], task0)
+    assert training._graphed_step(model, named, config, 0.1, host.data[1], task0) is first and first.resets == 2
     assert first.shape[0] == config.batch_size
-    assert training._graphed_step(model, named, config, 0.1, small, task=0).shape[0] == 5  # a batch of all 5
-    training._graphed_step(model, named, config, 0.1, host.data[0], task=1)
-    training._graphed_step(model, named, config, 0.2, host.data[0], task=0)
+    assert training._graphed_step(model, named, config, 0.1, small, task0).shape[0] == 5  # a batch of all 5
+    training._graphed_step(model, named, config, 0.1, host.data[0], task1)
+    training._graphed_step(model, named, config, 0.2, host.data[0], task0)
     assert len(captured) == 4 and len(training._GRAPHS[model]) == training.MAX_GRAPHS_PER_MODEL
-    training._graphed_step(model, named, config, 0.1, host.data[0], task=0)  # used last: stays
-    training._graphed_step(model, named, config, 0.3, host.data[0], task=0)  # a fifth: the batch-5 graph goes
+    training._graphed_step(model, named, config, 0.1, host.data[0], task0)  # used last: stays
+    training._graphed_step(model, named, config, 0.3, host.data[0], task0)  # a fifth: the batch-5 graph goes
     assert len(captured) == 5 and first in training._GRAPHS[model].values()
     assert all(step.shape[0] != 5 for step in training._GRAPHS[model].values())
 
@@ -102,7 +105,7 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_with_one_warning(monkeypa
     named = dict(host.model.named_parameters())
     with caplog.at_level("WARNING", logger="rayfed.training"):
         for cid in (0, 1):
-            assert training._graphed_step(host.model, named, host.config.train, 0.1, host.data[cid], task=0) is None
+            assert training._graphed_step(host.model, named, host.config.train, 0.1, host.data[cid], host.tasks[0]) is None
     assert len(attempts) == 1
     [record] = caplog.records
     assert "could not be captured" in record.getMessage() and "stream is capturing);" in record.getMessage()

@@ -388,11 +388,13 @@ def _from_hf(loaded: Any, config: DataConfig, shown_as: str) -> ArrayDataset:
             f"data.partition.column = {group_column!r} is not a column of {shown_as}"
             f"{suggest(group_column, loaded.column_names)}; columns: {', '.join(loaded.column_names)}."
         )
-    if not chosen:
-        raise DataError(
-            f"{shown_as} has none of the columns data.image_column, data.label_column, data.text_column, "
-            f"data.target_column or data.choices_column name; columns: {', '.join(loaded.column_names)}."
-        )
+    for role, alternative in (("image", "text"), ("label", "target")):  # no inputs, or nothing to learn
+        column = getattr(config, f"{role}_column")
+        if role not in chosen and alternative not in chosen:
+            raise DataError(
+                f"data.{role}_column = {column!r} is not a column of {shown_as}"
+                f"{suggest(str(column), loaded.column_names)}; columns: {', '.join(loaded.column_names)}."
+            )
     group_size = _group_size(config)
     if group_column is not None and group_size != (1, None):
         loaded = loaded.select(_rows_of_sized_groups(np.asarray(loaded[group_column]), group_size))
