@@ -34,6 +34,7 @@ class FedDynParams:
 @register_method("feddyn")
 class FedDyn(Method):
     Params = FedDynParams
+    presums_uploads = False  # an unweighted mean, over the number of uploads holding each tensor
 
     def init_client(self, initial: TensorDict) -> ClientState:
         shared, personal = self.split(initial)

@@ -97,7 +97,7 @@ def _list(args: argparse.Namespace) -> int:
         except ImportError as err:
             raise ConfigError(f"--import {module!r}: the module cannot be imported ({err}).") from None
     shown = {"method": "method", "source": "dataset", "partitioner": "partitioner", "backbone": "backbone",
-             "task_kind": "task kind"}
+             "task_kind": "task_kind"}
     for kind, title in shown.items():
         for entry in registry.entries(kind):
             name = entry.name + ("<...>" if entry.prefix else "")

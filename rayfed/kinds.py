@@ -123,11 +123,12 @@ def _check_inputs(dataset: ArrayDataset, backbone: Backbone, kind: str, where: s
         raise ConfigError(f"{where}.kind = {kind!r} needs inputs, but {where}.source has no images and no input text.")
     missing = needs - backbone.modalities
     if missing:
-        reads = " and ".join(sorted(backbone.modalities))
+        words = {"image": "images", "text": "text"}
+        reads, lacks = (" and ".join(words[m] for m in sorted(ms)) for ms in (backbone.modalities, missing))
         raise ConfigError(
             f"model.backbone = {backbone.name!r} reads {reads} only and cannot run {where}.kind = {kind!r} on the "
-            f"{' and '.join(sorted(missing))} of {where}.source; use a backbone that reads "
-            f"{' and '.join(sorted(needs))} (e.g. tiny-pretrained:vilt, tiny-pretrained:flava"
+            f"{lacks} of {where}.source; use a backbone that reads {' and '.join(words[m] for m in sorted(needs))} "
+            f"(e.g. tiny-pretrained:vilt, tiny-pretrained:flava"
             f"{', tiny-pretrained:llama-small' if needs == {'text'} else ', tiny-pretrained:llava'})."
         )
 
@@ -190,7 +191,10 @@ class MultipleChoice(Classification):
     def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
         columns = _images(dataset, indices)
         questions, options, length = _prompts(dataset, indices, backbone), dataset.choices[indices], backbone.max_text_length
-        pairs = [f"{q} {option}" for q, row in zip(questions, options) for option in row]
+        if backbone.generates_text:  # the option's likelihood after the question
+            pairs = [f"{q} {option}" for q, row in zip(questions, options) for option in row]
+        else:  # the option first, so that a short encoder context truncates the question, not the option
+            pairs = [f"{option} : {q}" for q, row in zip(questions, options) for option in row]
         ids, mask = tokenize(pairs, backbone, length)
         size, choices = options.shape
         columns["input_ids"], columns["attention_mask"] = ids.view(size, choices, -1), mask.view(size, choices, -1)

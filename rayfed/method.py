@@ -169,6 +169,11 @@ class Method:
 
     Params: ClassVar[type] = NoParams
     communicates: ClassVar[bool] = True
+    presums_uploads: ClassVar[bool] = True
+    """Whether :meth:`aggregate` is a function of the uploads' per-tensor weighted sums (``weighted_sums`` /
+    ``weighted_mean``), which actors may then pre-sum as uploads come (:func:`presum`); a method that needs
+    every client's own upload (per-client weights, counts of uploads, relevance between clients) sets False.
+    Declared by each method, never inferred."""
 
     def __init__(self, params: Any = None):
         self.params = params if params is not None else self.Params()
@@ -234,11 +239,6 @@ class Method:
         return state
 
     # Server side -----------------------------------------------------------------------
-    @property
-    def presums_uploads(self) -> bool:
-        """Whether actors may pre-sum this method's uploads: it keeps the default weighted-mean aggregate."""
-        return type(self).aggregate is Method.aggregate
-
     def init_server(self, initial_shared: TensorDict) -> ServerState:
         return {"global": initial_shared}
 
@@ -247,11 +247,8 @@ class Method:
         return server
 
     def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
-        """The new server state from the round's uploads.
-
-        Methods that keep this default (a weighted mean per tensor) get their uploads pre-summed on
-        each actor (:func:`presum`); a method that overrides it receives every client's own upload.
-        """
+        """The new server state from the round's uploads (per actor one partial sum of them when
+        :attr:`presums_uploads`, else every client's own). Default: each tensor's sample-weighted mean."""
         with_shared = [u for u in uploads if u.tensors.get("shared")]
         if not with_shared:
             return server

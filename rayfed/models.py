@@ -15,9 +15,11 @@ client the actor hosts). A client model takes a batch of named columns (``pixel_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +132,7 @@ class Backbone:
     tokenizer: Any = None
     max_text_length: int = 32
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    lora_scope: str | None = None  # the submodule LoRA goes in (LLaVA: its language model), None: anywhere
     image_mean: float | tuple[float, ...] = 0.5
     image_std: float | tuple[float, ...] = 0.5
     image_prompt: str = ""
@@ -220,8 +223,27 @@ def _hf(request: BackboneRequest) -> Backbone:
     return load_hf_backbone(request.argument or "", request.config)
 
 
+@contextlib.contextmanager
+def _quiet_loading():
+    """No per-weight progress bar or unused-key table from transformers while a backbone loads (every actor
+    loads one, and a task model's unused pretraining heads are expected)."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        transformers.utils.logging.enable_progress_bar()
+
+
 def load_hf_backbone(name_or_path: str, config: ModelConfig, shown_as: str | None = None) -> Backbone:
     """The backbone in a hub name or folder, by its config's ``model_type``; errors name it as ``shown_as``."""
+    with _quiet_loading():
+        return _load_hf_backbone(name_or_path, config, shown_as)
+
+
+def _load_hf_backbone(name_or_path: str, config: ModelConfig, shown_as: str | None) -> Backbone:
     shown_as = shown_as or f"hf:{name_or_path}"
     try:
         hf_config = transformers.AutoConfig.from_pretrained(name_or_path)
@@ -260,16 +282,25 @@ def _hf_image_encoder(name_or_path: str, hf_config: Any) -> Backbone:
         encoder = transformers.ViTModel.from_pretrained(name_or_path, add_pooling_layer=False, dtype=torch.float32)
         return Backbone(encoder, hf_config.hidden_size, hf_config.image_size, hf_config.num_channels, cls_features)
     vision = hf_config.vision_config if hf_config.model_type == "clip" else hf_config
-    encoder = transformers.CLIPVisionModel.from_pretrained(name_or_path)
+    encoder = transformers.CLIPVisionModel.from_pretrained(name_or_path, dtype=torch.float32)
     return Backbone(encoder, vision.hidden_size, vision.image_size, vision.num_channels, pooler_features)
 
 
 def _image_normalization(name_or_path: str) -> dict[str, Any]:
-    """The saved image processor's mean and std (0.5, 0.5 when there is none)."""
-    path = Path(name_or_path) / "preprocessor_config.json"
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        return {"image_mean": tuple(saved.get("image_mean", (0.5,) * 3)), "image_std": tuple(saved.get("image_std", (0.5,) * 3))}
+    """The saved image processor's mean and std (0.5, 0.5 when there is none; a hub name: its processor's)."""
+    for file, section in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        path = Path(name_or_path) / file
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            saved = saved.get(section, {}) if section else saved
+            if "image_mean" in saved:
+                return {"image_mean": tuple(saved["image_mean"]), "image_std": tuple(saved["image_std"])}
+    if not Path(name_or_path).is_dir():
+        try:
+            processor = transformers.AutoImageProcessor.from_pretrained(name_or_path)
+            return {"image_mean": tuple(processor.image_mean), "image_std": tuple(processor.image_std)}
+        except (OSError, ValueError, AttributeError):
+            pass
     return {}
 
 
@@ -280,7 +311,7 @@ def _text_limit(tokenizer: Any, positions: int) -> int:
 def _hf_vilt(name_or_path: str) -> Backbone:
     from rayfed.zoo.tokenizers import load_tokenizer
 
-    encoder = transformers.ViltModel.from_pretrained(name_or_path)
+    encoder = transformers.ViltModel.from_pretrained(name_or_path, dtype=torch.float32)
     config, tokenizer = encoder.config, load_tokenizer(name_or_path)
     return Backbone(
         encoder, config.hidden_size, config.image_size, config.num_channels, vilt_features,
@@ -292,7 +323,7 @@ def _hf_vilt(name_or_path: str) -> Backbone:
 def _hf_flava(name_or_path: str) -> Backbone:
     from rayfed.zoo.tokenizers import load_tokenizer
 
-    encoder = transformers.FlavaModel.from_pretrained(name_or_path)
+    encoder = transformers.FlavaModel.from_pretrained(name_or_path, dtype=torch.float32)
     config, tokenizer = encoder.config, load_tokenizer(name_or_path)
     return Backbone(
         encoder, config.hidden_size, config.image_config.image_size, config.image_config.num_channels, flava_features,
@@ -324,7 +355,7 @@ def _hf_llava(name_or_path: str) -> Backbone:
         encoder, text_config.hidden_size, vision.image_size, vision.num_channels, causal_lm_features,
         frozenset({IMAGE, TEXT}), causal_lm_logits, processor.tokenizer,
         _text_limit(processor.tokenizer, text_config.max_position_embeddings), LLM_LORA_TARGETS,
-        image_prompt=image_token * image_tokens, **_image_normalization(name_or_path),
+        lora_scope="model.language_model", image_prompt=image_token * image_tokens, **_image_normalization(name_or_path),
     )  # fmt: skip
 
 
@@ -494,7 +525,9 @@ def _attach_module(
 
 def _inject_lora(model: ClientModel, lora: LoraConfig, backbone: Backbone) -> None:
     targets = lora.targets or backbone.lora_targets
-    module_names = {name.rsplit(".", 1)[-1] for name, _ in model.encoder.named_modules()}
+    scope = backbone.lora_scope
+    module_names = {name.rsplit(".", 1)[-1] for name, _ in model.encoder.named_modules()
+                    if scope is None or name.startswith(scope + ".")}
     missing = [t for t in targets if t not in module_names]
     if missing:
         linear_names = sorted(
@@ -504,7 +537,9 @@ def _inject_lora(model: ClientModel, lora: LoraConfig, backbone: Backbone) -> No
             f"model.lora.targets = {list(targets)!r} names modules the backbone lacks ({', '.join(missing)}); "
             f"its linear layers are: {', '.join(linear_names)}."
         )
-    peft_config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(targets))
+    # Within a scope: a regex peft matches against whole module names (only the LLM of a LLaVA, not its vision tower).
+    target_modules = list(targets) if scope is None else rf"{re.escape(scope)}\..*\.(?:{'|'.join(map(re.escape, targets))})"
+    peft_config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules)
     model.encoder = peft.inject_adapter_in_model(peft_config, model.encoder)
     for name, param in model.encoder.named_parameters():
         param.requires_grad_("lora_" in name)

@@ -103,12 +103,30 @@ def _ordered_methods(methods_summary: Mapping[str, dict], events: list[dict]) ->
 
 
 def _summary_metrics(methods_summary: Mapping[str, dict]) -> list[str]:
+    """Every metric a client reports, but the per-task ones of clients holding several tasks (``<task>/...``),
+    which the per-task table shows."""
     return _unique(
         key
         for method in methods_summary.values()
         for _, client in sorted(method.get("clients", {}).items(), key=lambda item: int(item[0]))
         for key in _metric_keys(client)
+        if "/" not in key
     )
+
+
+def _group_table(methods_summary: Mapping[str, dict], methods: list[str], group: str) -> str | None:
+    """A table of one row per method and a column per (task or kind, metric) of the summary's ``group``."""
+    columns = _unique(
+        (name, metric)
+        for method in methods
+        for name, means in methods_summary.get(method, {}).get(group, {}).items()
+        for metric in means
+    )
+    if not columns:
+        return None
+    rows = [[method, *(_fmt_number(methods_summary.get(method, {}).get(group, {}).get(name, {}).get(metric))
+                       for name, metric in columns)] for method in methods]
+    return format_table(rows, ["method", *(f"{name}: {metric}" for name, metric in columns)])
 
 
 def _event_metrics(events: list[dict], kind: str) -> list[str]:
@@ -126,7 +144,7 @@ def _primary_first(metrics: list[str], primary: str | None) -> list[str]:
 
 
 def _lower_is_better(metric: str) -> bool:
-    return "loss" in metric or "error" in metric
+    return any(word in metric for word in ("loss", "error", "mse", "perplexity"))
 
 
 def _sorted_clients(clients: Iterable[str]) -> list[str]:
@@ -227,6 +245,18 @@ def _render_markdown(
         up, down = _comm_totals(summary, events, method)
         rows.append([method, *(_fmt_mean_std(method_summary, m) for m in metrics), _fmt_bytes(up), _fmt_bytes(down)])
     out.append(format_table(rows, header))
+
+    kinds = _group_table(methods_summary, methods, "kinds")
+    if kinds is not None:
+        out.append("## Avg. per task kind\n")
+        out.append("Each task kind's metrics, averaged over every (client, task) pair of that kind: the papers' "
+                   "client-weighted \"Avg.\" columns.\n")
+        out.append(kinds)
+    tasks = _group_table(methods_summary, methods, "tasks")
+    if tasks is not None:
+        out.append("## Per task\n")
+        out.append("Each task's metrics, averaged over the clients holding it.\n")
+        out.append(tasks)
 
     if primary is not None:
         best = _best_method(methods_summary, methods, primary)

@@ -31,13 +31,32 @@ def test_an_unknown_option_is_still_refused(capsys):
     assert "unrecognized arguments: --nope" in capsys.readouterr().err
 
 
-def test_list_prints_one_line_per_registered_thing(capsys):
+PLUGIN_MODULE = """
+import rayfed
+
+
+@rayfed.register_method("fedavgm")
+class FedAvgM(rayfed.Method):
+    \"\"\"FedAvg with server momentum.\"\"\"
+"""
+
+
+def test_list_prints_one_line_per_registered_thing(capsys, tmp_path, monkeypatch):
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     kinds = {line.split()[0] for line in lines}
-    assert kinds == {"method", "backbone", "dataset", "partitioner"}
+    assert kinds == {"method", "backbone", "dataset", "partitioner", "task_kind"}
     assert {"local", "fedavg", "fedprox", "ditto"} <= {line.split()[1] for line in lines if line.startswith("method")}
     assert any(line.split()[1] == "dirichlet" for line in lines if line.startswith("partitioner"))
+    assert {"classification", "text_generation"} <= {line.split()[1] for line in lines if line.startswith("task_kind")}
+    # what a user's module registers is listed next to the built-ins, marked with its module
+    (tmp_path / "my_plugins.py").write_text(PLUGIN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["list", "--import", "my_plugins"]) == 0
+    [mine] = [line for line in capsys.readouterr().out.splitlines() if "fedavgm" in line]
+    assert mine.split()[:2] == ["method", "fedavgm"] and mine.endswith("[my_plugins]")
+    assert main(["list", "--import", "no_such_plugins"]) == 2
+    assert "--import 'no_such_plugins'" in capsys.readouterr().err
 
 
 def test_bad_value_prints_one_sentence_and_exits_2(config_file, capsys):

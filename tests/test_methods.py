@@ -112,13 +112,15 @@ def test_partial_sums_from_actors_give_the_same_float32_mean_as_every_upload():
         assert got["w"].dtype == torch.float32 and torch.equal(got["w"], expected["w"])
 
 
-def test_only_methods_that_keep_the_weighted_mean_aggregate_are_pre_summed():
-    class CustomAggregate(Method):
+def test_pre_summing_is_what_each_method_declares():
+    class CountsUploads(Method):
+        presums_uploads = False
+
         def aggregate(self, server, uploads):
             return server
 
     assert method_class("fedavg")().presums_uploads and method_class("ditto")().presums_uploads
-    assert not CustomAggregate().presums_uploads
+    assert not method_class("feddyn")().presums_uploads and not CountsUploads().presums_uploads
 
 
 @pytest.mark.parametrize("packing", [[0], [0, 1]])

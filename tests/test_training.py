@@ -109,3 +109,93 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_with_one_warning(monkeypa
     assert len(attempts) == 1
     [record] = caplog.records
     assert "could not be captured" in record.getMessage() and "stream is capturing);" in record.getMessage()
+
+
+# The training hook: losses over the batch and other parameter views, phases, accumulation, state --------
+def _tiny_host(**train) -> tuple[ClientActor, dict[str, torch.Tensor]]:
+    config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0).to_dict()
+    config["train"].update(train)
+    host = ClientActor(config, [0, 1, 2])
+    return host, host.start_method(0)
+
+
+def test_a_kl_term_to_a_frozen_teacher_view_leaves_the_teacher_untouched():
+    host, start = _tiny_host()
+    client = host._context(0, 0)
+    teacher = {name: value + 0.1 for name, value in start.items()}  # another parameter set of the same model
+    kept = {name: value.clone() for name, value in teacher.items()}
+
+    def loss_with_kd(step: training.Step) -> torch.Tensor:
+        student = step.outputs()
+        with_teacher = step.forward(teacher)
+        assert not with_teacher.requires_grad  # no graph through the teacher's values
+        return step.task_loss() + training.distillation_loss(student, with_teacher, temperature=2.0)
+
+    result = client.train(start, loss=loss_with_kd)
+    assert all(torch.equal(teacher[name], kept[name]) for name in teacher)
+    assert all(value.grad is None for value in teacher.values())
+    plain = host._context(0, 0).train(start)
+    assert any(not torch.equal(result.params[n], plain.params[n]) for n in start)  # the KD term took part
+
+
+def test_distillation_is_tau_squared_kl_from_teacher_to_student_per_sample():
+    student, teacher = torch.randn(3, 5), torch.randn(3, 5)
+    p_teacher = torch.softmax(teacher / 2, -1)
+    expected = 4 * (p_teacher * (p_teacher.log() - torch.log_softmax(student / 2, -1))).sum(-1).mean()
+    assert training.distillation_loss(student, teacher, 2.0).item() == pytest.approx(expected.item(), rel=1e-5)
+    assert training.distillation_loss(teacher, teacher, 3.0).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_phases_take_one_optimizer_step_each_over_their_own_parameters():
+    host, start = _tiny_host(optimizer="sgd", lr=0.1)
+    head = {name for name in start if name.startswith("head.")}
+    seen = []
+
+    def remember(step: training.Step) -> torch.Tensor:
+        seen.append((step.phase, step.index, "logits" in step.memory))  # phase 1 sees what phase 0 kept
+        step.memory.setdefault("logits", step.outputs().detach())
+        return step.task_loss()
+
+    lora_then_head = [training.Phase(trains=lambda n: n not in head, loss=remember), training.Phase(trains=head, loss=remember)]
+    host._context(0, 0).train(start, steps=2, phases=lora_then_head)
+    assert seen == [(0, 0, False), (1, 0, True), (0, 1, False), (1, 1, True)]  # two sequential updates per batch
+    both = host._context(0, 0).train(start, steps=1, phases=lora_then_head)
+    # by hand: a LoRA step from the start, then a head step from the new LoRA and the old head, on the same batch
+    lora_step = host._context(0, 0).train(start, steps=1, phases=[training.Phase(trains=lambda n: n not in head)])
+    assert all(torch.equal(lora_step.params[n], start[n]) for n in head)
+    moved = {**lora_step.params, **{n: start[n] for n in head}}
+    head_step = host._context(0, 0).train(moved, steps=1, phases=[training.Phase(trains=head)])
+    assert all(torch.equal(both.params[n], head_step.params[n]) for n in start)
+    assert all(not torch.equal(both.params[n], start[n]) for n in head)
+
+
+def test_gradient_accumulation_over_two_micro_batches_is_one_step_on_both():
+    host, start = _tiny_host(optimizer="sgd", lr=0.1, batch_size=4)
+    accumulated = host._context(1, 3)
+    accumulated.train_config = accumulated.train_config.model_copy(update={"grad_accum": 2})
+    double = host._context(1, 3)
+    double.train_config = double.train_config.model_copy(update={"batch_size": 8})
+    a, b = accumulated.train(start, steps=1), double.train(start, steps=1)
+    assert all(torch.allclose(a.params[n], b.params[n], atol=1e-6) for n in start)
+    assert a.loss == pytest.approx(b.loss, rel=1e-5)
+
+
+def test_optimizer_state_is_kept_across_calls_when_asked():
+    host, start = _tiny_host()
+    first = host._context(0, 0).train(start, steps=2, keep_optimizer_state=True)
+    state = first.optimizer_state
+    assert state and all(key.startswith("0/") for key in state)
+    assert {key.rsplit("/", 1)[1] for key in state} == {"step", "exp_avg", "exp_avg_sq"}
+    assert all(float(value) == 2.0 for key, value in state.items() if key.endswith("/step"))
+    resumed = host._context(0, 1).train(first.params, steps=1, optimizer_state=state, keep_optimizer_state=True)
+    fresh = host._context(0, 1).train(first.params, steps=1)
+    assert all(float(v) == 3.0 for k, v in resumed.optimizer_state.items() if k.endswith("/step"))
+    assert any(not torch.equal(resumed.params[n], fresh.params[n]) for n in start)
+
+
+def test_the_round_warmup_schedule_rises_linearly_over_rounds_then_stays():
+    from rayfed.config import TrainConfig
+
+    config = TrainConfig(schedule="round_warmup", warmup_rounds=20, warmup_start_lr=1e-4, lr=3e-4)
+    lrs = [training.scheduled_lr(config, 3e-4, r, 0) for r in (0, 10, 20, 50)]
+    assert lrs == pytest.approx([1e-4, 2e-4, 3e-4, 3e-4])

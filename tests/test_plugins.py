@@ -1,0 +1,265 @@
+"""Plug-ins brought by a driver script: methods, data sources, partitioners, backbones, task kinds; the
+examples; one build per method; the package's layering."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torch import nn
+
+import rayfed
+from rayfed import registry
+from rayfed.config import load_config
+from rayfed.errors import ConfigError
+from rayfed.method import Method, build_method
+from rayfed.simulation import Simulation
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"rayfed": ROOT / "rayfed", "rayfed.actors": ROOT / "actors", "rayfed.methods": ROOT / "methods",
+            "rayfed.benchmarks": ROOT / "benchmarks"}
+LOWER_LAYERS = ("rayfed.config", "rayfed.data", "rayfed.models", "rayfed.modules", "rayfed.training", "rayfed.kinds",
+                "rayfed.tasks", "rayfed.types", "rayfed.registry", "rayfed.method")
+
+
+@dataclass(frozen=True)
+class CountingParams:
+    scale: float = 1.0
+
+
+class ScaledAverage(Method):
+    """Lives only in this test module: the server takes the mean update times ``scale``. It checks, on the
+    actors, that it was built once in the driver with the federation's size and tasks."""
+
+    Params = CountingParams
+
+    def local_update(self, client, state, payload):
+        assert self.num_clients == 4 and [t.name for t in self.tasks] == ["task"], "built without the run's fields"
+        return super().local_update(client, state, payload)
+
+    def aggregate(self, server, uploads):
+        new = super().aggregate(server, uploads)
+        scale = self.params.scale
+        return {"global": {n: server["global"][n] + scale * (v - server["global"][n]) for n, v in new["global"].items()}}
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_method_defined_only_in_this_module_runs_on_ray_actors(tiny_run, tmp_path):
+    tiny_run["methods"] = ["fedavg", {"name": ScaledAverage, "label": "same"},
+                           {"name": ScaledAverage, "label": "half", "scale": 0.5}]
+    summary = Simulation(tiny_run, out_dir=tmp_path, progress=False).run()
+    methods = summary["methods"]
+    assert methods["same"]["clients"] == methods["fedavg"]["clients"]  # scale 1 is FedAvg, on every actor
+    assert methods["half"]["clients"] != methods["fedavg"]["clients"]
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "test_plugins:ScaledAverage" in saved  # the dump names it by its import path
+
+
+def test_a_class_given_by_import_path_or_object_or_name_is_the_same_method(tmp_path, monkeypatch):
+    (tmp_path / "my_methods.py").write_text(
+        "import rayfed\n\n@rayfed.register_method('scaled-x')\nclass Scaled(rayfed.Method):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config({"methods": ["my_methods:Scaled"], "imports": ["my_methods"]})
+    by_path = build_method(config.methods[0], 0)
+    by_name = build_method(load_config({"methods": ["scaled-x"]}).methods[0], 0)
+    by_object = build_method(load_config({"methods": [type(by_path)]}).methods[0], 0)
+    assert type(by_path) is type(by_name) is type(by_object)
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("no_such_module_xyz:Method", r"methods\[0\]\.name = 'no_such_module_xyz:Method': module 'no_such_module_xyz' "
+                                  r"cannot be imported"),
+    ("json:nope", r"methods\[0\]\.name = 'json:nope': module 'json' has no attribute 'nope'"),
+    ("json:dumps", r"methods\[0\]\.name = 'json:dumps' is a function, not a rayfed\.Method subclass \(it lacks "
+                   r"local_update, aggregate, payload\)"),
+    ("fedavgg", r"methods\[0\]\.name = 'fedavgg' is not known \(did you mean 'fedavg'\?\)"),
+])
+def test_a_bad_method_plug_in_is_one_sentence(name, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        build_method(load_config({"methods": [name]}).methods[0], 0)
+    assert "\n" not in str(info.value)
+
+
+def test_an_unknown_hyperparameter_of_a_plug_in_method_names_it():
+    with pytest.raises(ConfigError, match=r"methods\[0\] \(.*ScaledAverage\) has no hyperparameter 'scal' "
+                                          r"\(did you mean 'scale'\?\); allowed: scale\."):
+        build_method(load_config({"methods": [{"name": ScaledAverage, "scal": 2}]}).methods[0], 0)
+
+
+def _data_run(tiny_run: dict, source) -> dict:
+    tiny_run["data"] = {"source": source, "num_clients": 4, "partition": {"name": "iid"}}
+    tiny_run["model"]["image_size"] = 8
+    return tiny_run
+
+
+@pytest.mark.parametrize(("returned", "message"), [
+    ({"image": np.zeros((40, 8)), "label": np.zeros(40)},
+     r"returned .*shape \(40, 8\); expected images \(N, H, W, C\) or \(N, H, W\)"),
+    ({"image": np.zeros((40, 8, 8)), "label": np.zeros(30)},
+     r"returned columns that do not fit together: column labels has 30 values but the dataset has 40 samples"),
+    ({"image": np.full((40, 8, 8), 2.0), "label": np.zeros(40)}, r"has pixel values outside \[0, 1\]"),
+    ([1, 2, 3], r"returned a list; a source returns an ArrayDataset, a dict of columns"),
+    ({"picture": np.zeros((40, 8, 8))}, r"returned a column 'picture' rayfed does not read"),
+])
+def test_a_data_source_returning_the_wrong_shapes_says_what_it_got(tiny_run, tmp_path, returned, message):
+    def source(request):
+        return returned
+
+    with pytest.raises(ConfigError, match=r"data\.source = '.*source' " + message):
+        Simulation(_data_run(tiny_run, source), out_dir=tmp_path, progress=False).run()
+
+
+def test_a_partitioner_plug_in_must_return_one_disjoint_index_array_per_client(tiny_run, tmp_path):
+    tiny_run["data"]["partition"] = {"name": lambda request: [np.arange(10)] * request.num_clients}
+    with pytest.raises(ConfigError, match=r"returned indices that repeat or fall outside the 240 samples"):
+        Simulation(tiny_run, out_dir=tmp_path, progress=False).run()
+    tiny_run["data"]["partition"] = {"name": lambda request: [np.arange(10)]}
+    with pytest.raises(ConfigError, match=r"returned 1 index arrays; expected a list of data\.num_clients = 4"):
+        Simulation(tiny_run, out_dir=tmp_path / "b", progress=False).run()
+
+
+def test_a_backbone_builder_must_return_a_backbone(tiny_run, tmp_path):
+    tiny_run["model"] = {"backbone": lambda request: nn.Linear(4, 4)}
+    with pytest.raises(ConfigError, match=r"returned a bare Linear; a backbone builder returns rayfed\.models\.Backbone"):
+        Simulation(tiny_run, out_dir=tmp_path, progress=False).run()
+
+
+def test_a_task_kind_plug_in_scores_with_its_own_loss_and_metric(tiny_run):
+    from rayfed.actors.client import ClientActor
+    from rayfed.kinds import Classification
+
+    class Top2(Classification):
+        name = "top2"
+        metrics = ("top2",)
+
+        def score(self, model, batch):
+            logits = model(batch).float()
+            return {"top2": (logits.topk(2).indices == batch["labels"][:, None]).any(1).sum().item()}
+
+        def summarize(self, sums, count):
+            return {"top2": sums["top2"] / count}
+
+    tiny_run["data"]["kind"] = Top2
+    actor = ClientActor(load_config(tiny_run), [0])
+    shared = actor.start_method(0)
+    assert set(actor.evaluate(0, {0: shared})[0]) == {"local_top2"}
+
+
+# The examples: each runs as a user runs it, and gives the same numbers with 1 and 4 clients per actor ---
+EXAMPLES = {
+    "custom_method.py": ["federation.rounds=2", "federation.eval_every=2"],
+    "custom_data.py": ["federation.rounds=2", "federation.eval_every=2", "methods=[fedavg]"],
+    "custom_backbone.py": ["federation.rounds=2", "federation.eval_every=2", "methods=[fedavg]"],
+    "tune_custom_method.py": ["federation.rounds=2", "federation.eval_every=2",
+                              "tune.space={methods.0.momentum: {grid: [0.0, 0.9]}}"],
+}
+
+
+def _run_example(script: str, overrides: list[str], cwd: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _results(cwd: Path) -> dict:
+    summaries = sorted(cwd.glob("runs/*/summary.json")) + sorted(cwd.glob("runs/*/tune/runs/*/summary.json"))
+    assert summaries
+    out = {}
+    for path in summaries:
+        summary = json.loads(path.read_text())
+        key = json.dumps(summary["config"]["methods"], sort_keys=True)
+        out[key] = {label: result["clients"] for label, result in summary["methods"].items()}
+    return out
+
+
+@pytest.mark.parametrize("script", sorted(EXAMPLES))
+def test_an_example_runs_and_packing_does_not_change_its_numbers(script, tmp_path):
+    numbers = []
+    for packing in (1, 4):
+        cwd = tmp_path / f"packing{packing}"
+        cwd.mkdir()
+        printed = _run_example(script, [*EXAMPLES[script], f"placement.clients_per_actor={packing}"], cwd)
+        assert "local_acc" in printed
+        numbers.append(_results(cwd))
+    assert numbers[0] == numbers[1]
+
+
+# Layering -------------------------------------------------------------------------------------------
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, root in PACKAGES.items():
+        for file in root.rglob("*.py"):
+            if "flower" in file.parts:
+                continue
+            parts = [p for p in file.relative_to(root).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = file
+    return found
+
+
+def _imports(module: str, file: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules ``module`` imports, at any depth of its code, but under ``if TYPE_CHECKING``."""
+    tree = ast.parse(file.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for n in ast.walk(node)}
+    targets = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+                break
+    return targets
+
+
+def test_the_package_has_no_import_cycle_and_lower_layers_import_no_method_or_actor():
+    modules = _modules()
+    graph = {module: _imports(module, file, modules) for module, file in modules.items()}
+    for module, targets in graph.items():
+        if module.startswith(LOWER_LAYERS):
+            assert not {t for t in targets if t.startswith(("rayfed.methods", "rayfed.actors"))}, module
+        if not module.startswith(("rayfed.methods", "rayfed.actors", "rayfed.benchmarks")) and module not in (
+                "rayfed.simulation", "rayfed.tune", "rayfed.cli"):
+            assert not {t for t in targets if t.startswith("rayfed.methods.")}, f"{module} imports a concrete method"
+    # a cycle: a module reachable from itself
+    for start in graph:
+        seen, frontier = set(), list(graph[start])
+        while frontier:
+            module = frontier.pop()
+            assert module != start, f"import cycle through {start}"
+            if module not in seen:
+                seen.add(module)
+                frontier.extend(graph[module])
+
+
+def test_the_layering_check_finds_a_cycle(tmp_path):
+    """The check above is not vacuous: two modules importing each other form a cycle it reports."""
+    (tmp_path / "a.py").write_text("from rayfed.b import x\n")
+    (tmp_path / "b.py").write_text("def f():\n    from rayfed.a import y\n")
+    modules = {"rayfed.a": tmp_path / "a.py", "rayfed.b": tmp_path / "b.py"}
+    assert _imports("rayfed.a", modules["rayfed.a"], modules) == {"rayfed.b"}
+    assert _imports("rayfed.b", modules["rayfed.b"], modules) == {"rayfed.a"}
+
+
+def test_rayfed_exports_what_a_driver_script_needs():
+    for name in ("Simulation", "Method", "Backbone", "TaskKind", "SourceRequest", "PartitionRequest", "register_method",
+                 "register_source", "register_partitioner", "register_backbone", "register_task_kind"):
+        assert getattr(rayfed, name) is not None
+    assert rayfed.register_method is registry.register_method
