@@ -263,11 +263,7 @@ class Method:
 def build_method(entry: Any, index: int, num_clients: int = 0, tasks: Sequence[Task] = ()) -> Method:
     """The method a ``methods[index]`` config entry names, with its hyperparameters validated against its
     ``Params`` dataclass; one sentence naming the field when something is wrong."""
-    import dataclasses
-
-    import pydantic
-
-    from rayfed.errors import ConfigError, suggest
+    from rayfed.errors import ConfigError
     from rayfed.registry import resolve
 
     field = f"methods[{index}].name"
@@ -283,20 +279,56 @@ def build_method(entry: Any, index: int, num_clients: int = 0, tasks: Sequence[T
             missing = [hook for hook in ("local_update", "aggregate", "payload") if not hasattr(cls, hook)]
             lacks = f" (it lacks {', '.join(missing)})" if missing else ""
             raise ConfigError(f"{field} = {resolved.name!r} is a {type(cls).__name__}, not a rayfed.Method subclass{lacks}.")
-        label = f"methods[{index}] ({resolved.name})"
-        allowed = [f.name for f in dataclasses.fields(cls.Params)]
-        for key in entry.params:
-            if key not in allowed:
-                hint = f"allowed: {', '.join(allowed)}" if allowed else "it takes no hyperparameters"
-                raise ConfigError(f"{label} has no hyperparameter {key!r}{suggest(key, allowed)}; {hint}.")
-        try:
-            params = pydantic.TypeAdapter(cls.Params).validate_python(entry.params)
-        except pydantic.ValidationError as err:
-            first = err.errors()[0]
-            name = ".".join(str(p) for p in first["loc"]) or "params"
-            value = entry.params.get(name, first.get("input"))
-            message = first["msg"].removeprefix("Value error, ").rstrip(".")
-            raise ConfigError(f"{label}.{name} = {value!r} is invalid: {message}.") from None
+        params = _validated_params(cls.Params, entry.params, f"methods[{index}] ({resolved.name})")
         method = cls(params)
     method.num_clients, method.tasks = num_clients, tuple(tasks)
     return method
+
+
+def _validated_params(params_cls: type, values: dict[str, Any], label: str) -> Any:
+    """``params_cls(**values)``, each value checked against (and coerced to) its field's annotation first.
+
+    The check runs on a pydantic model made of the dataclass's field names, types and defaults rather than
+    on the dataclass itself: a class Ray sent by value (a user's own method) keeps its fields but not
+    ``dataclasses.MISSING``'s identity, which pydantic's dataclass support relies on.
+    """
+    import dataclasses
+    import typing
+
+    import pydantic
+
+    from rayfed.errors import ConfigError, suggest
+
+    fields = dataclasses.fields(params_cls)
+    allowed = [f.name for f in fields]
+    for key in values:
+        if key not in allowed:
+            hint = f"allowed: {', '.join(allowed)}" if allowed else "it takes no hyperparameters"
+            raise ConfigError(f"{label} has no hyperparameter {key!r}{suggest(key, allowed)}; {hint}.")
+    try:
+        hints = typing.get_type_hints(params_cls)
+    except (NameError, TypeError):  # annotations naming what this process cannot import: checked by __post_init__
+        hints = {}
+    missing = type(dataclasses.MISSING)
+    spec: dict[str, Any] = {}
+    for f in fields:
+        if not isinstance(f.default, missing):
+            default = f.default
+        elif not isinstance(f.default_factory, missing):
+            default = pydantic.Field(default_factory=f.default_factory)
+        else:
+            default = ...
+        spec[f.name] = (hints.get(f.name, Any), default)
+    model = pydantic.create_model(f"{params_cls.__name__}Check", __config__=pydantic.ConfigDict(arbitrary_types_allowed=True), **spec)
+    try:
+        checked = model(**values)
+        return params_cls(**{f.name: getattr(checked, f.name) for f in fields if f.init})
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        name = ".".join(str(p) for p in first["loc"]) or "params"
+        message, value = first["msg"], values.get(name, first.get("input"))
+    except (TypeError, ValueError) as err:  # the dataclass's own __post_init__ checks
+        name = next((f for f in values if f in str(err)), "params")
+        message, value = str(err), values.get(name, values)
+    message = message.removeprefix("Value error, ").rstrip(".")
+    raise ConfigError(f"{label}.{name} = {value!r} is invalid: {message}.") from None

@@ -26,7 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"rayfed": ROOT / "rayfed", "rayfed.actors": ROOT / "actors", "rayfed.methods": ROOT / "methods",
             "rayfed.benchmarks": ROOT / "benchmarks"}
 LOWER_LAYERS = ("rayfed.config", "rayfed.data", "rayfed.models", "rayfed.modules", "rayfed.training", "rayfed.kinds",
-                "rayfed.tasks", "rayfed.types", "rayfed.registry", "rayfed.method")
+                "rayfed.tasks", "rayfed.types", "rayfed.registry", "rayfed.method", "rayfed.zoo")
+
+
+def _in_layer(module: str, layers: tuple[str, ...]) -> bool:
+    return any(module == layer or module.startswith(layer + ".") for layer in layers)
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,8 @@ def test_a_method_defined_only_in_this_module_runs_on_ray_actors(tiny_run, tmp_p
                            {"name": ScaledAverage, "label": "half", "scale": 0.5}]
     summary = Simulation(tiny_run, out_dir=tmp_path, progress=False).run()
     methods = summary["methods"]
-    assert methods["same"]["clients"] == methods["fedavg"]["clients"]  # scale 1 is FedAvg, on every actor
+    for cid, fedavg in methods["fedavg"]["clients"].items():  # scale 1 is FedAvg (w + (v - w): up to rounding)
+        assert methods["same"]["clients"][cid] == pytest.approx(fedavg, rel=1e-4)
     assert methods["half"]["clients"] != methods["fedavg"]["clients"]
     saved = (tmp_path / "config.yaml").read_text()
     assert "test_plugins:ScaledAverage" in saved  # the dump names it by its import path
@@ -102,10 +107,10 @@ def _data_run(tiny_run: dict, source) -> dict:
 
 @pytest.mark.parametrize(("returned", "message"), [
     ({"image": np.zeros((40, 8)), "label": np.zeros(40)},
-     r"returned .*shape \(40, 8\); expected images \(N, H, W, C\) or \(N, H, W\)"),
+     r"column 'image' holds float64 values of shape \(40, 8\); expected images \(N, H, W, C\) or \(N, H, W\)"),
     ({"image": np.zeros((40, 8, 8)), "label": np.zeros(30)},
      r"returned columns that do not fit together: column labels has 30 values but the dataset has 40 samples"),
-    ({"image": np.full((40, 8, 8), 2.0), "label": np.zeros(40)}, r"has pixel values outside \[0, 1\]"),
+    ({"image": np.full((40, 8, 8), 2.0), "label": np.zeros(40)}, r"column 'image' has pixel values outside \[0, 1\]"),
     ([1, 2, 3], r"returned a list; a source returns an ArrayDataset, a dict of columns"),
     ({"picture": np.zeros((40, 8, 8))}, r"returned a column 'picture' rayfed does not read"),
 ])
@@ -154,12 +159,13 @@ def test_a_task_kind_plug_in_scores_with_its_own_loss_and_metric(tiny_run):
 
 
 # The examples: each runs as a user runs it, and gives the same numbers with 1 and 4 clients per actor ---
+SHORT = ["federation.rounds=2", "federation.eval_every=2", "data.num_clients=4", "federation.clients_per_round=2",
+         "placement.cpus_per_actor=0.25"]
 EXAMPLES = {
-    "custom_method.py": ["federation.rounds=2", "federation.eval_every=2"],
-    "custom_data.py": ["federation.rounds=2", "federation.eval_every=2", "methods=[fedavg]"],
-    "custom_backbone.py": ["federation.rounds=2", "federation.eval_every=2", "methods=[fedavg]"],
-    "tune_custom_method.py": ["federation.rounds=2", "federation.eval_every=2",
-                              "tune.space={methods.0.momentum: {grid: [0.0, 0.9]}}"],
+    "custom_method.py": SHORT,
+    "custom_data.py": [*SHORT, "methods=[fedavg]"],
+    "custom_backbone.py": [*SHORT, "methods=[fedavg]"],
+    "tune_custom_method.py": [*SHORT, "tune.space={methods.0.momentum: {grid: [0.0, 0.9]}}"],
 }
 
 
@@ -233,11 +239,10 @@ def test_the_package_has_no_import_cycle_and_lower_layers_import_no_method_or_ac
     modules = _modules()
     graph = {module: _imports(module, file, modules) for module, file in modules.items()}
     for module, targets in graph.items():
-        if module.startswith(LOWER_LAYERS):
-            assert not {t for t in targets if t.startswith(("rayfed.methods", "rayfed.actors"))}, module
-        if not module.startswith(("rayfed.methods", "rayfed.actors", "rayfed.benchmarks")) and module not in (
-                "rayfed.simulation", "rayfed.tune", "rayfed.cli"):
-            assert not {t for t in targets if t.startswith("rayfed.methods.")}, f"{module} imports a concrete method"
+        if _in_layer(module, LOWER_LAYERS):
+            assert not {t for t in targets if _in_layer(t, ("rayfed.methods", "rayfed.actors"))}, module
+        if not _in_layer(module, ("rayfed.methods", "rayfed.benchmarks")):  # the engine never imports a method
+            assert not {t for t in targets if _in_layer(t, ("rayfed.methods",))}, f"{module} imports a method"
     # a cycle: a module reachable from itself
     for start in graph:
         seen, frontier = set(), list(graph[start])

@@ -3,11 +3,12 @@
 - :func:`load` loads what a method fine-tunes: ``tiny-pretrained:<family>``, ``hf:<hub name or folder>``
   or ``open_clip:<architecture>`` (with ``pretrained=`` a tag or checkpoint file).
 - :func:`pretrained` returns the folder of a tiny model of a family (:data:`FAMILIES`) pretrained on
-  synthetic data, building it on first use under :func:`cache_root`.
+  synthetic data: the one shipped with rayfed (``rayfed/zoo/weights``) or one built on first use under
+  :func:`cache_root`.
 """
 
 from rayfed.zoo.cache import (
-    build_all, cache_root, default_families, evaluate, pretrained, read_manifest, recipe, recipe_hash, shipped,
+    build_all, cache_root, default_families, evaluate, pretrained, read_manifest, recipe, recipe_hash, ship, shipped,
 )
 from rayfed.zoo.families import FAMILIES
 from rayfed.zoo.loading import MODEL_NAMES, load
@@ -26,5 +27,6 @@ __all__ = [
     "read_manifest",
     "recipe",
     "recipe_hash",
+    "ship",
     "shipped",
 ]

@@ -1,8 +1,10 @@
 """Build each pretrained tiny model once and keep it in the cache folder.
 
 Layout: ``$RAYFED_CACHE/pretrained/<family>-<recipe hash>/`` holds the model in its family's own format
-and ``manifest.json``. A build writes into a temporary folder renamed into place when complete, under a
-file lock, so parallel processes (Ray actors) build a model once and never see half a model.
+and ``manifest.json``; ``rayfed/zoo/weights/<family>-<recipe hash>/`` (:data:`PACKAGED`) holds the folders
+that ship with rayfed, used when the cache has none for that recipe. A build writes into a temporary
+folder renamed into place when complete, under a file lock, so parallel processes (Ray actors) build a
+model once and never see half a model.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import filelock
+import safetensors
 import torch
 
 from rayfed.data import multimodal
@@ -29,7 +33,7 @@ from rayfed.zoo.registry import Family
 from rayfed.zoo.training import deterministic_cpu
 
 MANIFEST = "manifest.json"
-PACKAGED = Path(__file__).parent / "weights"  # built folders shipped with rayfed (too slow to build on a CPU)
+PACKAGED = Path(__file__).parent / "weights"  # built folders shipped with rayfed (float16; see ship())
 log = logging.getLogger(__name__)
 
 
@@ -102,6 +106,44 @@ def pretrained(name: str, overrides: Mapping[str, Any] | None = None) -> Path:
 def shipped(name: str) -> bool:
     """Whether rayfed ships the built folder of family ``name``'s default recipe."""
     return (PACKAGED / f"{name}-{recipe_hash(name)}").is_dir()
+
+
+def ship(name: str) -> Path:
+    """Put the built folder of family ``name``'s default recipe (built first if the cache has none) into
+    :data:`PACKAGED`, replacing the shipped folder of an older recipe; returns the shipped folder.
+
+    What ships is the build itself, float16 tensors included (every build but open_clip's saves them,
+    and every loader reads them back as float32), so the shipped manifest's metrics are the folder's own.
+    Run it after changing a shipped family's recipe (``tests/test_zoo.py`` fails until then).
+    """
+    folder = pretrained(name)
+    target = PACKAGED / folder.name
+    if folder == target:
+        return target
+    not_half = [
+        f"{path.name}:{key}"
+        for path in sorted(folder.glob("*.safetensors"))
+        for key, dtype in safetensors_dtypes(path).items()
+        if dtype.is_floating_point and dtype != torch.float16
+    ]
+    if not_half:
+        raise ConfigError(f"{folder} holds tensors that are not float16 ({', '.join(not_half[:3])}, ...); not shipped.")
+    for stale in PACKAGED.glob(f"{name}-*"):
+        if re.fullmatch(rf"{re.escape(name)}-[0-9a-f]{{12}}", stale.name):
+            shutil.rmtree(stale)
+    scratch = PACKAGED / f".{folder.name}.copying"
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(folder, scratch)
+    for path in scratch.iterdir():
+        path.chmod(0o644)  # safetensors writes its files readable by their owner only
+    os.replace(scratch, target)
+    return target
+
+
+def safetensors_dtypes(path: Path) -> dict[str, torch.dtype]:
+    """The dtype of each tensor in a safetensors file."""
+    with safetensors.safe_open(str(path), "pt") as weights:
+        return {key: weights.get_tensor(key).dtype for key in weights.keys()}
 
 
 def default_families() -> list[str]:

@@ -1,7 +1,10 @@
 """Decoder-only language models in HF transformers: Llama-style (``LlamaForCausalLM``) at two sizes,
 shallow-narrow and deep-wide (FedMosaic's heterogeneous clients), and a Qwen2-style model
-(``Qwen2ForCausalLM``, qkv bias) of another width and depth. They stand in for Llama-3 / Qwen2.5 LLMs and
-are pretrained by next-token prediction on the ``statements`` corpus (captions, facts, news sentences).
+(``Qwen2ForCausalLM``, qkv bias) of another width. They stand in for Llama-3 / Qwen2.5 LLMs and are
+pretrained by next-token prediction on the ``statements`` corpus (captions, facts, news sentences).
+
+Depths are multiples of 8 (8, 16, 8), so the seed papers' block rules (halves, quarters, eighths of the
+layers) split them evenly.
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ def _recipe(architecture: str, hidden_size: int, layers: int) -> dict[str, Any]:
         "hidden_size": hidden_size, "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 3 * hidden_size, "max_position_embeddings": 64,
     }  # fmt: skip
-    return {"version": 1, "seed": 0, "architecture": architecture, "model": model, "train": _TRAIN, "data": _DATA}
+    return {"version": 2, "seed": 0, "architecture": architecture, "model": model, "train": _TRAIN, "data": _DATA}
 
 
+# Small enough that the built folders (float16) ship with rayfed: llama-small and llama-large differ in
+# both depth and width, qwen has a third width.
 RECIPES: dict[str, dict[str, Any]] = {
-    "llama-small": _recipe("llama", hidden_size=64, layers=4),
-    "llama-large": _recipe("llama", hidden_size=96, layers=8),
-    "qwen": _recipe("qwen2", hidden_size=80, layers=3),
+    "llama-small": _recipe("llama", hidden_size=48, layers=8),
+    "llama-large": _recipe("llama", hidden_size=64, layers=16),
+    "qwen": _recipe("qwen2", hidden_size=56, layers=8),
 }
 _CONFIGS = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
 
@@ -50,9 +55,9 @@ def tiny_config(
 
 
 def load(name_or_path: str) -> ZooModel:
-    """``AutoModelForCausalLM`` and its tokenizer from a hub name or a local folder."""
+    """``AutoModelForCausalLM`` (float32) and its tokenizer from a hub name or a local folder."""
     return ZooModel(
-        transformers.AutoModelForCausalLM.from_pretrained(name_or_path),
+        transformers.AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32),
         load_tokenizer(name_or_path),
     )
 
@@ -79,7 +84,7 @@ def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, P
         return model(input_ids=input_ids[batch], attention_mask=attention_mask[batch], labels=labels[batch]).loss
 
     training.train(model, next_token_loss, num_samples=len(input_ids), seed=recipe["seed"], **recipe["train"])
-    model.save_pretrained(out_dir)
+    training.save_float16(model, out_dir)
     tokenizer.save_pretrained(out_dir)
     return BuildReport(before, evaluate(out_dir, recipe), training.parameter_count(model))
 

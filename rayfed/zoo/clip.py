@@ -19,7 +19,7 @@ from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
 from rayfed.zoo.tokenizers import load_tokenizer, word_tokenizer
 
 RECIPE: dict[str, Any] = {
-    "version": 1,
+    "version": 2,
     "seed": 0,
     "model": {
         "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
@@ -28,7 +28,7 @@ RECIPE: dict[str, Any] = {
     "train": {"steps": 400, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.1},
     "data": {"train_samples": 4096, "eval_samples": 1024},
 }  # fmt: skip
-VISION_RECIPE: dict[str, Any] = {"version": 1, "seed": 0, "data": {"eval_samples": 1024}}
+VISION_RECIPE: dict[str, Any] = {"version": 2, "seed": 0, "data": {"eval_samples": 1024}}
 
 
 def tiny_config(model: Mapping[str, Any], tokenizer: transformers.PreTrainedTokenizerBase) -> transformers.CLIPConfig:
@@ -52,13 +52,14 @@ def image_processor(image_size: int) -> transformers.CLIPImageProcessor:
 
 
 def load(name_or_path: str) -> ZooModel:
-    """``CLIPModel`` and its tokenizer from a hub name or a local folder."""
-    return ZooModel(transformers.CLIPModel.from_pretrained(name_or_path), load_tokenizer(name_or_path))
+    """``CLIPModel`` (float32) and its tokenizer from a hub name or a local folder."""
+    model = transformers.CLIPModel.from_pretrained(name_or_path, dtype=torch.float32)
+    return ZooModel(model, load_tokenizer(name_or_path))
 
 
 def load_vision(name_or_path: str) -> ZooModel:
-    """``CLIPVisionModel`` (the image tower alone) from a hub name or a local folder."""
-    return ZooModel(transformers.CLIPVisionModel.from_pretrained(name_or_path))
+    """``CLIPVisionModel`` (the image tower alone, float32) from a hub name or a local folder."""
+    return ZooModel(transformers.CLIPVisionModel.from_pretrained(name_or_path, dtype=torch.float32))
 
 
 def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, Path]) -> BuildReport:
@@ -76,7 +77,7 @@ def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, P
         return model(**texts, pixel_values=images[batch], return_loss=True).loss
 
     training.train(model, contrastive_loss, num_samples=len(images), seed=recipe["seed"], **train_recipe)
-    model.save_pretrained(out_dir)
+    training.save_float16(model, out_dir)
     processor = image_processor(model_recipe["image_size"])
     transformers.CLIPProcessor(image_processor=processor, tokenizer=tokenizer).save_pretrained(out_dir)
     return BuildReport(before, evaluate(out_dir, recipe), training.parameter_count(model))
@@ -108,10 +109,10 @@ def _metrics(model: transformers.CLIPModel, tokenizer: Any, recipe: Mapping[str,
 
 
 def build_vision(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, Path]) -> BuildReport:
-    clip = transformers.CLIPModel.from_pretrained(dependencies["clip"])
+    clip = transformers.CLIPModel.from_pretrained(dependencies["clip"], dtype=torch.float32)
     pretrained = transformers.CLIPVisionModel(clip.config.vision_config)
     pretrained.load_state_dict(clip.vision_model.state_dict())
-    pretrained.save_pretrained(out_dir)
+    training.save_float16(pretrained, out_dir)
     image_processor(clip.config.vision_config.image_size).save_pretrained(out_dir)
     untrained = transformers.CLIPVisionModel(clip.config.vision_config)
     before = _vision_metrics(untrained, recipe)

@@ -8,7 +8,11 @@ from rayfed.zoo.registry import Family
 _CAUSAL_LM = {
     "llama-small": "Llama-3 style LLM, shallow and narrow (FedMosaic's small clients)",
     "llama-large": "Llama-3 style LLM, deep and wide (FedMosaic's large clients)",
-    "qwen": "Qwen2.5 style LLM (qkv bias; another width and depth)",
+    "qwen": "Qwen2.5 style LLM (qkv bias; another width)",
+}
+_LLAVA = {
+    "llava": "on llama-small (FedMosaic's small clients)",
+    "llava-large": "on llama-large (FedMosaic's large clients)",
 }
 
 FAMILIES: dict[str, Family] = {
@@ -60,10 +64,14 @@ FAMILIES: dict[str, Family] = {
                    causal_lm.evaluate, causal_lm.load)
             for name, stands_in_for in _CAUSAL_LM.items()
         ),
-        Family(
-            "llava", "HF LLaVA (llava-hf/llava-1.5-7b-hf), FedMosaic's and TAP's multi-modal LLM",
-            "image-conditioned next-token prediction (captions), vision tower frozen",
-            llava.RECIPE, llava.build, llava.evaluate, llava.load, requires=("clip-vision", "llama-small"),
+        *(
+            Family(
+                name, f"HF LLaVA (llava-hf/llava-1.5-7b-hf), FedMosaic's and TAP's multi-modal LLM, {stands_in_for}",
+                "image-conditioned next-token prediction (captions), vision tower frozen",
+                llava.RECIPES[name], llava.build, llava.evaluate, llava.load,
+                requires=(llava.VISION, llava.LANGUAGE_MODELS[name]),
+            )
+            for name, stands_in_for in _LLAVA.items()
         ),
     )
 }  # fmt: skip

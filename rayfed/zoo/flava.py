@@ -22,13 +22,13 @@ from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
 from rayfed.zoo.tokenizers import load_tokenizer, word_tokenizer
 
 RECIPE: dict[str, Any] = {
-    "version": 1,
+    "version": 2,
     "seed": 0,
     "model": {
         "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
-        "multimodal_layers": 1, "projection_dim": 64, "image_size": 32, "patch_size": 8, "max_text_length": 16,
+        "multimodal_layers": 2, "projection_dim": 64, "image_size": 32, "patch_size": 8, "max_text_length": 16,
     },
-    "train": {"steps": 300, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.01},
+    "train": {"steps": 600, "batch_size": 64, "lr": 2e-3, "weight_decay": 0.01},
     "data": {"train_samples": 4096, "eval_samples": 512, "mask_probability": 0.3},
 }  # fmt: skip
 
@@ -51,8 +51,9 @@ def tiny_config(model: Mapping[str, Any], tokenizer: transformers.PreTrainedToke
 
 
 def load(name_or_path: str) -> ZooModel:
-    """``FlavaModel`` and its tokenizer from a hub name or a local folder."""
-    return ZooModel(transformers.FlavaModel.from_pretrained(name_or_path), load_tokenizer(name_or_path))
+    """``FlavaModel`` (float32) and its tokenizer from a hub name or a local folder."""
+    model = transformers.FlavaModel.from_pretrained(name_or_path, dtype=torch.float32)
+    return ZooModel(model, load_tokenizer(name_or_path))
 
 
 def _no_image_masking(batch_size: int, model: transformers.FlavaForPreTraining) -> dict[str, torch.Tensor]:
@@ -86,7 +87,7 @@ def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, P
         ).loss  # fmt: skip
 
     training.train(model, flava_loss, num_samples=len(images), seed=recipe["seed"], **recipe["train"])
-    model.save_pretrained(out_dir)
+    training.save_float16(model, out_dir)
     image_size = recipe["model"]["image_size"]
     image_processor = transformers.FlavaImageProcessor(
         size={"height": image_size, "width": image_size}, crop_size={"height": image_size, "width": image_size},
@@ -97,7 +98,7 @@ def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, P
 
 
 def evaluate(path: Path, recipe: Mapping[str, Any]) -> Metrics:
-    model = transformers.FlavaForPreTraining.from_pretrained(path)
+    model = transformers.FlavaForPreTraining.from_pretrained(path, dtype=torch.float32)
     return _metrics(model, load_tokenizer(path), recipe)
 
 

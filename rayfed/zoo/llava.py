@@ -1,8 +1,9 @@
 """LLaVA in HF transformers (``LlavaForConditionalGeneration``, like ``llava-hf/llava-1.5-7b-hf``, the
-FedMosaic / TAP multi-modal LLMs): the tiny pretrained CLIP vision tower, a projector and the tiny
-pretrained Llama. As in LLaVA's instruction stage, the projector and the language model learn
-image-conditioned next-token prediction (captions after the image tokens) while the vision tower stays
-frozen.
+FedMosaic / TAP multi-modal LLMs): the tiny pretrained CLIP vision tower, a projector and a tiny
+pretrained Llama, at two sizes: ``llava`` on ``llama-small`` and ``llava-large`` on ``llama-large``
+(FedMosaic's heterogeneous clients). As in LLaVA's instruction stage, the projector and the language model
+learn image-conditioned next-token prediction (captions after the image tokens) while the vision tower
+stays frozen.
 """
 
 from __future__ import annotations
@@ -21,19 +22,28 @@ from rayfed.zoo.causal_lm import sequences
 from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
 from rayfed.zoo.tokenizers import IMAGE, load_tokenizer
 
+VISION = "clip-vision"  # the family of the vision tower
+# Each LLaVA family: the causal-LM family of its language model.
+LANGUAGE_MODELS: dict[str, str] = {"llava": "llama-small", "llava-large": "llama-large"}
 RECIPE: dict[str, Any] = {
-    "version": 1,
+    "version": 2,
     "seed": 0,
     "model": {"vision_feature_layer": -1, "projector_hidden_act": "gelu"},
     "train": {"steps": 300, "batch_size": 32, "lr": 2e-3, "weight_decay": 0.0},
     "data": {"train_samples": 4096, "eval_samples": 512},
 }
+# The deeper language model learns with a lower rate, for longer.
+RECIPES: dict[str, dict[str, Any]] = {
+    "llava": RECIPE,
+    "llava-large": {**RECIPE, "train": {**RECIPE["train"], "steps": 500, "lr": 1e-3}},
+}
 
 
 def load(name_or_path: str) -> ZooModel:
-    """``LlavaForConditionalGeneration`` and its processor (which expands ``<image>`` into the image tokens)."""
+    """``LlavaForConditionalGeneration`` (float32) and its processor (which expands ``<image>`` into the
+    image tokens)."""
     processor = transformers.AutoProcessor.from_pretrained(name_or_path)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(name_or_path)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(name_or_path, dtype=torch.float32)
     return ZooModel(model, processor.tokenizer, processor)
 
 
@@ -55,9 +65,12 @@ def captioning_sequences(
 
 def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, Path]) -> BuildReport:
     data = recipe["data"]
-    vision = transformers.CLIPVisionModel.from_pretrained(dependencies["clip-vision"])
-    language = transformers.AutoModelForCausalLM.from_pretrained(dependencies["llama-small"])
-    tokenizer = load_tokenizer(dependencies["llama-small"])
+    (language_folder,) = (folder for name, folder in dependencies.items() if name != VISION)
+    vision = transformers.CLIPVisionModel.from_pretrained(dependencies[VISION], dtype=torch.float32)
+    language = transformers.AutoModelForCausalLM.from_pretrained(language_folder, dtype=torch.float32)
+    tokenizer = load_tokenizer(language_folder)
+    for tower, folder in ((vision, dependencies[VISION]), (language, language_folder)):
+        tower.config.name_or_path = Path(folder).name  # not the absolute path, which would be saved
     config = transformers.LlavaConfig(
         vision_config=vision.config, text_config=language.config, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
         vision_feature_select_strategy="default", **recipe["model"],
@@ -80,7 +93,7 @@ def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, P
         return model(**inputs, pixel_values=images[batch]).loss
 
     training.train(model, captioning_loss, num_samples=len(images), seed=recipe["seed"], **recipe["train"])
-    model.save_pretrained(out_dir)
+    training.save_float16(model, out_dir)
     transformers.LlavaProcessor(
         image_processor=clip.image_processor(config.vision_config.image_size), tokenizer=tokenizer,
         patch_size=config.vision_config.patch_size, vision_feature_select_strategy="default", image_token=IMAGE,

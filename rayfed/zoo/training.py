@@ -7,6 +7,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,16 @@ def train(
 
 def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def save_float16(model: Any, out_dir: Path) -> None:
+    """``save_pretrained`` with float16 tensors: half the bytes on disk, so that built folders can ship with
+    rayfed (``rayfed/zoo/weights``). Every loader reads them back as float32 (``dtype=torch.float32``), and a
+    build measures its metrics on the saved folder, so the numbers are those of the float16 weights.
+
+    Converts ``model`` in place: save last.
+    """
+    model.to(torch.float16).save_pretrained(out_dir)
 
 
 # ---------------------------------------------------------------------------------------------

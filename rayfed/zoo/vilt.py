@@ -21,7 +21,7 @@ from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
 from rayfed.zoo.tokenizers import load_tokenizer, word_tokenizer
 
 RECIPE: dict[str, Any] = {
-    "version": 1,
+    "version": 2,
     "seed": 0,
     "model": {
         "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
@@ -42,8 +42,9 @@ def tiny_config(model: Mapping[str, Any], tokenizer: transformers.PreTrainedToke
 
 
 def load(name_or_path: str) -> ZooModel:
-    """``ViltModel`` and its tokenizer from a hub name or a local folder."""
-    return ZooModel(transformers.ViltModel.from_pretrained(name_or_path), load_tokenizer(name_or_path))
+    """``ViltModel`` (float32) and its tokenizer from a hub name or a local folder."""
+    model = transformers.ViltModel.from_pretrained(name_or_path, dtype=torch.float32)
+    return ZooModel(model, load_tokenizer(name_or_path))
 
 
 def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, Path]) -> BuildReport:
@@ -70,7 +71,7 @@ def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, P
 
     trainable = nn.ModuleList([model, itm_head])
     training.train(trainable, mlm_and_itm_loss, num_samples=len(images), seed=recipe["seed"], **recipe["train"])
-    model.save_pretrained(out_dir)
+    training.save_float16(model, out_dir)
     image_size = recipe["model"]["image_size"]
     image_processor = transformers.ViltImageProcessor(
         size={"shortest_edge": image_size}, size_divisor=recipe["model"]["patch_size"],
@@ -81,7 +82,7 @@ def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, P
 
 
 def evaluate(path: Path, recipe: Mapping[str, Any]) -> Metrics:
-    model = transformers.ViltForMaskedLM.from_pretrained(path)
+    model = transformers.ViltForMaskedLM.from_pretrained(path, dtype=torch.float32)
     return _metrics(model, load_tokenizer(path), recipe)
 
 

@@ -20,7 +20,7 @@ from rayfed.zoo import training
 from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
 
 RECIPE: dict[str, Any] = {
-    "version": 1,
+    "version": 2,
     "seed": 0,
     "model": {
         "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
@@ -40,8 +40,8 @@ def tiny_config(model: Mapping[str, Any]) -> transformers.ViTConfig:
 
 
 def load(name_or_path: str) -> ZooModel:
-    """``ViTModel`` (no pooler: features are the CLS token) from a hub name or a local folder."""
-    return ZooModel(transformers.ViTModel.from_pretrained(name_or_path, add_pooling_layer=False))
+    """``ViTModel`` (no pooler: features are the CLS token) in float32 from a hub name or a local folder."""
+    return ZooModel(transformers.ViTModel.from_pretrained(name_or_path, add_pooling_layer=False, dtype=torch.float32))
 
 
 def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, Path]) -> BuildReport:
@@ -56,7 +56,7 @@ def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, P
         return model(pixel_values=images[batch], labels=labels[batch]).loss
 
     training.train(model, classification_loss, num_samples=len(images), seed=recipe["seed"], **recipe["train"])
-    model.save_pretrained(out_dir)
+    training.save_float16(model, out_dir)
     image_size = recipe["model"]["image_size"]
     transformers.ViTImageProcessor(
         size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3, image_std=[0.5] * 3
@@ -65,7 +65,7 @@ def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, P
 
 
 def evaluate(path: Path, recipe: Mapping[str, Any]) -> Metrics:
-    return _metrics(transformers.ViTForImageClassification.from_pretrained(path), recipe)
+    return _metrics(transformers.ViTForImageClassification.from_pretrained(path, dtype=torch.float32), recipe)
 
 
 @torch.no_grad()

@@ -76,7 +76,7 @@ def build(out_dir: Path, recipe: Mapping[str, Any], dependencies: Mapping[str, P
         return model(pixel_values=pixels[batch], labels=targets[batch]).loss
 
     training.train(model, classification_loss, num_samples=len(labels), seed=recipe["seed"], **recipe["train"])
-    model.to(torch.float16).save_pretrained(out_dir)
+    training.save_float16(model, out_dir)
     return BuildReport(before, evaluate(out_dir, recipe), training.parameter_count(model))
 
 
