@@ -41,7 +41,7 @@ class RoundUploads:
 
 def run_methods(config: RunConfig, federation) -> list[Method]:
     """Every method of the run, built once from its config entry (for in-process use: tests, benchmarks)."""
-    return [build_method(entry, index, federation.num_clients, federation.tasks)
+    return [build_method(entry, index, federation.num_clients, federation.tasks, config.federation.rounds)
             for index, entry in enumerate(config.methods)]
 
 
@@ -131,7 +131,8 @@ class ClientActor:
         result = self.method.local_update(self._context(client_id, round_idx), self.states[client_id], payload)
         self._update_s += time.perf_counter() - started
         self.states[client_id] = _to(result.state, self.state_device)
-        return Upload(client_id, self.data[client_id].num_train, _to(result.upload, upload_device), result.train_loss)
+        weight = self.data[client_id].num_train if result.weight is None else result.weight
+        return Upload(client_id, weight, _to(result.upload, upload_device), result.train_loss)
 
     def train_round(
         self, round_idx: int, client_ids: list[int], payloads: Payloads, weight_scale: dict[int, float],

@@ -255,6 +255,7 @@ class FederationConfig(_Section):
     rounds: int = Field(10, gt=0)
     clients_per_round: int = Field(10, gt=0)
     eval_every: int = Field(1, gt=0)
+    eval_round_zero: bool = Field(False, description="also evaluate the initial model, before round 1 (round 0)")
     checkpoint_every: int = Field(0, ge=0, description="0 = only restart points kept in memory")
     target_acc: float | None = Field(
         None, gt=0, le=1, description="rounds_to_target's accuracy; default: 95% of the best mean local_acc in the run"

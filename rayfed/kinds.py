@@ -51,8 +51,11 @@ class TaskKind:
     shared_metrics: ClassVar[tuple[str, ...]] = ()  # reported on shared evaluation sets as <set>_<metric>
     lower_is_better: ClassVar[frozenset[str]] = frozenset({"loss"})
 
+    def check_data(self, dataset: ArrayDataset, where: str) -> None:
+        """Raise one sentence if ``dataset`` lacks the columns this kind needs (``where``: its config section)."""
+
     def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
-        """Raise one sentence if ``dataset`` lacks what this kind needs or ``backbone`` cannot run it."""
+        """Raise one sentence if ``backbone`` cannot run this kind on ``dataset``."""
 
     def task_fields(self, dataset: ArrayDataset) -> dict[str, Any]:
         """What a :class:`~rayfed.tasks.Task` of this kind records of its dataset (class names, shapes)."""
@@ -147,8 +150,10 @@ class Classification(TaskKind):
     metrics = ("acc", "loss")
     shared_metrics = ("acc",)
 
-    def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+    def check_data(self, dataset: ArrayDataset, where: str) -> None:
         _require(dataset, "labels", self.name, where, "class labels")
+
+    def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
         _check_inputs(dataset, backbone, self.name, where)
 
     def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
@@ -180,10 +185,9 @@ class MultipleChoice(Classification):
 
     name = "multiple_choice"
 
-    def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+    def check_data(self, dataset: ArrayDataset, where: str) -> None:
         _require(dataset, "choices", self.name, where, "the options of each question (data.choices_column)")
         _require(dataset, "labels", self.name, where, "the index of each question's right option")
-        _check_inputs(dataset, backbone, self.name, where)
 
     def task_fields(self, dataset: ArrayDataset) -> dict[str, Any]:
         return {"class_names": dataset.class_names, "num_choices": dataset.choices.shape[1]}
@@ -232,8 +236,10 @@ class TextGeneration(TaskKind):
     shared_metrics = ("token_f1",)
     lower_is_better = frozenset({"loss", "perplexity"})
 
-    def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+    def check_data(self, dataset: ArrayDataset, where: str) -> None:
         _require(dataset, "target", self.name, where, "target text (data.target_column)")
+
+    def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
         if not backbone.generates_text:
             raise ConfigError(
                 f"model.backbone = {backbone.name!r} does not generate text, so it cannot run {where}.kind = "
@@ -367,8 +373,10 @@ class Reconstruction(TaskKind):
     shared_metrics = ("mse",)
     lower_is_better = frozenset({"loss", "mse"})
 
-    def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+    def check_data(self, dataset: ArrayDataset, where: str) -> None:
         _require(dataset, "images", self.name, where, "images")
+
+    def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
         if "image" not in backbone.modalities:
             raise ConfigError(f"model.backbone = {backbone.name!r} reads no images and cannot run {where}.kind = "
                               f"{self.name!r}; use an image backbone.")

@@ -63,11 +63,13 @@ class Upload:
 
 @dataclass
 class LocalResult:
-    """The result of a client's local update: its new state and what it uploads."""
+    """The result of a client's local update: its new state, what it uploads, and (optionally) the weight its
+    upload gets in the aggregate instead of its number of training samples (e.g. 1: a uniform mean)."""
 
     state: ClientState
     upload: dict[str, TensorDict]
     train_loss: float
+    weight: float | None = None
 
 
 def weighted_sums(uploads: Sequence[Upload], slot: str) -> tuple[TensorDict, dict[str, float]]:
@@ -177,8 +179,10 @@ class Method:
 
     def __init__(self, params: Any = None):
         self.params = params if params is not None else self.Params()
-        self.num_clients = 0  # the federation's size, and its tasks: set once when the run builds the method
+        # The federation's size, its tasks and the run's rounds: set once when the run builds the method.
+        self.num_clients = 0
         self.tasks: tuple[Task, ...] = ()
+        self.rounds = 0
 
     # The model -------------------------------------------------------------------------
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
@@ -260,7 +264,7 @@ class Method:
         return server.get("global") or None
 
 
-def build_method(entry: Any, index: int, num_clients: int = 0, tasks: Sequence[Task] = ()) -> Method:
+def build_method(entry: Any, index: int, num_clients: int = 0, tasks: Sequence[Task] = (), rounds: int = 0) -> Method:
     """The method a ``methods[index]`` config entry names, with its hyperparameters validated against its
     ``Params`` dataclass; one sentence naming the field when something is wrong."""
     from rayfed.errors import ConfigError
@@ -281,7 +285,7 @@ def build_method(entry: Any, index: int, num_clients: int = 0, tasks: Sequence[T
             raise ConfigError(f"{field} = {resolved.name!r} is a {type(cls).__name__}, not a rayfed.Method subclass{lacks}.")
         params = _validated_params(cls.Params, entry.params, f"methods[{index}] ({resolved.name})")
         method = cls(params)
-    method.num_clients, method.tasks = num_clients, tuple(tasks)
+    method.num_clients, method.tasks, method.rounds = num_clients, tuple(tasks), rounds
     return method
 
 

@@ -26,14 +26,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm.auto import tqdm
 
 from rayfed import registry
-from rayfed.actors.client import ClientActor
+from rayfed.actors.client import ClientActor, run_methods
 from rayfed.actors.driver import DriverActor
 from rayfed.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.config import RunConfig, dump_config, load_config, method_model_config
 from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json, atomic_write_text
-from rayfed.method import build_method
 from rayfed.metrics import with_derived
 from rayfed.models import build_backbone
 from rayfed.modules import select_task
@@ -126,8 +125,7 @@ class Simulation:
         started = time.perf_counter()
         self.federation = build_federation(self.config.data, self.config.seed)
         self.num_train = {cid: self.federation.sizes(cid)["num_train"] for cid in range(self.federation.num_clients)}
-        self.methods = [build_method(entry, index, self.federation.num_clients, self.federation.tasks)
-                        for index, entry in enumerate(self.config.methods)]
+        self.methods = run_methods(self.config, self.federation)
         self._check_model()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(self.config, self.run_dir / "config.yaml")
@@ -294,6 +292,8 @@ class Simulation:
         bar = tqdm(total=federation.rounds, initial=start_round, desc=entry.label, unit="round",
                    disable=not self.progress, dynamic_ncols=True)
         method = self.methods[method_index]
+        if start_round == 0 and federation.eval_round_zero:
+            self._evaluate(entry.label, 0)
         for round_idx in range(start_round, federation.rounds):
             started = time.perf_counter()
             sampled = method.participants(round_idx, sample_round(config, round_idx), config.data.num_clients)

@@ -260,6 +260,57 @@ def test_hf_unloadable_dataset_is_one_clear_error(monkeypatch: pytest.MonkeyPatc
         load_data("hf:x", path=str(tmp_path / "absent"))
 
 
+@pytest.fixture(scope="module")
+def text_hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """save_to_disk folders with text columns, as hub VQA, topic and multiple-choice datasets have them."""
+    datasets = pytest.importorskip("datasets")
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("hf_text")
+    images = [Image.fromarray(np.full((8, 8, 3), 30 * i, np.uint8)) for i in range(6)]
+    vqa = {"image": images, "question": ["what color is it?"] * 3 + ["how many are there?"] * 3,
+           "answer": ["red", "blue", "red", "two", "one", "two"], "qtype": ["color"] * 3 + ["count"] * 3}
+    datasets.Dataset.from_dict(vqa).save_to_disk(str(root / "vqa"))
+    mc = {"question": [f"which is {w}?" for w in "abcdef"], "options": [["x", "y", "z"]] * 6, "right": [0, 1, 2, 0, 1, 2]}
+    datasets.Dataset.from_dict(mc).save_to_disk(str(root / "mc"))
+    datasets.Dataset.from_dict({"text": ["a b", "c d"] * 3, "summary": ["ab", "cd"] * 3}).save_to_disk(str(root / "gen"))
+    return {name: root / name for name in ("vqa", "mc", "gen")}
+
+
+def test_hf_text_columns_by_name(text_hf_dirs: dict[str, Path]) -> None:
+    vqa = load_data("hf:" + str(text_hf_dirs["vqa"]), text_column="question", label_column="answer",
+                    target_column="answer", group_column="qtype")
+    assert vqa.images.shape == (6, 8, 8, 3) and vqa.text[3] == "how many are there?"
+    assert vqa.class_names == ("blue", "one", "red", "two") and vqa.labels.tolist() == [2, 0, 2, 3, 1, 3]
+    assert vqa.target.tolist() == ["red", "blue", "red", "two", "one", "two"] and set(vqa.groups) == {"color", "count"}
+    mc = load_data("hf:" + str(text_hf_dirs["mc"]), text_column="question", choices_column="options", label_column="right")
+    assert mc.images is None and mc.choices.shape == (6, 3) and mc.labels.tolist() == [0, 1, 2, 0, 1, 2]
+    gen = load_data("hf:" + str(text_hf_dirs["gen"]), text_column="text", target_column="summary")
+    assert gen.labels is None and gen.target.tolist()[:2] == ["ab", "cd"]
+    with pytest.raises(DataError, match=r"data\.text_column = 'prompt' is not a column of .*columns: text, summary"):
+        load_data("hf:" + str(text_hf_dirs["gen"]), text_column="prompt", target_column="summary")
+    with pytest.raises(DataError, match=r"data\.label_column = 'label' is not a column .*columns: text"):
+        load_data("hf:" + str(text_hf_dirs["gen"]), text_column="text")
+
+
+def test_multimodal_sources_and_their_heterogeneity_groups() -> None:
+    vqa = load_data("multimodal:vqa", synthetic={"num_samples": 60}, group_column="question_type")
+    assert vqa.images.shape == (60, 32, 32, 3) and vqa.labels.max() < 20 and vqa.domains == ("color", "count", "shape")
+    assert all(q.startswith("what") or q.startswith("how") for q in vqa.text)
+    scenes = load_data("multimodal:shapes", synthetic={"num_samples": 90, "scenes": 3, "scene_classes": 4},
+                       group_column="scene")
+    per_scene = [set(scenes.labels[scenes.groups == s]) for s in range(3)]
+    assert all(len(classes) <= 4 for classes in per_scene) and len(set.union(*per_scene)) > 4  # own class priors
+    assert scenes.text is None and scenes.target is not None  # captions are targets, never inputs of a class
+    mc = load_data("multimodal:multiple-choice", synthetic={"num_samples": 20})
+    assert mc.choices.shape == (20, 4) and all(row[label] in target for row, label, target in
+                                               zip(mc.choices, mc.labels, mc.target))
+    with pytest.raises(DataError, match=r"data\.source = 'multimodal:vqaa' names no generator \(did you mean"):
+        load_data("multimodal:vqaa")
+    with pytest.raises(DataError, match=r"data\.partition\.column = 'writer' is not a column of 'multimodal:vqa'"):
+        load_data("multimodal:vqa", group_column="writer")
+
+
 # ---------------------------------------------------------------------------------------------
 # Partitioners
 

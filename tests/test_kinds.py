@@ -63,9 +63,8 @@ def test_hf_folders_of_every_family_load_as_backbones(family, modalities, genera
 def test_an_unknown_model_type_names_what_is_allowed(tmp_path):
     import transformers
 
-    transformers.BertModel(transformers.BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                                                   intermediate_size=8, vocab_size=20)).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"is a 'bert' model; allowed are ViT, CLIP .*ViLT, FLAVA, LLaVA"):
+    transformers.ResNetModel(transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8], depths=[1])).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"is a 'resnet' model; allowed are ViT, CLIP .*ViLT, FLAVA, LLaVA"):
         build_backbone(ModelConfig(backbone=f"hf:{tmp_path}"), seed=0)
 
 

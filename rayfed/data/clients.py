@@ -119,6 +119,7 @@ def build_federation(config: DataConfig, seed: int) -> Federation:
 def _one_task(config: DataConfig, seed: int, index: int, name: str, clients: list[int], where: str) -> Federation:
     dataset = load_source(config, seed)
     kind = task_kind(config, dataset, where)
+    kind.check_data(dataset, where)
     if config.base_novel is not None:
         relabelled, splits, (base, novel), shared_eval = base_novel_split(
             dataset, len(clients), config.base_novel, config.test_fraction, seed

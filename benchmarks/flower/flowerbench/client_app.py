@@ -29,7 +29,7 @@ def train(msg: Message, context: Context) -> Message:
 
     # Load the data
     partition_id = int(context.node_config["partition-id"])
-    data = load_data(partition_id, model)
+    data = load_data(partition_id)
 
     # Call the training function (it loads the received weights first)
     result = train_fn(model, data, params, partition_id, int(msg.content["config"]["server-round"]), device)
@@ -48,7 +48,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     model.to(device)
     params = msg.content["arrays"].to_torch_state_dict()
     partition_id = int(context.node_config["partition-id"])
-    data = load_data(partition_id, model)
+    data = load_data(partition_id)
     results = test_fn(model, data, params, partition_id, int(msg.content["config"]["server-round"]), device)
     metrics = {"eval_loss": results["local_loss"], "eval_acc": results["local_acc"], "num-examples": data.num_test}
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -21,13 +21,15 @@ import os
 
 import psutil
 import torch
+from torch import nn
 from rayfed.benchmarks.overhead import GPU_WORKLOAD, Workload
 
 from rayfed.config import RunConfig
 from rayfed.data.clients import Federation, build_federation
 from rayfed.models import Backbone, ClientModel, _inject_lora, build_backbone
 from rayfed.seeding import SERVER, torch_seed
-from rayfed.training import ClientContext, ClientData, TrainResult
+from rayfed.data.batches import ClientData
+from rayfed.training import ClientContext, TrainResult
 
 WORKLOAD_ENV = "FLOWERBENCH_WORKLOAD"
 
@@ -64,9 +66,9 @@ def load_federation() -> Federation:
     return fds
 
 
-def load_data(partition_id: int, model: ClientModel) -> ClientData:
+def load_data(partition_id: int) -> ClientData:
     """The client's own examples (its train and test split), as tensors on the CPU."""
-    return load_federation().client_data(partition_id, model)  # reads only model.num_channels
+    return load_federation().client_data(partition_id, None)  # images and labels: no backbone needed to encode
 
 
 def get_backbone() -> Backbone:
@@ -83,10 +85,11 @@ def get_model(backbone: Backbone | None = None) -> ClientModel:
     """
     config = get_config()
     backbone = backbone or get_backbone()
+    tasks = load_federation().tasks
     torch.manual_seed(torch_seed(config.seed, 0, SERVER, "client_model"))
-    model = ClientModel(backbone, load_federation().dataset.num_classes)
+    model = ClientModel(backbone, nn.Linear(backbone.feature_dim, tasks[0].num_classes), tasks)
     if config.model.lora is not None:
-        _inject_lora(model, config.model.lora)
+        _inject_lora(model, config.model.lora, backbone)
     model.head.requires_grad_(True)
     return model
 
@@ -99,14 +102,16 @@ def train(model: ClientModel, data: ClientData, params: dict[str, torch.Tensor],
           server_round: int, device: torch.device) -> TrainResult:
     """The workload's local update: `local_steps` Adam steps of `batch_size`, seeded like rayfed's."""
     config = get_config()
-    client = ClientContext(partition_id, server_round - 1, config.seed, data, model, config.train, device)
+    client = ClientContext(partition_id, server_round - 1, config.seed, data, model, config.train, device,
+                           tasks=load_federation().tasks)
     return client.train(params)
 
 
 def test(model: ClientModel, data: ClientData, params: dict[str, torch.Tensor], partition_id: int,
          server_round: int, device: torch.device) -> dict[str, float]:
     config = get_config()
-    client = ClientContext(partition_id, server_round - 1, config.seed, data, model, config.train, device)
+    client = ClientContext(partition_id, server_round - 1, config.seed, data, model, config.train, device,
+                           tasks=load_federation().tasks)
     return client.evaluate(params)
 
 
