@@ -16,14 +16,16 @@ import psutil
 import torch
 
 from rayfed import registry
-from rayfed.config import RunConfig, build_config, method_model_config
-from rayfed.data.clients import build_federation
+from rayfed.architectures import architecture_of
+from rayfed.config import RunConfig, architecture_model_config, build_config, method_model_config
+from rayfed.data.clients import build_federation, encode_public
 from rayfed.method import ClientState, Method, PartialSum, TensorDict, Upload, build_method, tensor_bytes
 from rayfed.models import build_backbone
 from rayfed.modules import feature_shift, head_features, select_task
 from rayfed.seeding import SERVER, torch_seed
-from rayfed.tasks import task_view
-from rayfed.training import ClientContext
+from rayfed.data.batches import to_device
+from rayfed.tasks import param_tasks, task_view
+from rayfed.training import ClientContext, OtherTask, PreFederation
 from rayfed.transport import use_raw_tensor_transport
 
 Payloads = dict[int, TensorDict | None]
@@ -41,28 +43,32 @@ class RoundUploads:
 
 def run_methods(config: RunConfig, federation) -> list[Method]:
     """Every method of the run, built once from its config entry (for in-process use: tests, benchmarks)."""
-    return [build_method(entry, index, federation.num_clients, federation.tasks, config.federation.rounds)
+    return [build_method(entry, index, num_clients=federation.num_clients, tasks=federation.tasks,
+                         rounds=config.federation.rounds, architecture_of=architecture_of(config))
             for index, entry in enumerate(config.methods)]
 
 
 class ClientActor:
     def __init__(
         self, config: RunConfig | dict, client_ids: Sequence[int], methods: Sequence[Method] | None = None,
-        plugins: Sequence[registry.Entry] = (),
+        plugins: Sequence[registry.Entry] = (), architecture: str = "",
     ):
         """``methods``: the run's methods as the driver built them (default: built here from the config);
-        ``plugins``: what the driver script registered, so that names resolve here as they do there."""
+        ``plugins``: what the driver script registered, so that names resolve here as they do there;
+        ``architecture``: the architecture of every hosted client (``""``: the run's one)."""
         registry.install(plugins)
         use_raw_tensor_transport()
         self.config: RunConfig = config if isinstance(config, RunConfig) else build_config(config)
         torch.set_num_threads(max(1, int(self.config.placement.cpus_per_actor)))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.client_ids = list(client_ids)
+        self.architecture = architecture
+        self.model_config = architecture_model_config(self.config, architecture)
         federation = build_federation(self.config.data, self.config.seed)
         self.methods = list(methods) if methods is not None else run_methods(self.config, federation)
         self.tasks = list(federation.tasks)
         self.tasks_of = {cid: federation.tasks_of(cid) for cid in self.client_ids}
-        self.backbone = build_backbone(self.config.model, torch_seed(self.config.seed, 0, SERVER, "backbone"))
+        self.backbone = build_backbone(self.model_config, torch_seed(self.config.seed, 0, SERVER, "backbone"))
         data = {cid: federation.client_data(cid, self.backbone) for cid in self.client_ids}
         eval_sets = federation.eval_sets(self.backbone)
         data_device = self._resident_device(
@@ -71,8 +77,16 @@ class ClientActor:
         )
         self.data = {cid: d.to(data_device) for cid, d in data.items()}
         self.eval_sets = [eval_set.to(data_device) for eval_set in eval_sets]
+        self.stream = self.config.data.stream
+        self.task_tests: dict[int, tuple[int, dict]] = {}  # in a stream: task -> (first round, test columns)
+        if self.stream is not None and self.stream.evaluate_others:
+            held = {holding.task for holding in federation.holdings}
+            self.task_tests = {task: (federation.first_round(task), to_device(federation.task_test(task, self.backbone),
+                                                                              data_device))
+                               for task in sorted(held)}
         self.method: Method | None = None
         self.states: dict[int, ClientState] = {}
+        self.others: dict[int, list[OtherTask]] = {}
         # Per train_round call: its wall-clock start and end (time.time()) and the seconds spent in the
         # clients' local updates, so a benchmark can tell training from the rest of a round.
         self.round_times: list[dict[str, float]] = []
@@ -84,22 +98,45 @@ class ClientActor:
         entry = self.config.methods[method_index]
         self.method = self.methods[method_index]
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
-        model_config = method_model_config(self.config.model, entry, method_index)
+        model_config = method_model_config(self.model_config, entry, method_index)
         self.model = self.method.build_model(self.backbone, model_config, self.tasks, init_seed).to(self.device)
         self.tags = self.model.task_tags() if hasattr(self.model, "task_tags") else {}
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
         self.state_device = self._resident_device(3 * tensor_bytes(initial) * len(self.client_ids))
         resident = {name: value.to(self.state_device) for name, value in initial.items()}  # one copy, shared
+        self.initial_params = resident
         # A client holds, trains and uploads only its tasks' view (shared + its tasks' own parameters).
         self.initial = {cid: task_view(resident, self.tasks_of[cid], self.tags) for cid in self.client_ids}
         self.states = {cid: self.method.init_client(self.initial[cid]) for cid in self.client_ids}
+        self.others = {cid: self._other_tasks(cid) for cid in self.client_ids}
         self.initial_features: dict[int, torch.Tensor] = {}
         shared, _ = self.method.split(initial)
         return shared
 
+    def pre_federation(self, method_index: int) -> TensorDict:
+        """The method's stage before round 1 on this actor's architecture (see ``Method.pre_federation``)."""
+        public, public_task = {}, None
+        if self.config.data.public is not None:
+            public_task, public = encode_public(self.config.data.public, self.config.seed, self.backbone)
+        stage = PreFederation(self.architecture, self.model, {n: v.to(self.device) for n, v in self.initial_params.items()},
+                              public, public_task, self.config.train, self.device, self.config.seed)
+        return {name: value.detach().cpu() for name, value in self.method.pre_federation(stage).items()}
+
     def task_tags(self) -> dict[str, frozenset[int]]:
         """The tasks each parameter of the method's model belongs to (untagged ones are shared by all)."""
         return self.tags
+
+    def _other_tasks(self, client_id: int) -> list[OtherTask]:
+        """In a stream, the tasks of other clients this client is also scored on."""
+        own = set(self.tasks_of[client_id])
+        others = []
+        for task, (first_round, test) in self.task_tests.items():
+            if task in own:
+                continue
+            missing = {name: value for name, value in self.initial_params.items()
+                       if (owners := param_tasks(name, self.tags)) is not None and task in owners and not owners & own}
+            others.append(OtherTask(task, test, first_round, missing))
+        return others
 
     def _resident_device(self, nbytes: int) -> torch.device:
         """Where hosted clients' data or state (``nbytes`` in all) live between rounds: the GPU when
@@ -117,7 +154,7 @@ class ClientActor:
         select_task(self.model, self.tasks_of[client_id][0])
         return ClientContext(
             client_id, round_idx, self.config.seed, self.data[client_id], self.model,
-            self.config.train, self.device, self.eval_sets, self.tasks,
+            self.config.train, self.device, self.eval_sets, self.tasks, self.stream, self.others.get(client_id, ()),
         )
 
     def train(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> list[Upload]:

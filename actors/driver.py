@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from rayfed import registry
 from rayfed.actors.client import RoundUploads, run_methods
+from rayfed.architectures import architecture_of, prefixed, unprefixed
 from rayfed.config import RunConfig, build_config
 from rayfed.data.clients import build_federation
 from rayfed.method import Method, ServerState, TensorDict, tensor_bytes, tensor_params
@@ -30,22 +31,34 @@ class DriverActor:
             methods = run_methods(self.config, build_federation(self.config.data, self.config.seed))
         self.methods = list(methods)
         self.tasks_of = client_tasks(self.config.data)
+        self.architecture_of = architecture_of(self.config)
         self.down_bytes = self.down_params = 0
 
-    def start_method(
-        self, method_index: int, initial_shared: TensorDict, tags: dict[str, frozenset[int]] | None = None,
-    ) -> None:
-        """The method's initial server state, after its pre-federation stage; ``tags``: the tasks each parameter
-        belongs to (``ClientActor.task_tags``), which decide what each client receives."""
+    def start_method(self, method_index: int, architectures: list[str], *initial_and_tags: dict) -> None:
+        """The method's initial server state, from each architecture's initial shared parameters and task tags
+        (``ClientActor.start_method`` and ``task_tags`` of one of its actors, in the order of
+        ``architectures``): the server names every parameter by its architecture."""
+        count = len(architectures)
+        initial, tags = initial_and_tags[:count], initial_and_tags[count:]
         self.method = self.methods[method_index]
-        self.tags = tags or {}
-        self.server: ServerState = self.method.before_federation(self.method.init_server(initial_shared))
+        self.tags = {name: arch_tags for name, arch_tags in zip(architectures, tags)}
+        shared = {key: value for name, values in zip(architectures, initial) for key, value in prefixed(values, name).items()}
+        self.server: ServerState = self.method.init_server(shared)
         self.down_bytes = self.down_params = 0
+
+    def before_federation(self, architectures: list[str], *prepared: TensorDict) -> None:
+        """The method's server-side stage before round 1, given what its pre-federation stage returned on
+        each architecture's actors (``ClientActor.pre_federation``, in the order of ``architectures``)."""
+        self.server = self.method.before_federation(self.server, dict(zip(architectures, prepared)))
 
     def payloads(self, client_ids: list[int], count_bytes: bool = True) -> dict[int, TensorDict | None]:
-        """What each client receives: the method's payload, restricted to the client's tasks' view."""
-        payloads = {cid: task_view(self.method.payload(self.server, cid), self.tasks_of[cid], self.tags)
-                    for cid in client_ids}
+        """What each client receives: the method's payload, restricted to the client's architecture and its
+        tasks' view, under the client's own parameter names."""
+        payloads = {}
+        for cid in client_ids:
+            architecture = self.architecture_of[cid]
+            own = unprefixed(self.method.payload(self.server, cid), architecture)
+            payloads[cid] = task_view(own, self.tasks_of[cid], self.tags[architecture])
         if count_bytes:
             self.down_bytes += sum(tensor_bytes(p) for p in payloads.values())
             self.down_params += sum(tensor_params(p) for p in payloads.values())
@@ -53,7 +66,8 @@ class DriverActor:
 
     def aggregate(self, *parts: RoundUploads) -> dict[str, float | None]:
         """Aggregate one round's uploads (in client-id order); return the round's statistics."""
-        uploads = sorted((u for part in parts for u in part.uploads), key=lambda u: u.client_id)
+        uploads = sorted((u.under_server_names(self.architecture_of[u.client_id]) for part in parts for u in part.uploads),
+                         key=lambda u: u.client_id)
         self.server = self.method.aggregate(self.server, uploads)
         losses = [loss for part in parts for loss in part.train_losses.values()]
         stats = {

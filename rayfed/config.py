@@ -76,6 +76,32 @@ class PartitionConfig(_Section):
         return self
 
 
+class StreamConfig(_Section):
+    """Data that arrives over time (``rayfed.streams``): when each client's tasks and samples become available."""
+
+    mode: Literal["static", "dynamic", "asynchronous"] = Field(
+        "dynamic", description="static: everything at round 0; dynamic: a client's tasks one after another, "
+        "rounds_per_task each; asynchronous: each client's task windows from one of patterns (seeded)"
+    )
+    rounds_per_task: int = Field(5, gt=0, description="dynamic: rounds each task's samples arrive over")
+    patterns: tuple[tuple[int, ...], ...] = Field(
+        ((5, 5, 5, 5), (3, 7, 3, 7), (7, 3, 7, 3)), min_length=1,
+        description="asynchronous: rounds per task, one pattern drawn per client",
+    )
+    gradual: bool = Field(True, description="a task's samples arrive in equal chunks over its window (else at its start)")
+    memory: int | None = Field(None, gt=0, description="episodic memory size; null: every arrived sample stays trainable")
+    memory_policy: Literal["reservoir", "per_task"] = Field(
+        "reservoir", description="reservoir: a seeded uniform sample of the stream; per_task: equal quotas per seen task"
+    )
+    evaluate_others: bool = Field(True, description="also score each client on other clients' seen tasks (others_*)")
+
+    @model_validator(mode="after")
+    def _positive_patterns(self) -> StreamConfig:
+        if any(not pattern or min(pattern) < 1 for pattern in self.patterns):
+            raise ValueError("data.stream.patterns must be non-empty lists of rounds >= 1")
+        return self
+
+
 class BaseNovelConfig(_Section):
     """Base-to-novel split (pFedMMA; ``rayfed.data.base_novel``): clients hold chunks of the base classes."""
 
@@ -109,6 +135,11 @@ class DataConfig(_Section):
     tasks: tuple[TaskDataConfig, ...] | None = Field(
         None, min_length=1, description="multi-task: one data config per task, client ids contiguous in task order"
     )
+    stream: StreamConfig | None = Field(None, description="data that arrives over rounds (continual PFL)")
+    public: DataConfig | None = Field(
+        None, description="public data for a method's pre-federation stage (e.g. aligning adapters), whole, "
+        "on every architecture's first actor"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -120,6 +151,12 @@ class DataConfig(_Section):
                                  "data.options, keep one")
             raw = {**{k: v for k, v in raw.items() if k != "synthetic"}, "options": raw["synthetic"]}
         return raw
+
+    @model_validator(mode="after")
+    def _public_is_plain(self) -> DataConfig:
+        if self.public is not None and (self.public.public is not None or self.public.tasks is not None):
+            raise ValueError("data.public is one dataset: it has no public or tasks of its own")
+        return self
 
     @model_validator(mode="after")
     def _base_novel_partition(self) -> DataConfig:
@@ -153,7 +190,8 @@ class DataConfig(_Section):
             total = sum(task.num_clients for task in self.tasks)
         others = [
             name for name, field in DataConfig.model_fields.items()
-            if name not in ("tasks", "num_clients") and getattr(self, name) != field.get_default(call_default_factory=True)
+            if name not in ("tasks", "num_clients", "stream", "public")
+            and getattr(self, name) != field.get_default(call_default_factory=True)
         ]
         if others:
             raise ValueError(f"data.{others[0]} is set next to data.tasks; with tasks, set it inside each task")
@@ -185,6 +223,9 @@ class TaskDataConfig(DataConfig):
         if self.base_novel is not None:
             raise ValueError(f"data.tasks[{self.name!r}].base_novel is not supported inside data.tasks; a base-to-novel "
                              "split makes two tasks of one dataset itself")
+        for run_level in ("stream", "public"):
+            if getattr(self, run_level) is not None:
+                raise ValueError(f"data.tasks[{self.name!r}].{run_level} belongs to the run: set data.{run_level}")
         if self.clients is None:
             return self
         if len(set(self.clients)) != len(self.clients) or min(self.clients) < 0:
@@ -221,25 +262,41 @@ class AdapterConfig(_Section):
         "mlp", description="mlp: after a block's MLP, inside its residual (ViT/CLIP); output: after a BERT-style "
         "layer's output sublayer (ViLT, FLAVA)"
     )
+    activation: Literal["gelu", "relu"] = Field("gelu", description="the bottleneck's nonlinearity (FedDAT: relu)")
+    init: Literal["zero", "normal"] = Field(
+        "zero", description="zero: PyTorch's default down-projection, zero up-projection (the adapter starts as the "
+        "identity); normal: every weight N(0, 0.02), every bias 0 (FedDAT)"
+    )
+
+
+class PromptConfig(_Section):
+    tokens: int = Field(5, gt=0, description="learnable prompt tokens per modality (text and image)")
+    hidden: int = Field(192, gt=0, description="width of the Embedding -> Linear -> Tanh -> Linear reparameterisation")
 
 
 class VptConfig(_Section):
     prompts: int = Field(8, gt=0, description="learnable prompt tokens per block (VPT-deep)")
 
 
-MODULES = ("head", "lora", "adapter", "vpt", "full")
-MODULE_FIELDS = ("module", "lora", "adapter", "vpt")  # what a method entry's `model` may override
+MODULES = ("head", "lora", "adapter", "vpt", "full", "bias", "prompt")
+MODULE_FIELDS = ("module", "lora", "adapter", "vpt", "prompt", "head")  # what a method entry's `model` may override
 
 
 class ModelConfig(_Section):
     backbone: BackboneName = "tiny:vit"
     pretrained: str | None = Field(None, description="open_clip: a pretrained tag (openai, ...) or a weights file")
-    module: Literal["head", "lora", "adapter", "vpt", "full"] | None = Field(
-        None, description="what is trained over the backbone; unset: lora if model.lora is set, else head"
+    module: Literal["head", "lora", "adapter", "vpt", "full", "bias", "prompt"] | None = Field(
+        None, description="what is trained over the backbone (bias: every parameter named *bias*, BitFit; prompt: "
+        "learnable tokens per modality at ViLT's embedding level); unset: lora if model.lora is set, else head"
     )
     lora: LoraConfig | None = LoraConfig()
     adapter: AdapterConfig = AdapterConfig()
     vpt: VptConfig = VptConfig()
+    prompt: PromptConfig = PromptConfig()
+    head: Literal["linear", "mlp"] = Field(
+        "linear", description="a classifier head's form: linear, or mlp: Linear(d, 2d) -> LayerNorm -> GELU -> "
+        "Linear(2d, C) (ViLT's VQA head, FedDAT's)"
+    )
     image_size: int | None = Field(None, gt=0, description="input size; default: the backbone's own")
 
     @model_validator(mode="after")
@@ -338,6 +395,17 @@ class PlacementConfig(_Section):
     )
 
 
+class ArchitectureConfig(_Section):
+    """A group of clients sharing one backbone and model config, hosted by ClientActors of their own."""
+
+    clients: tuple[int, ...] = Field(min_length=1, description="the client ids of this architecture")
+    backbone: BackboneName = Field(description="as model.backbone")
+    model: dict[str, Any] = Field({}, description="overrides of other model fields (lora, adapter, image_size, ...)")
+    clients_per_actor: int | None = Field(None, gt=0, description="default: placement.clients_per_actor")
+    cpus_per_actor: float | None = Field(None, gt=0, description="default: placement.cpus_per_actor")
+    gpus_per_actor: float | None = Field(None, ge=0, description="default: placement.gpus_per_actor (a larger model may ask for more)")
+
+
 class RayConfig(_Section):
     address: str | None = None
     num_cpus: int | None = Field(None, gt=0)
@@ -392,6 +460,9 @@ class RunConfig(_Section):
     train: TrainConfig = TrainConfig()
     methods: tuple[MethodEntry, ...] = Field((MethodEntry(name="fedavg"),), min_length=1)
     placement: PlacementConfig = PlacementConfig()
+    architectures: dict[str, ArchitectureConfig] | None = Field(
+        None, description="clients of different backbones in one run: name -> {clients, backbone, model, placement}"
+    )
     ray: RayConfig = RayConfig()
     tune: dict[str, Any] | None = Field(None, description="search spaces for `rayfed tune` (rayfed.tune)")
 
@@ -419,10 +490,48 @@ class RunConfig(_Section):
                 raise ValueError(f"methods: the label {label!r} is used twice; give each entry a distinct `label`")
         for index, entry in enumerate(self.methods):
             method_model_config(self.model, entry, index)
+        self._check_architectures()
         return self
+
+    def _check_architectures(self) -> None:
+        if self.architectures is None:
+            return
+        owner: dict[int, str] = {}
+        for name, group in self.architectures.items():
+            if not name or "/" in name:
+                raise ValueError(f"architectures: the name {name!r} is invalid; use a non-empty name without '/'")
+            for client in group.clients:
+                if client in owner:
+                    raise ValueError(f"architectures: client {client} is in both {owner[client]!r} and {name!r}; "
+                                     "each client has one architecture")
+                if not 0 <= client < self.data.num_clients:
+                    raise ValueError(f"architectures.{name}.clients names client {client}, but clients are "
+                                     f"0..{self.data.num_clients - 1}")
+                owner[client] = name
+            architecture_model_config(self, name)
+        missing = [c for c in range(self.data.num_clients) if c not in owner]
+        if missing:
+            raise ValueError(f"architectures: client {missing[0]} is in no architecture; list every client "
+                             f"0..{self.data.num_clients - 1} in exactly one")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def architecture_model_config(config: RunConfig, name: str) -> ModelConfig:
+    """The model config of architecture ``name`` (``""``: the run's one architecture, ``config.model``)."""
+    if not name:
+        return config.model
+    group = config.architectures[name]
+    raw = {**config.model.model_dump(), **group.model, "backbone": group.backbone}
+    if "module" not in group.model and "lora" in group.model:
+        raw["module"] = None
+    try:
+        return ModelConfig.model_validate(raw)
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        path = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"architectures.{name}.model.{path} is invalid: {_clean_msg(first['msg'])}") from None
 
 
 def method_model_config(model: ModelConfig, entry: MethodEntry, index: int = 0) -> ModelConfig:

@@ -48,6 +48,7 @@ class TaskKind:
 
     name: ClassVar[str] = ""
     metrics: ClassVar[tuple[str, ...]] = ()  # reported as local_<metric>, in this order
+    primary: ClassVar[str] = ""  # the metric streams average over tasks (self_<primary>, others_<primary>)
     shared_metrics: ClassVar[tuple[str, ...]] = ()  # reported on shared evaluation sets as <set>_<metric>
     lower_is_better: ClassVar[frozenset[str]] = frozenset({"loss"})
 
@@ -129,7 +130,7 @@ def _check_inputs(dataset: ArrayDataset, backbone: Backbone, kind: str, where: s
         words = {"image": "images", "text": "text"}
         reads, lacks = (" and ".join(words[m] for m in sorted(ms)) for ms in (backbone.modalities, missing))
         raise ConfigError(
-            f"model.backbone = {backbone.name!r} reads {reads} only and cannot run {where}.kind = {kind!r} on the "
+            f"{backbone.config_field} = {backbone.name!r} reads {reads} only and cannot run {where}.kind = {kind!r} on the "
             f"{lacks} of {where}.source; use a backbone that reads {' and '.join(words[m] for m in sorted(needs))} "
             f"(e.g. tiny-pretrained:vilt, tiny-pretrained:flava"
             f"{', tiny-pretrained:llama-small' if needs == {'text'} else ', tiny-pretrained:llava'})."
@@ -148,6 +149,7 @@ class Classification(TaskKind):
 
     name = "classification"
     metrics = ("acc", "loss")
+    primary = "acc"
     shared_metrics = ("acc",)
 
     def check_data(self, dataset: ArrayDataset, where: str) -> None:
@@ -233,6 +235,7 @@ class TextGeneration(TaskKind):
 
     name = "text_generation"
     metrics = ("token_f1", "exact_match", "meteor", "perplexity")
+    primary = "token_f1"
     shared_metrics = ("token_f1",)
     lower_is_better = frozenset({"loss", "perplexity"})
 
@@ -242,13 +245,13 @@ class TextGeneration(TaskKind):
     def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
         if not backbone.generates_text:
             raise ConfigError(
-                f"model.backbone = {backbone.name!r} does not generate text, so it cannot run {where}.kind = "
+                f"{backbone.config_field} = {backbone.name!r} does not generate text, so it cannot run {where}.kind = "
                 f"{self.name!r}; use a causal LM such as tiny-pretrained:llama-small, tiny-pretrained:qwen or "
                 "tiny-pretrained:llava (or a method whose model adds a text decoder)."
             )
         if dataset.images is not None and "image" not in backbone.modalities:
             raise ConfigError(
-                f"model.backbone = {backbone.name!r} reads text only and cannot run {where}.kind = {self.name!r} on "
+                f"{backbone.config_field} = {backbone.name!r} reads text only and cannot run {where}.kind = {self.name!r} on "
                 f"the images of {where}.source; use an image-text LLM such as tiny-pretrained:llava."
             )
 
@@ -370,6 +373,7 @@ class Reconstruction(TaskKind):
 
     name = "reconstruction"
     metrics = ("mse",)
+    primary = "mse"
     shared_metrics = ("mse",)
     lower_is_better = frozenset({"loss", "mse"})
 
@@ -378,7 +382,7 @@ class Reconstruction(TaskKind):
 
     def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
         if "image" not in backbone.modalities:
-            raise ConfigError(f"model.backbone = {backbone.name!r} reads no images and cannot run {where}.kind = "
+            raise ConfigError(f"{backbone.config_field} = {backbone.name!r} reads no images and cannot run {where}.kind = "
                               f"{self.name!r}; use an image backbone.")
 
     def task_fields(self, dataset: ArrayDataset) -> dict[str, Any]:

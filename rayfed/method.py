@@ -10,6 +10,7 @@ State is plain tensors (:mod:`rayfed.types`) so that it can be checkpointed as s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from rayfed.config import ModelConfig
     from rayfed.models import Backbone
     from rayfed.tasks import Task
-    from rayfed.training import ClientContext
+    from rayfed.training import ClientContext, PreFederation
 
 __all__ = ["ClientState", "LocalResult", "Method", "NoParams", "PartialSum", "ServerState", "TensorDict", "Upload",
            "presum", "tensor_bytes", "tensor_params", "weighted_mean", "weighted_sums"]
@@ -55,6 +56,21 @@ class Upload:
     @property
     def nbytes(self) -> int:
         return tensor_bytes(self.tensors)
+
+    def under_server_names(self, architecture: str) -> Upload:
+        """This upload with its tensors named as the server names them (``<architecture>/<name>``;
+        unchanged in a run of one architecture)."""
+        if not architecture:
+            return self
+        name = f"{architecture}/{{}}".format
+        return dataclasses.replace(
+            self,
+            tensors={slot: {name(n): v for n, v in values.items()} for slot, values in self.tensors.items()},
+            weight_sums=None if self.weight_sums is None else
+            {slot: {name(n): w for n, w in values.items()} for slot, values in self.weight_sums.items()},
+            dtypes=None if self.dtypes is None else
+            {slot: {name(n): d for n, d in values.items()} for slot, values in self.dtypes.items()},
+        )
 
     @property
     def nparams(self) -> int:
@@ -171,6 +187,9 @@ class Method:
 
     Params: ClassVar[type] = NoParams
     communicates: ClassVar[bool] = True
+    pre_federation_stage: ClassVar[bool] = False
+    """Whether :meth:`pre_federation` runs before round 1, once per architecture, on an actor holding that
+    architecture's model (e.g. aligning adapters on public data); declared, never inferred."""
     presums_uploads: ClassVar[bool] = True
     """Whether :meth:`aggregate` is a function of the uploads' per-tensor weighted sums (``weighted_sums`` /
     ``weighted_mean``), which actors may then pre-sum as uploads come (:func:`presum`); a method that needs
@@ -179,10 +198,12 @@ class Method:
 
     def __init__(self, params: Any = None):
         self.params = params if params is not None else self.Params()
-        # The federation's size, its tasks and the run's rounds: set once when the run builds the method.
+        # Facts of the run, set once when the run builds the method: the federation's size, its tasks, the
+        # number of rounds and every client's architecture (all "" in a run of one).
         self.num_clients = 0
         self.tasks: tuple[Task, ...] = ()
         self.rounds = 0
+        self.architecture_of: tuple[str, ...] = ()
 
     # The model -------------------------------------------------------------------------
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
@@ -246,8 +267,15 @@ class Method:
     def init_server(self, initial_shared: TensorDict) -> ServerState:
         return {"global": initial_shared}
 
-    def before_federation(self, server: ServerState) -> ServerState:
-        """A server-side stage before the first round (alignment, ...). Default: nothing."""
+    def pre_federation(self, stage: PreFederation) -> TensorDict:
+        """The client-side stage before round 1 (with :attr:`pre_federation_stage`): once per architecture, on
+        one of its actors, with its model, the run's public data and the round-0 parameters. What it returns
+        goes to :meth:`before_federation`."""
+        return {}
+
+    def before_federation(self, server: ServerState, prepared: dict[str, TensorDict]) -> ServerState:
+        """The server-side stage before round 1, given :meth:`pre_federation`'s tensors per architecture (empty
+        without a pre-federation stage). Default: the server state as it is."""
         return server
 
     def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
@@ -264,7 +292,8 @@ class Method:
         return server.get("global") or None
 
 
-def build_method(entry: Any, index: int, num_clients: int = 0, tasks: Sequence[Task] = (), rounds: int = 0) -> Method:
+def build_method(entry: Any, index: int, *, num_clients: int = 0, tasks: Sequence[Task] = (), rounds: int = 0,
+                 architecture_of: Sequence[str] = ()) -> Method:
     """The method a ``methods[index]`` config entry names, with its hyperparameters validated against its
     ``Params`` dataclass; one sentence naming the field when something is wrong."""
     from rayfed.errors import ConfigError
@@ -286,6 +315,7 @@ def build_method(entry: Any, index: int, num_clients: int = 0, tasks: Sequence[T
         params = _validated_params(cls.Params, entry.params, f"methods[{index}] ({resolved.name})")
         method = cls(params)
     method.num_clients, method.tasks, method.rounds = num_clients, tuple(tasks), rounds
+    method.architecture_of = tuple(architecture_of) or ("",) * num_clients
     return method
 
 

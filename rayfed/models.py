@@ -20,7 +20,7 @@ import copy
 import dataclasses
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,10 @@ from torch import nn
 
 from rayfed.config import LoraConfig, ModelConfig
 from rayfed.errors import ConfigError, choice_error
-from rayfed.modules import add_adapters, add_output_adapters, add_prompts, tag_tasks, task_heads
+from rayfed.modules import (
+    MlpHead, TaskHeads, add_adapter_set, add_adapters, add_bias_tuning, add_modality_prompts, add_output_adapters,
+    add_prompts, tag_tasks, task_heads,
+)
 from rayfed.registry import register_backbone, resolve
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import Task
@@ -137,6 +140,7 @@ class Backbone:
     image_std: float | tuple[float, ...] = 0.5
     image_prompt: str = ""
     name: str = field(default="", compare=False)
+    config_field: str = field(default="model.backbone", compare=False)  # the config field naming it, for errors
 
     @property
     def generates_text(self) -> bool:
@@ -472,7 +476,7 @@ def build_task_model(
     if len(tasks) == 1 and dedicated is None:
         return build_client_model(backbone, config, tasks[0], seed)
     dedicated = dedicated or (lambda block: False)
-    if config.module in ("lora", "full") and any(dedicated(block) for block in range(num_blocks(backbone))):
+    if config.module in ("lora", "full", "bias", "prompt") and any(dedicated(block) for block in range(num_blocks(backbone))):
         raise ConfigError(
             f"model.module = {config.module!r} cannot have a copy per task; per-task modules are adapter, vpt or head."
         )
@@ -508,19 +512,61 @@ def _attach_module(
             f"model.module = {config.module!r} needs an HF transformer backbone; "
             f"model.backbone = {backbone.name!r} is not one (use lora, head or full)."
         )
+    adapter = config.adapter
     if config.module == "lora":
         _inject_lora(model, config.lora, backbone)
     elif config.module == "full":
         model.encoder.requires_grad_(True)
-    elif config.module == "adapter" and config.adapter.site == "output":
-        add_output_adapters(model.encoder, config.adapter.dim, tasks, dedicated, _seeds(seed))
+    elif config.module == "adapter" and adapter.site == "output":
+        add_output_adapters(model.encoder, adapter.dim, tasks, dedicated, _seeds(seed), adapter.activation, adapter.init)
     elif config.module == "adapter":
-        add_adapters(model.encoder, encoder_config.hidden_size, config.adapter.dim, tasks, dedicated, _seeds(seed))
+        add_adapters(model.encoder, encoder_config.hidden_size, adapter.dim, tasks, dedicated, _seeds(seed),
+                     adapter.activation, adapter.init)
     elif config.module == "vpt":
         add_prompts(
             model.encoder, encoder_config.hidden_size, config.vpt.prompts, encoder_config.patch_size,
             encoder_config.num_channels, tasks, dedicated, _seeds(seed),
         )
+    elif config.module == "bias":
+        add_bias_tuning(model.encoder)
+    elif config.module == "prompt":
+        add_modality_prompts(model.encoder, config.prompt.tokens, config.prompt.hidden, _seeds(seed))
+    if config.head == "mlp":
+        _mlp_heads(model, _seeds(seed))
+
+
+def _mlp_heads(model: ClientModel, seed_of: Callable[[str], int]) -> None:
+    """Replace every linear head (``model.head``, or each task's) by an :class:`MlpHead` of the same shape, each
+    under a seed of its own and with its task tags."""
+    def replaced(head: nn.Module, key: str) -> nn.Module:
+        if not isinstance(head, nn.Linear):
+            raise ConfigError(f"model.head = 'mlp' replaces a linear classifier head, but this task's head is a "
+                              f"{type(head).__name__}; use model.head = 'linear'.")
+        torch.manual_seed(seed_of(f"{key}:mlp_head"))
+        mlp = MlpHead(head.in_features, head.out_features).to(head.weight.device)
+        tasks = getattr(head, "rayfed_tasks", None)
+        return mlp if tasks is None else tag_tasks(mlp, tasks)
+
+    if isinstance(model.head, TaskHeads):
+        for key in list(model.head):
+            model.head[key] = replaced(model.head[key], key)
+    else:
+        model.head = replaced(model.head, "head")
+
+
+def attach_adapter_set(
+    model: ClientModel, config: ModelConfig, names: Sequence[str], seed: int, frozen: Collection[str] = (),
+) -> None:
+    """Add ``names`` adapters of ``model.adapter``'s form at every site of ``model.adapter.site`` (see
+    :func:`rayfed.modules.add_adapter_set`), seeded from the model's ``seed`` as ``build_task_model`` seeds its
+    adapters; ``frozen`` ones are not trainable."""
+    encoder_config = getattr(model.encoder, "config", None)
+    if encoder_config is None:
+        raise ConfigError("model.module = 'adapter' needs an HF transformer backbone; this one is not (use lora, "
+                          "head or full).")
+    adapter = config.adapter
+    add_adapter_set(model.encoder, names, encoder_config.hidden_size, adapter.dim, adapter.site, _seeds(seed),
+                    adapter.activation, adapter.init, frozen)
 
 
 def _inject_lora(model: ClientModel, lora: LoraConfig, backbone: Backbone) -> None:
@@ -559,6 +605,6 @@ def check_image_channels(num_channels: int, backbone: Backbone) -> None:
 
 
 __all__ = [
-    "Backbone", "BackboneRequest", "ClientModel", "TrainableModule", "build_backbone", "build_client_model",
+    "Backbone", "BackboneRequest", "ClientModel", "TrainableModule", "attach_adapter_set", "build_backbone", "build_client_model",
     "build_task_model", "check_image_channels", "load_hf_backbone", "num_blocks", "tag_tasks",
 ]

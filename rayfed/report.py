@@ -252,6 +252,17 @@ def _render_markdown(
         out.append("Each task kind's metrics, averaged over every (client, task) pair of that kind: the papers' "
                    "client-weighted \"Avg.\" columns.\n")
         out.append(kinds)
+    stream = _group_table(methods_summary, methods, "stream")
+    if stream is not None:
+        out.append("## Data streams: A_last and A_AUC\n")
+        out.append("Self: each client on its own tasks seen so far; Others: on the other clients' seen tasks. A_last is "
+                   "the value at the end, A_AUC the mean over the evaluation points.\n")
+        out.append(stream)
+    architectures = _group_table(methods_summary, methods, "architectures")
+    if architectures is not None:
+        out.append("## Per architecture\n")
+        out.append("Each architecture's metrics, averaged over its clients.\n")
+        out.append(architectures)
     tasks = _group_table(methods_summary, methods, "tasks")
     if tasks is not None:
         out.append("## Per task\n")
@@ -302,7 +313,9 @@ def _series(events: list[dict], kind: str, method: str, key: str) -> tuple[list[
 
 
 def _plot_curves(events: list[dict], methods: list[str], eval_metrics: list[str], primary: str | None) -> Figure | None:
-    panels = [("eval", m) for m in _primary_first(eval_metrics, primary)[:MAX_CURVE_METRICS]]
+    # the primary metric, then a stream's Self / Others curves, then the rest
+    ordered = sorted(eval_metrics, key=lambda m: (m != primary, not m.startswith(("self_", "others_"))))
+    panels = [("eval", m) for m in ordered[:MAX_CURVE_METRICS]]
     if "train_loss" in _event_metrics(events, "round"):
         panels.append(("round", "train_loss"))
     if not panels:

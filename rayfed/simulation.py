@@ -29,13 +29,15 @@ from rayfed import registry
 from rayfed.actors.client import ClientActor, run_methods
 from rayfed.actors.driver import DriverActor
 from rayfed.checkpoint import load_checkpoint, save_checkpoint
-from rayfed.config import RunConfig, dump_config, load_config, method_model_config
+from rayfed.architectures import actor_slots, architecture_names, architecture_of
+from rayfed.config import RunConfig, architecture_model_config, dump_config, load_config, method_model_config
 from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.metrics import with_derived
 from rayfed.models import build_backbone
 from rayfed.modules import select_task
+from rayfed.streams import area_under_curve
 from rayfed.system import plan_round
 from rayfed.tasks import Task, client_tasks, sample_round
 from rayfed.version import __version__
@@ -159,44 +161,45 @@ class Simulation:
         return self.run_dir / "checkpoints"
 
     def _check_model(self) -> None:
-        """Fail here, with one sentence, rather than inside an actor: build every method's model once and run
-        it, and its task's loss, on two samples of every task."""
-        backbone = build_backbone(self.config.model, 0)
-        self.federation.check(backbone)
-        samples = sample_batches(self.federation, backbone)
+        """Fail here, with one sentence, rather than inside an actor: build every architecture's backbone and
+        every method's model once and run it, and its task's loss, on two samples of every task it holds."""
         held = {holding.task for holding in self.federation.holdings}
         unheld = sorted({e.task for e in self.federation.shared} - held)
-        for index, (entry, method) in enumerate(zip(self.config.methods, self.methods)):
-            model = method.build_model(
-                backbone, method_model_config(self.config.model, entry, index), self.federation.tasks, 0
-            )
-            if unheld and not getattr(model, "scores_unseen_tasks", False):
-                raise ConfigError(
-                    f"methods[{index}] ({entry.label}) scores a task with heads trained on clients' data and cannot "
-                    f"score task(s) {unheld} that no client holds (data.base_novel's novel classes); use a method "
-                    "that classifies by text, such as clip_zeroshot, promptfl or pfedmma."
+        of = architecture_of(self.config)
+        for name in architecture_names(self.config):
+            model_config = architecture_model_config(self.config, name)
+            backbone = build_backbone(model_config, 0)
+            if name:
+                backbone.config_field = f"architectures.{name}.backbone"
+            clients = {c for c in range(self.federation.num_clients) if of[c] == name}
+            federation = self.federation.restricted_to(clients)
+            federation.check(backbone)
+            samples = sample_batches(federation, backbone)
+            for index, (entry, method) in enumerate(zip(self.config.methods, self.methods)):
+                model = method.build_model(
+                    backbone, method_model_config(model_config, entry, index), self.federation.tasks, 0
                 )
-            with torch.no_grad():
-                for task, batch in samples:
-                    select_task(model, task.index)
-                    task.kind.loss(model(batch), batch)
-
-    def _actor_client_ids(self) -> list[list[int]]:
-        per_actor = self.config.placement.clients_per_actor
-        ids = list(range(self.config.data.num_clients))
-        return [ids[i:i + per_actor] for i in range(0, len(ids), per_actor)]
+                if unheld and not getattr(model, "scores_unseen_tasks", False):
+                    raise ConfigError(
+                        f"methods[{index}] ({entry.label}) scores a task with heads trained on clients' data and "
+                        f"cannot score task(s) {unheld} that no client holds (data.base_novel's novel classes); use "
+                        "a method that classifies by text, such as clip_zeroshot, promptfl or pfedmma."
+                    )
+                with torch.no_grad():
+                    for task, batch in samples:
+                        select_task(model, task.index)
+                        task.kind.loss(model(batch), batch)
 
     def _check_resources(self) -> None:
         placement = self.config.placement
-        num_actors = len(self._actor_client_ids())
+        slots = actor_slots(self.config)
         group = ray.util.get_current_placement_group()
         if group is not None:  # a Ray Tune trial: the actors must fit the bundles _placed puts them in
             bundles = group.bundle_specs
-            needs = [{"CPU": placement.driver_cpus}]
-            needs += [{"CPU": placement.cpus_per_actor, "GPU": placement.gpus_per_actor}] * num_actors
+            needs = [{"CPU": placement.driver_cpus}] + [{"CPU": slot.cpus, "GPU": slot.gpus} for slot in slots]
             if len(bundles) < len(needs):
                 raise ConfigError(
-                    f"placement: the DriverActor and {num_actors} ClientActors need {len(needs)} bundles but the "
+                    f"placement: the DriverActor and {len(slots)} ClientActors need {len(needs)} bundles but the "
                     f"trial's placement group has {len(bundles)}; size it with rayfed.tune.trial_resources(config)."
                 )
             for index, (need, have) in enumerate(zip(needs, bundles)):
@@ -208,21 +211,21 @@ class Simulation:
                     )
             return
         available = ray.cluster_resources()
-        for resource, per_actor, extra in (
-            ("CPU", placement.cpus_per_actor, placement.driver_cpus),
-            ("GPU", placement.gpus_per_actor, 0.0),
-        ):
-            needed = num_actors * per_actor + extra
+        for resource, extra in (("CPU", placement.driver_cpus), ("GPU", 0.0)):
+            per_actor = [slot.cpus if resource == "CPU" else slot.gpus for slot in slots]
+            needed = sum(per_actor) + extra
             if needed > available.get(resource, 0.0) + 1e-9:
+                each = f"{per_actor[0]:g}" if len(set(per_actor)) == 1 else "their"
                 raise ConfigError(
-                    f"placement: {num_actors} ClientActors x {per_actor:g} {resource} (+ {extra:g} for the driver) "
+                    f"placement: {len(slots)} ClientActors x {each} {resource} (+ {extra:g} for the driver) "
                     f"need {needed:g} {resource} but the Ray cluster has {available.get(resource, 0.0):g}; "
                     "raise placement.clients_per_actor or lower placement."
                     f"{'cpus' if resource == 'CPU' else 'gpus'}_per_actor."
                 )
 
     def _start_actors(self) -> None:
-        """One actor per ``clients_per_actor`` clients, in client-id order; each builds the backbone once.
+        """One actor per ``clients_per_actor`` clients of one architecture, in client-id order; each builds its
+        architecture's backbone once.
 
         Every actor gets the run as the driver resolved it: the config, the methods built once here, and
         the plug-ins this process registered (shipped by value when they are the user's own code)."""
@@ -231,22 +234,29 @@ class Simulation:
         ship_by_value([self.config, *self.methods, *(entry.obj for entry in plugins)])
         config, methods = ray.put(self.config), ray.put(self.methods)
         client_cls = ray.remote(ClientActor)
-        self.actors, self.host_of = [], {}
-        for actor_index, client_ids in enumerate(self._actor_client_ids()):
-            options = _placed({"num_cpus": placement.cpus_per_actor, "num_gpus": placement.gpus_per_actor,
-                               "scheduling_strategy": placement.strategy}, bundle_index=actor_index + 1)
-            self.actors.append(client_cls.options(**options).remote(config, client_ids, methods, plugins))
-            self.host_of.update({cid: actor_index for cid in client_ids})
+        self.actors, self.host_of, self.slots = [], {}, actor_slots(self.config)
+        for actor_index, slot in enumerate(self.slots):
+            options = _placed({"num_cpus": slot.cpus, "num_gpus": slot.gpus, "scheduling_strategy": placement.strategy},
+                              bundle_index=actor_index + 1)
+            self.actors.append(client_cls.options(**options).remote(config, slot.client_ids, methods, plugins,
+                                                                     slot.architecture))
+            self.host_of.update({cid: actor_index for cid in slot.client_ids})
         options = _placed({"num_cpus": placement.driver_cpus}, bundle_index=0)
         self.driver = ray.remote(DriverActor).options(**options).remote(config, methods, plugins)
 
     def _start_method(self, method_index: int) -> None:
-        """Fresh client state on every actor and the method's initial server state on the DriverActor."""
+        """Fresh client state on every actor and the method's initial server state on the DriverActor: one
+        initial state per architecture, from its first actor."""
         if not self.actors:
             self._start_actors()
         initial = [actor.start_method.remote(method_index) for actor in self.actors]
-        tags = self.actors[0].task_tags.remote()
-        ray.get([*initial, self.driver.start_method.remote(method_index, initial[0], tags)])
+        first = {}
+        for actor_index, slot in enumerate(self.slots):
+            first.setdefault(slot.architecture, actor_index)
+        names = list(first)
+        tags = [self.actors[first[name]].task_tags.remote() for name in names]
+        start = self.driver.start_method.remote(method_index, names, *(initial[first[n]] for n in names), *tags)
+        ray.get([*initial, start])
 
     def _stop_actors(self) -> None:
         for actor in [*self.actors, self.driver]:
@@ -261,7 +271,7 @@ class Simulation:
         while True:
             try:
                 self._start_method(method_index)
-                start_round, counters = self._restore(entry.label)
+                start_round, counters = self._restore(method_index)
                 self._rounds(method_index, start_round, counters)
                 return
             except Exception as err:  # noqa: BLE001 - only actor/node deaths are retried
@@ -276,15 +286,34 @@ class Simulation:
                     ) from err
                 tqdm.write(f"[rayfed] {entry.label}: an actor died ({type(err).__name__}); restoring from the last checkpoint")
 
-    def _restore(self, label: str) -> tuple[int, dict[str, float]]:
+    def _restore(self, method_index: int) -> tuple[int, dict[str, float]]:
+        """Every state from the method's last checkpoint; without one, a fresh start through the method's
+        stages before round 1 (a checkpoint at round 0 keeps a resumed run from running them again)."""
+        label = self.config.methods[method_index].label
         checkpoint = load_checkpoint(self._checkpoint_dir, label)
         if checkpoint is None:
             self.log.restart_method(label, 0)
-            return 0, {"up_bytes": 0, "down_bytes": 0, "up_params": 0, "down_params": 0, "wall_time_s": 0.0}
+            counters = {"up_bytes": 0, "down_bytes": 0, "up_params": 0, "down_params": 0, "wall_time_s": 0.0}
+            self._before_federation(method_index, counters)
+            return 0, counters
         ray.get([actor.set_states.remote(checkpoint.clients) for actor in self.actors]
                 + [self.driver.set_state.remote(checkpoint.server)])
         self.log.restart_method(label, checkpoint.round)
         return checkpoint.round, dict(checkpoint.meta["counters"])
+
+    def _before_federation(self, method_index: int, counters: dict[str, float]) -> None:
+        """The method's pre-federation stage, if it declares one: once per architecture, on that architecture's
+        first actor (its model, the public data, the round-0 parameters); then the server-side stage."""
+        method = self.methods[method_index]
+        first: dict[str, Any] = {}
+        if method.pre_federation_stage:
+            for actor, slot in zip(self.actors, self.slots):
+                first.setdefault(slot.architecture, actor)
+        names = list(first)
+        prepared = [first[name].pre_federation.remote(method_index) for name in names]
+        ray.get(self.driver.before_federation.remote(names, *prepared))
+        if method.pre_federation_stage and self.config.federation.checkpoint_every:
+            self._checkpoint(self.config.methods[method_index].label, 0, counters)
 
     def _rounds(self, method_index: int, start_round: int, counters: dict[str, float]) -> None:
         config, entry = self.config, self.config.methods[method_index]
@@ -369,6 +398,12 @@ class Simulation:
             tasks_of = client_tasks(self.config.data)
             grouped = {"tasks": task_means(clients, tasks_of, self.federation.tasks),
                        "kinds": kind_means(clients, tasks_of, self.federation.tasks)}
+        if self.config.data.stream is not None:
+            grouped["stream"] = stream_summary(self.log.events, entry.label)
+        if self.config.architectures:
+            of = architecture_of(self.config)
+            grouped["architectures"] = {name: _mean_std({c: m for c, m in clients.items() if of[c] == name})[0]
+                                        for name in architecture_names(self.config)}
         atomic_write_json(self._results_dir / f"{entry.label}.json", {
             "clients": {str(c): m for c, m in clients.items()}, "mean": means, "std": stds, **grouped,
             "comm_bytes": {"up": int(counters["up_bytes"]), "down": int(counters["down_bytes"])},
@@ -392,7 +427,7 @@ class Simulation:
         for entry in self.config.methods:
             result = json.loads((self._results_dir / f"{entry.label}.json").read_text())
             methods[entry.label] = {"clients": result["clients"], "mean": result["mean"], "std": result["std"]}
-            for group in ("tasks", "kinds"):  # multi-task runs: means per task, and per kind (the papers' Avg.)
+            for group in ("tasks", "kinds", "architectures", "stream"):  # per task, kind (the papers' Avg.), architecture
                 if group in result:
                     methods[entry.label][group] = result[group]
             comm[entry.label] = result["comm_bytes"]
@@ -442,6 +477,16 @@ def _mean_std(clients: Mapping[int, dict[str, float]]) -> tuple[dict[str, float]
               for name in names}
     means = with_derived({n: float(v.mean()) for n, v in values.items()})
     return means, {n: float(v.std()) for n, v in values.items()}
+
+
+def stream_summary(events: list[dict[str, Any]], label: str) -> dict[str, dict[str, float]]:
+    """A_last and A_AUC of every ``self_`` / ``others_`` mean: its value at the last evaluation and its mean over
+    the evaluation points after round 0."""
+    evaluations = sorted((e for e in events if e.get("event") == "eval" and e["method"] == label and e["round"] > 0),
+                         key=lambda e: e["round"])
+    names = dict.fromkeys(k for e in evaluations for k in e if k.startswith(("self_", "others_")))
+    series = {name: [e[name] for e in evaluations if name in e] for name in names}
+    return {name: {"a_last": values[-1], "a_auc": area_under_curve(values)} for name, values in series.items() if values}
 
 
 def _own_metrics(metrics: dict[str, float], tasks: tuple[int, ...], task: Task) -> dict[str, float]:

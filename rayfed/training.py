@@ -29,10 +29,11 @@ import torch
 from torch import nn
 
 from rayfed import seeding
-from rayfed.config import TrainConfig
+from rayfed.config import StreamConfig, TrainConfig
 from rayfed.data.batches import ClientData, Columns, EvalSet, TaskData, num_rows
 from rayfed.metrics import with_derived
 from rayfed.modules import select_task
+from rayfed.streams import seen_round, training_pool
 from rayfed.tasks import Task
 from rayfed.types import Batch, TensorDict
 
@@ -125,6 +126,29 @@ class Step:
         return sum(loss * (num_rows(batch) / total) for loss, (_, batch) in zip(losses, self.parts))
 
 
+@dataclass
+class PreFederation:
+    """What a method's pre-federation stage sees on an actor of one architecture: its model (with the round-0
+    values of every trainable parameter, ``initial``), the run's public data (``data.public``) encoded for this
+    architecture's backbone, and a seeded stream of public batches."""
+
+    architecture: str
+    model: nn.Module
+    initial: TensorDict
+    public: Columns
+    public_task: Task | None
+    train_config: TrainConfig
+    device: torch.device
+    seed: int
+
+    def batches(self, batch_size: int, steps: int, purpose: str = "pre_federation") -> Iterator[Batch]:
+        """``steps`` batches of the public data (successive seeded epochs), on the device."""
+        rows = num_rows(self.public)
+        generator = seeding.torch_generator(self.seed, 0, seeding.SERVER, f"{purpose}:{self.architecture}")
+        for indices in _batches(rows, batch_size, steps, generator, torch.device("cpu")):
+            yield {name: column[indices].to(self.device) for name, column in self.public.items()}
+
+
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
     """``tau^2 KL(softmax(teacher / tau) || softmax(student / tau))`` over the last axis, summed over any
     other axes and averaged over the first (Hinton's knowledge distillation, ``batchmean``); the teacher is
@@ -156,7 +180,7 @@ class ClientContext:
     def __init__(
         self, client_id: int, round_idx: int, seed: int, data: ClientData, model: nn.Module,
         train_config: TrainConfig, device: torch.device, eval_sets: Sequence[EvalSet] = (),
-        tasks: Sequence[Task] = (),
+        tasks: Sequence[Task] = (), stream: StreamConfig | None = None, others: Sequence[OtherTask] = (),
     ):
         self.client_id = client_id
         self.round = round_idx
@@ -167,6 +191,8 @@ class ClientContext:
         self.device = device
         self.eval_sets = eval_sets
         self.tasks = list(tasks)  # the run's tasks, by index
+        self.stream = stream  # data arrive over rounds: train on what has arrived, score the tasks seen so far
+        self.others = others  # in a stream: other clients' tasks, to score this client's model on
 
     @property
     def task(self) -> int:
@@ -205,8 +231,11 @@ class ClientContext:
             graphed = _graphed_step(self.model, named, config, base_lr, self.data, self.tasks[self.task])
         generator = seeding.torch_generator(self.seed, self.round, self.client_id, purpose + ":batches")
         torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
+        pool = self._pool()
+        if pool is not None and len(pool) == 0:  # nothing has arrived yet
+            return TrainResult({n: p.detach().clone() for n, p in named.items()}, float("nan"))
         batches = _batches(self.data.num_train, config.batch_size, steps * config.grad_accum, generator,
-                           self.data.parts[0].train[next(iter(self.data.parts[0].train))].device)
+                           self.data.parts[0].train[next(iter(self.data.parts[0].train))].device, pool)
         # Summed on the device: reading each step's loss would make the host wait for the GPU every step.
         total_loss = torch.zeros((), device=self.device)
         if graphed is not None:
@@ -254,6 +283,14 @@ class ClientContext:
         return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss.item() / max(steps, 1),
                            task_losses, state)
 
+    def _pool(self) -> torch.Tensor | None:
+        """In a stream, the training rows local training may draw from this round (None: all)."""
+        arrival = self.data.arrival
+        if self.stream is None or arrival is None:
+            return None
+        rows = training_pool(self.stream, self.seed, self.client_id, self.round, arrival, self.data.task_of_row)
+        return torch.as_tensor(rows, dtype=torch.long)
+
     def _optimizer(self, phase: Phase, named: dict[str, torch.Tensor], lr: float) -> torch.optim.Optimizer:
         phase_lr = phase.lr or lr
         groups: dict[float, list[torch.Tensor]] = {}
@@ -279,12 +316,27 @@ class ClientContext:
         self.model.load_trainable(params)
         self.model.eval()
         metrics: dict[str, float] = {}
-        for part in self.data.parts:
+        seen = self.data.parts if self.stream is None else [p for p in self.data.parts if p.first_round <= seen_round(self.round)]
+        own_primary: list[tuple[str, float]] = []
+        for part in seen:
             task = self.tasks[part.task]
             select_task(self.model, part.task)
             values = task.kind.summarize(*self._score(task, part.test))
             prefix = "" if len(self.data.parts) == 1 else f"{task.name}/"
             metrics.update({f"{prefix}local_{name}": value for name, value in values.items()})
+            own_primary.append((task.kind.primary, values[task.kind.primary]))
+        if self.stream is not None:
+            metrics.update(_task_means("self", own_primary))
+            other_primary = []
+            for other in self.others:
+                if other.first_round <= seen_round(self.round):
+                    task = self.tasks[other.task]
+                    select_task(self.model, other.task)
+                    self.model.load_trainable(other.missing)  # the other task's own parameters: their round-0 values
+                    values = task.kind.summarize(*self._score(task, other.test))
+                    other_primary.append((task.kind.primary, values[task.kind.primary]))
+            self.model.load_trainable(params)
+            metrics.update(_task_means("others", other_primary))
         for eval_set in self.eval_sets:
             columns = eval_set.columns
             if eval_set.exclude_own_classes:
@@ -310,6 +362,26 @@ class ClientContext:
             for name, value in scored.items():
                 sums[name] = sums.get(name, 0.0) + value
         return sums, rows
+
+
+@dataclass
+class OtherTask:
+    """In a stream, another client's task a client is also scored on: its test samples (every holder's), the
+    first round any holder's samples of it arrive in, and the task's own parameters the client lacks (at
+    their round-0 values)."""
+
+    task: int
+    test: Columns
+    first_round: int
+    missing: TensorDict = field(default_factory=dict)
+
+
+def _task_means(group: str, values: list[tuple[str, float]]) -> dict[str, float]:
+    """``<group>_<metric>``: the mean of each primary metric over the tasks that report it."""
+    by_metric: dict[str, list[float]] = {}
+    for metric, value in values:
+        by_metric.setdefault(metric, []).append(value)
+    return {f"{group}_{metric}": sum(vs) / len(vs) for metric, vs in by_metric.items()}
 
 
 def _add_task_losses(sums: dict[int, torch.Tensor], counts: dict[int, int], parts: list[tuple[Task, Batch]],
@@ -469,18 +541,25 @@ def _graphed_step(model: nn.Module, named: dict[str, torch.Tensor], config: Trai
 
 
 def _batches(num_samples: int, batch_size: int, steps: int, generator: torch.Generator,
-             device: torch.device) -> Iterator[torch.Tensor]:
-    """``steps`` batches from successive seeded permutations (epochs) of the client's samples.
+             device: torch.device, pool: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    """``steps`` batches from successive seeded permutations (epochs) of the client's samples (of ``pool``,
+    the rows a stream has made available, when given).
 
     The permutations are drawn on the CPU (the same numbers on every device) and moved once per
     epoch to where the data is, so indexing it never waits on a copy.
     """
-    batch_size = min(batch_size, num_samples)
-    order = torch.randperm(num_samples, generator=generator).to(device)
+    rows = num_samples if pool is None else len(pool)
+
+    def permutation() -> torch.Tensor:
+        order = torch.randperm(rows, generator=generator)
+        return (order if pool is None else pool[order]).to(device)
+
+    batch_size = min(batch_size, rows)
+    order = permutation()
     position = 0
     for _ in range(steps):
-        if position + batch_size > num_samples:
-            order = torch.randperm(num_samples, generator=generator).to(device)
+        if position + batch_size > rows:
+            order = permutation()
             position = 0
         yield order[position:position + batch_size]
         position += batch_size

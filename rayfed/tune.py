@@ -99,6 +99,7 @@ from ray import tune as ray_tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from rayfed import registry
+from rayfed.architectures import actor_slots
 from rayfed.config import RunConfig, apply_overrides, build_config, dump_config, load_config
 from rayfed.errors import ConfigError, choice_error, suggest
 from rayfed.io import atomic_write_bytes, atomic_write_text
@@ -520,10 +521,9 @@ def trial_resources(config: RunConfig) -> ray_tune.PlacementGroupFactory:
     (the layout ``rayfed.simulation._placed`` uses).
     """
     placement = config.placement
-    num_actors = math.ceil(config.data.num_clients / placement.clients_per_actor)
-    client_bundle = {"CPU": placement.cpus_per_actor, "GPU": placement.gpus_per_actor}
+    client_bundles = [{"CPU": slot.cpus, "GPU": slot.gpus} for slot in actor_slots(config)]
     return ray_tune.PlacementGroupFactory(
-        [{}, {"CPU": max(placement.driver_cpus, TRIAL_DRIVER_CPUS)}, *[client_bundle] * num_actors],
+        [{}, {"CPU": max(placement.driver_cpus, TRIAL_DRIVER_CPUS)}, *client_bundles],
         strategy="SPREAD" if placement.strategy == "SPREAD" else "PACK",
     )
 

@@ -171,7 +171,7 @@ def _trajectory(run: dict, rounds: int = 3) -> dict[str, torch.Tensor]:
     config = load_config(run)
     actor = ClientActor(config.to_dict(), list(range(config.data.num_clients)))
     driver = DriverActor(config.to_dict())
-    driver.start_method(0, actor.start_method(0), actor.task_tags())
+    driver.start_method(0, [""], actor.start_method(0), actor.task_tags())
     for round_idx in range(rounds):
         sampled = sample_round(config, round_idx)
         driver.aggregate(actor.train_round(round_idx, sampled, driver.payloads(sampled), {cid: 1.0 for cid in sampled}))
@@ -222,7 +222,7 @@ def test_fedyolo_clients_hold_only_their_tasks_view(tiny_run, sharing, dedicated
     dedicated = {int(n.split("layers.")[1].split(".")[0]) for n in everything if "adapters.task_1" in n}
     assert dedicated == dedicated_blocks
     driver = DriverActor(load_config(run).to_dict())
-    driver.start_method(0, everything, actor.task_tags())
+    driver.start_method(0, [""], everything, actor.task_tags())
     payloads = driver.payloads([0, 3])
     assert all(task_of_name(n) in (None, 0) for n in payloads[0])
     assert all(task_of_name(n) in (None, 1) for n in payloads[3])
@@ -237,7 +237,7 @@ def test_a_task_without_sampled_clients_keeps_its_modules_and_shared_modules_ave
     actor = ClientActor(load_config(run).to_dict(), [0, 1])
     driver = DriverActor(load_config(run).to_dict())
     initial = actor.start_method(0)
-    driver.start_method(0, initial, actor.task_tags())
+    driver.start_method(0, [""], initial, actor.task_tags())
     uploads = actor.train(0, [0, 1], driver.payloads([0, 1]))
     driver.aggregate(RoundUploads(uploads, 0, 0, {}))
     after = driver.get_state()["global"]

@@ -39,7 +39,7 @@ def test_a_client_may_hold_several_tasks_and_gets_only_their_parameters():
     tags = actor.task_tags()
     assert tags["head.task_0.weight"] == {0} and tags["head.task_1.bias"] == {1}
     driver = DriverActor(config, actor.methods)
-    driver.start_method(0, shared, tags)
+    driver.start_method(0, [""], shared, tags)
     payloads = driver.payloads([0, 1, 2])
     assert "head.task_1.weight" not in payloads[0] and "head.task_0.weight" not in payloads[2]
     assert {"head.task_0.weight", "head.task_1.weight"} <= set(payloads[1])

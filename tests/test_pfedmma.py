@@ -198,7 +198,7 @@ def test_uploads_hold_only_the_shared_projections_and_evaluation_scores_both_lab
     config = load_config(_clip_run(tiny_hf_clip, [{"name": "pfedmma", "rank": 4, "first_layer": 3}])).to_dict()
     actor, driver = ClientActor(config, [0, 1]), DriverActor(config)
     initial = actor.start_method(0)
-    driver.start_method(0, initial, actor.task_tags())
+    driver.start_method(0, [""], initial, actor.task_tags())
     uploads = actor.train(0, [0, 1], driver.payloads([0, 1]))
     for upload in uploads:
         assert set(upload.tensors) == {"shared"}

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 Columns = dict[str, torch.Tensor]
@@ -38,11 +39,14 @@ def to_device(columns: Columns, device: torch.device) -> Columns:
 
 @dataclass
 class TaskData:
-    """A client's train and test examples of one task (``task``: its index in the run's task list)."""
+    """A client's train and test examples of one task (``task``: its index in the run's task list), and in a
+    stream the round each training example arrives in and the task's first round."""
 
     task: int
     train: Columns
     test: Columns
+    arrival: np.ndarray | None = None
+    first_round: int = 0
 
 
 @dataclass
@@ -67,7 +71,19 @@ class ClientData:
         return next(part for part in self.parts if part.task == task)
 
     def to(self, device: torch.device) -> ClientData:
-        return ClientData([TaskData(p.task, to_device(p.train, device), to_device(p.test, device)) for p in self.parts])
+        return ClientData([dataclasses.replace(p, train=to_device(p.train, device), test=to_device(p.test, device))
+                           for p in self.parts])
+
+    @property
+    def arrival(self) -> np.ndarray | None:
+        """The arrival round of every training row, tasks concatenated (None: not a stream)."""
+        if self.parts[0].arrival is None:
+            return None
+        return np.concatenate([part.arrival for part in self.parts])
+
+    @property
+    def task_of_row(self) -> np.ndarray:
+        return np.concatenate([np.full(num_rows(part.train), part.task) for part in self.parts])
 
     def split(self, indices: torch.Tensor) -> Iterator[tuple[TaskData, torch.Tensor]]:
         """Indices into the concatenation of the tasks' training rows, as (task, rows of that task) pairs."""

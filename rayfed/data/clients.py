@@ -8,15 +8,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rayfed.config import DataConfig
+from rayfed.config import DataConfig, StreamConfig
 from rayfed.data.base_novel import base_novel_split
-from rayfed.data.batches import ClientData, EvalSet, TaskData
+from rayfed.data.batches import ClientData, Columns, EvalSet, TaskData
 from rayfed.data.partition import exact_test_split, global_test_indices, partition, split_train_test
 from rayfed.data.sources import ArrayDataset, load_source
 from rayfed.errors import ConfigError
 from rayfed.kinds import TaskKind, infer_kind
 from rayfed.models import Backbone, check_image_channels
 from rayfed.registry import resolve
+from rayfed.streams import Window, arrival_rounds, task_windows
 from rayfed.tasks import Task, task_client_ids
 
 
@@ -48,12 +49,32 @@ class SharedEval:
 
 @dataclass(frozen=True)
 class Federation:
-    """The run's tasks, which clients hold each task's data, and the shared evaluation sets."""
+    """The run's tasks, which clients hold each task's data, the shared evaluation sets, and (a stream) when
+    data arrives."""
 
     tasks: tuple[Task, ...]
     holdings: tuple[Holding, ...]
     num_clients: int
     shared: tuple[SharedEval, ...] = ()
+    stream: StreamConfig | None = None
+    seed: int = 0
+
+    def windows(self, client_id: int) -> dict[int, Window]:
+        """In a stream, the arrival window of each of the client's tasks."""
+        tasks = self.tasks_of(client_id)
+        return dict(zip(tasks, task_windows(self.stream, self.seed, client_id, len(tasks))))
+
+    def first_round(self, task: int) -> int:
+        """The first round any client's samples of ``task`` arrive in (0 without a stream)."""
+        if self.stream is None:
+            return 0
+        return min(self.windows(c)[task].start for h in self.holdings if h.task == task for c in h.clients)
+
+    def task_test(self, task: int, backbone: Backbone) -> Columns:
+        """Every holder's test samples of ``task``, encoded for ``backbone`` (another client's view of it)."""
+        (holding,) = [h for h in self.holdings if h.task == task]
+        indices = np.sort(np.concatenate([test for _, test in holding.splits]))
+        return self._encode(holding, indices, backbone)
 
     def tasks_of(self, client_id: int) -> tuple[int, ...]:
         return tuple(sorted(h.task for h in self.holdings if client_id in h.clients))
@@ -61,6 +82,16 @@ class Federation:
     def sizes(self, client_id: int) -> dict[str, int]:
         splits = [h.split_of(client_id) for h in self.holdings if client_id in h.clients]
         return {"num_train": sum(len(train) for train, _ in splits), "num_test": sum(len(test) for _, test in splits)}
+
+    def restricted_to(self, clients: set[int]) -> Federation:
+        """The holdings of ``clients`` only (the tasks and shared sets stay)."""
+        holdings = []
+        for holding in self.holdings:
+            kept = [i for i, client in enumerate(holding.clients) if client in clients]
+            if kept:
+                holdings.append(dataclasses.replace(holding, clients=tuple(holding.clients[i] for i in kept),
+                                                    splits=tuple(holding.splits[i] for i in kept)))
+        return dataclasses.replace(self, holdings=tuple(holdings))
 
     def check(self, backbone: Backbone) -> None:
         """One sentence if the backbone cannot run a task on its data (wrong inputs, kind, channels)."""
@@ -70,13 +101,19 @@ class Federation:
                 check_image_channels(holding.dataset.images.shape[-1], backbone)
 
     def client_data(self, client_id: int, backbone: Backbone) -> ClientData:
-        """The client's samples of every task it holds, encoded for ``backbone``."""
+        """The client's samples of every task it holds, encoded for ``backbone``; in a stream with the round
+        each training sample arrives in."""
+        windows = self.windows(client_id) if self.stream is not None else {}
         parts = []
         for holding in self.holdings:
             if client_id in holding.clients:
                 train, test = holding.split_of(client_id)
-                parts.append(TaskData(holding.task, self._encode(holding, train, backbone),
-                                      self._encode(holding, test, backbone)))
+                part = TaskData(holding.task, self._encode(holding, train, backbone), self._encode(holding, test, backbone))
+                if self.stream is not None:
+                    window = windows[holding.task]
+                    part.arrival = arrival_rounds(self.stream, self.seed, client_id, holding.task, window, len(train))
+                    part.first_round = window.start
+                parts.append(part)
         return ClientData(sorted(parts, key=lambda part: part.task))
 
     def eval_sets(self, backbone: Backbone) -> list[EvalSet]:
@@ -105,7 +142,8 @@ def build_federation(config: DataConfig, seed: int) -> Federation:
     With ``data.tasks`` every task's clients are built from its own config alone, so a task's data does
     not depend on which other tasks exist."""
     if config.tasks is None:
-        return _one_task(config, seed, index=0, name="task", clients=list(range(config.num_clients)), where="data")
+        federation = _one_task(config, seed, index=0, name="task", clients=list(range(config.num_clients)), where="data")
+        return dataclasses.replace(federation, stream=config.stream, seed=seed)
     tasks, holdings, shared = [], [], []
     for index, task_config in enumerate(config.tasks):
         part = _one_task(task_config, seed, index, task_config.name, task_client_ids(config, index),
@@ -113,7 +151,7 @@ def build_federation(config: DataConfig, seed: int) -> Federation:
         tasks += part.tasks
         holdings += part.holdings
         shared += [dataclasses.replace(e, name=f"{task_config.name}_{e.name}") for e in part.shared]
-    return Federation(tuple(tasks), tuple(holdings), config.num_clients, tuple(shared))
+    return Federation(tuple(tasks), tuple(holdings), config.num_clients, tuple(shared), config.stream, seed)
 
 
 def _one_task(config: DataConfig, seed: int, index: int, name: str, clients: list[int], where: str) -> Federation:
@@ -148,3 +186,15 @@ def _one_task(config: DataConfig, seed: int, index: int, name: str, clients: lis
         indices = global_test_indices(splits, len(dataset), part.global_test_samples, seed=seed)
         shared = (SharedEval("global", holding, indices, index),)
     return Federation((task,), (holding,), len(clients), shared)
+
+
+def encode_public(config: DataConfig, seed: int, backbone: Backbone) -> tuple[Task, Columns]:
+    """The public dataset (``data.public``), whole, as a task of its kind and named tensors for ``backbone``."""
+    dataset = load_source(config, seed)
+    kind = task_kind(config, dataset, "data.public")
+    kind.check_data(dataset, "data.public")
+    kind.check(dataset, backbone, "data.public")
+    task = Task(-1, "public", kind=kind, **kind.task_fields(dataset))
+    if config.max_text_length is not None:
+        backbone = dataclasses.replace(backbone, max_text_length=config.max_text_length)
+    return task, kind.encode(dataset, np.arange(len(dataset)), backbone)

@@ -1,0 +1,160 @@
+"""Clients of different architectures in one run, and a method's stage before round 1 on the actors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from rayfed.actors.client import ClientActor, run_methods
+from rayfed.actors.driver import DriverActor
+from rayfed.architectures import actor_slots, architecture_of
+from rayfed.config import load_config
+from rayfed.data.clients import build_federation
+from rayfed.errors import ConfigError
+from rayfed.method import Method
+from rayfed.simulation import Simulation
+from rayfed.tasks import sample_round
+
+TWO_SIZES = {
+    "name": "two-sizes", "seed": 4,
+    "data": {"source": "multimodal:vqa", "options": {"num_samples": 96}, "num_clients": 4, "partition": {"name": "iid"}},
+    "model": {"backbone": "tiny-pretrained:llava", "lora": {"rank": 2}},
+    "architectures": {"small": {"clients": [0, 1], "backbone": "tiny-pretrained:llava"},
+                      "large": {"clients": [2, 3], "backbone": "tiny-pretrained:llava-large", "gpus_per_actor": 0}},
+    "federation": {"rounds": 2, "clients_per_round": 4},
+    "train": {"local_steps": 2, "batch_size": 8, "lr": 0.003, "optimizer": "adam"},
+    "methods": ["fedavg"], "placement": {"clients_per_actor": 2, "cpus_per_actor": 0.5},
+}
+
+
+def _drive(config, participants: list[int] | None = None, rounds: int = 2) -> list[dict[str, torch.Tensor]]:
+    """Run FedAvg in-process over the config's actors; the server state after each round."""
+    federation = build_federation(config.data, config.seed)
+    methods = run_methods(config, federation)
+    actors = [(ClientActor(config, slot.client_ids, methods, architecture=slot.architecture), slot)
+              for slot in actor_slots(config)]
+    driver = DriverActor(config, methods)
+    first = {}
+    for actor, slot in actors:
+        shared = actor.start_method(0)
+        first.setdefault(slot.architecture, (shared, actor.task_tags()))
+    names = list(first)
+    driver.start_method(0, names, *(first[n][0] for n in names), *(first[n][1] for n in names))
+    states = []
+    for round_idx in range(rounds):
+        sampled = participants if participants is not None else sample_round(config, round_idx)
+        parts = [actor.train_round(round_idx, [c for c in sampled if c in slot.client_ids], driver.payloads(
+            [c for c in sampled if c in slot.client_ids]), {c: 1.0 for c in sampled})
+                 for actor, slot in actors if any(c in slot.client_ids for c in sampled)]
+        driver.aggregate(*parts)
+        states.append({n: v.clone() for n, v in driver.get_state()["global"].items()})
+    return states
+
+
+def test_each_architectures_fedavg_is_fedavg_over_its_own_clients_alone():
+    config = load_config(TWO_SIZES)
+    assert architecture_of(config) == ["small", "small", "large", "large"]
+    assert [(s.architecture, s.client_ids) for s in actor_slots(config)] == [("small", (0, 1)), ("large", (2, 3))]
+    both = _drive(config)
+    small_names = {n for n in both[0] if n.startswith("small/")}
+    large_names = {n for n in both[0] if n.startswith("large/")}
+    assert small_names and large_names and small_names | large_names == set(both[0])
+    # the small architecture's aggregate: bitwise FedAvg of a run where only its clients take part
+    alone = _drive(load_config({k: v for k, v in TWO_SIZES.items() if k != "architectures"}), participants=[0, 1])
+    for round_both, round_alone in zip(both, alone):
+        for name, value in round_alone.items():
+            assert torch.equal(round_both[f"small/{name}"], value), name
+    # the large model's tensors are larger, and no tensor is shared across architectures
+    width = {n.split("/", 1)[1]: v.shape for n, v in both[0].items() if n.startswith("large/")}
+    assert any(width[n.split("/", 1)[1]] != v.shape for n, v in both[0].items() if n.startswith("small/")
+               and n.split("/", 1)[1] in width)
+
+
+def test_a_client_in_two_architectures_or_in_none_is_refused():
+    run = copy.deepcopy(TWO_SIZES)
+    run["architectures"]["large"]["clients"] = [1, 2, 3]
+    with pytest.raises(ConfigError, match=r"architectures: client 1 is in both 'small' and 'large'"):
+        load_config(run)
+    run["architectures"]["large"]["clients"] = [2]
+    with pytest.raises(ConfigError, match=r"architectures: client 3 is in no architecture; list every client 0\.\.3"):
+        load_config(run)
+    run["architectures"]["large"]["clients"] = [2, 3, 4]
+    with pytest.raises(ConfigError, match=r"architectures\.large\.clients names client 4, but clients are 0\.\.3"):
+        load_config(run)
+
+
+def test_an_architecture_whose_backbone_cannot_run_the_task_names_it(tmp_path):
+    run = copy.deepcopy(TWO_SIZES)
+    run["architectures"]["large"]["backbone"] = "tiny-pretrained:llama-small"
+    with pytest.raises(ConfigError, match=r"architectures\.large\.backbone = 'tiny-pretrained:llama-small' reads text "
+                                          r"only and cannot run data\.kind = 'classification' on the images"):
+        Simulation(run, out_dir=tmp_path, progress=False).run()
+
+
+@dataclass(frozen=True)
+class StageParams:
+    marker_dir: str = ""
+
+
+class AlignedStart(Method):
+    """Before round 1, on each architecture's actor: the mean of its initial LoRA B matrices' norms over the public
+    data's first batch (a stand-in for an alignment); the server keeps it per architecture."""
+
+    Params = StageParams
+    pre_federation_stage = True
+
+    def pre_federation(self, stage):
+        batch = next(stage.batches(batch_size=4, steps=1))
+        with torch.no_grad():
+            features = stage.model.features({k: v for k, v in batch.items() if k != "labels"})
+        (Path(self.params.marker_dir) / f"{stage.architecture}-{uuid.uuid4().hex}").write_text("called")
+        return {"feature_mean": features.mean(0)}
+
+    def before_federation(self, server, prepared):
+        return {**server, "prepared": {f"{arch}/feature_mean": t["feature_mean"] for arch, t in prepared.items()}}
+
+
+def _staged_run(marker_dir: Path, **placement) -> dict:
+    run = copy.deepcopy(TWO_SIZES)
+    run["data"]["public"] = {"source": "multimodal:vqa", "options": {"num_samples": 16}}
+    run["methods"] = [{"name": AlignedStart, "label": "aligned", "marker_dir": str(marker_dir)}]
+    run["federation"].update(rounds=3, clients_per_round=3, checkpoint_every=1)
+    run["placement"].update(placement)
+    return run
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_architectures_and_the_pre_federation_stage_keep_packing_and_resume_invariance(tmp_path):
+    reference_markers = tmp_path / "m-ref"
+    reference_markers.mkdir()
+    reference = Simulation(_staged_run(reference_markers), out_dir=tmp_path / "ref", progress=False).run()
+    assert sorted(p.name.split("-")[0] for p in reference_markers.iterdir()) == ["large", "small"]  # once per architecture
+    assert set(reference["methods"]["aligned"]["architectures"]) == {"small", "large"}
+
+    def results(summary):
+        return {"methods": summary["methods"], "comm_bytes": summary["comm_bytes"]}
+
+    class Interrupt(Exception):
+        pass
+
+    def interrupt(sim, label, rounds_done):
+        if rounds_done == 2:
+            raise Interrupt
+
+    markers = tmp_path / "m-cut"
+    markers.mkdir()
+    with pytest.raises(Interrupt):  # one client per actor this time: neither packing nor resuming changes a number
+        Simulation(_staged_run(markers, clients_per_actor=1), out_dir=tmp_path / "cut", progress=False,
+                   callbacks=[interrupt]).run()
+    assert len(list(markers.iterdir())) == 2
+    resumed = Simulation.resume(tmp_path / "cut", progress=False).run()
+    assert len(list(markers.iterdir())) == 2  # the stage is not run again on resume
+    assert results(resumed) == results(reference)
+    events = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["round"] for e in events if e["event"] == "round"] == [1, 2, 3]
