@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -39,6 +39,7 @@ class RoundUploads:
     up_bytes: int  # what the clients uploaded (a partial sum's own size is a simulator detail)
     up_params: int
     train_losses: dict[int, float]
+    stats: dict[str, float] = field(default_factory=dict)  # the methods' per-client statistics, summed
 
 
 def run_methods(config: RunConfig, federation) -> list[Method]:
@@ -91,6 +92,7 @@ class ClientActor:
         # clients' local updates, so a benchmark can tell training from the rest of a round.
         self.round_times: list[dict[str, float]] = []
         self._update_s = 0.0
+        self._stats: dict[str, float] = {}
 
     def start_method(self, method_index: int) -> TensorDict:
         """Build the method's client model and every hosted client's initial state; return the initial shared
@@ -169,6 +171,8 @@ class ClientActor:
         self._update_s += time.perf_counter() - started
         self.states[client_id] = _to(result.state, self.state_device)
         weight = self.data[client_id].num_train if result.weight is None else result.weight
+        for name, value in result.stats.items():
+            self._stats[name] = self._stats.get(name, 0.0) + value
         return Upload(client_id, weight, _to(result.upload, upload_device), result.train_loss)
 
     def train_round(
@@ -181,7 +185,7 @@ class ClientActor:
         float64 arithmetic on the host, per client. Clients train in client-id order, the order they are
         summed in.
         """
-        started, self._update_s = time.time(), 0.0
+        started, self._update_s, self._stats = time.time(), 0.0, {}
         partial = PartialSum() if self.method.presums_uploads else None
         uploads, up_bytes, up_params, losses = [], 0, 0, {}
         for cid in sorted(client_ids):
@@ -197,7 +201,7 @@ class ClientActor:
         if partial is not None and partial.client_ids:
             uploads = [partial.upload("cpu")]
         self.round_times.append({"round": round_idx, "start": started, "end": time.time(), "update_s": self._update_s})
-        return RoundUploads(uploads, up_bytes, up_params, losses)
+        return RoundUploads(uploads, up_bytes, up_params, losses, self._stats)
 
     def evaluate(self, round_idx: int, payloads: Payloads) -> dict[int, dict[str, float]]:
         return {cid: self._metrics(self._context(cid, round_idx), self.states[cid], payloads[cid])

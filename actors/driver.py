@@ -77,6 +77,12 @@ class DriverActor:
             "down_params": self.down_params,
             "train_loss": sum(losses) / len(losses) if losses else None,
         }
+        client_stats: dict[str, float] = {}
+        for part in parts:
+            for name, value in part.stats.items():
+                client_stats[name] = client_stats.get(name, 0.0) + value
+        if client_stats:
+            stats["client_stats"] = dict(sorted(client_stats.items()))
         self.down_bytes = self.down_params = 0
         return stats
 

@@ -58,6 +58,9 @@ class TaskKind:
     def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
         """Raise one sentence if ``backbone`` cannot run this kind on ``dataset``."""
 
+    def check_model(self, model: nn.Module, backbone: Backbone, where: str) -> None:
+        """Raise one sentence if a method's ``model`` cannot produce this kind's outputs."""
+
     def task_fields(self, dataset: ArrayDataset) -> dict[str, Any]:
         """What a :class:`~rayfed.tasks.Task` of this kind records of its dataset (class names, shapes)."""
         return {"class_names": dataset.class_names}
@@ -243,16 +246,18 @@ class TextGeneration(TaskKind):
         _require(dataset, "target", self.name, where, "target text (data.target_column)")
 
     def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
-        if not backbone.generates_text:
+        if dataset.images is not None and "image" not in backbone.modalities:
+            raise ConfigError(
+                f"{backbone.config_field} = {backbone.name!r} reads text only and cannot run {where}.kind = "
+                f"{self.name!r} on the images of {where}.source; use an image-text LLM such as tiny-pretrained:llava."
+            )
+
+    def check_model(self, model: nn.Module, backbone: Backbone, where: str) -> None:
+        if not getattr(model, "generates_text", False):
             raise ConfigError(
                 f"{backbone.config_field} = {backbone.name!r} does not generate text, so it cannot run {where}.kind = "
                 f"{self.name!r}; use a causal LM such as tiny-pretrained:llama-small, tiny-pretrained:qwen or "
                 "tiny-pretrained:llava (or a method whose model adds a text decoder)."
-            )
-        if dataset.images is not None and "image" not in backbone.modalities:
-            raise ConfigError(
-                f"{backbone.config_field} = {backbone.name!r} reads text only and cannot run {where}.kind = {self.name!r} on "
-                f"the images of {where}.source; use an image-text LLM such as tiny-pretrained:llava."
             )
 
     def task_fields(self, dataset: ArrayDataset) -> dict[str, Any]:
@@ -329,9 +334,25 @@ class TextGeneration(TaskKind):
         return metrics
 
 
+def causal_from_target_logits(target_logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Logits that predict the target tokens at their own positions (batch, target tokens, vocabulary; a
+    parallel decoder's) placed where a causal LM predicts them: position p holds the prediction of
+    ``input_ids[p + 1]``, so :meth:`TextGeneration.loss` and ``score`` take either model's outputs."""
+    labels = batch["labels"]
+    rows, length = labels.shape
+    aligned = target_logits.new_zeros(rows, length, target_logits.shape[-1])
+    for row in range(rows):
+        positions = torch.nonzero(labels[row] != IGNORE).flatten() - 1  # predicted one position earlier
+        aligned[row, positions] = target_logits[row, : len(positions)]
+    return aligned
+
+
 @torch.no_grad()
 def generate(model: ClientModel, batch: Batch, max_new_tokens: int) -> torch.Tensor:
-    """Greedy continuations (batch, new tokens) of the left-padded ``prompt_ids``, stopping at end-of-text."""
+    """Greedy continuations (batch, new tokens) of the left-padded ``prompt_ids``, stopping at end-of-text; a
+    model that decodes otherwise (a parallel decoder) provides ``generate_text(batch, max_new_tokens)``."""
+    if hasattr(model, "generate_text"):
+        return model.generate_text(batch, max_new_tokens)
     tokenizer = model.tokenizer
     inputs = {"input_ids": batch["prompt_ids"], "attention_mask": batch["prompt_mask"]}
     if "pixel_values" in batch:

@@ -86,6 +86,7 @@ class LocalResult:
     upload: dict[str, TensorDict]
     train_loss: float
     weight: float | None = None
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)  # summed over a round's clients into its event
 
 
 def weighted_sums(uploads: Sequence[Upload], slot: str) -> tuple[TensorDict, dict[str, float]]:

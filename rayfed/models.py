@@ -413,6 +413,11 @@ class ClientModel(TrainableModule):
     def select_task(self, index: int) -> None:
         self.active_task = index
 
+    @property
+    def generates_text(self) -> bool:
+        """Whether the backbone is a causal LM, whose LM head produces text-generation tasks' outputs."""
+        return self.backbone_lm_logits is not None
+
     def pixels(self, images: torch.Tensor) -> torch.Tensor:
         """Raw [0, 1] images -> the backbone's size and channels, normalized ((x - mean) / std)."""
         if images.shape[1] != self.num_channels:

@@ -185,6 +185,8 @@ class Simulation:
                         f"cannot score task(s) {unheld} that no client holds (data.base_novel's novel classes); use "
                         "a method that classifies by text, such as clip_zeroshot, promptfl or pfedmma."
                     )
+                for holding in federation.holdings:
+                    self.federation.tasks[holding.task].kind.check_model(model, backbone, holding.where)
                 with torch.no_grad():
                     for task, batch in samples:
                         select_task(model, task.index)

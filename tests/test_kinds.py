@@ -229,3 +229,15 @@ def test_multi_modal_federation_is_deterministic_and_splits_by_label():
     train, test = holding.splits[0]
     assert set(holding.dataset.labels[test]) <= set(holding.dataset.labels[train])  # stratified by label
     assert math.isclose(len(test) / (len(train) + len(test)), 0.25, abs_tol=0.05)
+
+
+def test_a_parallel_decoders_target_logits_score_like_a_causal_lms():
+    from rayfed.kinds import causal_from_target_logits
+
+    labels = torch.tensor([[IGNORE, IGNORE, 3, 4, IGNORE], [IGNORE, 1, 2, 5, IGNORE]])
+    target_ids = torch.tensor([[3, 4, 0], [1, 2, 5]])
+    target_logits = torch.randn(2, 3, 7)
+    aligned = causal_from_target_logits(target_logits, {"labels": labels})
+    expected = torch.nn.functional.cross_entropy(
+        torch.cat([target_logits[0, :2], target_logits[1, :3]]), torch.cat([target_ids[0, :2], target_ids[1, :3]]))
+    assert TextGeneration().loss(aligned, {"labels": labels}) == pytest.approx(expected.item(), rel=1e-6)
