@@ -385,6 +385,10 @@ class SystemConfig(_Section):
 
 
 class PlacementConfig(_Section):
+    executor: Literal["ray", "local"] = Field(
+        "ray", description="ray: every actor a Ray actor of its own; local: the same actors as objects of this "
+        "process, run one after another (no Ray start: small runs and tests begin at once; the same numbers)"
+    )
     clients_per_actor: int = Field(1, gt=0)
     strategy: Literal["DEFAULT", "SPREAD"] = Field("DEFAULT", description="how Ray places ClientActors on nodes")
     cpus_per_actor: float = Field(1.0, gt=0)

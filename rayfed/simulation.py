@@ -33,6 +33,7 @@ from rayfed.architectures import actor_slots, architecture_names, architecture_o
 from rayfed.config import RunConfig, architecture_model_config, dump_config, load_config, method_model_config
 from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import ConfigError
+from rayfed.executors import LocalExecutor, RayExecutor
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.metrics import with_derived
 from rayfed.models import build_backbone
@@ -133,9 +134,12 @@ class Simulation:
         dump_config(self.config, self.run_dir / "config.yaml")
         previous = MetricsLog.read(self.run_dir / "metrics.jsonl") if self._resuming else []
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", previous)
-        owns_ray = init_ray(self.config)
+        local = self.config.placement.executor == "local"
+        self.executor = LocalExecutor() if local else RayExecutor()
+        owns_ray = not local and init_ray(self.config)
         try:
-            self._check_resources()
+            if not local:
+                self._check_resources()
             for index, entry in enumerate(self.config.methods):
                 if self._resuming and (self._results_dir / f"{entry.label}.json").is_file():
                     continue
@@ -231,20 +235,20 @@ class Simulation:
 
         Every actor gets the run as the driver resolved it: the config, the methods built once here, and
         the plug-ins this process registered (shipped by value when they are the user's own code)."""
-        placement = self.config.placement
+        placement, executor = self.config.placement, self.executor
         plugins = registry.user_entries()
-        ship_by_value([self.config, *self.methods, *(entry.obj for entry in plugins)])
-        config, methods = ray.put(self.config), ray.put(self.methods)
-        client_cls = ray.remote(ClientActor)
+        if not executor.local:
+            ship_by_value([self.config, *self.methods, *(entry.obj for entry in plugins)])
+        config, methods = executor.put(self.config), executor.put(self.methods)
         self.actors, self.host_of, self.slots = [], {}, actor_slots(self.config)
         for actor_index, slot in enumerate(self.slots):
             options = _placed({"num_cpus": slot.cpus, "num_gpus": slot.gpus, "scheduling_strategy": placement.strategy},
                               bundle_index=actor_index + 1)
-            self.actors.append(client_cls.options(**options).remote(config, slot.client_ids, methods, plugins,
-                                                                     slot.architecture))
+            self.actors.append(executor.actor(ClientActor, options, config, slot.client_ids, methods, plugins,
+                                              slot.architecture))
             self.host_of.update({cid: actor_index for cid in slot.client_ids})
         options = _placed({"num_cpus": placement.driver_cpus}, bundle_index=0)
-        self.driver = ray.remote(DriverActor).options(**options).remote(config, methods, plugins)
+        self.driver = executor.actor(DriverActor, options, config, methods, plugins)
 
     def _start_method(self, method_index: int) -> None:
         """Fresh client state on every actor and the method's initial server state on the DriverActor: one
@@ -258,12 +262,12 @@ class Simulation:
         names = list(first)
         tags = [self.actors[first[name]].task_tags.remote() for name in names]
         start = self.driver.start_method.remote(method_index, names, *(initial[first[n]] for n in names), *tags)
-        ray.get([*initial, start])
+        self.executor.get([*initial, start])
 
     def _stop_actors(self) -> None:
         for actor in [*self.actors, self.driver]:
             if actor is not None:
-                ray.kill(actor)
+                self.executor.kill(actor)
         self.actors, self.driver = [], None
 
     # The round loop ---------------------------------------------------------------------
@@ -298,8 +302,8 @@ class Simulation:
             counters = {"up_bytes": 0, "down_bytes": 0, "up_params": 0, "down_params": 0, "wall_time_s": 0.0}
             self._before_federation(method_index, counters)
             return 0, counters
-        ray.get([actor.set_states.remote(checkpoint.clients) for actor in self.actors]
-                + [self.driver.set_state.remote(checkpoint.server)])
+        self.executor.get([actor.set_states.remote(checkpoint.clients) for actor in self.actors]
+                          + [self.driver.set_state.remote(checkpoint.server)])
         self.log.restart_method(label, checkpoint.round)
         return checkpoint.round, dict(checkpoint.meta["counters"])
 
@@ -313,7 +317,7 @@ class Simulation:
                 first.setdefault(slot.architecture, actor)
         names = list(first)
         prepared = [first[name].pre_federation.remote(method_index) for name in names]
-        ray.get(self.driver.before_federation.remote(names, *prepared))
+        self.executor.get(self.driver.before_federation.remote(names, *prepared))
         if method.pre_federation_stage and self.config.federation.checkpoint_every:
             self._checkpoint(self.config.methods[method_index].label, 0, counters)
 
@@ -336,7 +340,7 @@ class Simulation:
                 upload_refs.append(
                     self.actors[actor_index].train_round.remote(round_idx, client_ids, payload_ref, weight_scale)
                 )
-            stats = ray.get(self.driver.aggregate.remote(*upload_refs))
+            stats = self.executor.get(self.driver.aggregate.remote(*upload_refs))
             rounds_done = round_idx + 1
             wall = time.perf_counter() - started
             counters["up_bytes"] += stats["up_bytes"]
@@ -377,7 +381,7 @@ class Simulation:
             else:
                 refs.append(actor.finish.remote(round_idx, payload_ref, post_train_steps))
         merged: dict[int, dict] = {}
-        for part in ray.get(refs):
+        for part in self.executor.get(refs):
             merged.update(part)
         return {cid: {**merged[cid], **self.federation.sizes(cid)} for cid in sorted(merged)}
 
@@ -417,9 +421,9 @@ class Simulation:
     def _checkpoint(self, label: str, rounds_done: int, counters: dict[str, float]) -> None:
         state_refs = [actor.get_states.remote() for actor in self.actors]
         clients: dict = {}
-        for part in ray.get(state_refs):
+        for part in self.executor.get(state_refs):
             clients.update(part)
-        server = ray.get(self.driver.get_state.remote())
+        server = self.executor.get(self.driver.get_state.remote())
         save_checkpoint(self._checkpoint_dir, label, rounds_done, server, clients,
                         {"counters": counters, "config": self.config.to_dict(), "method": label})
 
@@ -566,7 +570,7 @@ def _plugin_values(obj: Any) -> list[Any]:
 
 def _placed(options: dict[str, Any], bundle_index: int) -> dict[str, Any]:
     """Inside a Ray Tune trial, put the actor in the trial's placement group (bundle 0: the driver)."""
-    group = ray.util.get_current_placement_group()
+    group = ray.util.get_current_placement_group() if ray.is_initialized() else None
     if group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index)
     return options
