@@ -40,6 +40,7 @@ class RoundUploads:
     up_params: int
     train_losses: dict[int, float]
     stats: dict[str, float] = field(default_factory=dict)  # the methods' per-client statistics, summed
+    busy_s: float = 0.0  # seconds the actor spent in its clients' local updates
 
 
 def run_methods(config: RunConfig, federation) -> list[Method]:
@@ -67,6 +68,7 @@ class ClientActor:
         self.model_config = architecture_model_config(self.config, architecture)
         federation = build_federation(self.config.data, self.config.seed)
         self.methods = list(methods) if methods is not None else run_methods(self.config, federation)
+        self.federation = federation
         self.tasks = list(federation.tasks)
         self.tasks_of = {cid: federation.tasks_of(cid) for cid in self.client_ids}
         self.backbone = build_backbone(self.model_config, torch_seed(self.config.seed, 0, SERVER, "backbone"))
@@ -76,6 +78,7 @@ class ClientActor:
             sum(tensor_bytes({i: p.train | p.test for i, p in enumerate(d.parts)}) for d in data.values())
             + tensor_bytes({i: e.columns for i, e in enumerate(eval_sets)})
         )
+        self.data_device = data_device
         self.data = {cid: d.to(data_device) for cid, d in data.items()}
         self.eval_sets = [eval_set.to(data_device) for eval_set in eval_sets]
         self.stream = self.config.data.stream
@@ -88,6 +91,7 @@ class ClientActor:
         self.method: Method | None = None
         self.states: dict[int, ClientState] = {}
         self.others: dict[int, list[OtherTask]] = {}
+        self.guest_states: dict[int, ClientState] = {}  # guests' new states, until their hosts take them
         # Per train_round call: its wall-clock start and end (time.time()) and the seconds spent in the
         # clients' local updates, so a benchmark can tell training from the rest of a round.
         self.round_times: list[dict[str, float]] = []
@@ -177,8 +181,13 @@ class ClientActor:
 
     def train_round(
         self, round_idx: int, client_ids: list[int], payloads: Payloads, weight_scale: dict[int, float],
+        guests: Sequence[int] = (), *guest_states: ClientState,
     ) -> RoundUploads:
         """:meth:`train`, with the uploads summed into one partial sum when the method allows it.
+
+        ``guests`` are clients another actor of this architecture hosts, trained here this round to balance
+        the round (their states given, their new states kept for :meth:`take_guest_states`); their data is
+        built here from the same federation, so they train exactly as on their host.
 
         The partial sum is made as each upload comes, where the actor keeps its clients' state (on the
         GPU when it fits there), and moved to the host once per round: then no copy to the host, and no
@@ -186,6 +195,9 @@ class ClientActor:
         summed in.
         """
         started, self._update_s, self._stats = time.time(), 0.0, {}
+        for cid, state in zip(guests, guest_states):
+            self._welcome(cid)
+            self.states[cid] = _to(state, self.state_device)
         partial = PartialSum() if self.method.presums_uploads else None
         uploads, up_bytes, up_params, losses = [], 0, 0, {}
         for cid in sorted(client_ids):
@@ -200,8 +212,32 @@ class ClientActor:
                 uploads.append(upload)
         if partial is not None and partial.client_ids:
             uploads = [partial.upload("cpu")]
+        for cid in guests:
+            self.guest_states[cid] = _to(self.states.pop(cid), "cpu")
         self.round_times.append({"round": round_idx, "start": started, "end": time.time(), "update_s": self._update_s})
-        return RoundUploads(uploads, up_bytes, up_params, losses, self._stats)
+        return RoundUploads(uploads, up_bytes, up_params, losses, self._stats, self._update_s)
+
+    def _welcome(self, client_id: int) -> None:
+        """What a guest client needs on this actor: its tasks, data, initial view and (a stream) other tasks."""
+        if client_id in self.data:
+            return
+        self.tasks_of[client_id] = self.federation.tasks_of(client_id)
+        self.data[client_id] = self.federation.client_data(client_id, self.backbone).to(self.data_device)
+        self.initial[client_id] = task_view(self.initial_params, self.tasks_of[client_id], self.tags)
+        self.others[client_id] = self._other_tasks(client_id)
+
+    def client_state(self, client_id: int) -> ClientState:
+        """A hosted client's state, to train it on another actor this round."""
+        return _to(self.states[client_id], "cpu")
+
+    def take_guest_states(self) -> dict[int, ClientState]:
+        """The new states of the guests trained here, for their hosts (emptied)."""
+        states, self.guest_states = self.guest_states, {}
+        return states
+
+    def put_states(self, states: dict[int, ClientState]) -> None:
+        """Hosted clients' new states, trained on another actor."""
+        self.states.update({cid: _to(state, self.state_device) for cid, state in states.items() if cid in self.client_ids})
 
     def evaluate(self, round_idx: int, payloads: Payloads) -> dict[int, dict[str, float]]:
         return {cid: self._metrics(self._context(cid, round_idx), self.states[cid], payloads[cid])

@@ -76,6 +76,7 @@ class DriverActor:
             "up_params": sum(part.up_params for part in parts),
             "down_params": self.down_params,
             "train_loss": sum(losses) / len(losses) if losses else None,
+            "actor_busy_s": [round(part.busy_s, 4) for part in parts],
         }
         client_stats: dict[str, float] = {}
         for part in parts:

@@ -390,6 +390,10 @@ class PlacementConfig(_Section):
         "process, run one after another (no Ray start: small runs and tests begin at once; the same numbers)"
     )
     clients_per_actor: int = Field(1, gt=0)
+    balance_rounds: bool = Field(
+        True, description="spread each round's sampled clients evenly over the actors of their architecture (a "
+        "client's state moves to another actor for the round); the numbers do not change"
+    )
     strategy: Literal["DEFAULT", "SPREAD"] = Field("DEFAULT", description="how Ray places ClientActors on nodes")
     cpus_per_actor: float = Field(1.0, gt=0)
     gpus_per_actor: float = Field(0.0, ge=0)

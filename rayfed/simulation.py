@@ -29,7 +29,7 @@ from rayfed import registry
 from rayfed.actors.client import ClientActor, run_methods
 from rayfed.actors.driver import DriverActor
 from rayfed.checkpoint import load_checkpoint, save_checkpoint
-from rayfed.architectures import actor_slots, architecture_names, architecture_of
+from rayfed.architectures import ActorSlot, actor_slots, architecture_names, architecture_of
 from rayfed.config import RunConfig, architecture_model_config, dump_config, load_config, method_model_config
 from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import ConfigError
@@ -333,14 +333,21 @@ class Simulation:
             started = time.perf_counter()
             sampled = method.participants(round_idx, sample_round(config, round_idx), config.data.num_clients)
             plan = plan_round(config, round_idx, sampled, self.num_train)
-            upload_refs = []
-            for actor_index, client_ids in self._group_by_actor(plan.participants).items():
+            upload_refs, hosts_to_update = [], []
+            for actor_index, client_ids in self._assign(plan.participants).items():
                 payload_ref = self.driver.payloads.remote(client_ids)
                 weight_scale = {cid: plan.weight_scale[cid] for cid in client_ids}
-                upload_refs.append(
-                    self.actors[actor_index].train_round.remote(round_idx, client_ids, payload_ref, weight_scale)
-                )
+                guests = [cid for cid in client_ids if self.host_of[cid] != actor_index]
+                states = [self.actors[self.host_of[cid]].client_state.remote(cid) for cid in guests]
+                trainer = self.actors[actor_index]
+                upload_refs.append(trainer.train_round.remote(round_idx, client_ids, payload_ref, weight_scale,
+                                                              guests, *states))
+                if guests:
+                    moved = trainer.take_guest_states.remote()
+                    hosts_to_update += [self.actors[host].put_states.remote(moved)
+                                        for host in sorted({self.host_of[cid] for cid in guests})]
             stats = self.executor.get(self.driver.aggregate.remote(*upload_refs))
+            self.executor.get(hosts_to_update)
             rounds_done = round_idx + 1
             wall = time.perf_counter() - started
             counters["up_bytes"] += stats["up_bytes"]
@@ -365,7 +372,11 @@ class Simulation:
         bar.set_postfix({k: f"{v:.3f}" for k, v in final.items() if k.endswith("acc")})
         bar.close()
 
-    def _group_by_actor(self, client_ids: list[int]) -> dict[int, list[int]]:
+    def _assign(self, client_ids: list[int]) -> dict[int, list[int]]:
+        """Which actor trains which of the round's clients: their hosts, or (``placement.balance_rounds``) the
+        actors of each architecture in even shares."""
+        if self.config.placement.balance_rounds:
+            return balanced_assignment(client_ids, self.slots, self.host_of)
         groups: dict[int, list[int]] = {}
         for cid in client_ids:
             groups.setdefault(self.host_of[cid], []).append(cid)
@@ -483,6 +494,32 @@ def _mean_std(clients: Mapping[int, dict[str, float]]) -> tuple[dict[str, float]
               for name in names}
     means = with_derived({n: float(v.mean()) for n, v in values.items()})
     return means, {n: float(v.std()) for n, v in values.items()}
+
+
+def balanced_assignment(client_ids: list[int], slots: list[ActorSlot], host_of: dict[int, int]) -> dict[int, list[int]]:
+    """The round's clients spread over the actors of their architecture in shares that differ by at most one;
+    each client stays on its host while the host is within its share, the rest go to the actors with room
+    (in actor order). The larger shares go to the actors hosting the most of the round's clients, so that as
+    few clients as possible move."""
+    assignment: dict[int, list[int]] = {}
+    for architecture in dict.fromkeys(slot.architecture for slot in slots):
+        actors = [index for index, slot in enumerate(slots) if slot.architecture == architecture]
+        clients = sorted(c for c in client_ids if slots[host_of[c]].architecture == architecture)
+        if not clients:
+            continue
+        hosted = {actor: sum(host_of[c] == actor for c in clients) for actor in actors}
+        by_load = sorted(actors, key=lambda actor: (-hosted[actor], actor))
+        base, extra = divmod(len(clients), len(actors))
+        share = {actor: base + (rank < extra) for rank, actor in enumerate(by_load)}
+        placed: dict[int, list[int]] = {actor: [] for actor in actors}
+        overflow = []
+        for client in clients:
+            host = host_of[client]
+            (placed[host] if len(placed[host]) < share[host] else overflow).append(client)
+        for client in overflow:
+            placed[next(actor for actor in actors if len(placed[actor]) < share[actor])].append(client)
+        assignment.update({actor: sorted(group) for actor, group in placed.items() if group})
+    return assignment
 
 
 def stream_summary(events: list[dict[str, Any]], label: str) -> dict[str, dict[str, float]]:

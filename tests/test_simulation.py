@@ -88,6 +88,25 @@ def test_packing_does_not_change_results(reference, tmp_path):
     assert _results(all_in_one) == _results(reference["summary"])
 
 
+def test_balanced_rounds_move_clients_between_actors_without_changing_a_number(reference, tmp_path):
+    pinned = _run(_merge(reference["config"], {"placement": {"balance_rounds": False}}), tmp_path / "pinned")
+    assert _results(pinned) == _results(reference["summary"])
+
+
+def test_a_rounds_clients_are_spread_evenly_over_each_architectures_actors():
+    from rayfed.architectures import ActorSlot
+    from rayfed.simulation import balanced_assignment
+
+    slots = [ActorSlot("a", (0, 1, 2), 1, 0), ActorSlot("a", (3, 4, 5), 1, 0), ActorSlot("b", (6, 7), 1, 0),
+             ActorSlot("b", (8, 9), 1, 0)]
+    host_of = {cid: index for index, slot in enumerate(slots) for cid in slot.client_ids}
+    assignment = balanced_assignment([0, 1, 2, 5, 6, 7], slots, host_of)
+    assert assignment == {0: [0, 1], 1: [2, 5], 2: [6], 3: [7]}  # shares 2/2 and 1/1; one mover each
+    assert balanced_assignment([0, 1, 2, 3, 4], slots, host_of) == {0: [0, 1, 2], 1: [3, 4]}  # no move needed
+    spread = balanced_assignment([0, 1, 2, 3, 4, 5, 6], slots, host_of)
+    assert sorted(len(v) for k, v in spread.items() if k < 2) == [3, 3] and sum(map(len, spread.values())) == 7
+
+
 def test_another_seed_changes_results(reference, tmp_path):
     other = _run(_merge(reference["config"], {"seed": 4}), tmp_path)
     assert other["methods"]["fedavg"]["clients"] != reference["summary"]["methods"]["fedavg"]["clients"]
