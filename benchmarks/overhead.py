@@ -134,10 +134,13 @@ def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int, ideal
     events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     walls = [e["wall_s"] for e in events if e["event"] == "round"]
     breakdown = round_breakdown(walls, round_ends, round_times)[1:]
+    busy = [e["actor_busy_s"] for e in events if e["event"] == "round"][1:]
     return {
         "actors_per_gpu": actors_per_gpu, "num_gpus": num_gpus, "num_actors": len(usage),
         "round_s": walls[1:], "ideal_round_s": ideal_round_s[1:], "total_s": total, "usage": usage, "breakdown": breakdown,
         **{f"mean_{key}": _mean([b[key] for b in breakdown]) for key in BREAKDOWN_KEYS},
+        # the busiest actor's local updates against an even share of the round's (balanced rounds)
+        "mean_busiest_actor_s": _mean([max(b) for b in busy]), "mean_even_share_s": _mean([sum(b) / num_actors for b in busy]),
         "local_acc": summary["methods"][workload.method]["mean"]["local_acc"],
     }
 
@@ -216,7 +219,9 @@ def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path
         "runs": [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    for gpus in sorted({1, num_gpus}) if num_gpus > 1 else [num_gpus]:
+    # 1, 2, 4, ... GPUs up to all of them: the speed-up of each over one GPU
+    gpu_counts = sorted({2**k for k in range(num_gpus.bit_length()) if 2**k <= num_gpus} | {num_gpus}) or [0]
+    for gpus in gpu_counts:
         if num_gpus > 1 or not ray.is_initialized():
             # A Ray instance that sees `gpus` GPUs, so fractional actors cannot spread to the others.
             ray.shutdown()
@@ -245,12 +250,24 @@ def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path
         ray.shutdown()
     del ideal
     results["median_ratios"] = median_ratios(results["runs"])
+    add_speedups(results["runs"])
     results["client_memory"] = [memory_per_client(workload, "host")]
     if num_gpus:
         results["client_memory"].append(memory_per_client(workload, "device"))
     atomic_write_json(out_dir / "bench.json", results)
     atomic_write_text(out_dir / "bench.md", markdown(results))
     return results
+
+
+def add_speedups(runs: list[dict[str, Any]]) -> None:
+    """Each run's speed-up over the one-GPU run of the same actors per GPU (its first repeat)."""
+    one_gpu = {}
+    for run in runs:
+        if run["num_gpus"] <= 1:
+            one_gpu.setdefault(run["actors_per_gpu"], run["mean_round_s"])
+    for run in runs:
+        base = one_gpu.get(run["actors_per_gpu"])
+        run["speedup_vs_1_gpu"] = None if base is None else base / run["mean_round_s"]
 
 
 def median_ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -267,13 +284,15 @@ def markdown(results: dict[str, Any]) -> str:
     rows = [[
         str(run["num_gpus"]), str(run["actors_per_gpu"]), f"{run['mean_round_s']:.3f}", f"{run['mean_ideal_round_s']:.3f}",
         "-" if run["overhead_ratio"] is None else f"{run['overhead_ratio']:.3f}", f"{run['speedup_vs_ideal']:.2f}",
+        "-" if run.get("speedup_vs_1_gpu") is None else f"{run['speedup_vs_1_gpu']:.2f}",
         f"{run['client_updates_per_s']:.1f}", f"{run['samples_per_s']:.0f}",
         f"{run['peak_gpu_mib_per_actor']:.0f}", f"{run['peak_host_mib_per_actor']:.0f}",
         *(f"{run['mean_' + key]:.3f}" for key in BREAKDOWN_KEYS),
+        f"{run['mean_busiest_actor_s']:.3f} / {run['mean_even_share_s']:.3f}",
     ] for run in results["runs"]]
-    header = ["GPUs", "actors/GPU", "s/round", "ideal s/round", "overhead ratio", "x ideal speed", "client updates/s",
+    header = ["GPUs", "actors/GPU", "s/round", "ideal s/round", "overhead ratio", "x ideal speed", "x 1 GPU", "client updates/s",
               "samples/s", "peak GPU MiB/actor", "peak host MiB/actor",
-              "local updates s", "rest on actor s", "before actors s", "after actors s"]
+              "local updates s", "rest on actor s", "before actors s", "after actors s", "busiest actor / even share s"]
     medians = ", ".join(f"{key}: {ratio:.3f}" for key, ratio in results["median_ratios"].items())
     return (
         f"Workload: `{json.dumps(results['workload'])}`\n\n"

@@ -333,19 +333,23 @@ class Simulation:
             started = time.perf_counter()
             sampled = method.participants(round_idx, sample_round(config, round_idx), config.data.num_clients)
             plan = plan_round(config, round_idx, sampled, self.num_train)
+            assignment = self._assign(plan.participants)
+            guests = {actor: [cid for cid in cids if self.host_of[cid] != actor] for actor, cids in assignment.items()}
+            # Every guest's state is asked for before any actor starts training: a host answers only after the
+            # calls queued before it, so asking later would make the guest's actor wait for the host's round.
+            states = {cid: self.actors[self.host_of[cid]].client_state.remote(cid)
+                      for actor in assignment for cid in guests[actor]}
             upload_refs, hosts_to_update = [], []
-            for actor_index, client_ids in self._assign(plan.participants).items():
+            for actor_index, client_ids in assignment.items():
                 payload_ref = self.driver.payloads.remote(client_ids)
                 weight_scale = {cid: plan.weight_scale[cid] for cid in client_ids}
-                guests = [cid for cid in client_ids if self.host_of[cid] != actor_index]
-                states = [self.actors[self.host_of[cid]].client_state.remote(cid) for cid in guests]
                 trainer = self.actors[actor_index]
                 upload_refs.append(trainer.train_round.remote(round_idx, client_ids, payload_ref, weight_scale,
-                                                              guests, *states))
-                if guests:
+                                                              guests[actor_index], *(states[c] for c in guests[actor_index])))
+                if guests[actor_index]:
                     moved = trainer.take_guest_states.remote()
                     hosts_to_update += [self.actors[host].put_states.remote(moved)
-                                        for host in sorted({self.host_of[cid] for cid in guests})]
+                                        for host in sorted({self.host_of[cid] for cid in guests[actor_index]})]
             stats = self.executor.get(self.driver.aggregate.remote(*upload_refs))
             self.executor.get(hosts_to_update)
             rounds_done = round_idx + 1
