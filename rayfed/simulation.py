@@ -335,19 +335,22 @@ class Simulation:
             plan = plan_round(config, round_idx, sampled, self.num_train)
             assignment = self._assign(plan.participants)
             guests = {actor: [cid for cid in cids if self.host_of[cid] != actor] for actor, cids in assignment.items()}
-            # Every guest's state is asked for before any actor starts training: a host answers only after the
-            # calls queued before it, so asking later would make the guest's actor wait for the host's round.
+            # Calls on one actor run in the order they are made. Every guest's state is asked for before any
+            # actor trains, and the guests' new states are handed back only after every actor's round is queued:
+            # otherwise one actor's round would queue behind another's.
             states = {cid: self.actors[self.host_of[cid]].client_state.remote(cid)
                       for actor in assignment for cid in guests[actor]}
-            upload_refs, hosts_to_update = [], []
+            upload_refs = []
             for actor_index, client_ids in assignment.items():
                 payload_ref = self.driver.payloads.remote(client_ids)
                 weight_scale = {cid: plan.weight_scale[cid] for cid in client_ids}
-                trainer = self.actors[actor_index]
-                upload_refs.append(trainer.train_round.remote(round_idx, client_ids, payload_ref, weight_scale,
-                                                              guests[actor_index], *(states[c] for c in guests[actor_index])))
+                upload_refs.append(self.actors[actor_index].train_round.remote(
+                    round_idx, client_ids, payload_ref, weight_scale, guests[actor_index],
+                    *(states[cid] for cid in guests[actor_index])))
+            hosts_to_update = []
+            for actor_index in assignment:
                 if guests[actor_index]:
-                    moved = trainer.take_guest_states.remote()
+                    moved = self.actors[actor_index].take_guest_states.remote()
                     hosts_to_update += [self.actors[host].put_states.remote(moved)
                                         for host in sorted({self.host_of[cid] for cid in guests[actor_index]})]
             stats = self.executor.get(self.driver.aggregate.remote(*upload_refs))
