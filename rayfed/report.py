@@ -217,6 +217,18 @@ def _comm_totals(summary: Mapping, events: list[dict], method: str) -> tuple[obj
     return sum(e.get("up_bytes", 0) for e in rounds), sum(e.get("down_bytes", 0) for e in rounds)
 
 
+
+# summary.json's groupings that get a table of their own in report.md: (key, heading, what a row means)
+_GROUP_SECTIONS = (
+    ("kinds", "Avg. per task kind", "Each task kind's metrics, averaged over every (client, task) pair of that kind: "
+     "the papers' client-weighted \"Avg.\" columns."),
+    ("stream", "Data streams: A_last and A_AUC", "Self: each client on its own tasks seen so far; Others: on the other "
+     "clients' seen tasks. A_last is the value at the end, A_AUC the mean over the evaluation points."),
+    ("architectures", "Per architecture", "Each architecture's metrics, averaged over its clients."),
+    ("tasks", "Per task", "Each task's metrics, averaged over the clients holding it."),
+)
+
+
 def _render_markdown(
     run_dir: pathlib.Path,
     summary: Mapping,
@@ -246,28 +258,10 @@ def _render_markdown(
         rows.append([method, *(_fmt_mean_std(method_summary, m) for m in metrics), _fmt_bytes(up), _fmt_bytes(down)])
     out.append(format_table(rows, header))
 
-    kinds = _group_table(methods_summary, methods, "kinds")
-    if kinds is not None:
-        out.append("## Avg. per task kind\n")
-        out.append("Each task kind's metrics, averaged over every (client, task) pair of that kind: the papers' "
-                   "client-weighted \"Avg.\" columns.\n")
-        out.append(kinds)
-    stream = _group_table(methods_summary, methods, "stream")
-    if stream is not None:
-        out.append("## Data streams: A_last and A_AUC\n")
-        out.append("Self: each client on its own tasks seen so far; Others: on the other clients' seen tasks. A_last is "
-                   "the value at the end, A_AUC the mean over the evaluation points.\n")
-        out.append(stream)
-    architectures = _group_table(methods_summary, methods, "architectures")
-    if architectures is not None:
-        out.append("## Per architecture\n")
-        out.append("Each architecture's metrics, averaged over its clients.\n")
-        out.append(architectures)
-    tasks = _group_table(methods_summary, methods, "tasks")
-    if tasks is not None:
-        out.append("## Per task\n")
-        out.append("Each task's metrics, averaged over the clients holding it.\n")
-        out.append(tasks)
+    for group, heading, blurb in _GROUP_SECTIONS:
+        table = _group_table(methods_summary, methods, group)
+        if table is not None:
+            out += [f"## {heading}\n", f"{blurb}\n", table]
 
     if primary is not None:
         best = _best_method(methods_summary, methods, primary)
