@@ -122,9 +122,11 @@ class AlignedStart(Method):
 
 def _staged_run(marker_dir: Path, **placement) -> dict:
     run = copy.deepcopy(TWO_SIZES)
+    run["data"].update(num_clients=8, options={"num_samples": 192})
+    run["architectures"]["small"]["clients"], run["architectures"]["large"]["clients"] = [0, 1, 2, 3], [4, 5, 6, 7]
     run["data"]["public"] = {"source": "multimodal:vqa", "options": {"num_samples": 16}}
     run["methods"] = [{"name": AlignedStart, "label": "aligned", "marker_dir": str(marker_dir)}]
-    run["federation"].update(rounds=3, clients_per_round=3, checkpoint_every=1)
+    run["federation"].update(rounds=3, clients_per_round=4, checkpoint_every=1)
     run["placement"].update(placement)
     return run
 
@@ -133,7 +135,8 @@ def _staged_run(marker_dir: Path, **placement) -> dict:
 def test_architectures_and_the_pre_federation_stage_keep_packing_and_resume_invariance(tmp_path):
     reference_markers = tmp_path / "m-ref"
     reference_markers.mkdir()
-    reference = Simulation(_staged_run(reference_markers), out_dir=tmp_path / "ref", progress=False).run()
+    reference = Simulation(_staged_run(reference_markers, clients_per_actor=4), out_dir=tmp_path / "ref",
+                           progress=False).run()
     assert sorted(p.name.split("-")[0] for p in reference_markers.iterdir()) == ["large", "small"]  # once per architecture
     assert set(reference["methods"]["aligned"]["architectures"]) == {"small", "large"}
 
@@ -149,8 +152,9 @@ def test_architectures_and_the_pre_federation_stage_keep_packing_and_resume_inva
 
     markers = tmp_path / "m-cut"
     markers.mkdir()
-    with pytest.raises(Interrupt):  # one client per actor this time: neither packing nor resuming changes a number
-        Simulation(_staged_run(markers, clients_per_actor=1), out_dir=tmp_path / "cut", progress=False,
+    # One client per actor this time (eight actors, run in this process): neither packing nor resuming changes a number
+    with pytest.raises(Interrupt):
+        Simulation(_staged_run(markers, clients_per_actor=1, executor="local"), out_dir=tmp_path / "cut", progress=False,
                    callbacks=[interrupt]).run()
     assert len(list(markers.iterdir())) == 2
     resumed = Simulation.resume(tmp_path / "cut", progress=False).run()
