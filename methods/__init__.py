@@ -4,6 +4,6 @@ Importing this package registers them all; configs name them (``methods: [fedavg
 engine finds them through :mod:`rayfed.registry`, never by importing a method itself.
 """
 
-from rayfed.methods import clip_zeroshot, ditto, fedavg, feddyn, fedprox, fedyolo, local, pfedmma, promptfl
+from rayfed.methods import clip_zeroshot, ditto, fedavg, feddat, feddyn, fedprox, fedyolo, local, pfedmma, promptfl
 
-__all__ = ["clip_zeroshot", "ditto", "fedavg", "feddyn", "fedprox", "fedyolo", "local", "pfedmma", "promptfl"]
+__all__ = ["clip_zeroshot", "ditto", "fedavg", "feddat", "feddyn", "fedprox", "fedyolo", "local", "pfedmma", "promptfl"]

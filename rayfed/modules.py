@@ -13,7 +13,13 @@ The modules of the scale & modularity study (seed ``003_040d52d311c5f3b8.txt``, 
 - ``lora`` (peft, :mod:`rayfed.models`), ``head`` (the linear head alone) and ``full``.
 
 Adapters go after a block's MLP (ViT, CLIP: ``site = mlp``) or after a BERT-style layer's output
-sublayer (ViLT, FLAVA: ``site = output``).
+sublayer (ViLT, FLAVA: ``site = output``); ``activation: relu`` and ``init: normal`` (weights N(0, 0.02),
+biases 0, nothing zeroed) give FedDAT's adapter (spec ``feddat.md`` §2.1). A site may hold several named
+adapters (:func:`add_adapter_set`), its forward a weighted mixture of them (:func:`set_adapter_mix`).
+
+FedDAT's baselines (spec ``feddat.md`` §5) add ``bias`` (BitFit: every parameter named ``*bias*``),
+``prompt`` (prompt tokens per modality at ViLT's embedding level, reparameterised through a small MLP) and
+the ``mlp`` head (:class:`MlpHead`).
 
 Multi-task models (FedYolo, spec §3): a module of a block is either *shared* by every task or
 *dedicated*: one copy per task, stored under a ``task_<index>`` key and tagged with its task
@@ -26,7 +32,7 @@ their own, so a task's initial values do not depend on which other tasks exist.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -43,18 +49,49 @@ M = TypeVar("M", bound=nn.Module)
 SHARED = "shared"
 
 
-class Bottleneck(nn.Module):
-    """``z + W_up GELU(W_down z)`` with a zero-initialised up-projection."""
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": nn.functional.gelu, "relu": nn.functional.relu}
 
-    def __init__(self, width: int, dim: int):
+
+class Bottleneck(nn.Module):
+    """``z + W_up act(W_down z)``; ``init = zero``: a zero up-projection (the identity at step 0), ``normal``:
+    every weight N(0, 0.02) and every bias 0 (FedDAT's adapter, spec feddat.md §2.1)."""
+
+    def __init__(self, width: int, dim: int, activation: str = "gelu", init: str = "zero"):
         super().__init__()
         self.down = nn.Linear(width, dim)
         self.up = nn.Linear(dim, width)
-        nn.init.zeros_(self.up.weight)
-        nn.init.zeros_(self.up.bias)
+        self.activation = activation
+        if init == "zero":
+            nn.init.zeros_(self.up.weight)
+            nn.init.zeros_(self.up.bias)
+        elif init == "normal":
+            for linear in (self.down, self.up):
+                nn.init.normal_(linear.weight, std=0.02)
+                nn.init.zeros_(linear.bias)
+        else:
+            raise ConfigError(f"model.adapter.init = {init!r} is not known; allowed: zero, normal.")
+
+    def delta(self, z: torch.Tensor) -> torch.Tensor:
+        """What the adapter adds to ``z``."""
+        return self.up(ACTIVATIONS[self.activation](self.down(z)))
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return z + self.up(nn.functional.gelu(self.down(z)))
+        return z + self.delta(z)
+
+
+def _adapted(adapters: nn.ModuleDict, key: str, mix: dict[str, float] | None, hidden: torch.Tensor) -> torch.Tensor:
+    """``adapters[key](hidden)``, or with a ``mix``: ``hidden + sum_k w_k A_k(hidden)`` over its named adapters.
+
+    The weighted terms are summed before they are added to ``hidden``, so equal adapters under weights summing
+    to 1 in powers of two (1/2 + 1/2) give bitwise the single adapter's output."""
+    if mix is None:
+        return adapters[key](hidden)
+    total = None
+    for name, weight in mix.items():
+        term = adapters[name].delta(hidden)
+        term = term if weight == 1 else term * weight
+        total = term if total is None else total + term
+    return hidden if total is None else hidden + total
 
 
 def tag_tasks(module: M, tasks: Iterable[int]) -> M:
@@ -72,10 +109,11 @@ class AdaptedOutput(nn.Module):
         self.output = output
         self.adapters = adapters
         self.active_task = 0
+        self.mix: dict[str, float] | None = None  # see set_adapter_mix
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         key = SHARED if SHARED in self.adapters else task_key(self.active_task)
-        return self.adapters[key](self.output(hidden, residual))
+        return _adapted(self.adapters, key, self.mix, self.output(hidden, residual))
 
 
 class _TaskSelected(nn.Module):
@@ -94,9 +132,10 @@ class AdaptedMLP(_TaskSelected):
         super().__init__()
         self.mlp = mlp
         self.adapters = adapters
+        self.mix: dict[str, float] | None = None  # see set_adapter_mix
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.adapters[self._key(self.adapters)](self.mlp(hidden))
+        return _adapted(self.adapters, self._key(self.adapters), self.mix, self.mlp(hidden))
 
 
 class PromptedBlock(_TaskSelected):
@@ -176,22 +215,129 @@ def copies_for_block(
 
 def add_adapters(
     encoder: nn.Module, width: int, dim: int, tasks: Sequence[Task], dedicated: Callable[[int], bool],
-    seed_of: Callable[[str], int],
+    seed_of: Callable[[str], int], activation: str = "gelu", init: str = "zero",
 ) -> None:
     for index, block in enumerate(transformer_blocks(encoder)):
-        copies = copies_for_block(index, dedicated, tasks, seed_of, lambda: Bottleneck(width, dim))
+        copies = copies_for_block(index, dedicated, tasks, seed_of, lambda: Bottleneck(width, dim, activation, init))
         block.mlp = AdaptedMLP(block.mlp, nn.ModuleDict(dict(copies)))
 
 
 def add_output_adapters(
     encoder: nn.Module, dim: int, tasks: Sequence[Task], dedicated: Callable[[int], bool],
-    seed_of: Callable[[str], int],
+    seed_of: Callable[[str], int], activation: str = "gelu", init: str = "zero",
 ) -> None:
     """A bottleneck adapter after the output sublayer of every BERT-style layer (``model.adapter.site = output``)."""
     for index, layer in enumerate(bert_layers(encoder)):
         width = layer.output.dense.out_features
-        copies = copies_for_block(index, dedicated, tasks, seed_of, lambda: Bottleneck(width, dim))
+        copies = copies_for_block(index, dedicated, tasks, seed_of, lambda: Bottleneck(width, dim, activation, init))
         layer.output = AdaptedOutput(layer.output, nn.ModuleDict(dict(copies)))
+
+
+def add_adapter_set(
+    encoder: nn.Module, names: Sequence[str], width: int, dim: int, site: str, seed_of: Callable[[str], int],
+    activation: str = "gelu", init: str = "zero", frozen: Collection[str] = (),
+) -> None:
+    """Several named adapters at every adapter site (one per block), e.g. FedDAT's shared, frozen and local
+    adapters; ``frozen`` ones are not trainable. Forward uses ``shared`` (or the active task's copy) unless
+    :func:`set_adapter_mix` sets a mixture. Adapter ``name`` of block ``i`` is built under seed
+    ``seed_of(f"{name}:block{i}")``, so ``shared`` starts where :func:`add_adapters` /
+    :func:`add_output_adapters` start their shared copy."""
+
+    def adapters(index: int, width: int) -> nn.ModuleDict:
+        built = {}
+        for name in names:
+            torch.manual_seed(seed_of(f"{name}:block{index}"))
+            built[name] = Bottleneck(width, dim, activation, init).requires_grad_(name not in frozen)
+        return nn.ModuleDict(built)
+
+    if site == "output":
+        for index, layer in enumerate(bert_layers(encoder)):
+            layer.output = AdaptedOutput(layer.output, adapters(index, layer.output.dense.out_features))
+    else:
+        for index, block in enumerate(transformer_blocks(encoder)):
+            block.mlp = AdaptedMLP(block.mlp, adapters(index, width))
+
+
+def set_adapter_mix(model: nn.Module, mix: Mapping[str, float] | None) -> None:
+    """Make every adapter site of ``model`` output ``h + sum_k mix[k] * A_k(h)`` over its named adapters
+    (:func:`add_adapter_set`); None: the single default adapter, ``h + A(h)``."""
+    for module in model.modules():
+        if isinstance(module, (AdaptedOutput, AdaptedMLP)):
+            module.mix = None if mix is None else dict(mix)
+
+
+def add_bias_tuning(encoder: nn.Module) -> int:
+    """BitFit: make every parameter whose name contains ``bias`` trainable (and only those); returns how many."""
+    trained = 0
+    for name, param in encoder.named_parameters():
+        param.requires_grad_("bias" in name)
+        trained += "bias" in name
+    if not trained:
+        raise ConfigError("model.module = 'bias' trains the backbone's bias parameters, but this backbone has none "
+                          "(e.g. Llama); use lora, adapter or full.")
+    return trained
+
+
+class PromptGenerator(nn.Module):
+    """``tokens`` prompt vectors reparameterised as ``Linear(Tanh(Linear(Embedding(tokens, d))))`` (d -> hidden -> d)."""
+
+    def __init__(self, tokens: int, width: int, hidden: int):
+        super().__init__()
+        self.embedding = nn.Embedding(tokens, width)
+        self.down = nn.Linear(width, hidden)
+        self.up = nn.Linear(hidden, width)
+
+    def forward(self) -> torch.Tensor:
+        return self.up(torch.tanh(self.down(self.embedding.weight)))
+
+
+class PromptedViltEmbeddings(nn.Module):
+    """ViLT's embeddings with each modality's prompt tokens inserted right after that modality's first token
+    ([CLS] of the text, the image's [CLS]), so the pooler still reads the text [CLS]; the attention mask
+    covers the prompts."""
+
+    def __init__(self, embeddings: nn.Module, prompts: nn.ModuleDict):
+        super().__init__()
+        self.embeddings = embeddings
+        self.prompts = prompts
+
+    def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor, *args,
+                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """ViLT's ``(embeddings, attention mask)`` of the text then the image, with the prompts inserted."""
+        embedded, mask = self.embeddings(input_ids, attention_mask, *args, **kwargs)
+        text_length = attention_mask.shape[1]
+        size = embedded.shape[0]
+        text, image = (self.prompts[m]().to(embedded.dtype).unsqueeze(0).expand(size, -1, -1) for m in ("text", "image"))
+        ones = mask.new_ones(size, text.shape[1])
+        image_cls = text_length + 1
+        embedded = torch.cat([embedded[:, :1], text, embedded[:, 1:image_cls], image, embedded[:, image_cls:]], dim=1)
+        mask = torch.cat([mask[:, :1], ones, mask[:, 1:image_cls], ones, mask[:, image_cls:]], dim=1)
+        return embedded, mask
+
+
+def add_modality_prompts(encoder: nn.Module, tokens: int, hidden: int, seed_of: Callable[[str], int]) -> None:
+    """``tokens`` learnable prompt tokens per modality at ViLT's embedding level (spec feddat.md §5)."""
+    embeddings = getattr(encoder, "embeddings", None)
+    if type(embeddings).__name__ != "ViltEmbeddings":
+        raise ConfigError(f"model.module = 'prompt' prepends prompt tokens per modality at ViLT's embedding level; "
+                          f"this backbone ({type(encoder).__name__}) is not a ViLT (use vpt for ViT / CLIP).")
+    width = encoder.config.hidden_size
+    prompts = {}
+    for modality in ("text", "image"):
+        torch.manual_seed(seed_of(f"prompt:{modality}"))
+        prompts[modality] = PromptGenerator(tokens, width, hidden)
+    encoder.embeddings = PromptedViltEmbeddings(embeddings, nn.ModuleDict(prompts))
+
+
+class MlpHead(nn.Sequential):
+    """``Linear(d, 2d) -> LayerNorm(2d) -> GELU -> Linear(2d, C)`` (ViLT's VQA classifier, FedDAT's head, spec
+    feddat.md §2.4), initialised as ViLT initialises its heads: weights N(0, 0.02), biases 0."""
+
+    def __init__(self, width: int, outputs: int):
+        super().__init__(nn.Linear(width, 2 * width), nn.LayerNorm(2 * width), nn.GELU(), nn.Linear(2 * width, outputs))
+        for linear in (self[0], self[3]):
+            nn.init.normal_(linear.weight, std=0.02)
+            nn.init.zeros_(linear.bias)
 
 
 def add_prompts(

@@ -99,6 +99,21 @@ _VQA_QUESTIONS = {
     "count": "how many objects are there?",
 }
 QUESTION_TYPES = tuple(_VQA_QUESTIONS)
+# Other wordings of each question (index 1..; 0 is the question above), built from words the generators already
+# emit (so every tokenizer built on :func:`vocabulary` reads them): a domain's own phrasing (FedDAT's Domain shift).
+VQA_WORDINGS = {
+    "color": ("what color are the objects in the picture?", "the object is what color?",
+              "which color is the object in the photo?", "what is the color of the object?"),
+    "shape": ("what shape are the objects in the picture?", "the object is what shape?",
+              "which shape is the object in the photo?", "what is the shape of the object?"),
+    "count": ("how many objects are in the picture?", "there are how many objects?",
+              "how many objects are in this photo?", "how many objects are on the background?"),
+}  # fmt: skip
+# Question functions beyond reading the image (FedDAT's Function benchmark), opt-in through ``question_types``:
+# ``knowledge`` asks a fact (the colour of a thing, the shape with a property), ``arithmetic`` a sum of two numbers;
+# both answer with words of VQA_ANSWERS.
+EXTRA_QUESTION_TYPES = ("knowledge", "arithmetic")
+ALL_QUESTION_TYPES = QUESTION_TYPES + EXTRA_QUESTION_TYPES
 VQA_ANSWERS = COLORS + SHAPES + NUMBERS[:MAX_OBJECTS]
 _FORMATS = (
     "Answer: {answer}",
@@ -341,25 +356,46 @@ def vqa_columns(
     distribution: Distribution = FINETUNE,
     question_types: Sequence[str] = QUESTION_TYPES,
     image_size: int = 32,
+    wording: int = 0,
 ) -> dict[str, Any]:
-    """Columns of :func:`vqa`."""
-    unknown = [q for q in question_types if q not in QUESTION_TYPES]
+    """Columns of :func:`vqa`; ``wording`` k > 0 asks each image question in its k-th other wording
+    (:data:`VQA_WORDINGS`). The images, objects and question types drawn do not depend on ``wording``, nor on
+    whether :data:`EXTRA_QUESTION_TYPES` occur (their facts come from a stream of their own)."""
+    unknown = [q for q in question_types if q not in ALL_QUESTION_TYPES]
     if unknown or not question_types:
-        raise choice_error("question_types", unknown[0] if unknown else "", QUESTION_TYPES)
+        raise choice_error("question_types", unknown[0] if unknown else "", ALL_QUESTION_TYPES)
+    wordings = 1 + len(VQA_WORDINGS["color"])
+    if isinstance(wording, bool) or not isinstance(wording, (int, np.integer)) or not 0 <= wording < wordings:
+        raise ConfigError(f"wording = {wording!r} is invalid: it must be an integer in 0..{wordings - 1}.")
     rng = _rng(seed, "vqa")
     objects = _objects(n, rng, distribution)
     counts = rng.integers(1, MAX_OBJECTS + 1, n)
     images = render(objects["shape"], objects["color"], objects["texture"], objects["style"], counts, rng, image_size)
     kinds = np.asarray(question_types)[rng.integers(0, len(question_types), n)]
-    answers = [
-        COLORS[c] if kind == "color" else SHAPES[s] if kind == "shape" else NUMBERS[k - 1]
-        for kind, c, s, k in zip(kinds, objects["color"], objects["shape"], counts)
-    ]
+    facts = _extra_questions(kinds, _rng(seed, "vqa:facts"))
+    texts, answers = [], []
+    for index, (kind, c, s, k) in enumerate(zip(kinds, objects["color"], objects["shape"], counts)):
+        if kind in EXTRA_QUESTION_TYPES:
+            question, answer = facts[index]
+        else:
+            question = _VQA_QUESTIONS[kind] if wording == 0 else VQA_WORDINGS[kind][wording - 1]
+            answer = COLORS[c] if kind == "color" else SHAPES[s] if kind == "shape" else NUMBERS[k - 1]
+        texts.append(question)
+        answers.append(answer)
     return _columns(
-        n, "vqa", **_object_columns(objects, counts, images), text=[_VQA_QUESTIONS[k] for k in kinds],
+        n, "vqa", **_object_columns(objects, counts, images), text=texts,
         target=[f"Answer: {a}" for a in answers], class_name=answers, question_type=[str(k) for k in kinds],
         label=np.asarray([VQA_ANSWERS.index(a) for a in answers], np.int64),
     )  # fmt: skip
+
+
+def _extra_questions(kinds: np.ndarray, rng: np.random.Generator) -> dict[int, tuple[str, str]]:
+    """(question, answer) of each ``knowledge`` or ``arithmetic`` question among ``kinds``, by position."""
+    knowledge = [(q, a) for subject in ("colors", "shapes") for q, a, _ in _facts(subject)]
+    arithmetic = [(q, a) for q, a, _ in _facts("numbers") if a in VQA_ANSWERS]  # sums up to four
+    pools = {"knowledge": knowledge, "arithmetic": arithmetic}
+    return {index: pools[kind][rng.integers(len(pools[kind]))]
+            for index, kind in enumerate(kinds) if kind in EXTRA_QUESTION_TYPES}
 
 
 def _topic_sentences(n: int, rng: np.random.Generator, topic_ids: np.ndarray) -> list[str]:

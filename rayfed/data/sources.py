@@ -581,10 +581,12 @@ def _make_parts(request: SourceRequest) -> ArrayDataset:
 
 _MULTIMODAL_DEFAULTS: dict[str, Any] = {
     "num_samples": 2000, "image_size": 32, "styles": None, "classes": None, "question_types": None,
-    "subjects": None, "label_noise": 0.0, "scenes": 0, "scene_classes": 16,
+    "subjects": None, "label_noise": 0.0, "scenes": 0, "scene_classes": 16, "wording": 0, "subsets": None,
 }  # fmt: skip
-MULTIMODAL_GROUP_COLUMNS = ("domain", "question_type", "scene", "shape", "color")
+MULTIMODAL_GROUP_COLUMNS = ("domain", "question_type", "scene", "shape", "color", "subset")
+_SUBSET_OPTIONS = ("num_samples", "styles", "classes", "question_types", "wording")
 _PURPOSE_SCENES = 1003
+_PURPOSE_SUBSETS = 1004
 
 
 @register_source("multimodal:")
@@ -595,7 +597,10 @@ def _make_multimodal(request: SourceRequest) -> ArrayDataset:
 
     Group columns for the partitioners (heterogeneity): ``domain`` (render style, or a text task's topic
     or subject), ``question_type`` (VQA's function), ``scene`` (with ``scenes: N``: N scenes, each with its
-    own background style and its own ``scene_classes`` object classes), ``shape``, ``color``.
+    own background style and its own ``scene_classes`` object classes), ``shape``, ``color``, and ``subset``
+    (VQA with ``subsets: [{styles, classes, question_types, wording, num_samples}, ...]``: one dataset per
+    entry, e.g. one per client with its own visual style and question phrasing). ``wording: k`` asks VQA's
+    image questions in their k-th other phrasing; ``question_types`` may add ``knowledge`` and ``arithmetic``.
     """
     from rayfed.data import multimodal
 
@@ -613,10 +618,17 @@ def _make_multimodal(request: SourceRequest) -> ArrayDataset:
     options = {key: tuple(params[key]) for key in ("question_types", "subjects") if params[key] is not None}
     if params["label_noise"]:
         options["label_noise"] = non_negative(params, "label_noise")
+    if params["wording"]:
+        _require_vqa(task, "wording")
+        options["wording"] = params["wording"]
     classes = tuple(params["classes"] or multimodal.CLASSES)
     styles = tuple(params["styles"] or multimodal.FINETUNE_STYLES)
     try:
-        if params["scenes"]:
+        if params["subsets"] is not None:
+            if params["scenes"]:
+                raise DataError("data.options.subsets and data.options.scenes are both set; keep one.")
+            columns = _subsets(task, params["subsets"], params, classes, styles, request.seed, options)
+        elif params["scenes"]:
             columns = _scenes(task, params, classes, styles, request.seed, options)
         else:
             if task in ("shapes", "vqa", "description"):
@@ -647,6 +659,48 @@ def _scenes(task: str, params: dict[str, Any], classes: tuple[str, ...], styles:
         part = multimodal.columns(task, len(count), seed=scene_seed, image_size=params["image_size"],
                                   distribution=distribution, **options)
         part["scene"] = np.full(len(count), scene, dtype=np.int64)
+        parts.append(part)
+    return {key: np.concatenate([np.asarray(part[key]) for part in parts]) for key in parts[0] if key != "choices"}
+
+
+def _require_vqa(task: str, option: str) -> None:
+    if task != "vqa":
+        raise DataError(f"data.options.{option} applies to multimodal:vqa only, not multimodal:{task}.")
+
+
+def _subsets(task: str, subsets: Any, params: dict[str, Any], classes: tuple[str, ...], styles: tuple[str, ...],
+             seed: int, options: dict[str, Any]) -> dict[str, Any]:
+    """One VQA dataset per entry of ``subsets`` (each its own ``num_samples``, styles, classes, question types and
+    wording over the source-wide ones), from a seed of its own, concatenated; column ``subset`` = its index."""
+    from rayfed.data import multimodal
+
+    _require_vqa(task, "subsets")
+    if not isinstance(subsets, (list, tuple)) or not subsets or not all(isinstance(e, Mapping) for e in subsets):
+        raise DataError(f"data.options.subsets = {subsets!r} is invalid: it must be a non-empty list of mappings "
+                        f"with any of {', '.join(_SUBSET_OPTIONS)}.")
+    parts = []
+    for index, entry in enumerate(subsets):
+        unknown = [key for key in entry if key not in _SUBSET_OPTIONS]
+        if unknown:
+            raise DataError(f"data.options.subsets[{index}] has no option {unknown[0]!r}"
+                            f"{suggest(unknown[0], _SUBSET_OPTIONS)}; allowed: {', '.join(_SUBSET_OPTIONS)}.")
+        count = entry.get("num_samples", params["num_samples"])
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise DataError(f"data.options.subsets[{index}].num_samples = {count!r} is invalid: it must be an "
+                            "integer >= 1.")
+        part_options = dict(options)
+        for key in ("question_types", "wording"):
+            if key in entry:
+                part_options[key] = tuple(entry[key]) if key == "question_types" else entry[key]
+        distribution = multimodal.Distribution(tuple(entry.get("classes", classes)), tuple(entry.get("styles", styles)),
+                                               (task,))
+        part_seed = int(np.random.SeedSequence([seed, _PURPOSE_SUBSETS, index]).generate_state(1)[0])
+        try:
+            part = multimodal.columns(task, count, seed=part_seed, image_size=params["image_size"],
+                                      distribution=distribution, **part_options)
+        except ConfigError as err:
+            raise DataError(f"data.options.subsets[{index}].{str(err)}") from None
+        part["subset"] = np.full(count, index, dtype=np.int64)
         parts.append(part)
     return {key: np.concatenate([np.asarray(part[key]) for part in parts]) for key in parts[0] if key != "choices"}
 

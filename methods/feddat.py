@@ -1,0 +1,182 @@
+"""FedDAT: a dual-adapter teacher and mutual knowledge distillation for multi-modal foundation models.
+
+Seed paper ``002_bdadac652323d572.txt`` (Chen et al., AAAI'24); spec ``feddat.md``. At every adapter site a
+client holds three adapters (§2.2): ``shared`` (A_s: trained, uploaded), ``frozen`` (Â_s: the A_s received this
+round, not trainable, reloaded before every update and evaluation) and ``local`` (A_c: persists in the client's
+state, never sent). The dual-adapter teacher (DAT) is ``h + ½ Â_s(h) + ½ A_c(h)``. Each batch takes two sequential
+steps (§2.3, Algorithm 1): ``L^s = CE(z_s) + α KD(z_s, z_DAT)`` on A_s and the head, then
+``L^DAT = CE(z_DAT) + β KD(z_DAT, z_s)`` on A_c and the head, the teachers detached and z_s from before the A_s
+step; KD = τ² KL(teacher ‖ student) at τ = 3. α and β follow the exponential ramp-up
+``λ exp(-5 (1 - min(t, t_r) / t_r)²)`` over rounds t = 1..t_r (t_r = ⌈R/4⌉), each objective times ½ (§2.3 [R];
+``kd_schedule: constant`` is the authors' code). The server takes the uniform mean of A_s (§3); heads and A_c
+never leave the client. Clients are evaluated with A_s and their head; ``local_acc@dat`` and ``local_acc@local``
+report the DAT and A_c views (Table 4).
+
+``variant`` gives the ablations of Table 4 (§7, §8.7): ``no_frozen`` (teacher = A_c alone, MKD kept),
+``no_local`` (teacher = Â_s, no L^DAT), ``no_mkd`` (DAT → A_s only, A_c trained with CE: β = 0), and ``peft``:
+the paper's baselines (§5), the config's ``model.module`` alone (adapter, lora, prompt, bias, full, head) trained
+with CE, with the same local heads and uniform mean; ``federated: false`` keeps everything local (clf-L,
+Adapter-L, full-L).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rayfed.config import ModelConfig
+from rayfed.errors import ConfigError
+from rayfed.method import ClientState, LocalResult, Method, TensorDict
+from rayfed.models import Backbone, attach_adapter_set, build_task_model
+from rayfed.modules import set_adapter_mix
+from rayfed.registry import register_method
+from rayfed.tasks import Task
+from rayfed.training import ClientContext, Phase, Step, distillation_loss
+
+SHARED, FROZEN, LOCAL = ".adapters.shared.", ".adapters.frozen.", ".adapters.local."
+VARIANTS = ("feddat", "no_frozen", "no_local", "no_mkd", "peft")
+# The adapters each variant holds per site, and its teacher / DAT mixture.
+ADAPTERS = {"feddat": ("shared", "frozen", "local"), "no_mkd": ("shared", "frozen", "local"),
+            "no_frozen": ("shared", "local"), "no_local": ("shared", "frozen"), "peft": ()}
+DAT = {"feddat": {"frozen": 0.5, "local": 0.5}, "no_mkd": {"frozen": 0.5, "local": 0.5},
+       "no_frozen": {"local": 1.0}, "no_local": {"frozen": 1.0}}
+STUDENT = {"shared": 1.0}
+
+
+@dataclass(frozen=True)
+class FedDATParams:
+    tau: float = 3.0  # KD temperature, with tau^2 scaling
+    alpha: float = 1.0  # max of the KD weight of L^s (DAT -> A_s)
+    beta: float = 1.0  # max of the KD weight of L^DAT (A_s -> DAT)
+    kd_schedule: str = "exp_rampup"  # or constant
+    rampup_rounds: int | None = None  # t_r; default ceil(rounds / 4)
+    objective_scale: float = 0.5  # each objective's factor (the code's (CE + KD) / 2)
+    update: str = "sequential"  # two steps per batch; joint: one step on the sum (spec §3, option)
+    variant: str = "feddat"
+    federated: bool = True
+    aggregation: str = "uniform"  # uniform mean (Algorithm 1) or samples (Eq. 3)
+
+    def __post_init__(self) -> None:
+        if not self.tau > 0:
+            raise ValueError("tau must be > 0")
+        if self.alpha < 0 or self.beta < 0:
+            raise ValueError("alpha and beta must be >= 0")
+        if self.kd_schedule not in ("exp_rampup", "constant"):
+            raise ValueError("kd_schedule must be exp_rampup or constant")
+        if self.rampup_rounds is not None and self.rampup_rounds < 1:
+            raise ValueError("rampup_rounds must be >= 1")
+        if not self.objective_scale > 0:
+            raise ValueError("objective_scale must be > 0")
+        if self.update not in ("sequential", "joint"):
+            raise ValueError("update must be sequential or joint")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
+        if self.aggregation not in ("uniform", "samples"):
+            raise ValueError("aggregation must be uniform or samples")
+
+
+@register_method("feddat")
+class FedDAT(Method):
+    Params = FedDATParams
+
+    def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
+        if self.params.variant == "peft":
+            return build_task_model(backbone, config, tasks, seed)
+        if config.module != "adapter":
+            raise ConfigError(f"methods (feddat) trains adapters, but model.module = {config.module!r}; set "
+                              "model.module = 'adapter' (or variant: peft for a baseline on another module).")
+        model = build_task_model(backbone, config.model_copy(update={"module": "head"}), tasks, seed)
+        attach_adapter_set(model, config, ADAPTERS[self.params.variant], seed, frozen=("frozen",))
+        return model
+
+    def is_shared(self, name: str) -> bool:
+        if not self.params.federated:
+            return False
+        if self.params.variant == "peft":
+            return not name.startswith("head.") and name != "head"
+        return SHARED in name
+
+    # Client side ---------------------------------------------------------------------------------------
+    def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
+        start = {**state["personal"], **(payload or {})}
+        if self.params.variant == "peft":
+            result = client.train(start)
+        else:
+            client.model.load_trainable(self._frozen_copy(start))  # Â_s <- the A_s received this round
+            result = client.train(start, phases=self._phases(client.round))
+            set_adapter_mix(client.model, None)
+        shared, personal = self.split(result.params)
+        weight = 1.0 if self.params.aggregation == "uniform" else None
+        return LocalResult({**state, "personal": personal}, {"shared": shared} if shared else {}, result.loss, weight)
+
+    def _frozen_copy(self, start: TensorDict) -> TensorDict:
+        """Â_s: the A_s a client starts from (the received one; its own when nothing is communicated)."""
+        if "frozen" not in ADAPTERS[self.params.variant]:
+            return {}
+        return {name.replace(SHARED, FROZEN): value for name, value in start.items() if SHARED in name}
+
+    def kd_weight(self, maximum: float, round_idx: int) -> float:
+        """α or β in round ``round_idx`` (0-based): ``maximum``, ramped up over the first t_r rounds."""
+        if self.params.kd_schedule == "constant":
+            return maximum
+        ramp = self.params.rampup_rounds or max(1, math.ceil(self.rounds / 4))
+        return maximum * math.exp(-5.0 * (1.0 - min(round_idx + 1, ramp) / ramp) ** 2)
+
+    def _phases(self, round_idx: int) -> list[Phase]:
+        variant, scale, tau = self.params.variant, self.params.objective_scale, self.params.tau
+        alpha = self.kd_weight(self.params.alpha, round_idx)
+        beta = 0.0 if variant == "no_mkd" else self.kd_weight(self.params.beta, round_idx)
+        dat = DAT[variant]
+
+        def student(step: Step) -> torch.Tensor:
+            set_adapter_mix(step.model, STUDENT)
+            z_s = step.outputs()
+            step.memory["z_s"] = z_s.detach()
+            loss = _cross_entropy(step, z_s)
+            if alpha:
+                set_adapter_mix(step.model, dat)
+                with torch.no_grad():
+                    teacher = step.outputs()
+                loss = loss + alpha * distillation_loss(z_s, teacher, tau)
+            return scale * loss
+
+        def teacher(step: Step) -> torch.Tensor:
+            set_adapter_mix(step.model, dat)
+            z_dat = step.outputs()
+            loss = _cross_entropy(step, z_dat)
+            if beta:
+                loss = loss + beta * distillation_loss(z_dat, step.memory["z_s"], tau)
+            return scale * loss
+
+        if variant == "no_local":  # no L^DAT: the only teacher is frozen
+            return [Phase(trains=lambda name: LOCAL not in name, loss=student)]
+        if self.params.update == "joint":
+            return [Phase(loss=lambda step: student(step) + teacher(step))]
+        return [Phase(trains=lambda name: LOCAL not in name, loss=student),
+                Phase(trains=lambda name: SHARED not in name, loss=teacher)]
+
+    def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
+        own = {**state["personal"], **(payload or {})}
+        own.update(self._frozen_copy(own))
+        if self.params.variant in ("peft", "no_local"):  # no local adapter; no_local's DAT is the received A_s
+            return {"": own}
+        views = {"": own, "local": own}
+        if self.params.variant != "no_frozen":  # there, the DAT is A_c alone
+            views["dat"] = own
+        return views
+
+    def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
+        return self.eval_views(state, payload)[""]
+
+    def activate_view(self, model: nn.Module, view: str) -> None:
+        if self.params.variant == "peft":
+            return
+        set_adapter_mix(model, {"": None, "dat": DAT[self.params.variant], "local": {"local": 1.0}}[view])
+
+
+def _cross_entropy(step: Step, logits: torch.Tensor) -> torch.Tensor:
+    return step.task.kind.loss(logits, step.batch)
