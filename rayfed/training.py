@@ -324,7 +324,8 @@ class ClientContext:
             values = task.kind.summarize(*self._score(task, part.test))
             prefix = "" if len(self.data.parts) == 1 else f"{task.name}/"
             metrics.update({f"{prefix}local_{name}": value for name, value in values.items()})
-            own_primary.append((task.kind.primary, values[task.kind.primary]))
+            if task.kind.primary in values:  # a plug-in kind may report other metrics than its parent's primary
+                own_primary.append((task.kind.primary, values[task.kind.primary]))
         if self.stream is not None:
             metrics.update(_task_means("self", own_primary))
             other_primary = []
@@ -334,7 +335,8 @@ class ClientContext:
                     select_task(self.model, other.task)
                     self.model.load_trainable(other.missing)  # the other task's own parameters: their round-0 values
                     values = task.kind.summarize(*self._score(task, other.test))
-                    other_primary.append((task.kind.primary, values[task.kind.primary]))
+                    if task.kind.primary in values:
+                        other_primary.append((task.kind.primary, values[task.kind.primary]))
             self.model.load_trainable(params)
             metrics.update(_task_means("others", other_primary))
         for eval_set in self.eval_sets:
