@@ -4,6 +4,10 @@ Importing this package registers them all; configs name them (``methods: [fedavg
 engine finds them through :mod:`rayfed.registry`, never by importing a method itself.
 """
 
-from rayfed.methods import clip_zeroshot, ditto, fedavg, feddat, feddyn, fedprox, fedyolo, local, pfedmma, promptfl
+from rayfed.methods import (
+    clip_zeroshot, disentafl, ditto, fedavg, feddat, feddat_lora, feddpa, feddyn, fedmosaic, fedprox, fedsim, fedyolo,
+    local, perfedavg, pfedmma, promptfl, tap,
+)
 
-__all__ = ["clip_zeroshot", "ditto", "fedavg", "feddat", "feddyn", "fedprox", "fedyolo", "local", "pfedmma", "promptfl"]
+__all__ = ["clip_zeroshot", "disentafl", "ditto", "fedavg", "feddat", "feddat_lora", "feddpa", "feddyn", "fedmosaic",
+           "fedprox", "fedsim", "fedyolo", "local", "perfedavg", "pfedmma", "promptfl", "tap"]

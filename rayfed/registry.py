@@ -35,7 +35,7 @@ KINDS: dict[str, str] = {
 }
 _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "method": ("rayfed.methods",),
-    "source": ("rayfed.data.sources",),
+    "source": ("rayfed.data.sources", "rayfed.data.task_groups"),
     "partitioner": ("rayfed.data.partition",),
     "backbone": ("rayfed.models", "rayfed.clip"),
     "task_kind": ("rayfed.kinds",),

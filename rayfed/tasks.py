@@ -29,6 +29,7 @@ class Task:
     kind: TaskKind = field(default_factory=Classification)
     image_shape: tuple[int, int, int] | None = None  # (C, H, W) of reconstructed images
     num_choices: int = 0
+    modalities: frozenset[str] = frozenset()  # the inputs its data has ("image", "text"); empty: not recorded
 
     @property
     def num_classes(self) -> int:

@@ -127,6 +127,11 @@ class Federation:
         return self.tasks[holding.task].kind.encode(holding.dataset, indices, backbone)
 
 
+def input_modalities(dataset: ArrayDataset) -> frozenset[str]:
+    """The inputs a model reads from ``dataset``: ``image`` where it has images, ``text`` where it has input text."""
+    return frozenset(name for name, column in (("image", dataset.images), ("text", dataset.text)) if column is not None)
+
+
 def task_kind(config: DataConfig, dataset: ArrayDataset, where: str) -> TaskKind:
     """The task kind ``config.kind`` names (an instance, a class or a name), else the one the data calls for."""
     resolved = resolve("task_kind", config.kind if config.kind is not None else infer_kind(dataset), f"{where}.kind")
@@ -179,7 +184,7 @@ def _one_task(config: DataConfig, seed: int, index: int, name: str, clients: lis
         splits = exact_test_split(client_indices, dataset.strata, test_samples, seed=seed)
     else:
         splits = split_train_test(client_indices, dataset.strata, config.test_fraction, seed=seed)
-    task = Task(index, name, kind=kind, **kind.task_fields(dataset))
+    task = Task(index, name, kind=kind, modalities=input_modalities(dataset), **kind.task_fields(dataset))
     holding = Holding(index, dataset, tuple(clients), tuple(splits), where, config.max_text_length)
     shared: tuple[SharedEval, ...] = ()
     if part.global_test_samples is not None:

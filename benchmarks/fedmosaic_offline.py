@@ -1,0 +1,156 @@
+"""Run FedMosaic's offline experiments (docs/fedmosaic.md) as parallel single-method jobs and collect one compact
+line per (method, seed) in ``<out>/results.jsonl``; ``python -m rayfed.benchmarks.fedmosaic_tables`` makes the
+tables from it.
+
+    python -m rayfed.benchmarks.fedmosaic_offline --plan main --seeds 0 1 2 --jobs 12 --out runs/fedmosaic
+
+Every job is one method of one ``configs/fedmosaic`` file at one seed, run in-process (``placement.executor:
+local``, the same numbers as on Ray actors) with ``--threads`` CPU threads (default 1), on the GPU when there is one
+(``--device``).
+A plan names (config, method label, overrides) entries; see :data:`PLANS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs" / "fedmosaic"
+
+Entry = tuple[str, str, dict[str, Any]]  # config file stem, method label, dotted overrides (label suffix from them)
+
+
+def _sweep(label: str, key: str, values: list[Any]) -> list[Entry]:
+    return [("offline_dynamic", label, {f"methods.0.{key}": value}) for value in values]
+
+
+PLANS: dict[str, list[Entry]] = {
+    "main": [("offline_dynamic", label, {}) for label in ("local", "fedavg", "vanilla", "pq_lora", "fedmosaic")],
+    "baselines": [("offline_baselines", label, {}) for label in ("ditto", "fedsim", "feddpa", "feddat_lora")],
+    "rela": [("offline_rela_variants", label, {}) for label in ("training_current", "frozen_current")],
+    "tau": _sweep("fedmosaic", "tau", [0.02, 0.1, 2.0, 10.0]),
+    "blocks": _sweep("fedmosaic", "blocks", [2, 8]),
+    "alignment": [("offline_alignment", "random_basis", {})],
+    "static": [("offline_static", label, {}) for label in ("local", "fedmosaic")],
+    "async": [("offline_async", label, {}) for label in ("local", "fedmosaic")],
+}
+
+
+def job_config(stem: str, label: str, overrides: dict[str, Any], seed: int, extra: dict[str, Any]) -> dict[str, Any]:
+    config = yaml.safe_load((CONFIGS / f"{stem}.yaml").read_text())
+    config["methods"] = [m for m in config["methods"] if (m if isinstance(m, str) else m.get("label", m["name"])) == label]
+    if not config["methods"]:
+        raise ValueError(f"{stem}.yaml has no method labelled {label!r}")
+    config["seed"] = seed
+    config["placement"] = {"executor": "local", "clients_per_actor": 10, "cpus_per_actor": 1}
+    for path, value in {**overrides, **extra}.items():
+        node = config
+        keys = path.split(".")
+        for key in keys[:-1]:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node[int(keys[-1])] = value
+        else:
+            node[keys[-1]] = value
+    return config
+
+
+def _relevance(run_dir: Path, label: str) -> dict[str, Any]:
+    from rayfed.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(run_dir / "checkpoints", label)
+    if checkpoint is None or "relevance" not in checkpoint.server:
+        return {}
+    relevance = checkpoint.server["relevance"]
+    found = {"history": relevance["history"].tolist()} if "history" in relevance else {}
+    if "cosine" in relevance:
+        found["cosine"] = relevance["cosine"].tolist()
+    alignment = checkpoint.server.get("alignment", {})
+    if alignment:
+        found["alignment"] = {name: float(value) for name, value in alignment.items()}
+    return found
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    if job["device"] == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    from rayfed.simulation import Simulation
+
+    started = time.time()
+    label = job["label"]
+    config = job_config(job["config"], label, job["overrides"], job["seed"], job["extra"])
+    run_dir = Path(job["run_dir"])
+    try:
+        summary = Simulation(config, out_dir=run_dir, progress=False).run()
+    except Exception:  # noqa: BLE001 - one failed job must not stop the others
+        return {**_key(job), "error": traceback.format_exc()[-2000:]}
+    method = summary["methods"][label]
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    curves = [{k: e[k] for k in e if k in ("round", "self_token_f1", "others_token_f1")} for e in events
+              if e.get("event") == "eval" and e.get("method") == label]
+    per_client = {cid: {k: v for k, v in metrics.items() if k in ("self_token_f1", "others_token_f1")}
+                  for cid, metrics in method["clients"].items()}
+    return {**_key(job), "stream": method.get("stream", {}), "mean": {k: v for k, v in method["mean"].items()
+                                                                       if k.startswith(("self_", "others_"))},
+            "clients": per_client, "curves": curves, "comm_bytes": summary["comm_bytes"][label],
+            "comm_params": summary["comm_params"][label], "wall_s": round(time.time() - started, 1),
+            "device": "cuda" if torch.cuda.is_available() else "cpu", **_relevance(run_dir, label)}
+
+
+def _key(job: dict[str, Any]) -> dict[str, Any]:
+    return {"plan": job["plan"], "config": job["config"], "label": job["label"], "overrides": job["overrides"],
+            "seed": job["seed"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", nargs="+", default=["main"], choices=sorted(PLANS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--jobs", type=int, default=2, help="jobs at a time")
+    parser.add_argument("--device", choices=("auto", "cpu"), default="auto")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per job")
+    parser.add_argument("--labels", nargs="*", default=None, help="only these method labels of the plans")
+    parser.add_argument("--out", default="runs/fedmosaic")
+    parser.add_argument("--runs", default=None, help="where the jobs' run folders go (default: <out>/runs)")
+    parser.add_argument("--set", nargs="*", default=[], help="dotted overrides for every job (key=YAML value)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = Path(args.runs) if args.runs else out / "runs"
+    extra = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    jobs = []
+    for plan in args.plan:
+        for seed in args.seeds:
+            for index, (stem, label, overrides) in enumerate(PLANS[plan]):
+                if args.labels is not None and label not in args.labels:
+                    continue
+                name = f"{plan}-{index}-{label}-s{seed}"
+                jobs.append({"plan": plan, "config": stem, "label": label, "overrides": overrides, "seed": seed,
+                             "extra": extra, "device": args.device, "threads": args.threads, "run_dir": str(runs / name)})
+    with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool, \
+            (out / "results.jsonl").open("a") as results:
+        for result in pool.imap_unordered(run_job, jobs):
+            results.write(json.dumps(result) + "\n")
+            results.flush()
+            status = "FAILED" if "error" in result else f"{result['wall_s']} s"
+            print(f"[{time.strftime('%H:%M:%S')}] {result['plan']} {result['label']} {result['overrides']} "
+                  f"seed {result['seed']}: {status}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Markdown tables of FedMosaic's offline results (``results.jsonl`` of :mod:`rayfed.benchmarks.fedmosaic_offline`):
+Self / Others A_last and A_AUC (token F1 x 100, mean +- std over seeds) next to the paper's, seed-paired gaps, the
+RELA weight matrix's block structure by task group, and communication per round.
+
+    python -m rayfed.benchmarks.fedmosaic_tables runs/fedmosaic/results.jsonl [more.jsonl ...]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from rayfed.benchmarks.fedmosaic_configs import GROUPS
+
+METRICS = (("self_token_f1", "a_last"), ("self_token_f1", "a_auc"), ("others_token_f1", "a_last"),
+           ("others_token_f1", "a_auc"))
+# Tab. 2 / Tab. 7 (DRAKE-Dynamic): Self A_last / A_AUC / Others A_last / A_AUC.
+PAPER = {"local": (65.79, 57.62, 47.66, 46.67), "fedavg": (66.11, 57.86, 47.63, 46.62),
+         "ditto": (59.91, 54.16, 47.45, 46.70), "fedsim": (63.98, 56.42, 47.04, 46.15),
+         "feddpa": (63.34, 55.74, 47.61, 46.64), "feddat_lora": (58.47, 54.38, 48.91, 47.78),
+         "vanilla": (66.10, 57.87, 47.63, 46.62), "pq_lora": (66.99, 58.39, 51.33, 48.78),
+         "fedmosaic": (67.86, 59.83, 51.16, 49.36), "training_current": (67.16, 59.38, None, None),
+         "frozen_current": (67.24, 59.45, None, None)}
+
+
+def load(paths: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for path in paths:
+        rows += [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [row for row in rows if "error" not in row]
+
+
+def key(row: dict[str, Any]) -> str:
+    suffix = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in sorted(row["overrides"].items()))
+    setting = row["config"].removeprefix("offline_")
+    return f"{setting}:{row['label']}" + (f"[{suffix}]" if suffix else "")
+
+
+def _value(row: dict[str, Any], metric: str, stat: str) -> float:
+    return 100 * row["stream"][metric][stat]
+
+
+def _fmt(values: list[float]) -> str:
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+
+
+def results_table(rows: list[dict[str, Any]]) -> str:
+    grouped: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        grouped[key(row)].append(row)
+    lines = ["| setting:method | seeds | Self A_last | Self A_AUC | Others A_last | Others A_AUC | paper (Tab. 2/7/30) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name in sorted(grouped):
+        group = grouped[name]
+        cells = [_fmt([_value(r, m, s) for r in group]) for m, s in METRICS]
+        paper = PAPER.get(group[0]["label"]) if not group[0]["overrides"] else None
+        paper_cell = " / ".join("—" if v is None else f"{v:.2f}" for v in paper) if paper else ""
+        lines.append(f"| {name} | {len(group)} | {' | '.join(cells)} | {paper_cell} |")
+    return "\n".join(lines)
+
+
+def paired_gaps(rows: list[dict[str, Any]], reference: str, setting: str = "dynamic") -> str:
+    """Each method minus ``reference`` on the same seed (mean +- std of the seed-paired differences)."""
+    by_seed: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
+    for row in rows:
+        by_seed[key(row)][row["seed"]] = row
+    base = by_seed.get(f"{setting}:{reference}", {})
+    lines = [f"| {setting}:method - {reference} | seeds | Self A_last | Self A_AUC | Others A_last | Others A_AUC |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name in sorted(by_seed):
+        if not name.startswith(f"{setting}:") or name == f"{setting}:{reference}":
+            continue
+        seeds = sorted(set(by_seed[name]) & set(base))
+        cells = [_fmt([_value(by_seed[name][s], m, st) - _value(base[s], m, st) for s in seeds]) for m, st in METRICS]
+        lines.append(f"| {name} | {len(seeds)} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def group_of(client: int) -> str:
+    return next("ABC"[g] for g, members in GROUPS.items() if client in members)
+
+
+def block_structure(rows: list[dict[str, Any]], label: str = "fedmosaic", setting: str = "dynamic") -> str:
+    """Mean RELA weight within a task group vs across groups (off-diagonal), per evaluation round, over seeds; and
+    the last round's weight matrix averaged over seeds."""
+    runs = [r for r in rows if key(r) == f"{setting}:{label}" and "history" in r]
+    if not runs:
+        return "(no relevance history)"
+    rounds = len(runs[0]["history"])
+    clients = len(runs[0]["history"][0])
+    lines = ["| round | within-group w (off-diagonal) | cross-group w | ratio | self weight w_ii |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in range(rounds):
+        within, across, own = [], [], []
+        for run in runs:
+            weights = run["history"][r]
+            for i in range(clients):
+                own.append(weights[i][i])
+                for j in range(clients):
+                    if i != j:
+                        (within if group_of(i) == group_of(j) else across).append(weights[i][j])
+        if (r + 1) % 5 == 0 or r == 0:
+            w, a = statistics.mean(within), statistics.mean(across)
+            lines.append(f"| {r + 1} | {w:.4f} | {a:.4f} | {w / a:.2f} | {statistics.mean(own):.4f} |")
+    final = [[statistics.mean(run["history"][-1][i][j] for run in runs) for j in range(clients)] for i in range(clients)]
+    header = "| i \\ j | " + " | ".join(f"{j}{group_of(j)}" for j in range(clients)) + " |"
+    matrix = [header, "| --- " * (clients + 1) + "|"]
+    for i in range(clients):
+        matrix.append(f"| {i}{group_of(i)} | " + " | ".join(f"{final[i][j]:.3f}" for j in range(clients)) + " |")
+    return "\n".join(lines) + "\n\nLast round's weights w_ij (mean over seeds; letter = task group):\n\n" + "\n".join(matrix)
+
+
+def communication(rows: list[dict[str, Any]], rounds: int = 20) -> str:
+    seen: dict[str, dict[str, int]] = {}
+    for row in rows:
+        if row["config"] == "offline_dynamic" and not row["overrides"]:
+            seen.setdefault(row["label"], row["comm_params"])
+    lines = ["| method | uploaded parameters per round (10 clients) | downloaded per round | vs FedAvg upload |",
+             "| --- | --- | --- | --- |"]
+    fedavg = seen.get("fedavg", {}).get("up")
+    for label, params in sorted(seen.items()):
+        ratio = f"{params['up'] / fedavg:.3f}" if fedavg else "—"
+        lines.append(f"| {label} | {params['up'] // rounds:,} | {params['down'] // rounds:,} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    rows = load(argv if argv is not None else sys.argv[1:])
+    print("## Results\n\n" + results_table(rows))
+    print("\n## Seed-paired gaps to SFT\n\n" + paired_gaps(rows, "local"))
+    print("\n## RELA weights by task group\n\n" + block_structure(rows))
+    print("\n## Communication\n\n" + communication(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""DisentAFL: FedAvg with an orthogonality loss that disentangles the representations of (modality, task)
+pairs in a MoTE / MoME model.
+
+A TAP baseline (seed ``000_a0f3b72231afa875.txt``, §5 and App. A.2; spec ``tap.md`` §6, the released code's
+``compute_orthogonal_loss``). Local training adds, per micro-batch, ``weight * mean over pairs (i < j) of
+mean((norm(a_i) norm(a_j)^T)^2)`` over the groups of latents a_g: the MoTE output of the private
+modality-task (MT) path, mean-pooled over tokens, of every (modality, task key) the micro-batch holds. A
+micro-batch of a single modality and task has no pairs and no such loss. Aggregation is FedAvg over the blocks
+(component-wise, |D_i|-weighted). With ``post_fl_microbatches`` P > 0, ``@pt`` and ``@pt2`` report the model
+post-trained P and 2P micro-batches, orthogonality loss included (the code's "DisentAFL + Post-train").
+
+The model is TAP's (:mod:`rayfed.mome`, options in ``mome``); any model works that collects
+``((modality, task key), latent)`` pairs in ``collected_latents`` while that attribute is a list.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from rayfed.config import ModelConfig
+from rayfed.errors import ConfigError
+from rayfed.method import ClientState, LocalResult, Method, TensorDict
+from rayfed.models import Backbone
+from rayfed.mome import MoMEOptions, build_mome_model
+from rayfed.registry import register_method
+from rayfed.tasks import Task
+from rayfed.training import ClientContext, Step
+
+
+def orthogonality_loss(latents: Sequence[tuple[tuple[str, str], torch.Tensor]]) -> torch.Tensor | None:
+    """The mean over pairs of distinct groups of ``mean((norm(a_i) norm(a_j)^T)^2)``; None with fewer than two
+    groups. Latents of one group are concatenated along the batch; groups are taken in sorted order."""
+    grouped: dict[tuple[str, str], list[torch.Tensor]] = {}
+    for group, latent in latents:
+        grouped.setdefault(group, []).append(latent.float())
+    groups = [nn.functional.normalize(torch.cat(grouped[g]), dim=1) for g in sorted(grouped)]
+    if len(groups) < 2:
+        return None
+    pairs = [(a @ b.T).pow(2).mean() for i, a in enumerate(groups) for b in groups[i + 1:]]
+    return sum(pairs) / len(pairs)
+
+
+@dataclass(frozen=True)
+class DisentAFLParams:
+    ortho_weight: float = 0.5  # Table 21
+    post_fl_microbatches: int = 0  # P of the "+ Post-train" views (0: none)
+    post_lr: float = 1e-4
+    mome: dict[str, Any] = field(default_factory=dict)  # TAP's modular model's options
+
+    def __post_init__(self) -> None:
+        if self.ortho_weight < 0:
+            raise ValueError("ortho_weight must be >= 0")
+        if self.post_fl_microbatches < 0:
+            raise ValueError("post_fl_microbatches must be >= 0")
+        if not self.post_lr > 0:
+            raise ValueError("post_lr must be > 0")
+        MoMEOptions.parse(self.mome, "mome")
+
+
+@register_method("disentafl")
+class DisentAFL(Method):
+    Params = DisentAFLParams
+
+    def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
+        return build_mome_model(backbone, tasks, self.params.mome, seed)
+
+    def loss(self, step: Step) -> torch.Tensor:
+        """The task loss plus the orthogonality loss of the micro-batch's latents."""
+        model = step.model
+        if not hasattr(model, "collected_latents"):
+            raise ConfigError("disentafl needs a model that collects its modality-task latents "
+                              "(rayfed.mome.MoMEModel).")
+        model.collected_latents = []
+        try:
+            loss = step.task_loss(step.part_losses())
+            ortho = orthogonality_loss(model.collected_latents)
+        finally:
+            model.collected_latents = None
+        if ortho is None or not self.params.ortho_weight:
+            return loss
+        return loss + self.params.ortho_weight * ortho
+
+    def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
+        result = client.train({**state["personal"], **(payload or {})}, loss=self.loss)
+        shared, personal = self.split(result.params)
+        return LocalResult({**state, "personal": personal}, {"shared": shared} if shared else {}, result.loss)
+
+    def after_federation(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> ClientState:
+        if not self.params.post_fl_microbatches:
+            return state
+        steps = math.ceil(self.params.post_fl_microbatches / client.train_config.grad_accum)
+        start = {**state["personal"], **(payload or {})}
+        state = dict(state)
+        for view, count in (("pt", steps), ("pt2", 2 * steps)):
+            state[f"view:{view}"] = client.train(start, steps=count, lr=self.params.post_lr, purpose="post_train",
+                                                 loss=self.loss).params
+        return state
+
+    def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
+        views = {"": {**state["personal"], **(payload or {})}}
+        views.update({slot.removeprefix("view:"): v for slot, v in state.items() if slot.startswith("view:")})
+        return views
+
+    def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
+        return self.eval_views(state, payload)[""]

@@ -1,0 +1,122 @@
+"""FedDAT-style dual-adapter teacher with LoRA adapters, on any backbone with decoder layers (LLaVA, Llama, Qwen).
+
+FedDAT (Chen et al., AAAI 2024; seed ``002_bdadac652323d572.txt``) as the FedMosaic paper runs it as a baseline
+(seed ``001_341533e252d11d6f.txt`` §5; spec ``fedmosaic.md`` §6 [interp]), with its adapters as conventional LoRA on
+every linear layer (:mod:`rayfed.pqlora`) instead of bottleneck adapters (:mod:`rayfed.methods.feddat`, which
+targets ViLT-style encoders). Three adapters per layer: ``shared`` (trained, uploaded, averaged within an
+architecture), ``frozen`` (the shared adapter received this round) and ``local`` (kept). Each batch takes two
+steps: ``CE(z_s) + kd KD(z_s, z_DAT)`` on the shared adapter, then ``CE(z_DAT) + kd KD(z_DAT, z_s)`` on the local
+one, with the dual-adapter teacher ``z_DAT`` from ``W x + (B_f A_f x + B_l A_l x) / 2``; KD = tau^2 KL at tau = 3,
+its weight ramped up as ``kd exp(-5 (1 - t / t_r)^2)`` over the first quarter of the rounds. Clients are
+evaluated with the shared adapter (FedDAT's own choice); ``@dat`` reports the teacher.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rayfed import pqlora
+from rayfed.config import ModelConfig
+from rayfed.method import ClientState, LocalResult, Method, TensorDict
+from rayfed.methods.fedsim import build_lora_set
+from rayfed.models import Backbone
+from rayfed.registry import register_method
+from rayfed.tasks import Task
+from rayfed.training import ClientContext, Phase, Step, distillation_loss
+
+SHARED, FROZEN, LOCAL = "shared", "frozen", "local"
+STUDENT = {SHARED: 1.0}
+TEACHER = {FROZEN: 0.5, LOCAL: 0.5}
+
+
+@dataclass(frozen=True)
+class FedDATLoraParams:
+    tau: float = 3.0
+    kd_weight: float = 1.0  # the maximum of both KD weights
+    rampup: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.tau > 0:
+            raise ValueError("tau must be > 0")
+        if self.kd_weight < 0:
+            raise ValueError("kd_weight must be >= 0")
+
+
+def _answer_logits(batch: dict[str, torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+    """The logits at the positions a text task's loss reads (those predicting a target token); else all of them."""
+    labels = batch.get("labels")
+    if labels is None or labels.dim() != 2:
+        return logits
+    return logits[:, :-1][labels[:, 1:] != -100]
+
+
+def _mutual_loss(step: Step, trained: dict, other: dict, kd: float, tau: float, keep: str | None = None,
+                 teacher_key: str | None = None) -> torch.Tensor:
+    """Over the batch's task parts: CE of the model under mix ``trained`` plus ``kd`` times KD towards the model
+    under mix ``other`` (or the logits stored as ``teacher_key`` by an earlier phase), each part weighted by its
+    share; stores the trained logits as ``keep``."""
+    losses = []
+    for part, (task, batch) in enumerate(step.parts):
+        pqlora.set_mix(step.model, trained)
+        logits = step.outputs(part)
+        student = _answer_logits(batch, logits)
+        if keep:
+            step.memory[f"{keep}:{part}"] = student.detach()
+        if teacher_key:
+            teacher = step.memory[f"{teacher_key}:{part}"]
+        else:
+            pqlora.set_mix(step.model, other)
+            with torch.no_grad():
+                teacher = _answer_logits(batch, step.outputs(part))
+        losses.append(task.kind.loss(logits, batch) + kd * distillation_loss(student, teacher, tau))
+    return step.task_loss(losses)
+
+
+@register_method("feddat_lora")
+class FedDATLora(Method):
+    Params = FedDATLoraParams
+
+    def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
+        return build_lora_set("feddat_lora", backbone, config, tasks, seed, (SHARED, FROZEN, LOCAL), frozen=(FROZEN,))
+
+    def is_shared(self, name: str) -> bool:
+        return f".{SHARED}_" in name
+
+    def _frozen_copy(self, received: TensorDict) -> TensorDict:
+        return {n.replace(f".{SHARED}_", f".{FROZEN}_"): v for n, v in received.items() if self.is_shared(n)}
+
+    def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
+        received = payload or {}
+        ramp = max(1, math.ceil(self.rounds / 4))
+        kd = self.params.kd_weight * (math.exp(-5.0 * (1.0 - min(client.round + 1, ramp) / ramp) ** 2)
+                                      if self.params.rampup else 1.0)
+        tau = self.params.tau
+
+        def student(step: Step) -> torch.Tensor:
+            return _mutual_loss(step, STUDENT, TEACHER, kd, tau, keep="z_s")
+
+        def teacher(step: Step) -> torch.Tensor:
+            return _mutual_loss(step, TEACHER, STUDENT, kd, tau, teacher_key="z_s")
+
+        params = {**state["personal"], **received, **self._frozen_copy(received)}
+        result = client.train(params, phases=[Phase(trains=self.is_shared, loss=student),
+                                              Phase(trains=lambda n: f".{LOCAL}_" in n, loss=teacher)])
+        pqlora.set_mix(client.model, None)
+        shared = {n: v for n, v in result.params.items() if self.is_shared(n)}
+        personal = {n: v for n, v in result.params.items() if f".{LOCAL}_" in n}
+        return LocalResult({**state, "personal": personal}, {"shared": shared}, result.loss)
+
+    def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
+        own = {**state["personal"], **(payload or {}), **self._frozen_copy(payload or {})}
+        return {"": own, "dat": own}
+
+    def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
+        return self.eval_views(state, payload)[""]
+
+    def activate_view(self, model: nn.Module, view: str) -> None:
+        pqlora.set_mix(model, TEACHER if view == "dat" else STUDENT)

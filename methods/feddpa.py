@@ -1,0 +1,122 @@
+"""FedDPA (Yang et al., NeurIPS 2024, dual-personalizing adapter): a global LoRA adapter trained by FedAvg and a
+local one trained with the global frozen, mixed at inference with instance-wise weights.
+
+A baseline of FedMosaic's paper (seed ``001_341533e252d11d6f.txt`` §5; spec ``fedmosaic.md`` §6 [interp]). Each
+round a client (1) trains the received global adapter alone (``W x + s B_g A_g x``) and uploads it (averaged
+within an architecture, sample-weighted), then (2) trains its local adapter with that global one frozen, on
+``W x + s ((1 - w) B_g A_g x + w B_l A_l x)`` with ``w = local_weight``. At inference ``w`` is per instance: the
+cosine similarity (clipped to [0, 1]) between the instance's representation (its first decoder layer's input,
+averaged over tokens) and the mean representation of the client's training samples, kept in its state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rayfed import pqlora
+from rayfed.config import ModelConfig
+from rayfed.method import ClientState, LocalResult, Method, TensorDict
+from rayfed.methods.fedsim import build_lora_set
+from rayfed.models import Backbone
+from rayfed.registry import register_method
+from rayfed.tasks import Task
+from rayfed.training import ClientContext, Phase
+
+GLOBAL, LOCAL = "global", "local"
+
+
+@dataclass(frozen=True)
+class FedDPAParams:
+    local_weight: float = 0.5  # w while the local adapter trains
+    dynamic: bool = True  # instance-wise w at inference (else local_weight)
+    local_steps: int | None = None  # steps of the local stage (default: the config's)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.local_weight <= 1:
+            raise ValueError("local_weight must be in [0, 1]")
+        if self.local_steps is not None and self.local_steps < 1:
+            raise ValueError("local_steps must be >= 1")
+
+
+class InstanceWeights:
+    """A pre-hook on the first decoder layer that sets every adapted layer's mix from the batch's pooled input:
+    ``w(x) = clip(cos(mean_t h_0(x), profile), 0, 1)`` for the local adapter, 1 - w for the global. Decoding
+    steps (one new token) keep the weights of their prompt."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.profile: torch.Tensor | None = None
+        self.record: list[torch.Tensor] | None = None  # while set, pooled inputs are collected (the profile)
+        _, layers = pqlora.decoder_layers(model.encoder, getattr(model, "lora_scope", None))
+        layers[0].register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if self.record is not None:
+            self.record.append(hidden.detach().float().mean(dim=1).sum(0))
+            self.record.append(torch.tensor(float(len(hidden))))
+        if self.profile is None or hidden.shape[1] == 1:
+            return None
+        pooled = hidden.detach().float().mean(dim=1)
+        weight = nn.functional.cosine_similarity(pooled, self.profile.to(pooled.device).unsqueeze(0), dim=1)
+        weight = weight.clamp(0.0, 1.0).to(hidden.dtype).view(-1, 1, 1)
+        pqlora.set_mix(self.model, {GLOBAL: 1 - weight, LOCAL: weight})
+        return None
+
+
+@register_method("feddpa")
+class FedDPA(Method):
+    Params = FedDPAParams
+
+    def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
+        model = build_lora_set("feddpa", backbone, config, tasks, seed, (GLOBAL, LOCAL))
+        model.lora_scope = backbone.lora_scope
+        model.instance_weights = InstanceWeights(model) if self.params.dynamic else None
+        return model
+
+    def is_shared(self, name: str) -> bool:
+        return f".{GLOBAL}_" in name
+
+    def init_client(self, initial: TensorDict) -> ClientState:
+        _, personal = self.split(initial)
+        return {"personal": personal, "profile": {}}
+
+    def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
+        model, received = client.model, payload or {}
+        weights = model.instance_weights
+        if weights is not None:
+            weights.profile = None
+        pqlora.set_mix(model, {GLOBAL: 1.0})
+        global_update = client.train({**state["personal"], **received}, phases=[Phase(trains=self.is_shared)])
+        trained_global = {n: v for n, v in global_update.params.items() if self.is_shared(n)}
+        pqlora.set_mix(model, {GLOBAL: 1 - self.params.local_weight, LOCAL: self.params.local_weight})
+        if weights is not None:
+            weights.record = []
+        local_update = client.train({**state["personal"], **trained_global}, steps=self.params.local_steps,
+                                    purpose="local", phases=[Phase(trains=lambda n: not self.is_shared(n))])
+        new_state = {**state, "personal": {n: v for n, v in local_update.params.items() if not self.is_shared(n)}}
+        if weights is not None:
+            sums, counts = weights.record[0::2], weights.record[1::2]
+            weights.record = None
+            if sums:
+                new_state["profile"] = {"mean": (torch.stack(sums).sum(0) / torch.stack(counts).sum()).cpu()}
+        pqlora.set_mix(model, None)
+        return LocalResult(new_state, {"shared": trained_global}, global_update.loss)
+
+    def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
+        return {**state["personal"], **(payload or {})}
+
+    def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
+        self._profile = state.get("profile", {}).get("mean")
+        return {"": self.eval_params(state, payload)}
+
+    def activate_view(self, model: nn.Module, view: str) -> None:
+        weights = model.instance_weights
+        if weights is not None and getattr(self, "_profile", None) is not None:
+            weights.profile = self._profile
+        else:
+            pqlora.set_mix(model, {GLOBAL: 1 - self.params.local_weight, LOCAL: self.params.local_weight})

@@ -1,0 +1,582 @@
+"""FedMosaic: relevance-guided aggregation (RELA) and PQ-LoRA across heterogeneous multi-modal clients.
+
+Seed paper ``001_341533e252d11d6f.txt`` ("Not all clients are equal", Alg. 1-4); spec ``fedmosaic.md``. Each client
+trains, over its frozen backbone (any of K architectures), a *local* adapter (kept, never overwritten) next to a
+*global* adapter it receives every round (frozen while it trains), mixed per decoder layer by a learnable gate
+(Eq. 7, :mod:`rayfed.pqlora`). The last decoder layer of each of ``blocks`` blocks carries PQ-LoRA (§3): a frozen
+orthonormal basis ``A``, ``B`` and trained ``P`` (r x r), ``Q`` (r), the same shapes in every architecture, so the
+k-th PQ layers of all clients are averaged together; the other layers carry conventional LoRA, averaged only
+within an architecture (§9.6, ``conv_agg``).
+
+Before round 1 (``pre_federation``) every architecture's actor runs the public data (``data.public``) through its
+pretrained model and returns the inputs of its PQ layers, mean-pooled per sequence (§9.13); the server then trains
+each non-pivot architecture's ``A`` to reproduce the pivot's codes (L2 + ``align_lambda`` orthogonality, Eq. 20),
+makes it exactly orthonormal (thin SVD), computes its ``B`` by ridge CCA (Alg. 4) and sends the aligned basis to
+each of that architecture's clients once (they keep it in their state; it is frozen from then on).
+
+RELA (§2): every ``grad_interval`` local steps a client takes the gradient of the last linear layer of one frozen
+small model ``W_s`` (``relevance_model``, the same for all clients, without adapters) on the batch just trained
+on, keeps the shared random ``sample_ratio`` of its entries (one mask from the run's seed, the same on every
+client) plus noise ``noise``, averages them over the round and folds them into a decayed mean (``alpha``, once per
+round: Alg. 1, §9.1), which it uploads. The server turns the cosines of these vectors into per-client weights
+``w_ij = softmax_j(cos(g_i, g_j) / tau)`` (self included) and sends each client its own global adapter
+``G_i = sum_j w_ij L_j`` (conventional layers: over i's architecture, weights renormalized). The weights of every
+round are kept in the server state (``relevance/history``).
+
+Ablations (Tab. 7, Tab. 30): ``pq: false`` (Vanilla: conventional LoRA only), ``relevance: equal`` (+PQ-LoRA: equal
+weights), ``frozen_current`` / ``training_current`` (the latest gradient of W_s / of the trained model's last PQ
+layer, no decay), ``align: false`` (random non-pivot basis, Tab. 32).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rayfed import pqlora, seeding
+from rayfed.config import ModelConfig
+from rayfed.errors import ConfigError
+from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.models import Backbone, ClientModel, build_backbone, build_task_model
+from rayfed.registry import register_method
+from rayfed.tasks import Task
+from rayfed.training import ClientContext, Phase, PreFederation, Step
+
+LOCAL, GLOBAL = "local", "global"
+RELEVANCE_VARIANTS = ("rela", "equal", "frozen_current", "training_current")
+CONV_AGG = ("rela_within_type", "equal_within_type", "none")
+# A shared tensor's (module, part) in its name: "...layers.7.mlp.down_proj.local_P" -> ("mlp.down_proj", "P").
+_ADAPTER_NAME = re.compile(r"layers\.\d+\.(.+)\.local_([PQAB])$")
+TRAINING_COMPUTE_FACTOR = 1.098  # FedMosaic's training-only relative compute (Tab. 15; spec §9.14)
+
+
+@dataclass(frozen=True)
+class FedMosaicParams:
+    blocks: int = 4  # N_B: PQ-LoRA on the last decoder layer of each of N_B blocks (Eq. 6)
+    pq: bool = True  # false: conventional LoRA everywhere (Tab. 7 "Vanilla")
+    relevance: str = "rela"  # rela | equal | frozen_current | training_current (Tab. 30)
+    tau: float = 0.5  # softmax temperature (Eq. 4)
+    alpha: float = 0.5  # EMA ratio (Eq. 2)
+    sample_ratio: float = 0.4  # N_s: share of the gradient's entries kept (Eq. 3)
+    noise: float = 1e-4  # mu: std of the Gaussian noise added to the kept entries
+    grad_interval: int = 10  # m: local steps between two W_s gradients
+    ema_granularity: str = "round"  # round: Alg. 1 (one EMA update per round, §9.1); step: Eq. 2 per gradient
+    noise_stage: str = "per_grad"  # per_grad: Alg. 1, noise on each gradient; on_upload: Eq. 3, on the decayed mean
+    last_layer: str = "down_proj"  # the last decoder layer's MLP output projection (§9.10), or lm_head
+    relevance_model: str = ""  # W_s's backbone (model.backbone syntax); "": the client's own (one architecture)
+    conv_agg: str = "rela_within_type"  # conventional-LoRA layers: rela_within_type | equal_within_type | none (§9.6)
+    pq_init: str = "zero"  # P, Q start at 0 (§9.7), or identity: P = I
+    pq_scale: float = 1.0  # s of the PQ branch (§9.11); conventional LoRA: model.lora.alpha / rank
+    pq_lr: float | None = None  # learning rate of P and Q; default 2.5 x train.lr (the paper's 5e-5 vs 2e-5)
+    align: bool = True  # false: every architecture keeps its random orthonormal basis (Tab. 32)
+    align_b: bool = True  # false: align A only
+    pivot: str = ""  # the architecture others align to; "": the one with the fewest backbone parameters
+    align_lambda: float = 0.5  # lambda of the orthogonality term (Eq. 20)
+    align_epochs: int = 1
+    align_lr: float = 5e-5
+    align_batch_size: int = 4
+    align_samples: int | None = None  # public samples used (default: all of data.public)
+    cca_ridge: float = 1e-4  # relative ridge of the CCA covariances
+    b_features: str = "lora_output"  # CCA features: lora_output = (A h) B^T with P = I (§9.7); base_output = W_p h
+    ortho_b_after_cca: bool = False  # polar re-orthonormalization of the CCA basis (§9.8)
+    relevance_history: bool = True  # keep every round's weight matrix in the server state
+    compute_matched_steps: bool = False  # local steps / 1.098 (§9.14)
+
+    def __post_init__(self) -> None:
+        if self.blocks < 1:
+            raise ValueError("blocks must be >= 1")
+        if self.relevance not in RELEVANCE_VARIANTS:
+            raise ValueError(f"relevance must be one of {', '.join(RELEVANCE_VARIANTS)}")
+        if not self.tau > 0:
+            raise ValueError("tau must be > 0")
+        if not 0 < self.alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        if not 0 < self.sample_ratio <= 1:
+            raise ValueError("sample_ratio must be in (0, 1]")
+        if self.noise < 0:
+            raise ValueError("noise must be >= 0")
+        if self.grad_interval < 1:
+            raise ValueError("grad_interval must be >= 1")
+        for field, value, allowed in (("ema_granularity", self.ema_granularity, ("round", "step")),
+                                      ("noise_stage", self.noise_stage, ("per_grad", "on_upload")),
+                                      ("last_layer", self.last_layer, ("down_proj", "lm_head")),
+                                      ("conv_agg", self.conv_agg, CONV_AGG), ("pq_init", self.pq_init, ("zero", "identity")),
+                                      ("b_features", self.b_features, ("lora_output", "base_output"))):
+            if value not in allowed:
+                raise ValueError(f"{field} must be one of {', '.join(allowed)}")
+        if self.relevance == "training_current" and not self.pq:
+            raise ValueError("relevance = training_current uses the gradient of the last PQ layer: it needs pq = true")
+        for field in ("align_epochs", "align_batch_size"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1")
+        if self.align_samples is not None and self.align_samples < 2:
+            raise ValueError("align_samples must be >= 2")
+        for field in ("pq_scale", "align_lr", "cca_ridge"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"{field} must be > 0")
+        if self.pq_lr is not None and not self.pq_lr > 0:
+            raise ValueError("pq_lr must be > 0")
+        if self.align_lambda < 0:
+            raise ValueError("align_lambda must be >= 0")
+
+
+def is_global(name: str) -> bool:
+    return f".{GLOBAL}_" in name
+
+
+def is_local(name: str) -> bool:
+    return f".{LOCAL}_" in name
+
+
+def is_basis(name: str) -> bool:
+    return name.endswith((".A", ".B")) and not is_local(name) and not is_global(name)
+
+
+def global_name(name: str) -> str:
+    return name.replace(f".{LOCAL}_", f".{GLOBAL}_")
+
+
+def linear_weight_gradient(run: Callable[[], torch.Tensor], layer: nn.Linear) -> torch.Tensor:
+    """The gradient of ``run()`` (a loss) with respect to ``layer``'s weight, with every parameter frozen: the
+    layer's output is made the one leaf that needs a gradient, and ``dL/dW = sum_tokens dL/dy x^T``."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(module, args, output):
+        captured["x"] = args[0].detach()
+        captured["y"] = output.detach().requires_grad_(True)
+        return captured["y"]
+
+    handle = layer.register_forward_hook(hook)
+    try:
+        with torch.enable_grad():
+            loss = run()
+            (grad_y,) = torch.autograd.grad(loss, captured["y"])
+    finally:
+        handle.remove()
+    return grad_y.flatten(0, -2).float().T @ captured["x"].flatten(0, -2).float()
+
+
+def _last_linear(encoder: nn.Module, scope: str | None, which: str) -> nn.Linear:
+    """The frozen linear layer RELA differentiates: the last decoder layer's ``down_proj`` or the LM head."""
+    if which == "lm_head":
+        head = encoder.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            raise ConfigError("methods (fedmosaic).last_layer = 'lm_head' needs a model with a linear LM head.")
+        return head
+    _, layers = pqlora.decoder_layers(encoder, scope)
+    for name, module in layers[-1].named_modules():
+        if name.endswith("down_proj"):
+            return module.base if isinstance(module, pqlora.AdaptedLinear) else module
+    raise ConfigError("methods (fedmosaic).last_layer = 'down_proj': the last decoder layer has no down_proj; use lm_head.")
+
+
+@register_method("fedmosaic")
+class FedMosaic(Method):
+    Params = FedMosaicParams
+    presums_uploads = False  # per-client weights from every client's own gradient
+    pre_federation_stage = True
+
+    def __init__(self, params: FedMosaicParams | None = None):
+        super().__init__(params)
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
+        self._index: _ServerIndex | None = None
+
+    # The model ---------------------------------------------------------------------------------------------
+    def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
+        lora = config.lora
+        if lora is None:
+            raise ConfigError("methods (fedmosaic) trains LoRA adapters: set model.lora (rank, alpha, targets).")
+        model = build_task_model(backbone, config.model_copy(update={"module": "head", "lora": None}), tasks, seed)
+        targets = lora.targets or backbone.lora_targets
+        try:
+            placement = pqlora.attach(
+                model.encoder, rank=lora.rank, adapters=(LOCAL, GLOBAL), pq_blocks=self.params.blocks if self.params.pq else 0,
+                scale=lora.alpha / lora.rank, pq_scale=self.params.pq_scale, frozen=(GLOBAL,), gate=True,
+                scope=backbone.lora_scope, targets=targets, pq_init=self.params.pq_init,
+                seed_of=lambda purpose: seeding.torch_seed(seed, 0, seeding.SERVER, f"fedmosaic:{purpose}"),
+            )
+        except ValueError as err:
+            raise ConfigError(f"methods (fedmosaic) on model.backbone = {backbone.name!r}: {err}.") from None
+        model.adapter_placement = placement
+        if self.params.relevance in ("rela", "frozen_current"):
+            self._attach_relevance_model(model, backbone, tasks, seed)
+        return model
+
+    def _attach_relevance_model(self, model: ClientModel, backbone: Backbone, tasks: Sequence[Task], seed: int) -> None:
+        name = self.params.relevance_model
+        if not name:
+            if len(set(self.architecture_of)) > 1:
+                raise ConfigError("methods (fedmosaic).relevance_model must name W_s, one frozen model shared by all "
+                                  "clients (e.g. the smallest architecture's backbone), when clients have several "
+                                  "architectures.")
+            name = backbone.name
+        if name == backbone.name:  # W_s is this backbone: the client model with its adapters off
+            _set_plain(model, "relevance_layer", _last_linear(model.encoder, backbone.lora_scope, self.params.last_layer))
+            return
+        relevance = build_backbone(ModelConfig(backbone=name), seed)
+        if relevance.tokenizer is None or backbone.tokenizer is None or (
+                relevance.tokenizer.get_vocab() != backbone.tokenizer.get_vocab()):
+            raise ConfigError(f"methods (fedmosaic).relevance_model = {name!r} tokenizes text differently from "
+                              f"model.backbone = {backbone.name!r}; W_s reads the clients' batches as they are, so it "
+                              "must share their tokenizer.")
+        wrapper = ClientModel(relevance, nn.Identity(), tasks)
+        wrapper.requires_grad_(False)
+        model.relevance_model = wrapper  # a frozen submodule: moved with the model, never in its trainable state
+        _set_plain(model, "relevance_layer", _last_linear(relevance.encoder, relevance.lora_scope, self.params.last_layer))
+
+    def is_shared(self, name: str) -> bool:
+        if not is_local(name):
+            return False
+        if name.endswith(("_P", "_Q")):
+            return True
+        return self.params.conv_agg != "none"
+
+    # Client side -------------------------------------------------------------------------------------------
+    def init_client(self, initial: TensorDict) -> ClientState:
+        return {"personal": {n: v for n, v in initial.items() if not is_global(n)}, "optimizer": {}, "relevance": {}}
+
+    def _trains(self, name: str) -> bool:
+        return is_local(name) or name.endswith(f"{pqlora.GATE}.beta")
+
+    def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
+        received = payload or {}
+        params = {**state["personal"], **received}  # the received global adapter (and, once, the aligned basis)
+        pq_lr = self.params.pq_lr or 2.5 * client.train_config.lr
+        gradients: list[torch.Tensor] = []
+        noise = torch.Generator().manual_seed(seeding.torch_seed(client.seed, client.round, client.client_id, "rela_noise"))
+        tracking = self.params.relevance != "equal"
+
+        def loss(step: Step) -> torch.Tensor:
+            if tracking and (step.index + 1) % self.params.grad_interval == 0:
+                gradient = self._relevance_gradient(step)
+                mask = self._mask(client.seed, gradient.numel())
+                kept = gradient.flatten()[mask]
+                if self.params.noise_stage == "per_grad" and self.params.noise:
+                    kept = kept + self.params.noise * torch.randn(kept.shape, generator=noise)
+                gradients.append(kept)
+            return step.task_loss()
+
+        steps = client.default_steps()
+        if self.params.compute_matched_steps:
+            steps = max(1, math.floor(steps / TRAINING_COMPUTE_FACTOR))
+        phase = Phase(trains=self._trains, loss=loss, lr_of=lambda name: pq_lr if name.endswith(("_P", "_Q")) else None)
+        result = client.train(params, steps=steps, phases=[phase], optimizer_state=state["optimizer"] or None,
+                              keep_optimizer_state=True)
+        personal = {n: v for n, v in result.params.items() if not is_global(n)}
+        shared = {n: v for n, v in personal.items() if self.is_shared(n)}
+        upload: dict[str, TensorDict] = {"shared": shared}
+        new_state: ClientState = {"personal": personal, "optimizer": result.optimizer_state or {}, "relevance": {}}
+        stats: dict[str, float] = {}
+        if tracking:
+            decayed = self._decay(state["relevance"].get("decayed"), gradients)
+            if decayed is not None:
+                new_state["relevance"] = {"decayed": decayed}
+                sent = decayed
+                if self.params.noise_stage == "on_upload" and self.params.noise:
+                    sent = decayed + self.params.noise * torch.randn(decayed.shape, generator=noise)
+                upload["relevance"] = {"gradient": sent}
+                rms = float(decayed.pow(2).mean().sqrt())
+                stats = {"relevance_rms": rms, "noise_over_rms": self.params.noise / rms if rms > 0 else 0.0}
+        return LocalResult(new_state, upload, result.loss, weight=1.0, stats=stats)
+
+    def _decay(self, previous: torch.Tensor | None, gradients: list[torch.Tensor]) -> torch.Tensor | None:
+        """Eq. 2 once per round on the round's mean (Alg. 1), per gradient, or the latest gradient alone."""
+        if not gradients:
+            return previous
+        alpha = self.params.alpha
+        if self.params.relevance.endswith("_current"):
+            return gradients[-1]
+        decayed = torch.zeros_like(gradients[0]) if previous is None else previous.to(gradients[0].device)
+        if self.params.ema_granularity == "round":
+            return (1 - alpha) * decayed + alpha * torch.stack(gradients).mean(0)
+        for gradient in gradients:
+            decayed = (1 - alpha) * decayed + alpha * gradient
+        return decayed
+
+    def _mask(self, seed: int, size: int) -> torch.Tensor:
+        """The kept entries of the relevance gradient: one random subset of the run (its seed), the same on every
+        client and actor."""
+        key = (seed, size)
+        if key not in self._masks:
+            generator = torch.Generator().manual_seed(seeding.torch_seed(seed, 0, seeding.SERVER, "rela_mask"))
+            kept = max(1, round(self.params.sample_ratio * size))
+            self._masks[key] = torch.randperm(size, generator=generator)[:kept].sort().values
+        return self._masks[key]
+
+    def _relevance_gradient(self, step: Step) -> torch.Tensor:
+        """The gradient on this step's batch: of W_s's last linear layer (frozen, no adapters), or, for
+        ``training_current``, of the trained model's last PQ layer (its P and Q)."""
+        model = step.model
+        if self.params.relevance == "training_current":
+            last = max(model.adapter_placement.pq_layers) - 1
+            names = sorted(n for n in step.params if is_local(n) and n.endswith(("_P", "_Q")) and pqlora.layer_of(n) == last)
+            grads = torch.autograd.grad(step.task_loss(), [step.params[n] for n in names], allow_unused=True)
+            return torch.cat([(g if g is not None else torch.zeros_like(step.params[n])).flatten().float()
+                              for g, n in zip(grads, names)]).detach().cpu()
+        relevance_model = getattr(model, "relevance_model", None)
+        total = sum(next(iter(batch.values())).shape[0] for _, batch in step.parts)
+
+        def run() -> torch.Tensor:
+            losses = []
+            for task, batch in step.parts:
+                share = next(iter(batch.values())).shape[0] / total
+                target = relevance_model if relevance_model is not None else model
+                losses.append(share * task.kind.loss(task.kind.forward(target, batch), batch))
+            return sum(losses)
+
+        if relevance_model is None:
+            with pqlora.adapters_off(model):
+                gradient = linear_weight_gradient(run, model.relevance_layer)
+        else:
+            relevance_model.to(step.client.device)
+            gradient = linear_weight_gradient(run, model.relevance_layer)
+        return gradient.detach().cpu()
+
+    def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
+        return {**state["personal"], **(payload or {})}
+
+    # Before round 1: the alignment of the PQ basis ---------------------------------------------------------
+    def pre_federation(self, stage: PreFederation) -> TensorDict:
+        if not (self.params.pq and self.params.align) or not stage.public:
+            return {}
+        model = stage.model
+        model.load_trainable(stage.initial)
+        placement: pqlora.Placement = model.adapter_placement
+        block_of = {layer: k for k, layer in enumerate(placement.pq_layers)}
+        modules = dict(pqlora.adapted_modules(model.encoder))
+        pq_modules = {}
+        for qualified, layer, _ in placement.modules:
+            if layer in block_of:
+                module_name = qualified.split(f".{layer - 1}.", 1)[1]
+                pq_modules[f"{block_of[layer]}/{module_name}"] = modules[qualified]
+        rows = len(next(iter(stage.public.values())))
+        rows = min(rows, self.params.align_samples or rows)
+        batch_size = stage.train_config.eval_batch_size
+        pooled: dict[str, list[torch.Tensor]] = {}
+        outputs = self.params.b_features == "base_output"
+        task = stage.public_task
+        with torch.no_grad(), pqlora.adapters_off(model), pqlora.captured_inputs(pq_modules, outputs) as captured:
+            for first in range(0, rows, batch_size):
+                batch = {name: column[first:first + batch_size].to(stage.device) for name, column in stage.public.items()}
+                task.kind.forward(model, batch)
+                for key, values in captured.items():
+                    pooled.setdefault(key, []).append(pqlora.mean_pool(values, batch["attention_mask"]).cpu())
+        prepared: TensorDict = {}
+        for key, module in pq_modules.items():
+            prepared[f"h/{key}"] = torch.cat(pooled[key])
+            if outputs:
+                prepared[f"y/{key}"] = torch.cat(pooled[key + ":out"])
+            prepared[f"A/{key}"] = module.A.detach().cpu()
+            prepared[f"B/{key}"] = module.B.detach().cpu()
+        frozen = sum(p.numel() for p in model.encoder.parameters() if not p.requires_grad)
+        prepared["backbone_params"] = torch.tensor(float(frozen), dtype=torch.float64)
+        return prepared
+
+    def before_federation(self, server: ServerState, prepared: dict[str, TensorDict]) -> ServerState:
+        prepared = {arch: tensors for arch, tensors in prepared.items() if tensors}
+        if len(prepared) < 2:
+            if len(set(self.architecture_of)) > 1 and self.params.pq and self.params.align:
+                raise ConfigError("methods (fedmosaic) aligns the PQ basis of its architectures on public data before "
+                                  "round 1: set data.public (e.g. a captioning source), or align: false.")
+            return server
+        pivot = self.params.pivot or min(prepared, key=lambda arch: (float(prepared[arch]["backbone_params"]), arch))
+        if pivot not in prepared:
+            raise ConfigError(f"methods (fedmosaic).pivot = {pivot!r} is not an architecture of the run; allowed: "
+                              f"{', '.join(sorted(prepared))}.")
+        aligned: TensorDict = {}
+        report: TensorDict = {}
+        reference = prepared[pivot]
+        generator = torch.Generator().manual_seed(seeding.torch_seed(0, 0, seeding.SERVER, "fedmosaic:align"))
+        index = self._server_index(server)
+        for arch, tensors in sorted(prepared.items()):
+            if arch == pivot:
+                continue
+            for key in sorted(k[2:] for k in tensors if k.startswith("A/")):
+                if f"A/{key}" not in reference:
+                    raise ConfigError(f"methods (fedmosaic): architecture {arch!r} has PQ module {key} but the pivot "
+                                      f"{pivot!r} does not; architectures must share their linear layer names.")
+                pivot_h, pivot_a, pivot_b = reference[f"h/{key}"], reference[f"A/{key}"], reference[f"B/{key}"]
+                other_h, other_a, other_b = tensors[f"h/{key}"], tensors[f"A/{key}"], tensors[f"B/{key}"]
+                if len(pivot_h) != len(other_h):
+                    raise ConfigError("methods (fedmosaic): the architectures saw different numbers of public samples.")
+                new_a, losses = pqlora.align_rows(
+                    other_h, pivot_h @ pivot_a.T, other_a, ortho_weight=self.params.align_lambda,
+                    epochs=self.params.align_epochs, lr=self.params.align_lr, batch_size=self.params.align_batch_size,
+                    generator=generator)
+                new_b = other_b
+                if self.params.align_b:
+                    if self.params.b_features == "base_output":
+                        pivot_y, other_y = reference[f"y/{key}"], tensors[f"y/{key}"]
+                    else:  # the B-branch output with P = I (§9.7)
+                        pivot_y, other_y = (pivot_h @ pivot_a.T) @ pivot_b.T, (other_h @ new_a.T) @ other_b.T
+                    new_b, correlations = pqlora.cca_basis(pivot_y, other_y, pivot_b, self.params.cca_ridge)
+                    if self.params.ortho_b_after_cca:
+                        new_b = pqlora.nearest_orthonormal_columns(new_b)
+                    report[f"{arch}/{key}/cca_mean_correlation"] = correlations.mean()
+                block, module = key.split("/", 1)
+                basis = index.basis_names(arch, int(block), module)
+                aligned[basis["A"]], aligned[basis["B"]] = new_a, new_b
+                for name, value in losses.items():
+                    report[f"{arch}/{key}/{name}"] = torch.tensor(value)
+        return {**server, "aligned": aligned, "alignment": report}
+
+    # Server side -------------------------------------------------------------------------------------------
+    def init_server(self, initial_shared: TensorDict) -> ServerState:
+        clients = len(self.architecture_of)
+        stacks: TensorDict = {}
+        layout: TensorDict = {}
+        pq_layers: dict[str, list[int]] = {}
+        for name in initial_shared:
+            if name.endswith(("_P", "_Q")):
+                arch = _arch(name)
+                pq_layers.setdefault(arch, []).append(pqlora.layer_of(name))
+        blocks = {arch: sorted(set(layers)) for arch, layers in pq_layers.items()}
+        if len({len(layers) for layers in blocks.values()}) > 1:
+            raise ConfigError("methods (fedmosaic): the architectures have different numbers of PQ layers.")
+        for name, value in initial_shared.items():
+            arch = _arch(name)
+            if name.endswith(("_P", "_Q")):
+                block = blocks[arch].index(pqlora.layer_of(name))
+                layout[name] = torch.tensor(block)
+                key = _pq_key(block, name)
+                if key in stacks and stacks[key].shape[1:] != value.shape:
+                    raise ConfigError(f"methods (fedmosaic): PQ module {key} has shapes {tuple(value.shape)} and "
+                                      f"{tuple(stacks[key].shape[1:])} in two architectures; give them one LoRA rank.")
+                stacks[key] = value.unsqueeze(0).repeat(clients, *([1] * value.dim())).clone()
+            else:
+                rows = sum(1 for a in self.architecture_of if a == arch)
+                stacks[name] = value.unsqueeze(0).repeat(rows, *([1] * value.dim())).clone()
+        server: ServerState = {
+            "stacks": stacks, "pq_layout": layout, "aligned": {}, "alignment": {},
+            "received": {"aligned": torch.zeros(clients)},
+            "relevance": {"weights": torch.full((clients, clients), 1.0 / clients)},
+        }
+        self._index = None
+        return server
+
+    def _server_index(self, server: ServerState) -> _ServerIndex:
+        if self._index is None or self._index.layout_names != tuple(server["pq_layout"]):
+            self._index = _ServerIndex(server, self.architecture_of)
+        return self._index
+
+    def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
+        index = self._server_index(server)
+        stacks, relevance, received = server["stacks"], dict(server["relevance"]), server["received"]["aligned"]
+        for upload in uploads:
+            client = upload.client_id
+            received[client] = 1.0
+            for name, value in upload.tensors.get("shared", {}).items():
+                key, row = index.row(name, client)
+                stacks[key][row] = value.to(stacks[key].dtype)
+            sent = next(iter(upload.tensors.get("relevance", {}).values()), None)  # one tensor, under any name
+            if sent is not None:
+                if "gradients" not in relevance:
+                    relevance["gradients"] = torch.zeros(len(self.architecture_of), sent.numel())
+                    relevance["has_gradient"] = torch.zeros(len(self.architecture_of))
+                relevance["gradients"][client] = sent.float()
+                relevance["has_gradient"][client] = 1.0
+        if self.params.relevance != "equal" and "gradients" in relevance:
+            relevance["cosine"], relevance["weights"] = relevance_weights(
+                relevance["gradients"], relevance["has_gradient"].bool(), self.params.tau)
+        if self.params.relevance_history:
+            history = relevance.get("history")
+            current = relevance["weights"].unsqueeze(0)
+            relevance["history"] = current if history is None else torch.cat([history, current])
+        return {**server, "stacks": stacks, "relevance": relevance, "received": {"aligned": received}}
+
+    def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
+        index = self._server_index(server)
+        arch = self.architecture_of[client_id]
+        weights = server["relevance"]["weights"][client_id].double()
+        payload: TensorDict = {}
+        for name, block in index.pq_names[arch]:
+            stack = server["stacks"][_pq_key(block, name)]
+            payload[global_name(name)] = _weighted(weights, stack)
+        same = index.rows_of[arch]
+        if self.params.conv_agg == "equal_within_type" or self.params.relevance == "equal":
+            within = torch.full((len(same),), 1.0 / len(same), dtype=torch.float64)
+        else:
+            within = weights[same] / weights[same].sum()
+        for name in index.conv_names[arch]:
+            payload[global_name(name)] = _weighted(within, server["stacks"][name])
+        if not server["received"]["aligned"][client_id]:
+            prefix = f"{arch}/" if arch else ""
+            payload.update({n: v for n, v in server["aligned"].items() if n.startswith(prefix)})
+        return payload
+
+
+def relevance_weights(gradients: torch.Tensor, present: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 4: ``S_ij = cos(g_i, g_j)`` and ``w_ij = exp(S_ij / tau) / sum_n exp(S_in / tau)`` over the clients that
+    have sent a gradient (``present``); a client that has not weighs those clients equally."""
+    clients = len(gradients)
+    cosine = torch.zeros(clients, clients)
+    weights = torch.zeros(clients, clients)
+    sent = gradients[present].double()
+    unit = sent / sent.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    similarity = unit @ unit.T
+    rows = torch.nonzero(present).flatten()
+    cosine[rows.unsqueeze(1), rows] = similarity.float()
+    weights[rows.unsqueeze(1), rows] = torch.softmax(similarity / tau, dim=1).float()
+    weights[~present] = 0.0
+    weights[~present.unsqueeze(1).expand(-1, clients) & present.unsqueeze(0)] = 1.0 / max(int(present.sum()), 1)
+    return cosine, weights
+
+
+def _weighted(weights: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights_j stack_j`` in float64, in the stack's dtype."""
+    return (weights @ stack.flatten(1).double()).view(stack.shape[1:]).to(stack.dtype)
+
+
+def _pq_key(block: int, name: str) -> str:
+    module, part = _ADAPTER_NAME.search(name).groups()
+    return f"pq/{block}/{module}/{part}"
+
+
+class _ServerIndex:
+    """Where each server-named shared tensor lives in the server's stacks: PQ tensors in one stack per (block,
+    module, P/Q) with a row per client, conventional ones in a stack per name with a row per client of its
+    architecture."""
+
+    def __init__(self, server: ServerState, architecture_of: Sequence[str]):
+        layout = server["pq_layout"]
+        self.layout_names = tuple(layout)
+        self.rows_of: dict[str, list[int]] = {}
+        self.row_in_arch: dict[int, int] = {}
+        for client, arch in enumerate(architecture_of):
+            self.row_in_arch[client] = len(self.rows_of.setdefault(arch, []))
+            self.rows_of[arch].append(client)
+        self.pq_block = {name: int(block) for name, block in layout.items()}
+        self.pq_names: dict[str, list[tuple[str, int]]] = {arch: [] for arch in self.rows_of}
+        self.conv_names: dict[str, list[str]] = {arch: [] for arch in self.rows_of}
+        for name, block in self.pq_block.items():
+            self.pq_names[_arch(name)].append((name, block))
+        for name in server["stacks"]:
+            if not name.startswith("pq/"):
+                self.conv_names[_arch(name)].append(name)
+
+    def row(self, name: str, client: int) -> tuple[str, int]:
+        if name in self.pq_block:
+            return _pq_key(self.pq_block[name], name), client
+        return name, self.row_in_arch[client]
+
+    def basis_names(self, arch: str, block: int, module: str) -> dict[str, str]:
+        """The server names of ``arch``'s PQ basis ``A``, ``B`` at block ``block``, module ``module``."""
+        for name, k in self.pq_names[arch]:
+            if k == block and _ADAPTER_NAME.search(name).group(1) == module:
+                stem = name[: -len(".local_P")]
+                return {"A": f"{stem}.A", "B": f"{stem}.B"}
+        raise KeyError(f"{arch}: no PQ module {module} in block {block}")
+
+
+def _set_plain(module: nn.Module, name: str, value: nn.Module) -> None:
+    """An attribute that is not registered as a submodule (a layer of the model, referred to twice)."""
+    object.__setattr__(module, name, value)
+
+
+def _arch(name: str) -> str:
+    return name.split("/", 1)[0] if "/" in name.split(".", 1)[0] else ""

@@ -1,0 +1,359 @@
+"""TAP: two-stage adaptive personalization of a multi-modal, multi-task mixture-of-experts model.
+
+Seed paper ``000_a0f3b72231afa875.txt`` (§3-§4, Algorithm 1, Tables 21-22); spec ``tap.md`` §3-§5 and §9. The
+model is TAP's modular one (:mod:`rayfed.mome`): every trainable block is shared and aggregated component-wise
+(each tensor over the round's clients that hold it, weighted by |D_i|: the engine's default aggregation over
+task-tagged parameters). Each client keeps, next to the FL-engaged model W (the server's blocks, received every
+round), a personalized model X of the same architecture over the same frozen weights, never sent:
+
+- **Stage 1** (every sampled round): W trains locally and is uploaded. For each of the client's tasks o (a task
+  key, §2: ``image_classification``, ``image_generation``, ``text_classification``, ``text_generation``), if
+  ``h_W[o] + m_o < h_X[o]`` (Eq. 3; the last round's mean training loss of each model on o, X's starting at
+  +inf) every block on o's forward path is copied from the locally trained, pre-aggregation W into X (Eq. 4).
+  Then X trains like W (on other batches after a replacement [C]).
+- **Stage 2** (after the last round): W is post-trained P micro-batches ("FedAvg + Post-train", view ``pt``),
+  frozen (eval mode) and distils into X, which trains P micro-batches on ``sum_o lambda_o l_o + sum_o beta_o
+  tau^2 KL(p_T || p_S)`` (Eqs. 5-6) on the teacher's batches.
+
+X is what TAP is evaluated with (the plain metric names); one run also reports, as ``<metric>@<view>``:
+``fedavg`` (the received W), ``pt`` and ``pt2`` (W post-trained P and 2P micro-batches), ``stage1`` (X before
+stage 2), ``nokd`` (X post-trained with beta = 0) and ``kdalt`` (X distilled with ``alt_kd_weights``). Per-round
+replacement counts go into the round events (``client_stats``: ``replaced/<task>``, ``seen/<task>``). With
+``personalize: false`` there is no X (FedAvg alone, the same W trajectory bit for bit); with ``federated:
+false`` nothing is communicated either (the Local baseline in the same model).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from rayfed.config import ModelConfig
+from rayfed.data.sources import ArrayDataset, SourceRequest
+from rayfed.errors import ConfigError
+from rayfed.method import ClientState, LocalResult, Method, TensorDict
+from rayfed.models import Backbone
+from rayfed.modules import select_task
+from rayfed.mome import TASK_KEYS, MoMEModel, MoMEOptions, build_mome_model, task_key
+from rayfed.registry import register_method, register_source
+from rayfed.tasks import Task
+from rayfed.training import ClientContext, Step, TrainResult, distillation_loss, scheduled_lr
+
+HISTORIES = ("weighted", "plain")
+IMAGE_KD = ("softmax", "mse")
+# Per task key, in the order of TASK_KEYS: image-cls, image-gen, text-cls, text-gen.
+PAPER_MARGINS_FLAVA = (0.01, 0.005, 0.005, 0.01)  # Table 22
+CODE_KD_WEIGHTS = (2e-3, 2e-3, 1.0, 2e-3)  # run_train.sh: 2e-3, text classification x 500
+PAPER_KD_WEIGHTS = (2e-3, 2e-3, 2e-3, 1.0)  # Table 21 as extracted: text generation 1
+
+
+def _per_key(values: Sequence[float], name: str) -> None:
+    if len(values) != len(TASK_KEYS):
+        raise ValueError(f"{name} needs {len(TASK_KEYS)} values, one per task key ({', '.join(TASK_KEYS)})")
+    if any(v < 0 or math.isnan(v) for v in values):
+        raise ValueError(f"{name} must be >= 0")
+
+
+@dataclass(frozen=True)
+class TAPParams:
+    margins: tuple[float, ...] = PAPER_MARGINS_FLAVA  # m_o per task key (image-cls, image-gen, text-cls, text-gen)
+    kd_weights: tuple[float, ...] = CODE_KD_WEIGHTS  # beta_o per task key (spec §9.3: the code's)
+    alt_kd_weights: tuple[float, ...] | None = None  # a second distilled X (view kdalt), e.g. PAPER_KD_WEIGHTS
+    kd_temperature: float = 1.0  # tau
+    image_kd: str = "softmax"  # image generation's KD: softmax over the width axis (code) or mse (§9.4)
+    history: str = "weighted"  # a task's loss history: lambda-weighted mean over micro-batches (code) or plain
+    post_fl_microbatches: int = 50  # P, in micro-batches (train.grad_accum of them make one optimizer step)
+    post_lr: float = 1e-4
+    two_p: bool = True  # also W post-trained 2P micro-batches (view pt2)
+    no_kd: bool = True  # also X post-trained without distillation (view nokd)
+    swap_batches: bool = True  # after a replacement, X trains on other batches than W this round [C]
+    personalize: bool = True  # False: no X, FedAvg alone
+    federated: bool = True  # False: nothing is communicated (Local)
+    mome: dict[str, Any] = field(default_factory=dict)  # the modular model's options (rayfed.mome.MoMEOptions)
+
+    def __post_init__(self) -> None:
+        _per_key(self.margins, "margins")
+        _per_key(self.kd_weights, "kd_weights")
+        if self.alt_kd_weights is not None:
+            _per_key(self.alt_kd_weights, "alt_kd_weights")
+        if not self.kd_temperature > 0:
+            raise ValueError("kd_temperature must be > 0")
+        if self.image_kd not in IMAGE_KD:
+            raise ValueError(f"image_kd must be one of {', '.join(IMAGE_KD)}")
+        if self.history not in HISTORIES:
+            raise ValueError(f"history must be one of {', '.join(HISTORIES)}")
+        if self.post_fl_microbatches < 0:
+            raise ValueError("post_fl_microbatches must be >= 0")
+        if not self.post_lr > 0:
+            raise ValueError("post_lr must be > 0")
+        MoMEOptions.parse(self.mome, "mome")
+
+    def margin(self, key: str) -> float:
+        return self.margins[TASK_KEYS.index(key)]
+
+
+def client_groups(tasks: Sequence[Task], held: Sequence[int]) -> dict[str, list[int]]:
+    """TAP's tasks of a client: its run tasks grouped by task key (e.g. three MMLU subjects: one task)."""
+    groups: dict[str, list[int]] = {}
+    for index in held:
+        groups.setdefault(task_key(tasks[index]), []).append(index)
+    return groups
+
+
+def post_fl_steps(microbatches: int, grad_accum: int) -> int:
+    """Optimizer steps of P micro-batches (the code steps every grad_accum micro-batches and after the last)."""
+    return math.ceil(microbatches / grad_accum)
+
+
+class LossHistory:
+    """A training loss function (the default task loss) that also records each TAP task's loss over the call:
+    ``weighted``: (1 / #micro-batches) sum_mb lambda_o,mb l_o,mb (the code's), ``plain``: the mean over the
+    micro-batches holding o of o's own loss."""
+
+    def __init__(self, groups: dict[str, list[int]], mode: str):
+        self.key_of = {index: key for key, indices in groups.items() for index in indices}
+        self.mode = mode
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self.microbatches = 0
+
+    def __call__(self, step: Step) -> torch.Tensor:
+        losses = step.part_losses()
+        self.record(step, losses)
+        return step.task_loss(losses)
+
+    def record(self, step: Step, losses: Sequence[torch.Tensor]) -> None:
+        rows = {id(batch): len(next(iter(batch.values()))) for _, batch in step.parts}
+        total = sum(rows.values())
+        by_key: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for (task, batch), loss in zip(step.parts, losses):
+            by_key.setdefault(self.key_of[task.index], []).append((rows[id(batch)], loss.detach().float()))
+        for key, items in by_key.items():
+            if self.mode == "weighted":
+                value = sum(loss * (count / total) for count, loss in items)
+            else:
+                value = sum(loss * count for count, loss in items) / sum(count for count, _ in items)
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+            self.counts[key] = self.counts.get(key, 0) + 1
+        self.microbatches += 1
+
+    def values(self) -> dict[str, float]:
+        divisor = (lambda key: self.microbatches) if self.mode == "weighted" else self.counts.__getitem__
+        return {key: (total / divisor(key)).item() for key, total in self.sums.items()}
+
+
+class Distillation:
+    """The post-FL student loss (Eq. 6): ``sum_o lambda_o l_o + sum_o beta_o tau^2 KL(p_T || p_S)`` with the
+    teacher frozen in eval mode (it draws no dropout); a task whose beta is 0 skips the teacher, so beta = 0
+    everywhere is exactly the task loss."""
+
+    def __init__(self, teacher: TensorDict | None, weights: Sequence[float], temperature: float, image_kd: str):
+        self.teacher, self.weights, self.temperature, self.image_kd = teacher, weights, temperature, image_kd
+
+    def __call__(self, step: Step) -> torch.Tensor:
+        model = step.model
+        losses, distilled = [], []
+        for task, batch in step.parts:
+            key = task_key(task)
+            select_task(model, task.index)
+            raw = model(batch, raw=True)
+            outputs = model.aligned(raw, batch) if key == "text_generation" else raw
+            losses.append(task.kind.loss(outputs, batch))
+            beta = self.weights[TASK_KEYS.index(key)]
+            if self.teacher is not None and beta:
+                model.eval()
+                with torch.no_grad():
+                    target = torch.func.functional_call(model, self.teacher, (batch,), {"raw": True}, strict=False)
+                model.train()
+                distilled.append(beta * self.term(key, raw, target))
+        loss = step.task_loss(losses)
+        return loss + sum(distilled) if distilled else loss
+
+    def term(self, key: str, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        if key == "image_generation" and self.image_kd == "mse":
+            return nn.functional.mse_loss(student.float(), teacher.float())
+        return distillation_loss(student, teacher, self.temperature)
+
+
+@register_method("tap")
+class TAP(Method):
+    Params = TAPParams
+
+    def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
+        return build_mome_model(backbone, tasks, self.params.mome, seed)
+
+    def is_shared(self, name: str) -> bool:
+        return self.params.federated
+
+    # Client side ---------------------------------------------------------------------------------------
+    def init_client(self, initial: TensorDict) -> ClientState:
+        state: ClientState = {"personal": {} if self.params.federated else dict(initial), "history": {}}
+        if self.params.personalize:
+            state["x"] = dict(initial)  # X starts from the same-seed initialization as W
+        return state
+
+    def _w(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
+        return dict(payload or {}) if self.params.federated else state["personal"]
+
+    def _train(self, client: ClientContext, params: TensorDict, groups: dict[str, list[int]], **kwargs: Any,
+               ) -> tuple[TrainResult, dict[str, float]]:
+        history = LossHistory(groups, self.params.history)
+        result = client.train(params, loss=history, **kwargs)
+        return result, history.values()
+
+    def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
+        groups = client_groups(self.tasks, client.data.tasks)
+        trained, w_losses = self._train(client, self._w(state, payload), groups)
+        history = {**state["history"], **{f"w:{key}": _scalar(value) for key, value in w_losses.items()}}
+        new_state = {**state, "history": history}
+        upload = {"shared": trained.params} if self.params.federated else {}
+        if not self.params.federated:
+            new_state["personal"] = trained.params
+        if not self.params.personalize:
+            return LocalResult(new_state, upload, trained.loss)
+
+        x = dict(state["x"])
+        replaced = [key for key, loss in w_losses.items()
+                    if loss + self.params.margin(key) < float(history.get(f"x:{key}", math.inf))]
+        model = client.model
+        assert isinstance(model, MoMEModel), "TAP trains rayfed.mome.MoMEModel"
+        for key in replaced:  # Eq. 4: a hard copy of o's path from the locally trained, pre-aggregation W
+            x.update({name: value for name, value in trained.params.items() if model.on_path(name, groups[key])})
+        if replaced and self.params.swap_batches:
+            config = client.train_config
+            lr = config.lr if config.schedule == "constant" else scheduled_lr(config, config.lr, client.round, 0)
+            x_trained, x_losses = self._train(client, x, groups, purpose="personal:swapped", lr=lr)
+        else:  # the batches, dropout and learning rate of W's update
+            x_trained, x_losses = self._train(client, x, groups)
+        history.update({f"x:{key}": _scalar(value) for key, value in x_losses.items()})
+        new_state["x"] = x_trained.params
+        stats = {}
+        for key, indices in groups.items():
+            for index in indices:
+                stats[f"seen/{self.tasks[index].name}"] = 1.0
+                stats[f"replaced/{self.tasks[index].name}"] = float(key in replaced)
+        return LocalResult(new_state, upload, trained.loss, stats=stats)
+
+    # Stage 2 -------------------------------------------------------------------------------------------
+    def after_federation(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> ClientState:
+        microbatches = self.params.post_fl_microbatches
+        if not self.params.federated or not microbatches:
+            return state
+        steps = post_fl_steps(microbatches, client.train_config.grad_accum)
+        start = self._w(state, payload)
+
+        def post_train(params: TensorDict, count: int, loss: Any = None) -> TensorDict:
+            # Every post-FL model sees the same batches in the same order (purpose post_train).
+            return client.train(params, steps=count, lr=self.params.post_lr, purpose="post_train", loss=loss).params
+
+        teacher = post_train(start, steps)
+        state = {**state, "view:pt": teacher}
+        if self.params.two_p:
+            state["view:pt2"] = post_train(start, 2 * steps)
+        if not self.params.personalize:
+            return state
+        p = self.params
+        x = state["x"]
+        state["view:stage1"] = x
+        if p.no_kd:
+            state["view:nokd"] = post_train(x, steps, Distillation(None, p.kd_weights, p.kd_temperature, p.image_kd))
+        if p.alt_kd_weights is not None:
+            state["view:kdalt"] = post_train(x, steps, Distillation(teacher, p.alt_kd_weights, p.kd_temperature,
+                                                                    p.image_kd))
+        state["x"] = post_train(x, steps, Distillation(teacher, p.kd_weights, p.kd_temperature, p.image_kd))
+        return state
+
+    def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
+        w = self._w(state, payload)
+        views = {"": state["x"], "fedavg": w} if self.params.personalize else {"": w}
+        views.update({slot.removeprefix("view:"): values for slot, values in state.items() if slot.startswith("view:")})
+        return views
+
+    def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
+        return self.eval_views(state, payload)[""]
+
+
+def _scalar(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64)
+
+
+# The paper's text datasets by name, with its input templates (Table 23; spec §7) -------------------------
+TAP_DATASETS: dict[str, tuple[str, str]] = {  # recipe -> (hub name, default split)
+    "ag_news": ("sh0416/ag_news", "train"),
+    "mmlu": ("cais/mmlu", "test"),  # the paper trains on MMLU's test split and tests on its validation split
+    "vqav2": ("merve/vqav2-small", "validation"),
+    "common_gen": ("allenai/common_gen", "train"),
+}
+AG_NEWS_CLASSES = ("World", "Sports", "Business", "Sci/Tech")
+
+
+def _rgb(image: Any, size: int | None) -> np.ndarray:
+    from PIL import Image
+
+    image = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image, dtype=np.uint8))
+    image = image.convert("RGB")
+    if size is not None and image.size != (size, size):
+        image = image.resize((size, size), Image.BILINEAR)
+    return np.asarray(image, dtype=np.float32) / 255.0
+
+
+def tap_columns(recipe: str, rows: Any, subset: str = "", image_size: int | None = 64) -> dict[str, Any]:
+    """The columns of one of :data:`TAP_DATASETS` (a ``datasets.Dataset``) in the paper's form."""
+    if recipe == "ag_news":  # title + "\n" + description; labels 1..4 -> 0..3
+        text = [f"{title}\n{description}" for title, description in zip(rows["title"], rows["description"])]
+        return {"text": text, "label": np.asarray(rows["label"], np.int64) - 1, "class_names": AG_NEWS_CLASSES}
+    if recipe == "mmlu":
+        text, target = [], []
+        for question, subject, choices, answer in zip(rows["question"], rows["subject"], rows["choices"],
+                                                      rows["answer"]):
+            subject = (subject or subset).replace("_", " ")
+            options = " ".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", choices))
+            text.append(f"The following is a multiple-choice question about {subject}. Choose the correct answer from "
+                        f"the options below. Question: {question} Options: {options}")
+            target.append(f"Correct answer on {subject}: {'ABCD'[answer]}. {choices[answer]}")
+        return {"text": text, "target": target}
+    if recipe == "vqav2":
+        return {"image": np.stack([_rgb(image, image_size) for image in rows["image"]]),
+                "text": [f"Answer the question based on the image. Question: {q}" for q in rows["question"]],
+                "target": [f"Answer: {a}" for a in rows["multiple_choice_answer"]]}
+    if recipe == "common_gen":
+        return {"text": [f"Generate an appropriate description from the concepts below. Concepts: {', '.join(c)}"
+                         for c in rows["concepts"]],
+                "target": [f"Description: {t}" for t in rows["target"]]}
+    raise ConfigError(f"tap:{recipe} is not a TAP dataset; allowed: {', '.join('tap:' + r for r in TAP_DATASETS)}.")
+
+
+@register_source("tap:")
+def tap_dataset(request: SourceRequest) -> ArrayDataset:
+    """TAP's text datasets with the paper's templates (Table 23): ``tap:ag_news``, ``tap:mmlu/<subject>`` (e.g.
+    professional_law), ``tap:vqav2`` (images at ``data.options.image_size``, 64) and ``tap:common_gen``, from the
+    hub or a ``save_to_disk`` folder (``data.path``)."""
+    import datasets
+
+    recipe, _, subset = (request.argument or "").partition("/")
+    if recipe not in TAP_DATASETS:
+        raise ConfigError(f"data.source = {request.name!r} names no TAP dataset; allowed: "
+                          f"{', '.join('tap:' + r for r in TAP_DATASETS)} (tap:mmlu/<subject>).")
+    hub, split = TAP_DATASETS[recipe]
+    config = request.config
+    options = request.options
+    unknown = [key for key in options if key != "image_size"]
+    if unknown:
+        raise ConfigError(f"data.options has no option {unknown[0]!r} for {request.name!r}; allowed: image_size.")
+    if config.path is not None:
+        loaded = datasets.load_from_disk(config.path)
+    else:
+        loaded = datasets.load_dataset(hub, subset or None, split=config.split or split)
+    if isinstance(loaded, datasets.DatasetDict):
+        loaded = loaded[config.split or split]
+    columns = tap_columns(recipe, loaded[:], subset, options.get("image_size", 64))
+    return ArrayDataset(images=columns.get("image"), labels=columns.get("label"),
+                        class_names=columns.get("class_names", ()),
+                        text=np.asarray(columns["text"], dtype=object),
+                        target=None if "target" not in columns else np.asarray(columns["target"], dtype=object))

@@ -1,0 +1,391 @@
+"""PQ-LoRA and named, mixed low-rank adapters on a model's linear layers (FedMosaic's module).
+
+Seed paper ``001_341533e252d11d6f.txt`` §4.2 (Eq. 5-8, 18-23); spec ``fedmosaic.md`` §3. Every adapted linear
+layer ``W_p`` of a transformer's decoder layers becomes an :class:`AdaptedLinear` holding one or more named
+adapters (FedMosaic: ``local`` and ``global``; FedSim: ``personal`` and ``shared``; ...), each either
+
+- conventional LoRA: ``s B_a A_a x`` with ``A_a`` (r x d_in) and ``B_a`` (d_out x r) of its own, or
+- PQ-LoRA (Eq. 5): ``s_pq B (P_a A x + Q_a)``, where ``A`` (orthonormal rows) and ``B`` (orthonormal columns)
+  are one frozen basis shared by the layer's adapters and only ``P_a`` (r x r) and ``Q_a`` (r) are trained:
+  r^2 + r parameters whatever the width, so the k-th PQ layer of models of any size can be averaged.
+
+PQ-LoRA goes on every linear layer of the last decoder layer of each of ``N_B`` blocks (Eq. 6, 1-based:
+``I_k = k floor(L / N_B)``, ``I_{N_B} = L``), conventional LoRA on the others. The adapters' outputs are combined
+by the layer's ``mix``: FedMosaic's gate (Eq. 7: ``(1 - sigmoid(beta)) h_local + sigmoid(beta) h_global`` with one
+``beta`` per decoder layer), a plain sum, or any weights a method sets (per instance, too).
+
+Parameter names (what methods select by suffix): ``<linear>.A`` / ``<linear>.B`` (the PQ basis),
+``<linear>.<adapter>_P`` / ``_Q`` (PQ layers), ``<linear>.<adapter>_A`` / ``_B`` (conventional layers) and
+``<decoder layer>.adapter_gate.beta``. Every one of them is a per-client value (``requires_grad``: it lives in
+client state and is swapped in per client); a method's training phases choose which of them train. Frozen
+adapters (``frozen``) and the PQ basis are detached in the forward pass, so no gradient is computed for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GATE = "adapter_gate"
+
+# PQ parameter names: <prefix>layers.<i>.<...>.<module>.<adapter>_<P|Q>
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def attachment_layers(depth: int, blocks: int) -> tuple[int, ...]:
+    """The 1-based decoder layers that get PQ-LoRA (Eq. 6): the last layer of each of ``blocks`` blocks, the
+    remainder layers in the last block (``I_k = k floor(depth / blocks)``, ``I_blocks = depth``)."""
+    if not 1 <= blocks <= depth:
+        raise ValueError(f"the number of PQ blocks must be in 1..{depth} (the model's depth), not {blocks}")
+    step = depth // blocks
+    return tuple(k * step for k in range(1, blocks)) + (depth,)
+
+
+def random_orthonormal(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    """A (rows x cols) matrix with orthonormal rows (rows <= cols) or columns (rows >= cols): QR of a Gaussian."""
+    tall = rows >= cols
+    gaussian = torch.randn((rows, cols) if tall else (cols, rows), generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)
+    q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # a unique Q: Haar-distributed
+    return (q if tall else q.T).float().contiguous()
+
+
+def nearest_orthonormal_rows(matrix: torch.Tensor) -> torch.Tensor:
+    """The matrix with orthonormal rows nearest to ``matrix`` (r x d, r <= d) in Frobenius norm: ``U V^T`` of its
+    thin SVD (Eq. 21-23)."""
+    u, _, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
+    return (u @ vh).to(matrix.dtype)
+
+
+def nearest_orthonormal_columns(matrix: torch.Tensor) -> torch.Tensor:
+    """The matrix with orthonormal columns nearest to ``matrix`` (d x r, d >= r): its polar factor."""
+    return nearest_orthonormal_rows(matrix.T).T.contiguous()
+
+
+class LayerGate(nn.Module):
+    """One learnable gate per decoder layer (Eq. 7): ``sigmoid(beta)`` weighs the second adapter, 1 - it the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.beta = nn.Parameter(torch.zeros(()))
+
+    def weight(self) -> torch.Tensor:
+        return torch.sigmoid(self.beta)
+
+
+Mix = Mapping[str, float | torch.Tensor]
+
+
+class AdaptedLinear(nn.Module):
+    """A frozen linear layer plus named low-rank adapters, conventional or PQ (see the module docstring)."""
+
+    def __init__(self, base: nn.Linear, rank: int, adapters: Sequence[str], *, pq: bool, scale: float,
+                 frozen: Collection[str] = (), generator: torch.Generator | None = None, pq_init: str = "zero"):
+        super().__init__()
+        self.base = base
+        self.adapters = tuple(adapters)
+        self.pq = pq
+        self.rank = rank
+        self.scale = scale
+        self.frozen = frozenset(frozen)
+        self.enabled = True
+        self.mix: Mix | None = None  # None: the gate's (two adapters) or a plain sum
+        self._gate: tuple[LayerGate, ...] = ()  # the decoder layer's gate (kept out of this module's parameters)
+        d_out, d_in = base.weight.shape
+        device = base.weight.device
+        generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        if device.type == "meta":  # shapes only (parameter counts of models too large to build)
+            self._meta_parameters(rank, d_in, d_out)
+            return
+        if pq:
+            if rank > min(d_in, d_out):
+                raise ValueError(f"PQ-LoRA rank {rank} exceeds the layer's width ({d_in} -> {d_out})")
+            self.A = nn.Parameter(random_orthonormal(rank, d_in, generator).to(device))
+            self.B = nn.Parameter(random_orthonormal(d_out, rank, generator).to(device))
+            start = torch.eye(rank) if pq_init == "identity" else torch.zeros(rank, rank)
+            for name in self.adapters:
+                setattr(self, f"{name}_P", nn.Parameter(start.clone().to(device)))
+                setattr(self, f"{name}_Q", nn.Parameter(torch.zeros(rank, device=device)))
+        else:
+            a = torch.empty(rank, d_in)
+            bound = 1.0 / math.sqrt(d_in)  # kaiming_uniform(a=sqrt(5)), peft's and nn.Linear's default
+            a.uniform_(-bound, bound, generator=generator)
+            for name in self.adapters:  # every adapter starts from the same values (L = G = E)
+                setattr(self, f"{name}_A", nn.Parameter(a.clone().to(device)))
+                setattr(self, f"{name}_B", nn.Parameter(torch.zeros(d_out, rank, device=device)))
+
+    def _meta_parameters(self, rank: int, d_in: int, d_out: int) -> None:
+        def meta(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, device="meta"))
+
+        if self.pq:
+            if rank > min(d_in, d_out):
+                raise ValueError(f"PQ-LoRA rank {rank} exceeds the layer's width ({d_in} -> {d_out})")
+            self.A, self.B = meta(rank, d_in), meta(d_out, rank)
+        for name in self.adapters:
+            for part, shape in ((("P", (rank, rank)), ("Q", (rank,))) if self.pq else
+                                (("A", (rank, d_in)), ("B", (d_out, rank)))):
+                setattr(self, f"{name}_{part}", meta(*shape))
+
+    def set_gate(self, gate: LayerGate | None) -> None:
+        self._gate = () if gate is None else (gate,)
+
+    def adapter(self, name: str, part: str) -> torch.Tensor:
+        value = getattr(self, f"{name}_{part}")
+        return value.detach() if name in self.frozen else value
+
+    def weights(self) -> Mix:
+        if self.mix is not None:
+            return self.mix
+        if self._gate and len(self.adapters) == 2:
+            g = self._gate[0].weight()
+            return {self.adapters[0]: 1 - g, self.adapters[1]: g}
+        return {name: 1.0 for name in self.adapters}
+
+    def delta_weight(self, name: str) -> torch.Tensor:
+        """Adapter ``name``'s ``Delta W`` (d_out x d_in), its bias-free part (PQ: ``s B P A``)."""
+        if self.pq:
+            return self.scale * self.B @ self.adapter(name, "P") @ self.A
+        return self.scale * self.adapter(name, "B") @ self.adapter(name, "A")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        if not self.enabled:
+            return out
+        active = [(name, w) for name, w in self.weights().items() if not (isinstance(w, (int, float)) and w == 0)]
+        if not active:
+            return out
+        scalar = all(not isinstance(w, torch.Tensor) or w.dim() == 0 for _, w in active)
+        if self.pq:
+            code = nn.functional.linear(x, self.A.detach())
+            if scalar:  # one r x r product: B ((sum_a w_a P_a) z + sum_a w_a Q_a)
+                p = sum(w * self.adapter(name, "P") for name, w in active)
+                q = sum(w * self.adapter(name, "Q") for name, w in active)
+                mixed = nn.functional.linear(code, p, q)
+            else:
+                mixed = sum(w * nn.functional.linear(code, self.adapter(name, "P"), self.adapter(name, "Q"))
+                            for name, w in active)
+            return out + self.scale * nn.functional.linear(mixed, self.B.detach())
+        if len(active) == 1:
+            name, w = active[0]
+            delta = nn.functional.linear(nn.functional.linear(x, self.adapter(name, "A")), self.adapter(name, "B"))
+            return out + (self.scale * w) * delta
+        # Several adapters in two products: x [A_1; A_2]^T, each r-block scaled by its weight, times [B_1, B_2]^T.
+        a = torch.cat([self.adapter(name, "A") for name, _ in active])
+        b = torch.cat([self.adapter(name, "B") for name, _ in active], dim=1)
+        code = nn.functional.linear(x, a)
+        weights = [torch.as_tensor(w, dtype=code.dtype, device=code.device) for _, w in active]
+        if scalar:
+            scale = torch.stack(weights).repeat_interleave(self.rank)
+        else:
+            shape = next(w.shape for w in weights if w.dim())
+            scale = torch.cat([w.expand(*shape[:-1], self.rank) if w.dim() else w.expand(*shape[:-1], self.rank)
+                               for w in weights], dim=-1)
+        return out + self.scale * nn.functional.linear(code * scale, b)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where adapters sit in one model: its decoder depth, the 1-based PQ layers, and every adapted module's
+    qualified name (under the root module :func:`attach` was given) with its 1-based layer and linear name."""
+
+    depth: int
+    pq_layers: tuple[int, ...]
+    modules: tuple[tuple[str, int, str], ...]
+
+
+def decoder_layers(root: nn.Module, scope: str | None = None) -> tuple[str, nn.ModuleList]:
+    """The qualified name and the list of a transformer's decoder layers: the first ``nn.ModuleList`` named
+    ``layers`` (``layer``) under ``scope`` (LLaVA: ``model.language_model``)."""
+    for name, module in root.named_modules():
+        if scope is not None and not name.startswith(scope + "."):
+            continue
+        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "layer") and len(module):
+            return name, module
+    where = f" under {scope!r}" if scope else ""
+    raise ValueError(f"the model has no list of decoder layers{where} (an nn.ModuleList named 'layers')")
+
+
+def attach(root: nn.Module, *, rank: int, adapters: Sequence[str], pq_blocks: int = 0, scale: float = 1.0,
+           pq_scale: float = 1.0, frozen: Collection[str] = (), gate: bool = False, scope: str | None = None,
+           targets: Sequence[str] = LINEAR_TARGETS, seed_of: Callable[[str], int] = lambda purpose: 0,
+           pq_init: str = "zero") -> Placement:
+    """Replace every ``targets`` linear layer of ``root``'s decoder layers by an :class:`AdaptedLinear` with the
+    named ``adapters``: PQ-LoRA on the layers of :func:`attachment_layers` (``pq_blocks`` > 0), conventional
+    LoRA elsewhere; with ``gate``, one :class:`LayerGate` per decoder layer (``<layer>.adapter_gate``). Initial
+    values depend on ``seed_of`` only (module by module), so every model built with it starts the same."""
+    prefix, layers = decoder_layers(root, scope)
+    depth = len(layers)
+    pq_layers = attachment_layers(depth, pq_blocks) if pq_blocks else ()
+    placed = []
+    for index, layer in enumerate(layers, start=1):
+        layer_gate = None
+        if gate:
+            layer_gate = LayerGate().to(next(layer.parameters()).device)
+            setattr(layer, GATE, layer_gate)
+        for name, module in list(layer.named_modules()):
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf not in targets or not isinstance(module, nn.Linear):
+                continue
+            parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+            generator = torch.Generator().manual_seed(seed_of(f"layer{index}:{name}"))
+            adapted = AdaptedLinear(module, rank, adapters, pq=index in pq_layers, frozen=frozen, generator=generator,
+                                    scale=pq_scale if index in pq_layers else scale, pq_init=pq_init)
+            adapted.set_gate(layer_gate)
+            setattr(parent, leaf, adapted)
+            placed.append((f"{prefix}.{index - 1}.{name}", index, leaf))
+    missing = sorted(set(targets) - {leaf for _, _, leaf in placed})
+    if missing:
+        raise ValueError(f"the decoder layers have no linear layers named {', '.join(missing)}")
+    return Placement(depth, pq_layers, tuple(placed))
+
+
+def adapted_modules(model: nn.Module) -> Iterator[tuple[str, AdaptedLinear]]:
+    for name, module in model.named_modules():
+        if isinstance(module, AdaptedLinear):
+            yield name, module
+
+
+def set_mix(model: nn.Module, mix: Mix | None) -> None:
+    """Make every adapted layer combine its adapters with ``mix`` (None: the gate, or a plain sum)."""
+    for _, module in adapted_modules(model):
+        module.mix = None if mix is None else dict(mix)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its frozen pretrained self (every adapter branch off)."""
+    modules = [module for _, module in adapted_modules(model)]
+    previous = [module.enabled for module in modules]
+    for module in modules:
+        module.enabled = False
+    try:
+        yield
+    finally:
+        for module, enabled in zip(modules, previous):
+            module.enabled = enabled
+
+
+def layer_of(name: str) -> int | None:
+    """The 0-based decoder layer index in a parameter name (``...layers.<i>.``), or None."""
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
+def pq_params(rank: int) -> int:
+    """Trainable parameters of one PQ-LoRA module: ``r^2 + r``."""
+    return rank * rank + rank
+
+
+def lora_params(rank: int, d_in: int, d_out: int) -> int:
+    """Parameters of one conventional LoRA module: ``r (d_in + d_out)``."""
+    return rank * (d_in + d_out)
+
+
+@contextlib.contextmanager
+def captured_inputs(modules: Mapping[str, AdaptedLinear], outputs: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """While open, every forward through ``modules`` records each one's input (and, with ``outputs``, its frozen
+    base layer's output, as ``<name>:out``) of the latest forward, detached, in the yielded dict."""
+    captured: dict[str, torch.Tensor] = {}
+    handles = []
+    for name, module in modules.items():
+        def hook(module, args, output, name=name):
+            captured[name] = args[0].detach()
+            if outputs:
+                captured[name + ":out"] = module.base(args[0]).detach()
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def mean_pool(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(batch, tokens, d) values averaged over the tokens ``mask`` (batch, tokens) keeps."""
+    keep = mask.to(values.dtype).unsqueeze(-1)
+    return (values * keep).sum(dim=1) / keep.sum(dim=1).clamp_min(1.0)
+
+
+__all__ = [
+    "AdaptedLinear", "LINEAR_TARGETS", "LayerGate", "Placement", "adapted_modules", "adapters_off", "attach",
+    "attachment_layers", "captured_inputs", "decoder_layers", "layer_of", "lora_params", "mean_pool",
+    "nearest_orthonormal_columns", "nearest_orthonormal_rows", "pq_params", "random_orthonormal", "set_mix",
+]
+
+
+# Cross-model alignment of the PQ basis (spec §3.3; Alg. 2-4) ----------------------------------------------------
+def align_rows(inputs: torch.Tensor, targets: torch.Tensor, start: torch.Tensor, *, ortho_weight: float, epochs: int,
+               lr: float, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+    """Train ``A`` (r x d, from ``start``) so that ``inputs @ A^T`` (n x d -> n x r) matches ``targets`` (n x r): Adam
+    with a cosine schedule over ``epochs`` seeded passes of ``batch_size`` rows, on the mean squared L2 distance
+    per row plus ``ortho_weight * ||A A^T - I_r||_F^2`` (Eq. 20); then the nearest matrix with orthonormal rows
+    (Eq. 21-23). Returns it and the L2 term before and after."""
+    a = start.detach().clone().float().requires_grad_(True)
+    inputs, targets = inputs.float(), targets.float()
+    eye = torch.eye(a.shape[0])
+    rows = len(inputs)
+    steps = max(1, epochs * math.ceil(rows / batch_size))
+    optimizer = torch.optim.Adam([a], lr=lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+
+    def l2(matrix: torch.Tensor) -> float:
+        return float(((inputs @ matrix.T - targets) ** 2).sum(dim=1).mean())
+
+    before = l2(a.detach())
+    step = 0
+    for _ in range(epochs):
+        order = torch.randperm(rows, generator=generator)
+        for first in range(0, rows, batch_size):
+            batch = order[first:first + batch_size]
+            loss = ((inputs[batch] @ a.T - targets[batch]) ** 2).sum(dim=1).mean()
+            loss = loss + ortho_weight * ((a @ a.T - eye) ** 2).sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            step += 1
+    aligned = nearest_orthonormal_rows(a.detach())
+    return aligned, {"l2_before": before, "l2_trained": l2(a.detach()), "l2_after": l2(aligned)}
+
+
+def _inverse_sqrt(matrix: torch.Tensor) -> torch.Tensor:
+    values, vectors = torch.linalg.eigh(matrix)
+    return vectors @ torch.diag(values.clamp_min(1e-12).rsqrt()) @ vectors.T
+
+
+def cca_projections(pivot: torch.Tensor, other: torch.Tensor, rank: int,
+                    ridge: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ridge-regularized CCA of paired features ``pivot`` (m x d_p) and ``other`` (m x d_o): the top-``rank``
+    canonical projections ``Pi_p`` (d_p x rank) and ``Pi_o`` (d_o x rank), with ``pivot Pi_p ~ other Pi_o``, and the
+    canonical correlations. ``ridge`` is relative: ``ridge * trace(C) / d`` is added to each covariance ``C``."""
+    p = (pivot - pivot.mean(0)).double()
+    o = (other - other.mean(0)).double()
+    m = len(p)
+
+    def covariance(x: torch.Tensor) -> torch.Tensor:
+        c = x.T @ x / m
+        return c + ridge * max(float(torch.trace(c)) / len(c), 1e-12) * torch.eye(len(c), dtype=c.dtype)
+
+    whiten_p, whiten_o = _inverse_sqrt(covariance(p)), _inverse_sqrt(covariance(o))
+    u, s, vh = torch.linalg.svd(whiten_p @ (p.T @ o / m) @ whiten_o, full_matrices=False)
+    return (whiten_p @ u[:, :rank]).float(), (whiten_o @ vh[:rank].T).float(), s[:rank].float()
+
+
+def cca_basis(pivot_features: torch.Tensor, other_features: torch.Tensor, pivot_b: torch.Tensor,
+              ridge: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The other model's ``B`` from the pivot's (Alg. 4): ``B_o = (Pi_o^+)^T Pi_p^T B_p`` with the CCA projections of
+    the paired output features, so that ``Pi_o^T B_o = Pi_p^T B_p`` (the same r-dim code has the same canonical
+    coordinates in both models). Returns it and the canonical correlations."""
+    rank = pivot_b.shape[1]
+    pi_p, pi_o, correlations = cca_projections(pivot_features, other_features, rank, ridge)
+    other_b = torch.linalg.pinv(pi_o.double()).T @ (pi_p.double().T @ pivot_b.double())
+    return other_b.float().contiguous(), correlations

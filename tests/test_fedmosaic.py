@@ -1,0 +1,343 @@
+"""FedMosaic (spec fedmosaic.md): PQ-LoRA's placement, counts and exact averaging, the cross-model alignment, RELA's
+shared mask, gradients and weights, per-client global adapters that never overwrite the local one, and the
+offline benchmark's configs."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from rayfed import pqlora
+from rayfed.actors.client import ClientActor
+from rayfed.actors.driver import DriverActor
+from rayfed.architectures import actor_slots
+from rayfed.checkpoint import load_checkpoint, save_checkpoint
+from rayfed.config import ModelConfig, load_config
+from rayfed.data.task_groups import answer_maps
+from rayfed.errors import ConfigError
+from rayfed.method import Upload, build_method
+from rayfed.methods.fedmosaic import FedMosaic, FedMosaicParams, linear_weight_gradient, relevance_weights
+from rayfed.models import build_backbone
+from rayfed.tasks import Task
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Llama-3.2's language models (config.json of meta-llama/Llama-3.2-1B and -3B), built on the meta device.
+LLAMA_3_2 = {
+    "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    "3B": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True),
+}
+
+
+def _meta_llama(size: str) -> transformers.LlamaForCausalLM:
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_3_2[size]))
+
+
+def _role_counts(model: torch.nn.Module) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        role = "P/Q" if name.endswith(("_P", "_Q")) else "LoRA" if name.endswith(("_A", "_B")) else "basis" if (
+            name.endswith((".A", ".B"))) else "gate" if name.endswith(".beta") else "frozen"
+        counts[role] = counts.get(role, 0) + param.numel()
+    return counts
+
+
+def test_lora_counts_and_the_pq_saving_on_llama_3_2_as_the_paper_reports_them():
+    small, large = _meta_llama("1B"), _meta_llama("3B")
+    # the 1B model's last down_proj: the gradient RELA shares (spec §2.1), d = 8192 x 2048
+    assert small.model.layers[-1].mlp.down_proj.weight.numel() == 16_777_216
+    conventional = pqlora.attach(large, rank=128, adapters=("local",))
+    assert conventional.pq_layers == () and _role_counts(large)["LoRA"] == 194_510_848  # r = 128, 7 linears x 28
+    large = _meta_llama("3B")
+    placement = pqlora.attach(large, rank=128, adapters=("local",), pq_blocks=4)
+    assert placement.pq_layers == (7, 14, 21, 28)
+    uploaded = _role_counts(large)["LoRA"] + _role_counts(large)["P/Q"]
+    assert uploaded == 194_510_848 - 4 * 6_946_816 + 4 * 7 * (128 * 128 + 128) == 167_185_920
+    saving = 1 - uploaded / 194_510_848
+    assert saving == pytest.approx(0.14048, abs=1e-5) and 4 / 28 == pytest.approx(0.1429, abs=1e-4)  # paper: 14.3%
+    # + the masked gradient (40% of 16.78M): FedMosaic uploads 10.6% less than FedAvg per round (paper: 10.9%)
+    assert 1 - (uploaded + round(0.4 * 16_777_216)) / 194_510_848 == pytest.approx(0.10598, abs=1e-5)
+    assert pqlora.attach(_meta_llama("1B"), rank=128, adapters=("local",), pq_blocks=4).pq_layers == (4, 8, 12, 16)
+
+
+def test_pq_layers_follow_eq_6():
+    assert pqlora.attachment_layers(16, 4) == (4, 8, 12, 16)
+    assert pqlora.attachment_layers(28, 4) == (7, 14, 21, 28)
+    assert pqlora.attachment_layers(18, 4) == (4, 8, 12, 18)  # the remainder goes to the last block
+    for blocks in (2, 4, 8):  # the offline depths are divisible by every N_B
+        for depth in (8, 16):
+            layers = pqlora.attachment_layers(depth, blocks)
+            assert len(layers) == blocks and all(b - a == depth // blocks for a, b in zip((0, *layers), layers))
+    with pytest.raises(ValueError, match="in 1..8"):
+        pqlora.attachment_layers(8, 9)
+
+
+def _pq_layer(d_in=12, d_out=10, rank=4, seed=0) -> pqlora.AdaptedLinear:
+    base = torch.nn.Linear(d_in, d_out).double()
+    layer = pqlora.AdaptedLinear(base, rank, ("local", "global"), pq=True, scale=1.0, frozen=("global",),
+                                 generator=torch.Generator().manual_seed(seed)).double()
+    return layer
+
+
+def test_the_pq_basis_is_orthonormal_and_averaging_p_is_exact_theorem_2():
+    layer = _pq_layer()
+    eye = torch.eye(4, dtype=torch.float64)
+    assert torch.allclose(layer.A @ layer.A.T, eye, atol=1e-6) and torch.allclose(layer.B.T @ layer.B, eye, atol=1e-6)
+    generator = torch.Generator().manual_seed(1)
+    ps = [torch.randn(4, 4, generator=generator, dtype=torch.float64) for _ in range(3)]
+    w = torch.softmax(torch.randn(3, generator=generator, dtype=torch.float64), 0)
+    averaged = layer.B @ sum(wi * p for wi, p in zip(w, ps)) @ layer.A
+    assert torch.allclose(averaged, sum(wi * layer.B @ p @ layer.A for wi, p in zip(w, ps)), atol=1e-14, rtol=0)
+    # conventional LoRA: averaging A and B separately is not the average of the updates B A
+    bs = [torch.randn(10, 4, generator=generator, dtype=torch.float64) for _ in range(3)]
+    as_ = [torch.randn(4, 12, generator=generator, dtype=torch.float64) for _ in range(3)]
+    error = sum(wi * b for wi, b in zip(w, bs)) @ sum(wi * a for wi, a in zip(w, as_)) - sum(
+        wi * b @ a for wi, b, a in zip(w, bs, as_))
+    assert error.abs().max() > 1e-2
+
+
+def test_the_gated_pq_branch_mixes_local_and_global_and_trains_only_the_local_one():
+    layer = _pq_layer()
+    gate = pqlora.LayerGate().double()
+    layer.set_gate(gate)
+    with torch.no_grad():
+        layer.local_P.normal_(), layer.global_P.normal_(), layer.local_Q.normal_(), layer.global_Q.normal_()
+        gate.beta.fill_(0.3)
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    g = torch.sigmoid(torch.tensor(0.3, dtype=torch.float64))
+    expected = layer.base(x) + ((1 - g) * (x @ layer.A.T @ layer.local_P.T + layer.local_Q)
+                                + g * (x @ layer.A.T @ layer.global_P.T + layer.global_Q)) @ layer.B.T
+    out = layer(x)
+    assert torch.allclose(out, expected, atol=1e-12)
+    out.sum().backward()
+    assert layer.local_P.grad is not None and gate.beta.grad is not None
+    assert layer.global_P.grad is None and layer.A.grad is None and layer.B.grad is None  # frozen, detached
+
+
+def test_alignment_makes_a_orthonormal_brings_codes_closer_and_b_matches_canonical_coordinates():
+    generator = torch.Generator().manual_seed(0)
+    pivot_h = torch.randn(400, 16, generator=generator)
+    other_h = pivot_h @ torch.randn(16, 24, generator=generator) + 0.05 * torch.randn(400, 24, generator=generator)
+    pivot_a = pqlora.random_orthonormal(4, 16, generator)
+    start = pqlora.random_orthonormal(4, 24, generator)
+    aligned, losses = pqlora.align_rows(other_h, pivot_h @ pivot_a.T, start, ortho_weight=0.5, epochs=4, lr=0.02,
+                                        batch_size=16, generator=generator)
+    assert torch.allclose(aligned @ aligned.T, torch.eye(4), atol=1e-5)
+    assert losses["l2_after"] < 0.5 * losses["l2_before"]
+    pivot_b, other_b = pqlora.random_orthonormal(20, 4, generator), pqlora.random_orthonormal(30, 4, generator)
+    pivot_y, other_y = (pivot_h @ pivot_a.T) @ pivot_b.T, (other_h @ aligned.T) @ other_b.T
+    new_b, correlations = pqlora.cca_basis(pivot_y, other_y, pivot_b)
+    pi_p, pi_o, _ = pqlora.cca_projections(pivot_y, other_y, 4)
+    assert torch.allclose(pi_o.T @ new_b, pi_p.T @ pivot_b, atol=1e-3)  # the same r-dim code, the same coordinates
+    assert correlations.min() > 0.5
+    polar = pqlora.nearest_orthonormal_columns(new_b)  # ortho_b_after_cca
+    assert torch.allclose(polar.T @ polar, torch.eye(4), atol=1e-5)
+
+
+# A two-architecture federation on the tiny LLaVAs: clients 0, 1 small (W_s's architecture), 2, 3 large.
+def _task(name: str, group: int, client: int, question: str) -> dict:
+    return {"name": name, "source": "task-groups:vqa", "kind": "text_generation", "clients": [client],
+            "partition": {"name": "iid"}, "max_text_length": 26,
+            "options": {"group": group, "num_samples": 24, "question_types": [question], "styles": ["noisy"]}}
+
+
+HETERO = {
+    "name": "mosaic", "seed": 5,
+    "data": {"tasks": [_task("a", 0, 0, "color"), _task("b", 1, 1, "color"), _task("c", 0, 2, "color"),
+                       _task("d", 1, 3, "shape")],
+             "public": {"source": "multimodal:shapes", "kind": "text_generation", "max_text_length": 32,
+                        "options": {"num_samples": 48, "styles": ["plain"]}}},
+    "model": {"backbone": "tiny-pretrained:llava", "lora": {"rank": 4, "alpha": 8}},
+    "architectures": {"small": {"clients": [0, 1], "backbone": "tiny-pretrained:llava"},
+                      "large": {"clients": [2, 3], "backbone": "tiny-pretrained:llava-large"}},
+    "federation": {"rounds": 2, "clients_per_round": 4, "eval_every": 2},
+    "train": {"local_steps": 2, "batch_size": 4, "lr": 0.002, "optimizer": "adamw", "eval_batch_size": 64},
+    "methods": [{"name": "fedmosaic", "relevance_model": "tiny-pretrained:llava", "grad_interval": 1, "align_lr": 0.01}],
+    "placement": {"executor": "local", "clients_per_actor": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def federation():
+    """The run's actors after the pre-federation stage and one round (built once for the tests below)."""
+    config = load_config(HETERO)
+    actors = {slot.architecture: ClientActor(config, slot.client_ids, architecture=slot.architecture)
+              for slot in actor_slots(config)}
+    driver = DriverActor(config)
+    first = {arch: (actor.start_method(0), actor.task_tags()) for arch, actor in actors.items()}
+    names = list(first)
+    driver.start_method(0, names, *(first[n][0] for n in names), *(first[n][1] for n in names))
+    driver.before_federation(names, *(actors[n].pre_federation(0) for n in names))
+    aligned = copy.deepcopy(driver.get_state()["aligned"])
+    parts = [actor.train_round(0, actor.client_ids, driver.payloads(actor.client_ids), dict.fromkeys(actor.client_ids, 1.0))
+             for actor in actors.values()]
+    driver.aggregate(*parts)
+    return config, actors, driver, aligned, parts
+
+
+def test_the_aligned_basis_reaches_each_client_once_orthonormal_and_only_p_q_cross_architectures(federation):
+    config, actors, driver, aligned, parts = federation
+    assert aligned and all(name.startswith("large/") for name in aligned)  # the small model is the pivot
+    for name, value in aligned.items():
+        eye = torch.eye(4)
+        assert torch.allclose(value @ value.T if name.endswith(".A") else value.T @ value, eye, atol=1e-5) or (
+            name.endswith(".B"))  # the CCA basis is not orthonormal by construction (spec §9.8)
+        if name.endswith(".A"):
+            assert torch.allclose(value @ value.T, eye, atol=1e-5)
+    state = actors["large"].states[2]["personal"]
+    for name, value in aligned.items():
+        assert torch.equal(state[name.removeprefix("large/")], value)  # kept in the client's state
+    small = actors["small"].states[0]["personal"]
+    basis_b = [v for n, v in small.items() if n.endswith(".B")]
+    assert basis_b and all(torch.allclose(b.T @ b, torch.eye(4), atol=1e-5) for b in basis_b)  # the pivot's B
+    assert not any(n.endswith((".A", ".B")) and "local" not in n and "global" not in n
+                   for n in driver.payloads([2], count_bytes=False)[2])  # sent once
+    uploaded = {n for part in parts for u in part.uploads for n in u.tensors["shared"]}
+    assert uploaded and all(".local_" in n for n in uploaded)  # never the basis, the gate or the global adapter
+
+    server = driver.get_state()
+    method = driver.method
+    small_payload = method.payload(server, 0)
+    before = {n: v.clone() for n, v in small_payload.items()}
+    conv_key = next(n for n in server["stacks"] if n.startswith("large/") and n.endswith("local_B"))
+    pq_key = next(n for n in server["stacks"] if n.startswith("pq/"))
+    server["stacks"][conv_key] += 1.0  # a large client's conventional LoRA changes: no small client sees it
+    after = method.payload(server, 0)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    server["stacks"][pq_key][2] += 1.0  # a large client's P / Q changes: the small clients' global P / Q move
+    changed = [n for n, v in method.payload(server, 0).items() if not torch.equal(v, before[n])]
+    assert changed and all(n.endswith(("_P", "_Q")) for n in changed)
+    server["stacks"][conv_key] -= 1.0
+    server["stacks"][pq_key][2] -= 1.0
+
+
+def test_rela_weights_are_the_softmax_of_cosines_and_each_client_gets_its_own_weighted_adapter(federation):
+    config, actors, driver, _, parts = federation
+    server, method = driver.get_state(), driver.method
+    gradients = server["relevance"]["gradients"].double()
+    unit = gradients / gradients.norm(dim=1, keepdim=True)
+    direct = torch.softmax(unit @ unit.T / method.params.tau, dim=1)
+    assert torch.allclose(server["relevance"]["weights"].double(), direct, atol=1e-6)
+    assert torch.allclose(server["relevance"]["history"][-1], server["relevance"]["weights"])
+    weights = server["relevance"]["weights"].double()
+    uploads = {u.client_id: {f"{'small' if u.client_id < 2 else 'large'}/{n}": v for n, v in u.tensors["shared"].items()}
+               for part in parts for u in part.uploads}
+    for client in range(4):
+        payload = method.payload(server, client)
+        arch = "small" if client < 2 else "large"
+        same = [0, 1] if client < 2 else [2, 3]
+        for name, value in payload.items():
+            if not name.endswith(("global_P", "global_Q", "global_A", "global_B")):
+                continue
+            local = name.replace(".global_", ".local_")
+            if name.endswith(("_P", "_Q")):  # P, Q: over every client, matched by block and module
+                block = int(server["pq_layout"][local])
+                module = local.split(".layers.", 1)[1].split(".", 1)[1].rsplit(".local_", 1)[0]
+                rows = [next(v for n, v in uploads[j].items() if n.endswith(f".{module}.local_{name[-1]}")
+                             and int(server["pq_layout"][n]) == block) for j in range(4)]
+                expected = sum(weights[client, j] * rows[j].double() for j in range(4))
+            else:  # conventional LoRA: within the architecture, the weights renormalized
+                within = weights[client, same] / weights[client, same].sum()
+                expected = sum(w * uploads[j][local].double() for w, j in zip(within, same))
+            assert name.startswith(f"{arch}/") and torch.allclose(value.double(), expected, atol=1e-6), name
+    cosine, weights = relevance_weights(torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]),
+                                        torch.tensor([True, True, False]), tau=0.5)
+    assert weights[0, 0] / weights[0, 1] == pytest.approx(math.exp((1 - 2 ** -0.5) / 0.5), rel=1e-5)
+    assert torch.allclose(weights[2], torch.tensor([0.5, 0.5, 0.0]))  # no gradient yet: the others, equally
+
+
+def test_the_mask_is_one_for_all_clients_and_the_upload_is_w_s_gradient_on_the_trained_batch():
+    method = FedMosaic(FedMosaicParams())
+    twin = FedMosaic(FedMosaicParams())  # another actor's copy
+    mask = method._mask(7, 6912)
+    assert torch.equal(mask, twin._mask(7, 6912)) and len(mask) == round(0.4 * 6912) == len(set(mask.tolist()))
+    assert not torch.equal(mask, method._mask(8, 6912))
+    # the gradient through the frozen layer's output equals autograd's on its weight
+    layer = torch.nn.Linear(6, 5)
+    x = torch.randn(3, 4, 6)
+    gradient = linear_weight_gradient(lambda: layer(x).pow(2).sum(), layer)
+    layer.zero_grad()
+    layer(x).pow(2).sum().backward()
+    assert torch.allclose(gradient, layer.weight.grad, atol=1e-5)
+
+
+def test_the_local_adapter_is_never_overwritten_by_an_aggregate(federation):
+    config, actors, driver, _, _ = federation
+    actor = actors["small"]
+    before = {n: v.clone() for n, v in actor.states[0]["personal"].items()}
+    payload = driver.payloads([0], count_bytes=False)[0]
+    poisoned = {n: v + 0.05 for n, v in payload.items()}  # a global adapter unlike any local one
+    method = actor.method
+    context = actor._context(0, 1)
+    context.train_config = context.train_config.model_copy(update={"lr": 1e-12})
+    result = method.local_update(context, actor.states[0], poisoned)
+    personal = result.state["personal"]
+    assert not any(".global_" in n for n in personal)
+    for name, value in before.items():
+        if ".local_" in name:
+            assert torch.allclose(personal[name], value, atol=1e-6)
+            assert not torch.allclose(personal[name], poisoned[name.replace(".local_", ".global_")])
+    assert all(torch.equal(method.eval_params(result.state, poisoned)[n], v) for n, v in poisoned.items())
+
+
+def test_the_task_groups_conflict_on_every_answer():
+    maps = answer_maps(3)
+    for answer in maps[0]:
+        assert len({m[answer] for m in maps}) == 3 and all(m[answer] != answer for m in maps)
+    with pytest.raises(ConfigError, match="data.options.groups = 4 is invalid"):
+        answer_maps(4)
+
+
+def test_offline_and_paper_configs_load_and_bad_hyperparameters_are_named():
+    for path in sorted((ROOT / "configs" / "fedmosaic").glob("*.yaml")):
+        config = load_config(path)
+        assert config.architectures and len(config.data.tasks) >= 36, path.name
+    offline = load_config(ROOT / "configs" / "fedmosaic" / "offline_dynamic.yaml")
+    groups = {task.options["group"] for task in offline.data.tasks}
+    assert groups == {0, 1, 2} and offline.architectures["small"].clients == (0, 1, 2, 3)
+    tune = load_config(ROOT / "configs" / "tune" / "fedmosaic_tau_blocks.yaml")
+    assert tune.methods[0].name == "fedmosaic"
+    with pytest.raises(ConfigError, match=r"methods\[0\] \(fedmosaic\)\.tau = 0 is invalid: tau must be > 0"):
+        build_method(load_config({"methods": [{"name": "fedmosaic", "tau": 0}]}).methods[0], 0)
+    with pytest.raises(ConfigError, match="relevance_model must name W_s"):
+        method = build_method(load_config({"methods": ["fedmosaic"]}).methods[0], 0, num_clients=2,
+                              architecture_of=["small", "large"])
+        method.build_model(build_backbone(ModelConfig(backbone="tiny-pretrained:llava"), 0),
+                           ModelConfig(backbone="tiny-pretrained:llava", lora={"rank": 2}), [Task(0, "t", ())], 0)
+
+
+def test_client_and_server_state_survive_a_checkpoint_and_replay_the_same_round(federation, tmp_path):
+    """Runs last: it trains round 1 twice, from the live state and from the state written to and read back from a
+    checkpoint (safetensors), and compares every upload and the server state after each."""
+    config, actors, driver, _, _ = federation
+    clients = {cid: copy.deepcopy(state) for actor in actors.values() for cid, state in actor.get_states().items()}
+    save_checkpoint(tmp_path, "fedmosaic", 1, copy.deepcopy(driver.get_state()), clients, {"counters": {}})
+
+    def round_one():
+        parts = [actor.train_round(1, actor.client_ids, driver.payloads(actor.client_ids), dict.fromkeys(actor.client_ids, 1.0))
+                 for actor in actors.values()]
+        driver.aggregate(*parts)
+        return [u for part in parts for u in part.uploads], copy.deepcopy(driver.get_state())
+
+    uploads, server = round_one()
+    restored = load_checkpoint(tmp_path, "fedmosaic")
+    assert set(restored.server) == set(server) and restored.clients[0]["optimizer"] and restored.clients[3]["relevance"]
+    driver.set_state(restored.server)
+    for actor in actors.values():
+        actor.set_states(restored.clients)
+    replayed, replayed_server = round_one()
+    for first, second in zip(uploads, replayed):
+        assert first.tensors.keys() == second.tensors.keys()
+        for slot in first.tensors:
+            assert all(torch.equal(v, second.tensors[slot][n]) for n, v in first.tensors[slot].items())
+    for slot, values in server.items():
+        assert all(torch.equal(v, replayed_server[slot][n]) for n, v in values.items()), slot
+    assert server["relevance"]["history"].shape == (2, 4, 4)

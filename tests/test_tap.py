@@ -1,0 +1,520 @@
+"""TAP (spec tap.md): the modular MoTE/MoME model and what each client holds, the two stages (replacement,
+distillation), what is sent, the aggregation, the baselines (Local, Per-FedAvg, DisentAFL) and the configs."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rayfed.actors.client import ClientActor
+from rayfed.actors.driver import DriverActor
+from rayfed.config import load_config
+from rayfed.errors import ConfigError
+from rayfed.method import Upload
+from rayfed.mome import MoMEModel, task_key
+from rayfed.tasks import sample_round, task_view
+
+from conftest import method_class
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# Four clients on the tiny pretrained FLAVA: 0 image classification, 1 text classification + image generation,
+# 2 VQA as text generation (image + text), 3 text classification.
+RUN = {
+    "name": "tap-tiny",
+    "seed": 2,
+    "data": {"tasks": [
+        {"name": "digits", "source": "sklearn:digits", "max_samples": 48, "clients": [0]},
+        {"name": "topics", "source": "multimodal:topics", "options": {"num_samples": 64}, "clients": [1, 3]},
+        {"name": "recon", "source": "sklearn:digits", "kind": "reconstruction", "max_samples": 32, "clients": [1]},
+        {"name": "vqa", "source": "multimodal:vqa", "kind": "text_generation",
+         "options": {"num_samples": 32, "image_size": 16}, "clients": [2]},
+    ]},
+    "model": {"backbone": "tiny-pretrained:flava"},
+    "federation": {"rounds": 3, "clients_per_round": 2},
+    "train": {"local_steps": 2, "batch_size": 8, "optimizer": "adamw", "lr": 0.003, "weight_decay": 0.01,
+              "grad_clip": 1.0, "schedule": "round_warmup", "warmup_rounds": 2, "warmup_start_lr": 0.001},
+    "methods": [{"name": "tap", "post_fl_microbatches": 2, "post_lr": 0.001, "mome": {"text_positions": 8}}],
+    "placement": {"clients_per_actor": 4, "cpus_per_actor": 1},
+}
+CLIENTS = [0, 1, 2, 3]
+
+
+def _run(**params) -> dict:
+    run = copy.deepcopy(RUN)
+    run["methods"][0].update(params)
+    return run
+
+
+@pytest.fixture(scope="module")
+def actor() -> ClientActor:
+    """One in-process actor hosting every client (the federation and backbone are built once)."""
+    torch.set_num_threads(1)
+    return ClientActor(load_config(_run()).to_dict(), CLIENTS)
+
+
+def _start(actor: ClientActor, **params) -> tuple[object, DriverActor]:
+    """``actor`` running TAP with ``params`` (a fresh method, model and client states), and its driver."""
+    config = load_config(_run(**params))
+    method = method_class("tap")(method_class("tap").Params(**config.methods[0].params))
+    method.num_clients, method.tasks, method.rounds = 4, tuple(actor.tasks), 3
+    actor.methods = [method]
+    driver = DriverActor(config.to_dict(), [method])
+    driver.start_method(0, [""], actor.start_method(0), actor.task_tags())
+    return method, driver
+
+
+def _rounds(actor: ClientActor, driver: DriverActor, rounds: int, sampled=None) -> list[dict]:
+    stats = []
+    for round_idx in range(rounds):
+        clients = sampled[round_idx] if sampled else CLIENTS
+        part = actor.train_round(round_idx, clients, driver.payloads(clients), {c: 1.0 for c in clients})
+        stats.append(driver.aggregate(part).get("client_stats", {}))
+    return stats
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+# The modular model ------------------------------------------------------------------------------------------
+def test_each_client_holds_exactly_the_blocks_of_its_modalities_tasks_and_domains(actor):
+    _start(actor)
+    model, tasks = actor.model, actor.tasks
+    assert isinstance(model, MoMEModel) and model.num_layers == 1  # tiny FLAVA: 2 multimodal layers, L = 1
+    assert [task_key(t) for t in tasks] == ["image_classification", "text_classification", "image_generation",
+                                            "text_generation"]
+    held = {cid: set(actor.initial[cid]) for cid in CLIENTS}
+    blocks = {cid: {".".join(n.split(".")[:2]) for n in names} for cid, names in held.items()}
+    assert {"encoders.image", "mote.image"} <= blocks[0] and not {"encoders.text", "mote.text"} & blocks[0]
+    assert {"encoders.text", "mote.text"} <= blocks[3] and not {"encoders.image", "mote.image"} & blocks[3]
+    assert {"encoders.image", "encoders.text"} <= blocks[2]  # VQA reads both
+    assert {"mome.text_classification", "mome.image_generation"} <= blocks[1] and "mome.text_generation" not in blocks[1]
+    for cid in CLIENTS:
+        assert {"shared_proj.weight", "shared_proj.bias"} <= held[cid]
+        assert any(n.startswith("mote.shared.") for n in held[cid]) and any(n.startswith("mome.shared.") for n in held[cid])
+    # Expert cells: a client holds the ones of its (modality, key) pairs only.
+    assert any(n.startswith("mote_experts.0.image.image_classification.") for n in held[0])
+    assert not any(n.startswith("mote_experts.0.text.") for n in held[0])
+    assert not any(n.startswith("mote_experts.0.image.text_classification.") for n in held[1])
+    # Decoders: a classifier per classification task, one head per generation kind.
+    assert {n.split(".")[1] for n in held[1] if n.startswith("heads.")} == {"task_1", "image_generation"}
+    assert {n.split(".")[1] for n in held[2] if n.startswith("heads.")} == {"text_generation"}
+    # MoDE: each domain's q/v experts are held by that domain's clients only (one domain per task by default).
+    assert any("mode_q.digits." in n for n in held[0]) and not any("mode_q.topics." in n for n in held[0])
+    # Frozen pretrained weights are never trainable; every expert starts from its layer's FFN.
+    trainable = set(model.trainable_params())
+    assert all("lora_" in n or n.split(".")[0] in ("shared_proj", "heads") or ".proj." in n or ".layer_norm." in n
+               or ".input_adaptor." in n for n in trainable)
+    layer = actor.backbone.encoder.multimodal_model.encoder.layer[0]
+    expert = model.mote_experts["0"]["shared"]["shared"].ffn
+    assert torch.equal(expert[0].base_layer.weight, layer.intermediate.dense.weight)
+
+
+def test_the_shared_decoders_serve_every_task_of_their_kind_and_paths_follow_the_spec(actor):
+    _start(actor)
+    model = actor.model
+    paths = {t.name: model.path_prefixes(t.index) for t in actor.tasks}
+    assert "encoders.text." in paths["vqa"] and "encoders.image." in paths["vqa"]
+    assert len([p for p in paths["vqa"] if "_experts." in p]) == 12  # 8 cells per modality, 4 of them shared
+    assert "heads.task_0." in paths["digits"] and "mome.image_classification." in paths["digits"]
+    assert not any(p.startswith(("encoders.text", "mote.text", "mome.text")) for p in paths["digits"])
+    assert "heads.image_generation." in paths["recon"] and "heads.text_generation." in paths["vqa"]
+    batch = {k: v[:3] for k, v in actor.data[2].parts[0].train.items()}
+    model.select_task(3)
+    raw = model(batch, raw=True)
+    assert raw.shape == (3, 8, len(model.tokenizer))  # parallel decoder: text_positions logits at once
+    generated = model.generate_text(batch, 5)
+    assert generated.shape == (3, 5)
+
+
+# Stage 1 ----------------------------------------------------------------------------------------------------
+def _recorded_update(actor, method, client_id, state, payload, round_idx=0):
+    """One local update of ``client_id``, recording the parameters each of its two trainings starts from."""
+    starts, results = [], []
+    original = method._train
+
+    def recording(client, params, groups, **kwargs):
+        starts.append({n: v.clone() for n, v in params.items()})
+        outcome = original(client, params, groups, **kwargs)
+        results.append(outcome)
+        return outcome
+
+    method._train = recording
+    try:
+        result = method.local_update(actor._context(client_id, round_idx), state, payload)
+    finally:
+        del method._train
+    return result, starts, results
+
+
+def test_a_first_participation_replaces_every_seen_task(actor):
+    method, driver = _start(actor)
+    payload = driver.payloads([1])[1]
+    result, starts, results = _recorded_update(actor, method, 1, actor.states[1], payload)
+    assert result.stats == {"seen/topics": 1.0, "replaced/topics": 1.0, "seen/recon": 1.0, "replaced/recon": 1.0}
+    # Both tasks replaced: X trains from the locally trained W on every block of both paths, i.e. all of them.
+    assert _equal(starts[1], results[0][0].params)
+    assert set(result.state["history"]) == {"w:text_classification", "w:image_generation", "x:text_classification",
+                                            "x:image_generation"}
+
+
+def test_a_replacement_copies_exactly_the_task_path_from_the_pre_aggregation_w(actor):
+    method, driver = _start(actor)
+    payload = driver.payloads([1])[1]
+    state = copy.deepcopy(actor.states[1])
+    state["x"] = {n: v + 1.0 for n, v in state["x"].items()}  # an X unlike W everywhere
+    # Image generation is never replaced (its X loss beats anything); text classification's X loss is +inf.
+    state["history"] = {"x:image_generation": torch.tensor(-math.inf, dtype=torch.float64)}
+    result, starts, results = _recorded_update(actor, method, 1, state, payload)
+    assert result.stats["replaced/topics"] == 1.0 and result.stats["replaced/recon"] == 0.0
+    trained_w, x_start = results[0][0].params, starts[1]
+    path = actor.model.path_prefixes(1)
+    on_path = {n for n in x_start if n.startswith(path)}
+    assert on_path and len(on_path) < len(x_start)
+    for name, value in x_start.items():
+        expected = trained_w[name] if name in on_path else state["x"][name]
+        assert torch.equal(value, expected), name
+    # The upload is W as trained this round (pre-aggregation), never X.
+    assert _equal(result.upload["shared"], trained_w)
+    assert not any(torch.equal(result.upload["shared"][n], result.state["x"][n]) for n in on_path if "lora_A" in n)
+
+
+def test_replacement_rule_and_larger_margins_never_give_more_replacements(actor):
+    """Eq. 3 on a fixed trajectory: W's trajectory does not depend on the margins, so on the same rounds every
+    margin sees the same W losses; a larger margin can only replace less. The first participation always replaces."""
+    sampled = [sample_round(load_config(_run()), r) for r in range(3)]
+    counts = {}
+    for scale in (0.0, 1.0, 1e9):
+        _, driver = _start(actor, margins=[0.01 * scale, 0.005 * scale, 0.005 * scale, 0.01 * scale])
+        stats = _rounds(actor, driver, 3, sampled)
+        counts[scale] = sum(v for s in stats for k, v in s.items() if k.startswith("replaced/"))
+        first = sum(1 for cid in {c for clients in sampled for c in clients} for _ in actor.data[cid].parts)
+        if scale == 1e9:
+            assert counts[scale] == first  # with a huge margin only first participations replace
+    assert counts[0.0] >= counts[1.0] >= counts[1e9]
+
+
+def test_the_w_trajectory_is_bitwise_identical_with_tap_on_or_off(actor):
+    states = {}
+    for personalize in (True, False):
+        method, driver = _start(actor, personalize=personalize)
+        _rounds(actor, driver, 2)
+        payloads = driver.payloads([1, 2], False)
+        metrics = {cid: actor._metrics(actor._context(cid, 2), actor.states[cid], payloads[cid]) for cid in (1, 2)}
+        states[personalize] = driver.get_state()["global"], metrics
+    (on, metrics_on), (off, metrics_off) = states[True], states[False]
+    assert _equal(on, off)
+    for cid in (1, 2):  # FedAvg's numbers are TAP's @fedavg view
+        plain = {k: v for k, v in metrics_off[cid].items() if "@" not in k}
+        assert plain == {k.removesuffix("@fedavg"): v for k, v in metrics_on[cid].items() if k.endswith("@fedavg")}
+        assert any(metrics_on[cid][k] != v for k, v in plain.items() if k in metrics_on[cid])
+
+
+def test_aggregation_averages_each_block_over_the_owners_that_sent_it_weighted_by_their_samples():
+    method = method_class("tap")()
+    server = method.init_server({"a": torch.zeros(2), "b": torch.zeros(2), "c": torch.full((2,), 7.0)})
+    uploads = [Upload(0, 30, {"shared": {"a": torch.full((2,), 1.0), "b": torch.full((2,), 4.0)}}, 0.0),
+               Upload(1, 10, {"shared": {"a": torch.full((2,), 5.0)}}, 0.0),
+               Upload(2, 20, {"shared": {"b": torch.full((2,), 1.0)}}, 0.0)]
+    merged = method.aggregate(server, uploads)["global"]
+    assert torch.equal(merged["a"], torch.full((2,), (30 * 1 + 10 * 5) / 40))
+    assert torch.equal(merged["b"], torch.full((2,), (30 * 4 + 20 * 1) / 50))
+    assert torch.equal(merged["c"], torch.full((2,), 7.0))  # nobody sent it: kept
+
+
+def test_a_round_changes_only_the_blocks_its_clients_hold(actor):
+    _, driver = _start(actor)
+    before = {n: v.clone() for n, v in driver.get_state()["global"].items()}
+    _rounds(actor, driver, 1, [[0, 3]])  # image classification and text classification clients
+    after = driver.get_state()["global"]
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    sent = set(actor.initial[0]) | set(actor.initial[3])
+    assert changed and changed <= sent
+    assert not any(n.startswith(("heads.text_generation", "heads.image_generation", "mome.text_generation"))
+                   for n in changed)
+
+
+def test_packing_clients_into_actors_does_not_change_tap(actor):
+    """The server's W and every client's X and histories after two rounds, whatever the packing."""
+    _start(actor)  # the shared actor runs the config's TAP
+    config = load_config(_run())
+    results = []
+    for packing in ([CLIENTS], [[0, 2], [1, 3]]):
+        actors = [actor if clients == CLIENTS else ClientActor(config.to_dict(), clients) for clients in packing]
+        driver = DriverActor(config.to_dict())
+        initial = [a.start_method(0) for a in actors]
+        driver.start_method(0, [""], initial[0], actors[0].task_tags())
+        for round_idx in range(2):
+            sampled = sample_round(config, round_idx)
+            parts = [a.train_round(round_idx, [c for c in clients if c in sampled], driver.payloads(sampled),
+                                   {c: 1.0 for c in sampled}) for a, clients in zip(actors, packing)]
+            driver.aggregate(*parts)
+        states = {cid: a.states[cid] for a in actors for cid in a.client_ids}
+        results.append((driver.get_state()["global"], states))
+    (together, states_together), (apart, states_apart) = results
+    assert _equal(together, apart)
+    for cid in CLIENTS:
+        assert _equal(states_together[cid]["x"], states_apart[cid]["x"])
+        assert _equal(states_together[cid]["history"], states_apart[cid]["history"])
+
+
+def test_the_vilt_model_trains_its_patch_projection_and_keeps_word_embeddings_frozen():
+    from rayfed.models import build_backbone
+    from rayfed.mome import build_mome_model
+
+    run = _run()
+    run["model"]["backbone"] = "tiny-pretrained:vilt"
+    config = load_config(run)
+    from rayfed.data.clients import build_federation
+
+    federation = build_federation(config.data, 0)
+    backbone = build_backbone(config.model, 0)
+    model = build_mome_model(backbone, federation.tasks, {"text_positions": 8}, 0)
+    trainable = model.trainable_params()
+    assert model.family == "vilt" and model.num_layers == 1
+    assert any(n.startswith("encoders.image.backbone.projection.lora_A") for n in trainable)
+    assert not any(n.startswith("encoders.text.backbone.") for n in trainable)
+    ranks = {n: v.shape[0] for n, v in trainable.items() if n.endswith("lora_A.default.weight")}
+    assert ranks["encoders.image.backbone.projection.lora_A.default.weight"] == 4
+    assert ranks["mote.shared.layers.0.attention.query.lora_A.default.weight"] == 8  # ViLT: attention r 8
+    assert ranks["mote_experts.0.shared.shared.ffn.0.lora_A.default.weight"] == 8  # experts r 8
+    holding = federation.holdings[3]  # VQA: image and text
+    batch = federation._encode(holding, holding.splits[0][0][:2], backbone)
+    model.select_task(3)
+    assert model(batch, raw=True).shape == (2, 8, len(model.tokenizer))
+
+
+# Stage 2 ----------------------------------------------------------------------------------------------------
+def test_stage_two_reports_every_view_and_beta_zero_is_exactly_the_no_kd_run(actor):
+    method, driver = _start(actor, kd_weights=[0.0, 0.0, 0.0, 0.0], alt_kd_weights=[1.0, 1.0, 1.0, 1.0])
+    _rounds(actor, driver, 1, [[1, 2]])
+    metrics = {}
+    for cid in (1, 2):
+        payload = driver.payloads([cid], False)[cid]
+        client = actor._context(cid, 1)
+        state = method.after_federation(client, actor.states[cid], payload)
+        if cid == 2:
+            metrics[cid] = actor._metrics(client, state, payload)
+        assert _equal(state["x"], state["view:nokd"])  # beta = 0 for every task: the task loss alone
+        assert not _equal(state["x"], state["view:kdalt"])
+        assert not _equal(state["view:pt"], state["view:pt2"])
+    assert {"local_token_f1", "local_token_f1@fedavg", "local_token_f1@pt", "local_token_f1@pt2",
+            "local_token_f1@stage1", "local_token_f1@nokd", "local_token_f1@kdalt", "local_meteor"} <= set(metrics[2])
+    assert {"view:pt", "view:pt2", "view:stage1", "view:nokd", "view:kdalt"} <= set(state)
+
+
+def test_distillation_is_tau_squared_kl_and_the_teacher_draws_no_dropout(actor):
+    method, _ = _start(actor)
+    tap = __import__("rayfed.methods.tap", fromlist=["Distillation"])
+    student, teacher = torch.randn(4, 6), torch.randn(4, 6)
+    kd = tap.Distillation(None, [1.0] * 4, 2.0, "softmax")
+    p_t, log_p_s = torch.softmax(teacher / 2, -1), torch.log_softmax(student / 2, -1)
+    expected = 4.0 * (p_t * (p_t.log() - log_p_s)).sum() / 4
+    assert torch.allclose(kd.term("image_classification", student, teacher), expected, atol=1e-6)
+    images = torch.rand(2, 3, 4, 4)
+    assert torch.equal(tap.Distillation(None, [1.0] * 4, 1.0, "mse").term("image_generation", images, images),
+                       torch.zeros(()))
+
+
+def test_loss_histories_are_the_codes_lambda_weighted_mean_or_the_plain_one():
+    tap = __import__("rayfed.methods.tap", fromlist=["LossHistory"])
+    from rayfed.tasks import Task
+
+    a, b = Task(0, "a"), Task(1, "b")
+
+    class FakeStep:
+        def __init__(self, rows):
+            self.parts = [(task, {"x": torch.zeros(n)}) for task, n in rows]
+
+    groups = {"k_a": [0], "k_b": [1]}
+    weighted, plain = tap.LossHistory(groups, "weighted"), tap.LossHistory(groups, "plain")
+    for history in (weighted, plain):
+        history.record(FakeStep([(a, 3), (b, 1)]), [torch.tensor(2.0), torch.tensor(4.0)])
+        history.record(FakeStep([(a, 4)]), [torch.tensor(1.0)])
+    assert weighted.values() == pytest.approx({"k_a": (0.75 * 2 + 1 * 1) / 2, "k_b": (0.25 * 4) / 2})
+    assert plain.values() == pytest.approx({"k_a": 1.5, "k_b": 4.0})
+
+
+# Baselines --------------------------------------------------------------------------------------------------
+def test_local_sends_nothing_and_trains_its_own_w(actor):
+    _, driver = _start(actor, federated=False, personalize=False)
+    before = {n: v.clone() for n, v in actor.states[0]["personal"].items()}
+    part = actor.train_round(0, [0], driver.payloads([0]), {0: 1.0})
+    assert part.uploads == [] and part.up_bytes == 0
+    assert not _equal(before, actor.states[0]["personal"]) and "x" not in actor.states[0]
+
+
+def test_disentafl_orthogonality_loss_is_zero_for_orthogonal_groups_and_absent_for_one():
+    from rayfed.methods.disentafl import orthogonality_loss
+
+    e = torch.eye(4)
+    assert orthogonality_loss([(("image", "a"), e[:2])]) is None
+    assert orthogonality_loss([(("image", "a"), e[:2]), (("text", "b"), e[2:])]) == 0
+    same = orthogonality_loss([(("image", "a"), e[:1] * 3), (("text", "b"), e[:1])])
+    assert same == pytest.approx(1.0)
+    three = orthogonality_loss([(("i", "a"), e[:1]), (("t", "b"), e[:1]), (("t", "c"), e[1:2])])
+    assert three == pytest.approx(1 / 3)  # pairs (a,b)=1, (a,c)=0, (b,c)=0
+
+
+def test_disentafl_trains_with_the_mt_latents_of_a_multi_task_client(actor):
+    cls = method_class("disentafl")
+    method = cls(cls.Params(mome={"text_positions": 8}))
+    method.num_clients, method.tasks, method.rounds = 4, tuple(actor.tasks), 3
+    actor.methods = [method]
+    actor.start_method(0)
+    seen = []
+    original = method.loss
+
+    def spy(step):
+        value = original(step)
+        seen.append(len(step.parts))
+        return value
+
+    method.loss = spy
+    result = method.local_update(actor._context(1, 0), actor.states[1], actor.initial[1])
+    assert seen and math.isfinite(result.train_loss) and actor.model.collected_latents is None
+    assert set(result.upload["shared"]) == set(actor.initial[1])
+
+
+def test_perfedavg_inner_step_is_first_order_maml():
+    from rayfed.methods.perfedavg import inner_step
+    from rayfed.tasks import Task
+
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+
+        def forward(self, batch):
+            return batch["x"] @ self.w
+
+    class Kind:
+        def loss(self, outputs, batch):
+            return ((outputs - batch["y"]) ** 2).mean()
+
+    model = Linear()
+    task = Task(0, "t", kind=Kind())
+    batch = {"x": torch.tensor([[1.0, 0.0], [0.0, 1.0]]), "y": torch.tensor([0.0, 0.0])}
+    step = type("S", (), {"params": dict(model.named_parameters()), "model": model})()
+    adapted = inner_step(step, [(task, batch)], alpha=0.5)
+    # grad of mean((x w)^2) = w here: w' = w - 0.5 w = w / 2, and d w' / d w is the identity (first order).
+    assert torch.allclose(adapted["w"], torch.tensor([0.5, -1.0]))
+    adapted["w"].sum().backward()
+    assert torch.equal(model.w.grad, torch.ones(2))
+
+
+def test_perfedavg_runs_on_the_modular_model_and_personalizes_after_the_last_round(actor):
+    cls = method_class("perfedavg")
+    method = cls(cls.Params(mome={"text_positions": 8}, post_fl_microbatches=1))
+    method.num_clients, method.tasks, method.rounds = 4, tuple(actor.tasks), 3
+    actor.methods = [method]
+    config = load_config(_run())
+    driver = DriverActor(config.to_dict(), [method])
+    driver.start_method(0, [""], actor.start_method(0), actor.task_tags())
+    _rounds(actor, driver, 1, [[0, 2]])
+    payload = driver.payloads([0], False)[0]
+    client = actor._context(0, 1)
+    state = method.after_federation(client, actor.states[0], payload)
+    metrics = actor._metrics(client, state, payload)
+    assert {"local_acc", "local_acc@global", "local_acc@pt", "local_acc@pt2"} <= set(metrics)
+    assert set(state["view:adapted"]) == set(payload) and not _equal(state["view:adapted"], payload)
+
+
+# Configs and data -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", sorted((CONFIGS / "tap").glob("*.yaml")), ids=lambda p: p.name)
+def test_tap_configs_are_valid(path):
+    config = load_config(path)
+    labels = [m.label for m in config.methods]
+    assert "TAP" in labels and config.data.num_clients in (10, 30)
+    tap = config.methods[labels.index("TAP")]
+    method_class("tap").Params(**tap.params)  # the hyperparameters validate
+    if "paper" in path.name:
+        assert config.federation.rounds == 200 and config.federation.clients_per_round == 2
+        assert str(config.model.backbone).startswith("hf:")
+
+
+def test_the_margin_sweep_is_a_valid_asha_sweep():
+    from rayfed.tune import _checked_configs, _parse_spec, SearchSpace
+
+    raw = load_config(CONFIGS / "tune" / "tap_margins.yaml").to_dict()
+    spec = _parse_spec(raw["tune"])
+    assert spec.scheduler.name == "asha" and spec.metric == "TAP/local_acc"
+    configs = _checked_configs({k: v for k, v in raw.items() if k != "tune"}, SearchSpace(raw["tune"]["space"], "random"))
+    assert {tuple(c.methods[0].params["margins"]) for c in configs} >= {(0.005, 0.0025, 0.0025, 0.005)}
+
+
+def test_the_paper_text_datasets_get_the_papers_templates(tmp_path):
+    import datasets
+
+    from rayfed.methods.tap import tap_columns
+
+    mmlu = datasets.Dataset.from_dict({"question": ["Is it?"], "subject": ["professional_law"],
+                                       "choices": [["yes", "no", "maybe", "never"]], "answer": [2]})
+    columns = tap_columns("mmlu", mmlu[:])
+    assert columns["text"][0] == ("The following is a multiple-choice question about professional law. Choose the "
+                                  "correct answer from the options below. Question: Is it? Options: A. yes B. no "
+                                  "C. maybe D. never")
+    assert columns["target"][0] == "Correct answer on professional law: C. maybe"
+    gen = tap_columns("common_gen", {"concepts": [["dog", "run"]], "target": ["A dog runs."]})
+    assert gen["text"][0].endswith("Concepts: dog, run") and gen["target"][0] == "Description: A dog runs."
+    news = tap_columns("ag_news", {"title": ["T"], "description": ["D"], "label": [3]})
+    assert news["text"][0] == "T\nD" and news["label"].tolist() == [2]
+    image = np.zeros((8, 8, 3), np.uint8)
+    vqa = datasets.Dataset.from_dict({"image": [image], "question": ["what?"], "multiple_choice_answer": ["red"]})
+    vqa.save_to_disk(tmp_path / "vqa")
+    config = load_config({"imports": ["rayfed.methods.tap"], "federation": {"clients_per_round": 1},
+                          "data": {"source": "tap:vqav2", "path": str(tmp_path / "vqa"), "num_clients": 1,
+                                   "options": {"image_size": 4}}})
+    from rayfed.data import load_source
+
+    loaded = load_source(config.data)
+    assert loaded.images.shape == (1, 4, 4, 3) and loaded.target[0] == "Answer: red"
+    assert loaded.text[0] == "Answer the question based on the image. Question: what?"
+    with pytest.raises(ConfigError, match="names no TAP dataset"):
+        load_source(load_config({"data": {"source": "tap:squad", "num_clients": 1},
+                                 "federation": {"clients_per_round": 1}}).data)
+
+
+def test_a_backbone_that_is_not_flava_or_vilt_is_refused():
+    run = _run()
+    run["model"]["backbone"] = "tiny:vit"
+    run["data"]["tasks"] = [run["data"]["tasks"][0]]
+    run["data"]["tasks"][0]["clients"] = [0, 1]
+    with pytest.raises(ConfigError, match="built from FLAVA or ViLT"):
+        ClientActor(load_config(run).to_dict(), [0]).start_method(0)
+
+
+def test_tap_hyperparameters_are_validated():
+    params = method_class("tap").Params
+    with pytest.raises(ValueError, match="margins needs 4 values"):
+        params(margins=(0.1,))
+    with pytest.raises(ValueError, match="mome has no option 'rank'"):
+        params(mome={"rank": 4})
+    assert task_view({"heads.task_0.w": 1, "shared_proj.w": 2}, [1], {"heads.task_0.w": frozenset({0})}) == \
+        {"shared_proj.w": 2}
+
+
+def test_the_tables_average_over_clients_as_the_paper_does(tmp_path):
+    """Avg. columns are client-weighted: FLAVA's Avg.Gen = (3 FMNIST + 6 Caltech) / 9 in the paper."""
+    import json
+
+    from rayfed.benchmarks.tap_tables import replacements, rows
+
+    config = {"data": {"tasks": [{"name": "fmnist", "clients": [0]}, {"name": "caltech", "clients": [1, 2]},
+                                 {"name": "mmlu_colors", "clients": [3]}, {"name": "mmlu_shapes", "clients": [3]}]}}
+    clients = {"0": {"local_mse": 0.4}, "1": {"local_mse": 0.1}, "2": {"local_mse": 0.1, "local_mse@pt": 0.3},
+               "3": {"mmlu_colors/local_token_f1": 0.2, "mmlu_shapes/local_token_f1": 0.4}}
+    (tmp_path / "summary.json").write_text(json.dumps({"config": config, "methods": {"TAP": {"clients": clients}}}))
+    events = [{"event": "round", "method": "TAP", "round": r, "client_stats": {"replaced/fmnist": float(r < 3)}}
+              for r in range(1, 5)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(e) for e in events))
+    table = rows([tmp_path])
+    assert table["TAP"]["Avg.Gen"][0] == pytest.approx((0.4 + 0.1 + 0.1) / 3)
+    assert table["TAP"]["MMLU F1"][0] == pytest.approx(0.3)  # one client: the mean of its subjects
+    assert table["TAP@pt"]["Caltech MSE"][0] == pytest.approx(0.3)
+    assert replacements([tmp_path]) == {"fmnist": (2.0, 0.0)}
