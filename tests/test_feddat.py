@@ -198,17 +198,25 @@ def test_the_local_adapter_and_the_head_persist_across_rounds(started, monkeypat
     assert all(torch.equal(views["local"][n], actor.states[1]["personal"][n]) for n in _names(after_round_0, "local"))
 
 
-def test_teachers_get_no_gradient_and_each_step_moves_only_its_adapter(started):
-    actor, shared = started
+def _gradient_order(actor, shared, client: int, **method_fields) -> tuple[dict, list[str]]:
+    """Train ``client`` one round with ``method_fields``; the model's parameters and the names of those that
+    received a gradient, in the order they received it."""
     params = dict(actor.model.named_parameters())
     events: list[str] = []
     handles = [params[n].register_hook(lambda grad, n=n: events.append(n)) for n in params if params[n].requires_grad]
     try:
-        actor.method = _method(kd_schedule="constant")  # alpha = beta = 1 from round 0: both KD terms on
-        actor.train(0, [2], {2: shared})
+        actor.method = _method(**method_fields)
+        actor.train(0, [client], {client: shared})
     finally:
         for handle in handles:
             handle.remove()
+    return params, events
+
+
+def test_teachers_get_no_gradient_and_each_step_moves_only_its_adapter(started):
+    actor, shared = started
+    # alpha = beta = 1 from round 0: both KD terms on
+    params, events = _gradient_order(actor, shared, 2, kd_schedule="constant")
     kinds = ["shared" if ".shared." in n else "local" if ".local." in n else "head" for n in events]
     per_step = len(_names(params, "shared")) + len(_names(params, "local")) + 2 * len([n for n in params if n.startswith("head.")])
     assert len(kinds) == 2 * per_step  # two local steps, each: A_s + head, then A_c + head, nothing else
@@ -220,15 +228,7 @@ def test_teachers_get_no_gradient_and_each_step_moves_only_its_adapter(started):
 
 def test_the_joint_update_takes_one_step_per_batch_on_both_objectives(started):
     actor, shared = started
-    params = dict(actor.model.named_parameters())
-    events: list[str] = []
-    handles = [params[n].register_hook(lambda grad, n=n: events.append(n)) for n in params if params[n].requires_grad]
-    try:
-        actor.method = _method(update="joint", kd_schedule="constant")
-        actor.train(0, [0], {0: shared})
-    finally:
-        for handle in handles:
-            handle.remove()
+    params, events = _gradient_order(actor, shared, 0, update="joint", kd_schedule="constant")
     trained = [n for n in params if params[n].requires_grad]
     assert sorted(events) == sorted(2 * trained)  # two local steps; the head's two losses meet in one backward
     assert not _names(events, "frozen")
