@@ -1,4 +1,4 @@
-"""Markdown tables of FedMosaic's offline results (``results.jsonl`` of :mod:`rayfed.benchmarks.fedmosaic_offline`):
+"""Markdown tables of FedMosaic's offline results (``results.jsonl`` of :mod:`rayfed.benchmarks.offline_runs`):
 Self / Others A_last and A_AUC (token F1 x 100, mean +- std over seeds) next to the paper's, seed-paired gaps, the
 RELA weight matrix's block structure by task group, and communication per round.
 
@@ -34,9 +34,13 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
     return [row for row in rows if "error" not in row]
 
 
+def _stem(row: dict[str, Any]) -> str:
+    return row["config"].rsplit("/", 1)[-1]  # offline_runs names configs by their path under configs/
+
+
 def key(row: dict[str, Any]) -> str:
     suffix = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in sorted(row["overrides"].items()))
-    setting = row["config"].removeprefix("offline_")
+    setting = _stem(row).removeprefix("offline_")
     return f"{setting}:{row['label']}" + (f"[{suffix}]" if suffix else "")
 
 
@@ -121,7 +125,7 @@ def block_structure(rows: list[dict[str, Any]], label: str = "fedmosaic", settin
 def communication(rows: list[dict[str, Any]], rounds: int = 20) -> str:
     seen: dict[str, dict[str, int]] = {}
     for row in rows:
-        if row["config"] == "offline_dynamic" and not row["overrides"]:
+        if _stem(row) == "offline_dynamic" and not row["overrides"]:
             seen.setdefault(row["label"], row["comm_params"])
     lines = ["| method | uploaded parameters per round (10 clients) | downloaded per round | vs FedAvg upload |",
              "| --- | --- | --- | --- |"]

@@ -1,13 +1,13 @@
-"""Run FedMosaic's offline experiments (docs/fedmosaic.md) as parallel single-method jobs and collect one compact
-line per (method, seed) in ``<out>/results.jsonl``; ``python -m rayfed.benchmarks.fedmosaic_tables`` makes the
-tables from it.
+"""Run a paper's offline experiments as parallel single-method jobs and collect one compact line per (method,
+overrides, seed) in ``<out>/results.jsonl``; ``benchmarks/<paper>_tables.py`` make the tables from it.
 
-    python -m rayfed.benchmarks.fedmosaic_offline --plan main --seeds 0 1 2 --jobs 12 --out runs/fedmosaic
+    python -m rayfed.benchmarks.offline_runs --plan fedmosaic --seeds 0 1 2 --jobs 12 --out runs/fedmosaic
+    python -m rayfed.benchmarks.offline_runs --plan feddat-domain feddat-scene --seeds 0 1 2 3 4 --jobs 60
 
-Every job is one method of one ``configs/fedmosaic`` file at one seed, run in-process (``placement.executor:
-local``, the same numbers as on Ray actors) with ``--threads`` CPU threads (default 1), on the GPU when there is one
-(``--device``).
-A plan names (config, method label, overrides) entries; see :data:`PLANS`.
+Every job is one method of one ``configs/<paper>/`` file at one seed, run in-process (``placement.executor:
+local``: the same numbers as on Ray actors, and as the method run beside the config's others, since every random
+stream derives from the seed, round, client and purpose alone) with ``--threads`` CPU threads (default 1), on the
+GPU when there is one (``--device``). A plan names (config, method label, overrides) entries; see :data:`PLANS`.
 """
 
 from __future__ import annotations
@@ -24,30 +24,43 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs" / "fedmosaic"
+CONFIGS = ROOT / "configs"
 
-Entry = tuple[str, str, dict[str, Any]]  # config file stem, method label, dotted overrides (label suffix from them)
+Entry = tuple[str, str, dict[str, Any]]  # config path under configs/ without .yaml, method label, dotted overrides
 
 
 def _sweep(label: str, key: str, values: list[Any]) -> list[Entry]:
-    return [("offline_dynamic", label, {f"methods.0.{key}": value}) for value in values]
+    return [("fedmosaic/offline_dynamic", label, {f"methods.0.{key}": value}) for value in values]
+
+
+def _all_methods(stem: str) -> list[Entry]:
+    methods = yaml.safe_load((CONFIGS / f"{stem}.yaml").read_text())["methods"]
+    return [(stem, _label(method), {}) for method in methods]
+
+
+def _label(method: str | dict[str, Any]) -> str:
+    return method if isinstance(method, str) else method.get("label", method["name"])
 
 
 PLANS: dict[str, list[Entry]] = {
-    "main": [("offline_dynamic", label, {}) for label in ("local", "fedavg", "vanilla", "pq_lora", "fedmosaic")],
-    "baselines": [("offline_baselines", label, {}) for label in ("ditto", "fedsim", "feddpa", "feddat_lora")],
-    "rela": [("offline_rela_variants", label, {}) for label in ("training_current", "frozen_current")],
-    "tau": _sweep("fedmosaic", "tau", [0.02, 0.1, 2.0, 10.0]),
-    "blocks": _sweep("fedmosaic", "blocks", [2, 8]),
-    "alignment": [("offline_alignment", "random_basis", {})],
-    "static": [("offline_static", label, {}) for label in ("local", "fedmosaic")],
-    "async": [("offline_async", label, {}) for label in ("local", "fedmosaic")],
+    "fedmosaic": [("fedmosaic/offline_dynamic", label, {})
+                  for label in ("local", "fedavg", "vanilla", "pq_lora", "fedmosaic")],
+    "fedmosaic-baselines": [("fedmosaic/offline_baselines", label, {})
+                            for label in ("ditto", "fedsim", "feddpa", "feddat_lora")],
+    "fedmosaic-rela": [("fedmosaic/offline_rela_variants", label, {})
+                       for label in ("training_current", "frozen_current")],
+    "fedmosaic-tau": _sweep("fedmosaic", "tau", [0.02, 0.1, 2.0, 10.0]),
+    "fedmosaic-blocks": _sweep("fedmosaic", "blocks", [2, 8]),
+    "fedmosaic-alignment": [("fedmosaic/offline_alignment", "random_basis", {})],
+    "fedmosaic-static": [("fedmosaic/offline_static", label, {}) for label in ("local", "fedmosaic")],
+    "fedmosaic-async": [("fedmosaic/offline_async", label, {}) for label in ("local", "fedmosaic")],
+    **{f"feddat-{benchmark}": _all_methods(f"feddat/offline_{benchmark}") for benchmark in ("domain", "function", "scene")},
 }
 
 
 def job_config(stem: str, label: str, overrides: dict[str, Any], seed: int, extra: dict[str, Any]) -> dict[str, Any]:
     config = yaml.safe_load((CONFIGS / f"{stem}.yaml").read_text())
-    config["methods"] = [m for m in config["methods"] if (m if isinstance(m, str) else m.get("label", m["name"])) == label]
+    config["methods"] = [m for m in config["methods"] if _label(m) == label]
     if not config["methods"]:
         raise ValueError(f"{stem}.yaml has no method labelled {label!r}")
     config["seed"] = seed
@@ -101,13 +114,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         return {**_key(job), "error": traceback.format_exc()[-2000:]}
     method = summary["methods"][label]
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    curves = [{k: e[k] for k in e if k in ("round", "self_token_f1", "others_token_f1")} for e in events
+    curves = [{k: v for k, v in e.items() if k not in ("event", "method")} for e in events
               if e.get("event") == "eval" and e.get("method") == label]
-    per_client = {cid: {k: v for k, v in metrics.items() if k in ("self_token_f1", "others_token_f1")}
-                  for cid, metrics in method["clients"].items()}
-    return {**_key(job), "stream": method.get("stream", {}), "mean": {k: v for k, v in method["mean"].items()
-                                                                       if k.startswith(("self_", "others_"))},
-            "clients": per_client, "curves": curves, "comm_bytes": summary["comm_bytes"][label],
+    return {**_key(job), "stream": method.get("stream", {}), "mean": method["mean"], "clients": method["clients"],
+            "curves": curves, "comm_bytes": summary["comm_bytes"][label],
             "comm_params": summary["comm_params"][label], "wall_s": round(time.time() - started, 1),
             "device": "cuda" if torch.cuda.is_available() else "cpu", **_relevance(run_dir, label)}
 
@@ -119,13 +129,13 @@ def _key(job: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plan", nargs="+", default=["main"], choices=sorted(PLANS))
+    parser.add_argument("--plan", nargs="+", required=True, choices=sorted(PLANS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=2, help="jobs at a time")
     parser.add_argument("--device", choices=("auto", "cpu"), default="auto")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per job")
     parser.add_argument("--labels", nargs="*", default=None, help="only these method labels of the plans")
-    parser.add_argument("--out", default="runs/fedmosaic")
+    parser.add_argument("--out", required=True)
     parser.add_argument("--runs", default=None, help="where the jobs' run folders go (default: <out>/runs)")
     parser.add_argument("--set", nargs="*", default=[], help="dotted overrides for every job (key=YAML value)")
     args = parser.parse_args(argv)
