@@ -3,6 +3,7 @@ overrides, seed) in ``<out>/results.jsonl``; ``benchmarks/<paper>_tables.py`` ma
 
     python -m rayfed.benchmarks.offline_runs --plan fedmosaic --seeds 0 1 2 --jobs 12 --out runs/fedmosaic
     python -m rayfed.benchmarks.offline_runs --plan feddat-domain feddat-scene --seeds 0 1 2 3 4 --jobs 60
+    python -m rayfed.benchmarks.offline_runs --plan tap-flava-quick --labels TAP --seeds 3 4 5 --out runs/tap
 
 Every job is one method of one ``configs/<paper>/`` file at one seed, run in-process (``placement.executor:
 local``: the same numbers as on Ray actors, and as the method run beside the config's others, since every random
@@ -55,6 +56,8 @@ PLANS: dict[str, list[Entry]] = {
     "fedmosaic-static": [("fedmosaic/offline_static", label, {}) for label in ("local", "fedmosaic")],
     "fedmosaic-async": [("fedmosaic/offline_async", label, {}) for label in ("local", "fedmosaic")],
     **{f"feddat-{benchmark}": _all_methods(f"feddat/offline_{benchmark}") for benchmark in ("domain", "function", "scene")},
+    **{f"tap-{setting.replace('_', '-')}": _all_methods(f"tap/offline_{setting}")
+       for setting in ("flava_quick", "vilt_quick", "flava", "vilt")},
 }
 
 
