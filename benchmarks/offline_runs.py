@@ -2,13 +2,14 @@
 overrides, seed) in ``<out>/results.jsonl``; ``benchmarks/<paper>_tables.py`` make the tables from it.
 
     python -m rayfed.benchmarks.offline_runs --plan fedmosaic --seeds 0 1 2 --jobs 12 --out runs/fedmosaic
-    python -m rayfed.benchmarks.offline_runs --plan feddat-domain feddat-scene --seeds 0 1 2 3 4 --jobs 60
+    python -m rayfed.benchmarks.offline_runs --plan feddat-domain feddat-scene --seeds 0 1 2 3 4 --jobs 60 --out runs/feddat
     python -m rayfed.benchmarks.offline_runs --plan tap-flava-quick --labels TAP --seeds 3 4 5 --out runs/tap
 
 Every job is one method of one ``configs/<paper>/`` file at one seed, run in-process (``placement.executor:
 local``: the same numbers as on Ray actors, and as the method run beside the config's others, since every random
-stream derives from the seed, round, client and purpose alone) with ``--threads`` CPU threads (default 1), on the
-GPU when there is one (``--device``). A plan names (config, method label, overrides) entries; see :data:`PLANS`.
+stream derives from the seed, round, client and purpose alone) with ``--threads`` CPU threads (default 1);
+``--device auto`` puts them on the GPU when there is one. A plan names (config, method label, overrides) entries;
+see :data:`PLANS`.
 """
 
 from __future__ import annotations
@@ -135,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plan", nargs="+", required=True, choices=sorted(PLANS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=2, help="jobs at a time")
-    parser.add_argument("--device", choices=("auto", "cpu"), default="auto")
+    parser.add_argument("--device", choices=("cpu", "auto"), default="cpu",
+                        help="auto: the GPU when there is one (tiny models in many processes sharing one GPU ran "
+                             "about 100x slower than on a CPU core each)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per job")
     parser.add_argument("--labels", nargs="*", default=None, help="only these method labels of the plans")
     parser.add_argument("--out", required=True)
