@@ -1,6 +1,6 @@
 """Side by side with Flower: rayfed and Flower on the same FL workload, in one command.
 
-    python benchmarks/flower_side.py --workload cpu|gpu --out DIR
+    python benchmarks/flower_side.py --workload cpu|gpu|llm|llm-cpu --out DIR
 
 Runs, one after another and each in its own process (so each gets a fresh Ray):
 
@@ -37,6 +37,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 FLOWER_VENV_PYTHON = HERE / "flower" / ".venv" / "bin" / "python"
 RUNS = ("rayfed", "cached", "documented")
+WORKLOADS = ("cpu", "gpu", "llm", "llm-cpu")  # `rayfed bench --workload`'s; this script runs without rayfed imported
 GOAL_SPEEDUP = 5.0  # issue 8: rayfed >= 5x faster than Flower written as its docs show
 
 
@@ -162,7 +163,7 @@ def versions(python: str) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--workload", choices=WORKLOADS, default="cpu")
     parser.add_argument("--out", default="runs/flower_side")
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="what to run, in this order")
     parser.add_argument("--repeat", type=int, default=1,
@@ -225,12 +226,13 @@ def _read_result(run: str, out: Path) -> dict[str, Any]:
             return {"machine": bench.get("machine")}
         r = bench["runs"][0]
         return {
-            "machine": bench["machine"], "workload_fields": bench["workload"], "round_s": r["round_s"],
+            "machine": bench["machine"], "workload_fields": bench["workload"], "step_work": bench["step_work"],
+            "round_s": r["round_s"],
             "num_actors": r["num_actors"],
             "client_updates_per_s": r["client_updates_per_s"], "samples_per_s": r["samples_per_s"],
             "peak_gpu_mib_per_actor": r["peak_gpu_mib_per_actor"],
             "peak_host_mib_per_actor": r["peak_host_mib_per_actor"],
-            "overhead_ratio": r["overhead_ratio"], "local_acc": r["local_acc"],
+            "overhead_ratio": r["overhead_ratio"], "local_metrics": r["local_metrics"],
             "rounds": bench["workload"]["rounds"],
             **{key: r[key] for key in r if key.startswith("mean_")},  # s/round, the ideal's, where rounds went
         }
@@ -267,9 +269,14 @@ def markdown(results: dict[str, Any]) -> str:
     runs = results["runs"]
     base = _mean_round(runs, "rayfed")
     machine = next((r["machine"] for r in runs if r.get("machine")), results["host"])
+    # every run does the same work per round; rayfed's bench counted it (FLOPs and tokens of one client step)
+    work = next((r["step_work"] for r in runs if r.get("step_work")), None)
 
     def fmt(value, spec=".0f"):
         return "-" if value is None else format(value, spec)
+
+    def per_second(amount: float | None, mean: float | None, spec: str) -> str:
+        return fmt(amount * work["steps_per_round"] / mean if amount is not None and work and mean else None, spec)
 
     rows = []
     for r in runs:
@@ -283,12 +290,13 @@ def markdown(results: dict[str, Any]) -> str:
             f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else "-",
             fmt(mean / base, ".2f") if mean and base else "-",
             fmt(r.get("client_updates_per_s"), ".2f"),
+            per_second(work and work["tokens"], mean, ".0f"), per_second(work and work["flops"] / 1e12, mean, ".3g"),
             fmt(r.get("peak_gpu_mib_per_actor")), fmt(r.get("peak_host_mib_per_actor")),
             fmt(r.get("peak_gpu_used_mib")), fmt(r.get("peak_tree_rss_mib")), fmt(r.get("command_wall_s")),
         ]) + " |")
     header = ("| pass | framework | client code | timed rounds | s/round | min-max | x rayfed's mean s/round "
-              "| client updates/s | peak GPU MiB / actor (torch) | host MiB / actor (RSS) | peak GPU MiB used (device) "
-              "| peak RSS MiB (process tree) | command s |\n|" + "---|" * 13)
+              "| client updates/s | tokens/s | TFLOP/s | peak GPU MiB / actor (torch) | host MiB / actor (RSS) "
+              "| peak GPU MiB used (device) | peak RSS MiB (process tree) | command s |\n|" + "---|" * 15)
     versions = results["versions"]
     lines = [
         f"Workload: `{results['workload']}` ({json.dumps(next((r['workload_fields'] for r in runs if r.get('workload_fields')), {}))})",
@@ -298,7 +306,9 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         header, *rows, "",
         ("s/round: mean over the timed rounds (the first round of each run is a warm-up and left out); the "
-        "ratio column divides by rayfed's mean over all its passes. "
+        "ratio column divides by rayfed's mean over all its passes. Tokens/s and TFLOP/s: the work of a round "
+        "(rayfed bench's count: client steps x FLOPs and tokens of one step, forward + backward) over each run's "
+        "s/round. "
         "Per-actor memory: PyTorch's peak allocated GPU memory and the actor's RSS, read inside the actor. "
         "Device and process-tree peaks: sampled every 0.5 s from outside over the whole command (for rayfed "
         "that includes `rayfed bench`'s ideal loop and host-memory probe in the driver)."),

@@ -7,6 +7,11 @@ actors wait, so both see the same host: on the lent GPU hosts the same loop drif
 percent within minutes, and an ideal timed before or after a whole run is no fair reference.
 overhead ratio = rayfed's round wall time / the ideal's, over the same rounds (the first
 round is a warm-up for both and is left out).
+
+Next to s/round, both report achieved TFLOP/s: the FLOPs of one client training step, counted once
+with torch's FlopCounterMode (forward + backward: matrix products and attention), times the round's
+steps, over the round's time; text workloads also report tokens/s (the counted step's batch's
+attention mask times the round's steps, over its time).
 """
 
 from __future__ import annotations
@@ -28,25 +33,36 @@ from typing import Any
 import psutil
 import ray
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from rayfed.actors.client import ClientActor
 from rayfed.config import RunConfig, load_config
-from rayfed.errors import ConfigError
+from rayfed.errors import ConfigError, choice_error
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.method import tensor_bytes
+from rayfed.models import LLM_LORA_TARGETS
 from rayfed.report import format_table
 from rayfed.simulation import Simulation, init_local_ray
 from rayfed.tasks import sample_round
+from rayfed.training import ClientContext
+from rayfed.types import TensorDict
+
+TASKS = ("image_classification", "text_generation")
 
 
 @dataclass(frozen=True)
 class Workload:
-    """One fixed FL workload; the defaults are the CPU smoke size, `--gpu` the issue's CLIP size."""
+    """One fixed FL workload; the defaults are the CPU smoke size. ``task`` picks the clients' data: synthetic
+    images of ``image_size`` pixels for a classifier head, or synthetic text (``synthetic-text``, a copy task)
+    for a causal LM, every sequence exactly ``seq_len`` tokens, the last ``target_words`` + 1 of them the target."""
 
     backbone: str = "tiny:vit"
+    task: str = "image_classification"
     lora_rank: int = 8
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     image_size: int = 16
+    seq_len: int = 64
+    target_words: int = 16
     num_clients: int = 20
     clients_per_round: int = 4
     local_steps: int = 5
@@ -55,6 +71,15 @@ class Workload:
     rounds: int = 3
     method: str = "fedavg"
     cuda_graphs: bool = False  # train.cuda_graphs: each actor replays one captured training step
+    client_memory: bool = True  # also measure the memory a hosted client adds (builds two more models)
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise choice_error("Workload.task", self.task, TASKS)
+        if self.task == "text_generation" and not 1 <= self.target_words <= (self.seq_len - 2) // 2:
+            raise ConfigError(f"Workload.target_words = {self.target_words} is invalid: the target copies the "
+                              f"prompt's first words, so it must be in 1..{(self.seq_len - 2) // 2} for seq_len = "
+                              f"{self.seq_len}.")
 
     def config(
         self, clients_per_actor: int, gpus_per_actor: float, seed: int = 0, client_state: str = "auto",
@@ -62,13 +87,7 @@ class Workload:
         return load_config({
             "name": "bench",
             "seed": seed,
-            "data": {
-                "source": "synthetic",
-                "synthetic": {"num_samples": self.num_clients * self.samples_per_client, "num_classes": 10,
-                              "image_size": self.image_size, "channels": 3},
-                "num_clients": self.num_clients,
-                "partition": {"name": "iid"},
-            },
+            "data": self._data(),
             "model": {"backbone": self.backbone, "lora": {"rank": self.lora_rank, "alpha": self.lora_rank,
                                                           "targets": list(self.lora_targets)}},
             "federation": {"rounds": self.rounds, "clients_per_round": self.clients_per_round,
@@ -80,12 +99,76 @@ class Workload:
                           "client_state": client_state},
         })
 
+    def _data(self) -> dict[str, Any]:
+        samples = self.num_clients * self.samples_per_client
+        clients = {"num_clients": self.num_clients, "partition": {"name": "iid"}}
+        if self.task == "image_classification":
+            return {"source": "synthetic", "synthetic": {"num_samples": samples, "num_classes": 10,
+                                                         "image_size": self.image_size, "channels": 3}, **clients}
+        # The word tokenizer of llama: backbones makes one token of a word, plus <bos> and the target's <eos>.
+        prompt_words = self.seq_len - self.target_words - 2
+        return {"source": "synthetic-text", "kind": "text_generation", "max_text_length": self.seq_len,
+                "options": {"num_samples": samples, "prompt_words": prompt_words, "target_words": self.target_words},
+                **clients}
+
 
 GPU_WORKLOAD = Workload(
     backbone="open_clip:ViT-B-16", lora_rank=16, lora_targets=("c_fc", "c_proj"), image_size=32,
     num_clients=100, clients_per_round=16, local_steps=10, batch_size=64, samples_per_client=64, rounds=6,
     cuda_graphs=True,
 )
+
+# Llama-3.2-1B's shape, randomly initialised (bf16 weights on a GPU), + LoRA r16 on all seven linear layers of
+# every block (rayfed's default for LLMs, as QLoRA-style recipes train them), FlowerTune-LLM's sizes: 20 clients, a
+# few per round, 10 local steps on sequences of 512 tokens. Each probe of client memory would build two more
+# 1.2 B-parameter models.
+LLM_WORKLOAD = Workload(
+    backbone="llama:1B", task="text_generation", lora_rank=16, lora_targets=LLM_LORA_TARGETS, seq_len=512,
+    target_words=32, num_clients=20, clients_per_round=4, local_steps=10, batch_size=8, samples_per_client=16,
+    rounds=5, client_memory=False,
+)
+LLM_CPU_WORKLOAD = dataclasses.replace(
+    LLM_WORKLOAD, backbone="llama:tiny", seq_len=64, target_words=8, num_clients=4, clients_per_round=2,
+    local_steps=2, batch_size=4, samples_per_client=8, rounds=2,
+)
+WORKLOADS: dict[str, Workload] = {
+    "cpu": Workload(), "gpu": GPU_WORKLOAD, "llm": LLM_WORKLOAD, "llm-cpu": LLM_CPU_WORKLOAD,
+}
+
+
+def workload_named(name: str) -> Workload:
+    """The workload ``--workload name`` selects (a key of :data:`WORKLOADS`)."""
+    if name not in WORKLOADS:
+        raise choice_error("--workload", name, WORKLOADS)
+    return WORKLOADS[name]
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one client training step computes: FLOPs (forward + backward) and its batch's tokens (None: no text)."""
+
+    flops: int
+    tokens: int | None
+
+    def rates(self, steps: int, seconds: float) -> dict[str, float | None]:
+        """Tokens/s and achieved TFLOP/s of ``steps`` such steps in ``seconds``."""
+        return {"tokens_per_s": None if self.tokens is None else self.tokens * steps / seconds,
+                "tflops_per_s": self.flops * steps / seconds / 1e12}
+
+
+def count_step_work(context: ClientContext, params: TensorDict) -> StepWork:
+    """One training step of ``context`` from ``params``, its FLOPs counted by torch's FlopCounterMode (matrix
+    products and attention; elementwise work and the optimizer's update count nothing) and its tokens read from
+    the attention mask of the batch the model is called on."""
+    batches: list[Any] = []
+    hook = context.model.register_forward_pre_hook(lambda module, args: batches.append(args[0]))
+    try:
+        with FlopCounterMode(display=False) as counter:
+            context.train(params, steps=1)
+    finally:
+        hook.remove()
+    mask = batches[0].get("attention_mask") if isinstance(batches[0], dict) else None
+    return StepWork(counter.get_total_flops(), None if mask is None else int(mask.sum()))
 
 
 class IdealLoop:
@@ -95,6 +178,12 @@ class IdealLoop:
         self.config = workload.config(clients_per_actor=workload.num_clients, gpus_per_actor=0)
         self.host = ClientActor(self.config.to_dict(), list(range(workload.num_clients)))
         self.shared = self.host.start_method(0)
+
+    def step_work(self) -> StepWork:
+        """The work of one client step (client 0's first), run eagerly: a replayed CUDA graph runs the same kernels."""
+        context = self.host._context(0, 0)
+        context.train_config = context.train_config.model_copy(update={"cuda_graphs": False})
+        return count_step_work(context, self.shared)
 
     def run_round(self, round_idx: int) -> float:
         """Seconds for round ``round_idx``'s sampled clients, each trained from the same shared parameters."""
@@ -129,7 +218,9 @@ def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int, ideal
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"rayfed-bench-{actors_per_gpu}x{num_gpus}-")) / "run"
     started = time.perf_counter()
-    summary = Simulation(config, out_dir=out_dir, callbacks=[after_round], progress=False).run()
+    # No model check in this process: the ideal loop has built and trained the same model here already (for
+    # the LLM the check would build another 1.2 B-parameter model and run it on one CPU thread).
+    summary = Simulation(config, out_dir=out_dir, callbacks=[after_round], progress=False, check_model=False).run()
     total = time.perf_counter() - started
     events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     walls = [e["wall_s"] for e in events if e["event"] == "round"]
@@ -141,7 +232,7 @@ def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int, ideal
         **{f"mean_{key}": _mean([b[key] for b in breakdown]) for key in BREAKDOWN_KEYS},
         # the busiest actor's local updates against an even share of the round's (balanced rounds)
         "mean_busiest_actor_s": _mean([max(b) for b in busy]), "mean_even_share_s": _mean([sum(b) / num_actors for b in busy]),
-        "local_acc": summary["methods"][workload.method]["mean"]["local_acc"],
+        "local_metrics": summary["methods"][workload.method]["mean"],
     }
 
 
@@ -192,6 +283,10 @@ def memory_per_client(workload: Workload, client_state: str, num_clients: int = 
             "state_bytes_per_client": tensor_bytes(host.states[1])}
 
 
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -211,8 +306,11 @@ def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path
     num_gpus = torch.cuda.device_count()
     owns_ray = not ray.is_initialized()
     ideal = IdealLoop(workload)
+    work = ideal.step_work()
+    steps_per_round = workload.clients_per_round * workload.local_steps
     results: dict[str, Any] = {
         "workload": dataclasses.asdict(workload),
+        "step_work": {**dataclasses.asdict(work), "steps_per_round": steps_per_round},
         "machine": {"gpu": torch.cuda.get_device_name(0) if num_gpus else None, "num_gpus": num_gpus,
                     "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
         "ideal_device": str(ideal.host.device),
@@ -239,6 +337,8 @@ def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path
                     speedup_vs_ideal=ideal_round / mean_round,
                     client_updates_per_s=updates / mean_round,
                     samples_per_s=updates * workload.local_steps * workload.batch_size / mean_round,
+                    **work.rates(steps_per_round, mean_round),
+                    **{f"ideal_{key}": rate for key, rate in work.rates(steps_per_round, ideal_round).items()},
                     peak_gpu_mib_per_actor=max(u["gpu_peak_bytes"] for u in result["usage"]) / 2**20,
                     peak_host_mib_per_actor=max(u["rss_bytes"] for u in result["usage"]) / 2**20,
                 )
@@ -251,9 +351,11 @@ def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path
     del ideal
     results["median_ratios"] = median_ratios(results["runs"])
     add_speedups(results["runs"])
-    results["client_memory"] = [memory_per_client(workload, "host")]
-    if num_gpus:
-        results["client_memory"].append(memory_per_client(workload, "device"))
+    results["client_memory"] = []
+    if workload.client_memory:
+        results["client_memory"].append(memory_per_client(workload, "host"))
+        if num_gpus:
+            results["client_memory"].append(memory_per_client(workload, "device"))
     atomic_write_json(out_dir / "bench.json", results)
     atomic_write_text(out_dir / "bench.md", markdown(results))
     return results
@@ -286,20 +388,28 @@ def markdown(results: dict[str, Any]) -> str:
         "-" if run["overhead_ratio"] is None else f"{run['overhead_ratio']:.3f}", f"{run['speedup_vs_ideal']:.2f}",
         "-" if run.get("speedup_vs_1_gpu") is None else f"{run['speedup_vs_1_gpu']:.2f}",
         f"{run['client_updates_per_s']:.1f}", f"{run['samples_per_s']:.0f}",
+        *(_number(run[key], ".0f") for key in ("tokens_per_s", "ideal_tokens_per_s")),
+        *(_number(run[key], ".3g") for key in ("tflops_per_s", "ideal_tflops_per_s")),
         f"{run['peak_gpu_mib_per_actor']:.0f}", f"{run['peak_host_mib_per_actor']:.0f}",
         *(f"{run['mean_' + key]:.3f}" for key in BREAKDOWN_KEYS),
         f"{run['mean_busiest_actor_s']:.3f} / {run['mean_even_share_s']:.3f}",
     ] for run in results["runs"]]
     header = ["GPUs", "actors/GPU", "s/round", "ideal s/round", "overhead ratio", "x ideal speed", "x 1 GPU", "client updates/s",
-              "samples/s", "peak GPU MiB/actor", "peak host MiB/actor",
+              "samples/s", "tokens/s", "ideal tokens/s", "TFLOP/s", "ideal TFLOP/s", "peak GPU MiB/actor",
+              "peak host MiB/actor",
               "local updates s", "rest on actor s", "before actors s", "after actors s", "busiest actor / even share s"]
     medians = ", ".join(f"{key}: {ratio:.3f}" for key, ratio in results["median_ratios"].items())
+    work = results["step_work"]
+    tokens = "" if work["tokens"] is None else f" on {work['tokens']} tokens"
     return (
         f"Workload: `{json.dumps(results['workload'])}`\n\n"
         f"Machine: {machine['gpu'] or 'CPU only'}, {machine['cpus']} CPUs, torch {machine['torch']}\n\n"
         f"Ideal: one process running the same steps back to back on {results['ideal_device']}, each round right "
         "after rayfed's same round (paired rounds); the overhead ratio (one GPU) is rayfed's s/round over the "
         "ideal's, x ideal speed its inverse.\n\n"
+        f"Work per round: {work['steps_per_round']} client steps of {work['flops'] / 1e9:.2f} GFLOP{tokens} each "
+        "(forward + backward, counted once with torch's FlopCounterMode: matrix products and attention); "
+        "TFLOP/s and tokens/s are that over each s/round.\n\n"
         + format_table(rows, header)
         + "\nPer round (means over the timed rounds): the clients' local updates on the busiest actor, the rest "
         "of the actors' round calls, and the time before the first actor starts and after the last one ends.\n"

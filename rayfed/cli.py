@@ -63,10 +63,9 @@ def _tune(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rayfed.benchmarks.overhead import GPU_WORKLOAD, Workload, run_bench
+    from rayfed.benchmarks.overhead import run_bench, workload_named
 
-    workload = GPU_WORKLOAD if args.workload == "gpu" else Workload()
-    results = run_bench(workload, tuple(args.actors_per_gpu), Path(args.out), repeats=args.repeats)
+    results = run_bench(workload_named(args.workload), tuple(args.actors_per_gpu), Path(args.out), repeats=args.repeats)
     print((Path(args.out) / "bench.md").read_text())
     print(f"results: {args.out}/bench.json, {args.out}/bench.md ({len(results['runs'])} runs)")
     return 0
@@ -132,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.set_defaults(handler=_tune)
 
     bench = commands.add_parser("bench", help="time a fixed FL workload against a plain PyTorch loop")
-    bench.add_argument("--workload", choices=["cpu", "gpu"], default="cpu",
-                       help="cpu: a tiny ViT smoke size; gpu: open_clip ViT-B/16 + LoRA, 100 clients, 16 per round")
+    bench.add_argument("--workload", choices=["cpu", "gpu", "llm", "llm-cpu"], default="cpu",
+                       help="cpu: a tiny ViT smoke size; gpu: open_clip ViT-B/16 + LoRA, 100 clients, 16 per round; "
+                       "llm: a Llama-3.2-1B-shaped model + LoRA r16, text generation on 512-token sequences, "
+                       "20 clients, 4 per round; llm-cpu: the same on a tiny Llama")
     bench.add_argument("--actors-per-gpu", type=int, nargs="+", default=[1, 2, 4], help="packings to sweep")
     bench.add_argument("--repeats", type=int, default=1,
                        help="run the sweep this many times; each packing's median overhead ratio is reported")

@@ -54,6 +54,22 @@ VIT_SIZES = {
 }
 LLM_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+# Llama-3.2's language models (config.json of meta-llama/Llama-3.2-1B and -3B) and a tiny one for tests: the
+# `llama:<size>` backbones, randomly initialised.
+LLAMA_SIZES: dict[str, dict[str, Any]] = {
+    "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256),
+    "3B": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256),
+}
+_LLAMA_3_2 = dict(
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                  "original_max_position_embeddings": 8192},
+)
+
 
 # How a backbone's encoder is called: features (batch, d) for heads, next-token logits for text tasks ----
 def cls_features(encoder: nn.Module, inputs: Batch) -> torch.Tensor:
@@ -209,6 +225,34 @@ def _tiny_clip_vision(request: BackboneRequest) -> Backbone:
     return Backbone(encoder, clip_config.hidden_size, clip_config.image_size, 3, pooler_features)
 
 
+def llama_config(size: str) -> transformers.LlamaConfig:
+    """The ``LlamaConfig`` of ``llama:<size>`` (one of :data:`LLAMA_SIZES`), its token ids the word tokenizer's."""
+    from rayfed.zoo.tokenizers import word_tokenizer
+
+    if size not in LLAMA_SIZES:
+        raise choice_error("model.backbone", f"llama:{size}", [f"llama:{s}" for s in LLAMA_SIZES])
+    tokenizer = word_tokenizer(append_eos=False)
+    return transformers.LlamaConfig(
+        **LLAMA_SIZES[size], **_LLAMA_3_2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+@register_backbone("llama:")
+def _random_llama(request: BackboneRequest) -> Backbone:
+    """A randomly initialised Llama-3.2-shaped causal LM (``llama:1B``, ``llama:3B``; ``llama:tiny`` for tests)
+    over the offline word tokenizer; bfloat16 weights where this process sees a GPU, else float32."""
+    from rayfed.zoo.tokenizers import word_tokenizer
+
+    config = llama_config(request.argument or "")
+    # As the checkpoints ship; the steps compute in bf16 under autocast on a GPU anyway. A CPU runs no autocast
+    # here, and a float32 LoRA over bf16 weights would need it.
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    with _quiet_loading():
+        encoder = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return _causal_lm(encoder, word_tokenizer(append_eos=False, model_max_length=config.max_position_embeddings))
+
+
 @register_backbone("tiny-pretrained:")
 def _tiny_pretrained(request: BackboneRequest) -> Backbone:
     """A tiny model of a zoo family pretrained on synthetic data (docs/offline_models.md), built on first use."""
@@ -341,7 +385,12 @@ def _hf_causal_lm(name_or_path: str) -> Backbone:
     from rayfed.zoo.tokenizers import load_tokenizer
 
     encoder = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
-    config, tokenizer = encoder.config, load_tokenizer(name_or_path)
+    return _causal_lm(encoder, load_tokenizer(name_or_path))
+
+
+def _causal_lm(encoder: nn.Module, tokenizer: Any) -> Backbone:
+    """A text-only causal LM's backbone: LoRA on every linear layer, texts up to its positions (at most 512)."""
+    config = encoder.config
     return Backbone(
         encoder, config.hidden_size, None, 3, causal_lm_features, frozenset({TEXT}), causal_lm_logits, tokenizer,
         _text_limit(tokenizer, config.max_position_embeddings), LLM_LORA_TARGETS,
@@ -459,13 +508,16 @@ def classification_task(num_classes: int) -> Task:
     return Task(0, "task", ("",) * num_classes)
 
 
-def build_client_model(backbone: Backbone, config: ModelConfig, task: Task | int, seed: int) -> ClientModel:
-    """A fresh client model for one task over a private copy of ``backbone``; initial values depend on
-    ``seed`` only. An int ``task`` is an image classification task with that many classes."""
+def build_client_model(
+    backbone: Backbone, config: ModelConfig, task: Task | int, seed: int, private_copy: bool = True,
+) -> ClientModel:
+    """A fresh client model for one task over a private copy of ``backbone`` (``private_copy=False``: over
+    ``backbone`` itself, which it changes); initial values depend on ``seed`` only. An int ``task`` is an
+    image classification task with that many classes."""
     task = classification_task(task) if isinstance(task, int) else task
     torch.manual_seed(seed)
     head = task.kind.build_head(backbone, task) or nn.Identity()
-    model = ClientModel(_private_copy(backbone), head, [task])
+    model = ClientModel(_private_copy(backbone) if private_copy else backbone, head, [task])
     _attach_module(model, backbone, config, [task], lambda block: False, seed)
     model.head.requires_grad_(True)
     return model
@@ -594,6 +646,9 @@ def _inject_lora(model: ClientModel, lora: LoraConfig, backbone: Backbone) -> No
     model.encoder = peft.inject_adapter_in_model(peft_config, model.encoder)
     for name, param in model.encoder.named_parameters():
         param.requires_grad_("lora_" in name)
+        if "lora_" in name and param.dtype != torch.float32:
+            # peft makes LoRA weights in a bf16 base's dtype; trained (Adam) and exchanged in fp32, as PeftModel does
+            param.data = param.data.float()
     for module in model.encoder.modules():
         # peft casts bf16 activations to the fp32 LoRA weights' dtype, and autocast casts them straight back:
         # the same numbers for two copies of every activation (10% of a ViT-B/16 step on an H200).

@@ -95,11 +95,15 @@ class Simulation:
         out_dir: str | os.PathLike | None = None,
         callbacks: list[RoundCallback] | None = None,
         progress: bool = True,
+        check_model: bool = True,
     ):
+        """``check_model=False`` skips building and running every method's model in this process before the
+        actors start (:meth:`_check_model`), for a caller that has just done so (``rayfed bench``)."""
         self.config = load_config(config, overrides)
         import_plugin_modules(self.config)
         self.callbacks = list(callbacks or [])
         self.progress = progress
+        self.check_model = check_model
         self.run_dir = _fresh_run_dir(self.config.name, out_dir)
         self._resuming = False
         self.actors: list[Any] = []
@@ -117,6 +121,7 @@ class Simulation:
         import_plugin_modules(sim.config)
         sim.callbacks = list(kwargs.get("callbacks") or [])
         sim.progress = kwargs.get("progress", True)
+        sim.check_model = kwargs.get("check_model", True)
         sim.run_dir = run_dir
         sim._resuming = True
         sim.actors, sim.driver = [], None
@@ -129,7 +134,8 @@ class Simulation:
         self.federation = build_federation(self.config.data, self.config.seed)
         self.num_train = {cid: self.federation.sizes(cid)["num_train"] for cid in range(self.federation.num_clients)}
         self.methods = run_methods(self.config, self.federation)
-        self._check_model()
+        if self.check_model:
+            self._check_model()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(self.config, self.run_dir / "config.yaml")
         previous = MetricsLog.read(self.run_dir / "metrics.jsonl") if self._resuming else []
@@ -191,7 +197,9 @@ class Simulation:
                     )
                 for holding in federation.holdings:
                     self.federation.tasks[holding.task].kind.check_model(model, backbone, holding.where)
-                with torch.no_grad():
+                # bf16 weights (a backbone built where a GPU is seen) run here on the CPU, under autocast as on the GPU
+                low_precision = any(p.dtype == torch.bfloat16 for p in model.parameters())
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=low_precision):
                     for task, batch in samples:
                         select_task(model, task.index)
                         task.kind.loss(model(batch), batch)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+import torch
 
-from rayfed.benchmarks.overhead import IdealLoop, Workload, median_ratios, round_breakdown, run_bench
+from rayfed.benchmarks import flower_side
+from rayfed.benchmarks.overhead import (
+    LLM_CPU_WORKLOAD, LLM_WORKLOAD, WORKLOADS, IdealLoop, Workload, median_ratios, round_breakdown, run_bench,
+    workload_named,
+)
+from rayfed.cli import build_parser
+from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
+from rayfed.models import build_backbone, build_client_model
 from rayfed.seeding import sample_clients
 
 
@@ -27,7 +36,7 @@ def test_bench_writes_json_and_markdown_with_overhead_ratios(tmp_path):
         for part, wall in zip(run["breakdown"], run["round_s"]):
             assert 0 < part["update_s"] < wall and part["actor_rest_s"] >= 0 and part["after_actors_s"] > 0
     # every packing trains the same clients with the same seeds
-    assert results["runs"][0]["local_acc"] == results["runs"][1]["local_acc"]
+    assert results["runs"][0]["local_metrics"] == results["runs"][1]["local_metrics"]
     [memory] = saved["client_memory"]  # no GPU: host memory only
     assert memory["state_device"] == "cpu" and memory["state_bytes_per_client"] > 0
     table = (tmp_path / "bench.md").read_text()
@@ -71,3 +80,92 @@ def test_the_ideal_round_trains_the_round_s_sampled_clients_from_the_same_start(
 def test_bench_needs_at_least_one_repeat(tmp_path):
     with pytest.raises(ConfigError, match="--repeats 0"):
         run_bench(Workload(), (1,), tmp_path, repeats=0)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_the_llm_workload_on_a_tiny_llama_reports_tokens_and_tflops_for_rayfed_and_the_ideal(tmp_path):
+    workload = LLM_CPU_WORKLOAD
+    results = run_bench(workload, (1,), tmp_path)
+
+    work = results["step_work"]
+    steps = workload.clients_per_round * workload.local_steps
+    assert work["steps_per_round"] == steps
+    assert work["tokens"] == workload.batch_size * workload.seq_len  # every synthetic sequence is full
+    [run] = results["runs"]
+    for prefix, seconds in (("", run["mean_round_s"]), ("ideal_", run["mean_ideal_round_s"])):
+        assert run[f"{prefix}tokens_per_s"] == pytest.approx(work["tokens"] * steps / seconds)
+        assert run[f"{prefix}tflops_per_s"] == pytest.approx(work["flops"] * steps / seconds / 1e12)
+    assert "local_token_f1" in run["local_metrics"] and results["client_memory"] == []
+    table = (tmp_path / "bench.md").read_text()
+    assert "| tokens/s | ideal tokens/s | TFLOP/s | ideal TFLOP/s |" in table
+    assert f"{steps} client steps of" in table and f"on {work['tokens']} tokens each" in table
+
+
+def _linear_flops(tokens: int, lora_rank: int, linears: list[tuple[int, int]], needs_input_grad: bool) -> int:
+    """Forward + backward FLOPs of one block's frozen linear layers with LoRA (2 per multiply-add); the
+    gradient of their input is computed only where ``needs_input_grad``."""
+    total = 0
+    for inputs, outputs in linears:
+        forward = 2 * tokens * inputs * outputs + 2 * tokens * lora_rank * (inputs + outputs)
+        lora_backward = 2 * tokens * lora_rank * (2 * outputs + inputs)  # dB, d(xA), dA
+        input_backward = 2 * tokens * inputs * outputs + 2 * tokens * lora_rank * inputs if needs_input_grad else 0
+        total += forward + lora_backward + input_backward
+    return total
+
+
+def test_a_counted_step_has_the_analytic_flops_of_the_tiny_llama_with_lora():
+    workload = LLM_CPU_WORKLOAD
+    ideal = IdealLoop(workload)
+    work = ideal.step_work()
+    config = ideal.host.backbone.encoder.config
+    d, f, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    attention, mlp = [(d, q), (d, kv), (d, kv)], [(q, d), (d, f), (d, f), (f, d)]
+    tokens, rank = workload.batch_size * workload.seq_len, workload.lora_rank
+    # Block 0's q/k/v read the frozen embeddings: no gradient of their input. The LM head: forward and input grad.
+    expected = (_linear_flops(tokens, rank, attention, False) + _linear_flops(tokens, rank, mlp, True)
+                + (config.num_hidden_layers - 1) * _linear_flops(tokens, rank, attention + mlp, True)
+                + 2 * (2 * tokens * d * vocab))
+    # torch counts no FLOPs for the CPU's fused attention kernel (on a GPU it counts flash / memory-efficient
+    # attention's), so on the CPU the count is the matrix products alone, exactly.
+    assert work.flops == expected
+    assert work.tokens == tokens
+
+
+def test_the_llm_workload_builds_llama_3_2_1b_with_bf16_weights_and_fp32_lora_r16_on_every_linear(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the weights' dtype on a GPU host
+    config = LLM_WORKLOAD.config(clients_per_actor=20, gpus_per_actor=1)
+    [task] = build_federation(config.data, config.seed).tasks
+    with torch.device("meta"):
+        backbone = build_backbone(config.model, 0)
+        base = sum(p.numel() for p in backbone.encoder.parameters())
+        model = build_client_model(backbone, config.model, task, seed=0, private_copy=False)
+    llama = backbone.encoder.config
+    shape = (llama.hidden_size, llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads,
+             llama.intermediate_size, llama.vocab_size, llama.tie_word_embeddings)
+    assert shape == (2048, 16, 32, 8, 8192, 128256, True)
+    # embeddings (tied with the LM head) 128256 x 2048 + 16 blocks of 60,821,504 + the final norm
+    assert base == 1_235_814_400
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    # r (in + out) per linear: q 2048+2048, k and v 2048+512, o 2048+2048, gate and up 2048+8192, down 8192+2048
+    assert sum(p.numel() for p in trainable.values()) == 16 * 16 * (4096 + 2560 + 2560 + 4096 + 3 * 10240) == 11_272_192
+    assert {p.dtype for p in trainable.values()} == {torch.float32}
+    assert {p.dtype for name, p in model.named_parameters() if name not in trainable} == {torch.bfloat16}
+    assert config.train.batch_size * config.data.max_text_length == 8 * 512
+
+
+def test_the_bench_workloads_are_the_same_for_the_cli_and_the_flower_side_by_side():
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    [workload_option] = [a for a in bench._actions if a.dest == "workload"]
+    assert list(workload_option.choices) == list(flower_side.WORKLOADS) == list(WORKLOADS)
+    with pytest.raises(ConfigError, match=r"--workload = 'llm-gpu' is not known \(did you mean 'llm-cpu'\?\); "
+                                          r"allowed: cpu, gpu, llm, llm-cpu\."):
+        workload_named("llm-gpu")
+
+
+def test_a_workload_names_its_bad_field_and_the_allowed_values():
+    with pytest.raises(ConfigError, match=r"Workload.task = 'text' is not known; allowed: image_classification, "
+                                          r"text_generation\."):
+        Workload(task="text")
+    with pytest.raises(ConfigError, match=r"Workload.target_words = 40 is invalid: .* in 1\.\.31 for seq_len = 64\."):
+        dataclasses.replace(LLM_CPU_WORKLOAD, target_words=40)

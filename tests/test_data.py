@@ -109,6 +109,20 @@ def test_synthetic_options_and_learnable_classes() -> None:
         load_data("sklearn:digits", synthetic={"num_samples": 10})
 
 
+def test_synthetic_text_prompts_of_exact_length_whose_target_copies_their_first_words() -> None:
+    data = load_data("synthetic-text", seed=1, synthetic={"num_samples": 5, "prompt_words": 12, "target_words": 4})
+    np.testing.assert_array_equal(data.text, load_data("synthetic-text", seed=1, synthetic={
+        "num_samples": 5, "prompt_words": 12, "target_words": 4}).text)
+    assert len(data) == 5 and data.labels is None and data.images is None
+    for prompt, target in zip(data.text, data.target):
+        assert len(prompt.split()) == 12 and target.split() == prompt.split()[:4]
+    with pytest.raises(DataError, match=r"data\.options\.target_words = 13 is more than prompt_words = 12"):
+        load_data("synthetic-text", synthetic={"prompt_words": 12, "target_words": 13})
+    with pytest.raises(DataError, match=r"data\.options has no option 'seq_len' for 'synthetic-text'; allowed: "
+                                        r"num_samples, prompt_words, target_words\."):
+        load_data("synthetic-text", synthetic={"seq_len": 12})
+
+
 def test_group_column_per_source() -> None:
     writers = load_data("synthetic", group_column="writer").groups
     np.testing.assert_array_equal(writers, load_data("synthetic").groups)

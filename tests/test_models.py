@@ -106,3 +106,23 @@ def test_open_clip_image_tower_with_lora_on_its_mlp(tmp_path):
     safetensors.torch.save_file({k: v.contiguous() for k, v in full.state_dict().items()}, weights)
     loaded = build_backbone(config.model_copy(update={"pretrained": str(weights)}), seed=1)
     assert torch.equal(loaded.encoder.conv1.weight, full.visual.conv1.weight)
+
+
+def test_random_llama_backbones_by_size_and_a_bf16_one_passes_the_drivers_check_on_the_cpu(monkeypatch, tmp_path):
+    from rayfed.actors.client import run_methods
+    from rayfed.benchmarks.overhead import LLM_CPU_WORKLOAD
+    from rayfed.data.clients import build_federation
+    from rayfed.simulation import Simulation
+
+    with pytest.raises(ConfigError, match=r"model\.backbone = 'llama:8B' is not known.*; allowed: llama:1B, llama:3B, "
+                                          r"llama:tiny\."):
+        build_backbone(ModelConfig(backbone="llama:8B"), seed=0)
+    tiny = build_backbone(ModelConfig(backbone="llama:tiny"), seed=0)
+    assert tiny.generates_text and tiny.encoder.dtype == torch.float32  # no GPU here: float32
+    assert len(tiny.tokenizer) <= tiny.encoder.config.vocab_size
+    # The driver of a GPU host builds bf16 weights and runs the method's model on two samples on its CPU.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    sim = Simulation(LLM_CPU_WORKLOAD.config(clients_per_actor=4, gpus_per_actor=0), out_dir=tmp_path / "run")
+    sim.federation = build_federation(sim.config.data, sim.config.seed)
+    sim.methods = run_methods(sim.config, sim.federation)
+    sim._check_model()

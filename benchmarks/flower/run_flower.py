@@ -1,6 +1,6 @@
 """Time one Flower variant on rayfed's benchmark workload; write OUT/flower_<variant>.json.
 
-    python benchmarks/flower/run_flower.py --variant documented|cached --workload cpu|gpu --out DIR
+    python benchmarks/flower/run_flower.py --variant documented|cached --workload cpu|gpu|llm|llm-cpu --out DIR
 
 Runs the flowerbench ServerApp and ClientApp in Flower's Simulation Engine (Ray backend) through
 `flwr.simulation.run_simulation`, with one supernode per client and `client_resources` chosen so
@@ -30,7 +30,8 @@ VARIANTS = {"documented": "flowerbench.client_app", "cached": "flowerbench.clien
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", choices=sorted(VARIANTS), required=True)
-    parser.add_argument("--workload", default="cpu", help="cpu | gpu (rayfed.benchmarks.overhead's Workload)")
+    parser.add_argument("--workload", default="cpu",
+                        help="a name of `rayfed bench --workload` (rayfed.benchmarks.overhead's WORKLOADS)")
     parser.add_argument("--rounds", type=int, default=None, help="override the workload's rounds (first is warm-up)")
     parser.add_argument("--actors", type=int, default=1, help="ClientApp actors per GPU (CPU-only: in all)")
     parser.add_argument("--client-cpus", type=float, default=1, help="client_resources num_cpus (rayfed: 1 per actor)")
@@ -45,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from flowerbench import server_app, task
     from flwr.simulation import run_simulation
-    from rayfed.benchmarks.overhead import GPU_WORKLOAD, Workload
+    from rayfed.benchmarks.overhead import workload_named
 
-    workload = GPU_WORKLOAD if args.workload == "gpu" else Workload()
+    workload = workload_named(args.workload)
     if args.rounds:
         workload = dataclasses.replace(workload, rounds=args.rounds)
     if args.variant == "documented":  # the docs' plain PyTorch loop; a graph captured per message would only add

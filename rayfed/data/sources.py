@@ -49,6 +49,7 @@ _SYNTHETIC_DEFAULTS: dict[str, float | int] = {
     "num_writers": 30,
 }
 SYNTHETIC_GROUP_COLUMN = "writer"  # the synthetic source's natural groups
+_SYNTHETIC_TEXT_DEFAULTS: dict[str, int] = {"num_samples": 600, "prompt_words": 32, "target_words": 8}
 _SHAPES_DEFAULTS: dict[str, Any] = {"num_samples": 4800, "styles": ["noisy"], "image_size": 32}
 _PARTS_DEFAULTS: dict[str, Any] = {"num_samples": 6000, "label_space": "fine", "world": 0, "noise": 0.1}
 SHAPES_GROUP_COLUMN = "domain"  # the shapes source's natural groups: render styles
@@ -57,6 +58,7 @@ _WRITER_STYLE_SCALE = 0.15
 # Fixed stream ids: each random draw in this module gets its own SeedSequence([seed, purpose]).
 _PURPOSE_SYNTHETIC = 1001
 _PURPOSE_SUBSET = 1002
+_PURPOSE_SYNTHETIC_TEXT = 1005
 
 
 class DataError(ConfigError):
@@ -532,6 +534,27 @@ def _make_synthetic(request: SourceRequest) -> ArrayDataset:
     images = np.clip(pixels, 0.0, 1.0).astype(np.float32)
     class_names = tuple(f"class_{k}" for k in range(num_classes))
     return ArrayDataset(images, labels.astype(np.int64), class_names, writers.astype(np.int64))
+
+
+@register_source("synthetic-text")
+def _make_synthetic_text(request: SourceRequest) -> ArrayDataset:
+    """Text generation of an exact length: a prompt of ``prompt_words`` random words of the offline vocabulary,
+    its target the prompt's first ``target_words`` words (a copy task); one token per word for the word
+    tokenizer of ``tiny-pretrained:`` and ``llama:`` backbones."""
+    from rayfed.data.multimodal import vocabulary
+
+    _require_no_split(request.name, request.config.split)
+    _require_no_group_column(request.name, request.config.partition.column)
+    params = generator_options(request.options, _SYNTHETIC_TEXT_DEFAULTS, " for 'synthetic-text'",
+                               tuple(_SYNTHETIC_TEXT_DEFAULTS))
+    if params["target_words"] > params["prompt_words"]:
+        raise DataError(f"data.options.target_words = {params['target_words']} is more than prompt_words = "
+                        f"{params['prompt_words']}; the target copies the prompt's first words.")
+    words = np.asarray([word for word in vocabulary() if word.isalpha()], dtype=object)
+    rng = np.random.default_rng(np.random.SeedSequence([request.seed, _PURPOSE_SYNTHETIC_TEXT]))
+    prompts = words[rng.integers(0, len(words), size=(params["num_samples"], params["prompt_words"]))]
+    return ArrayDataset(text=np.asarray([" ".join(row) for row in prompts], dtype=object),
+                        target=np.asarray([" ".join(row[:params["target_words"]]) for row in prompts], dtype=object))
 
 
 @register_source("shapes")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from flowerbench.task import get_device, get_model, load_data, memory_metrics
+from flowerbench.task import get_backbone, get_device, get_model, load_data, memory_metrics
 from flowerbench.task import test as test_fn
 from flowerbench.task import train as train_fn
 
@@ -22,14 +22,15 @@ app = ClientApp()
 def train(msg: Message, context: Context) -> Message:
     """Train the model on local data."""
     # Build the model and move it to the device
-    model = get_model()
+    backbone = get_backbone()
+    model = get_model(backbone)
     device = get_device()
     model.to(device)
     params = msg.content["arrays"].to_torch_state_dict()
 
     # Load the data
     partition_id = int(context.node_config["partition-id"])
-    data = load_data(partition_id)
+    data = load_data(partition_id, backbone)
 
     # Call the training function (it loads the received weights first)
     result = train_fn(model, data, params, partition_id, int(msg.content["config"]["server-round"]), device)
@@ -43,12 +44,13 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the model on local data."""
-    model = get_model()
+    backbone = get_backbone()
+    model = get_model(backbone)
     device = get_device()
     model.to(device)
     params = msg.content["arrays"].to_torch_state_dict()
     partition_id = int(context.node_config["partition-id"])
-    data = load_data(partition_id)
+    data = load_data(partition_id, backbone)
     results = test_fn(model, data, params, partition_id, int(msg.content["config"]["server-round"]), device)
-    metrics = {"eval_loss": results["local_loss"], "eval_acc": results["local_acc"], "num-examples": data.num_test}
+    metrics = {**{f"eval-{name}": value for name, value in results.items()}, "num-examples": data.num_test}
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

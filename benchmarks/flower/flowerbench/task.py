@@ -3,14 +3,16 @@
 Everything that decides the amount of work comes from rayfed itself, so both frameworks run the
 same model, data, partition, local steps and optimizer:
 
-* the workload (`Workload` / `GPU_WORKLOAD`) and its `RunConfig` from rayfed.benchmarks.overhead;
-* the data: rayfed's synthetic source and partition (`build_federation`), the client's train split;
-* the model: rayfed's backbone (`build_backbone`), with the same seeds, + LoRA + a linear head;
+* the workload (`WORKLOADS`) and its `RunConfig` from rayfed.benchmarks.overhead;
+* the data: rayfed's synthetic source and partition (`build_federation`), the client's train split
+  (text tokenized by the backbone's tokenizer);
+* the model: rayfed's backbone (`build_backbone`), with the same seeds, + LoRA + the task's head
+  (`build_client_model`: a linear head for images, the LM's own head for text);
 * the local update: `ClientContext.train` (seeded batches, Adam, bf16 autocast on CUDA; the GPU
   workload's CUDA graphs for the cached client, the plain eager loop for the documented one).
 
-The workload is chosen by the environment variable FLOWERBENCH_WORKLOAD ("cpu", "gpu" or a JSON
-object of `Workload` fields), which the Ray workers running the ClientApps inherit.
+The workload is chosen by the environment variable FLOWERBENCH_WORKLOAD (a name of `rayfed bench
+--workload`, or a JSON object of `Workload` fields), which the Ray workers running the ClientApps inherit.
 """
 
 from __future__ import annotations
@@ -21,12 +23,11 @@ import os
 
 import psutil
 import torch
-from torch import nn
-from rayfed.benchmarks.overhead import GPU_WORKLOAD, Workload
+from rayfed.benchmarks.overhead import WORKLOADS, Workload
 
 from rayfed.config import RunConfig
 from rayfed.data.clients import Federation, build_federation
-from rayfed.models import Backbone, ClientModel, _inject_lora, build_backbone
+from rayfed.models import Backbone, ClientModel, build_backbone, build_client_model
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.data.batches import ClientData
 from rayfed.training import ClientContext, TrainResult
@@ -41,10 +42,8 @@ def workload_spec(workload: Workload) -> str:
 
 def get_workload() -> Workload:
     spec = os.environ.get(WORKLOAD_ENV, "cpu")
-    if spec == "cpu":
-        return Workload()
-    if spec == "gpu":
-        return GPU_WORKLOAD
+    if spec in WORKLOADS:
+        return WORKLOADS[spec]
     fields = json.loads(spec)
     fields["lora_targets"] = tuple(fields.get("lora_targets", Workload.lora_targets))
     return Workload(**fields)
@@ -66,9 +65,9 @@ def load_federation() -> Federation:
     return fds
 
 
-def load_data(partition_id: int) -> ClientData:
-    """The client's own examples (its train and test split), as tensors on the CPU."""
-    return load_federation().client_data(partition_id, None)  # images and labels: no backbone needed to encode
+def load_data(partition_id: int, backbone: Backbone) -> ClientData:
+    """The client's own examples (its train and test split), encoded for ``backbone``, as tensors on the CPU."""
+    return load_federation().client_data(partition_id, backbone)
 
 
 def get_backbone() -> Backbone:
@@ -78,20 +77,12 @@ def get_backbone() -> Backbone:
 
 
 def get_model(backbone: Backbone | None = None) -> ClientModel:
-    """Backbone + LoRA + head with rayfed's initial values.
-
-    Same steps as rayfed.models.build_client_model, less its deep copy of the backbone: here the
-    backbone is built for this model alone, so copying it would only add work.
-    """
+    """Backbone + LoRA + head with rayfed's initial values, less rayfed's deep copy of the backbone: here
+    the backbone is built for this model alone, so copying it would only add work."""
     config = get_config()
-    backbone = backbone or get_backbone()
-    tasks = load_federation().tasks
-    torch.manual_seed(torch_seed(config.seed, 0, SERVER, "client_model"))
-    model = ClientModel(backbone, nn.Linear(backbone.feature_dim, tasks[0].num_classes), tasks)
-    if config.model.lora is not None:
-        _inject_lora(model, config.model.lora, backbone)
-    model.head.requires_grad_(True)
-    return model
+    seed = torch_seed(config.seed, 0, SERVER, "client_model")
+    return build_client_model(backbone or get_backbone(), config.model, load_federation().tasks[0], seed,
+                              private_copy=False)
 
 
 def get_device() -> torch.device:
