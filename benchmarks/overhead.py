@@ -26,6 +26,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import psutil
 import ray
 import torch
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from rayfed.actors.client import ClientActor
@@ -156,6 +158,32 @@ class StepWork:
                 "tflops_per_s": self.flops * steps / seconds / 1e12}
 
 
+def _with_query_heads(query: Sequence[int], key: Sequence[int], value: Sequence[int]) -> tuple[Sequence[int], ...]:
+    """Grouped-query attention's K / V shapes with the query's heads: the products it runs (torch's formulas
+    assume equal heads and reject fewer K / V heads)."""
+    heads = query[1]
+    return query, (key[0], heads, *key[2:]), (value[0], heads, *value[2:])
+
+
+def _sdpa_flops(query: Sequence[int], key: Sequence[int], value: Sequence[int], *args: Any, **kwargs: Any) -> int:
+    return flop_counter.sdpa_flop_count(*_with_query_heads(query, key, value))
+
+
+def _sdpa_backward_flops(grad_out: Sequence[int], query: Sequence[int], key: Sequence[int], value: Sequence[int],
+                         *args: Any, **kwargs: Any) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out, *_with_query_heads(query, key, value))
+
+
+aten = torch.ops.aten
+GQA_FLOPS = {  # FlopCounterMode's custom_mapping: the GPU attention kernels (the CPU one counts nothing)
+    **{op: _sdpa_flops for op in (aten._scaled_dot_product_efficient_attention,
+                                  aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_cudnn_attention)},
+    **{op: _sdpa_backward_flops for op in (aten._scaled_dot_product_efficient_attention_backward,
+                                           aten._scaled_dot_product_flash_attention_backward,
+                                           aten._scaled_dot_product_cudnn_attention_backward)},
+}
+
+
 def count_step_work(context: ClientContext, params: TensorDict) -> StepWork:
     """One training step of ``context`` from ``params``, its FLOPs counted by torch's FlopCounterMode (matrix
     products and attention; elementwise work and the optimizer's update count nothing) and its tokens read from
@@ -163,7 +191,7 @@ def count_step_work(context: ClientContext, params: TensorDict) -> StepWork:
     batches: list[Any] = []
     hook = context.model.register_forward_pre_hook(lambda module, args: batches.append(args[0]))
     try:
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=GQA_FLOPS) as counter:
             context.train(params, steps=1)
     finally:
         hook.remove()

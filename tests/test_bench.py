@@ -169,3 +169,13 @@ def test_a_workload_names_its_bad_field_and_the_allowed_values():
         Workload(task="text")
     with pytest.raises(ConfigError, match=r"Workload.target_words = 40 is invalid: .* in 1\.\.31 for seq_len = 64\."):
         dataclasses.replace(LLM_CPU_WORKLOAD, target_words=40)
+
+
+def test_attention_flops_of_grouped_query_attention_count_every_query_head():
+    from rayfed.benchmarks.overhead import _sdpa_backward_flops, _sdpa_flops
+
+    batch, query_heads, kv_heads, length, head_dim = 2, 8, 2, 16, 4
+    query, grouped = (batch, query_heads, length, head_dim), (batch, kv_heads, length, head_dim)
+    # Q K^T and the weights times V: two products of 2 * length * length * head_dim per query head.
+    assert _sdpa_flops(query, grouped, grouped) == 2 * 2 * batch * query_heads * length * length * head_dim
+    assert _sdpa_backward_flops(query, query, grouped, grouped) == 2.5 * _sdpa_flops(query, grouped, grouped)
