@@ -15,7 +15,6 @@ The model is TAP's (:mod:`rayfed.mome`, options in ``mome``); any model works th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from torch import nn
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, TensorDict
+from rayfed.methods.tap import post_train_views, stored_views
 from rayfed.models import Backbone
 from rayfed.mome import MoMEOptions, build_mome_model
 from rayfed.registry import register_method
@@ -94,18 +94,12 @@ class DisentAFL(Method):
     def after_federation(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> ClientState:
         if not self.params.post_fl_microbatches:
             return state
-        steps = math.ceil(self.params.post_fl_microbatches / client.train_config.grad_accum)
         start = {**state["personal"], **(payload or {})}
-        state = dict(state)
-        for view, count in (("pt", steps), ("pt2", 2 * steps)):
-            state[f"view:{view}"] = client.train(start, steps=count, lr=self.params.post_lr, purpose="post_train",
-                                                 loss=self.loss).params
-        return state
+        return {**state, **post_train_views(client, start, self.params.post_fl_microbatches, self.params.post_lr,
+                                            loss=self.loss)}
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
-        views = {"": {**state["personal"], **(payload or {})}}
-        views.update({slot.removeprefix("view:"): v for slot, v in state.items() if slot.startswith("view:")})
-        return views
+        return {"": {**state["personal"], **(payload or {})}, **stored_views(state)}
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
         return self.eval_views(state, payload)[""]

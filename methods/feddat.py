@@ -17,13 +17,28 @@ report the DAT and A_c views (Table 4).
 the paper's baselines (§5), the config's ``model.module`` alone (adapter, lora, prompt, bias, full, head) trained
 with CE, with the same local heads and uniform mean; ``federated: false`` keeps everything local (clf-L,
 Adapter-L, full-L).
+
+With ``mome`` set, FedDAT is TAP's baseline (seed ``000_a0f3b72231afa875.txt`` §5; spec ``tap.md`` §6 [R]) in
+TAP's modular model (:mod:`rayfed.mome`, ``backbone_module: adapter``): no LoRA in the MoTE / MoME backbone, the
+three adapters (``Linear D -> b, ReLU, Linear b -> D``, residual; b = ``mome.adapter_dim``) after every expert's
+FFN, and the FL-engaged model is every trainable block but A_c (A_s, heads, encoders' LoRA and projections,
+``shared_proj``), averaged component-wise like TAP's FedAvg (with ``aggregation: samples``). A client holding
+several tasks takes each objective as ``sum_o lambda_o (CE_o + w KD_o)``; KD compares the decoders' own outputs
+as TAP's distillation does (:func:`rayfed.methods.tap.kd_term`: class logits, the text decoder's logits at every
+position, an image's width axis or with ``image_kd: mse`` the two images' squared error). ``evaluate: dat``
+reports the DAT under the plain metric names (TAP's FedDAT row) and A_s as ``@shared``.
+
+``post_fl_microbatches`` P > 0 adds the "+ Post-train" views ``@pt`` and ``@pt2``: P and 2P more micro-batches of
+FedDAT's own two-step training at ``post_lr`` from the last round's model (Â_s the last global A_s), evaluated
+as the plain view.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,8 +46,10 @@ from torch import nn
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, TensorDict
+from rayfed.methods.tap import IMAGE_KD, kd_term, post_train_views, stored_views, task_outputs
 from rayfed.models import Backbone, attach_adapter_set, build_task_model
 from rayfed.modules import set_adapter_mix
+from rayfed.mome import MoMEOptions, build_mome_model, task_key
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase, Step, distillation_loss
@@ -45,6 +62,10 @@ ADAPTERS = {"feddat": ("shared", "frozen", "local"), "no_mkd": ("shared", "froze
 DAT = {"feddat": {"frozen": 0.5, "local": 0.5}, "no_mkd": {"frozen": 0.5, "local": 0.5},
        "no_frozen": {"local": 1.0}, "no_local": {"frozen": 1.0}}
 STUDENT = {"shared": 1.0}
+# The adapter views each variant reports: A_s alone, the DAT, A_c alone (the evaluated one under the plain names).
+VIEWS = {"feddat": ("shared", "local", "dat"), "no_mkd": ("shared", "local", "dat"), "no_frozen": ("shared", "local"),
+         "no_local": ("shared",), "peft": ("shared",)}
+EVALUATED = ("shared", "dat")
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,11 @@ class FedDATParams:
     variant: str = "feddat"
     federated: bool = True
     aggregation: str = "uniform"  # uniform mean (Algorithm 1) or samples (Eq. 3)
+    evaluate: str = "shared"  # the view under the plain metric names: shared (A_s, the paper's) or dat (TAP's row)
+    post_fl_microbatches: int = 0  # P of the "+ Post-train" views pt and pt2 (0: none)
+    post_lr: float = 1e-4
+    mome: dict[str, Any] | None = None  # None: the HF backbone's layers; a mapping: TAP's modular model's options
+    image_kd: str = "softmax"  # with mome: image generation's KD, softmax over the width axis (TAP's) or mse
 
     def __post_init__(self) -> None:
         if not self.tau > 0:
@@ -77,6 +103,27 @@ class FedDATParams:
             raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
         if self.aggregation not in ("uniform", "samples"):
             raise ValueError("aggregation must be uniform or samples")
+        if self.evaluate not in EVALUATED:
+            raise ValueError(f"evaluate must be one of {', '.join(EVALUATED)}")
+        if self.evaluate not in VIEWS[self.variant]:
+            raise ValueError(f"evaluate = {self.evaluate} needs a variant with a dual-adapter teacher (feddat, "
+                             f"no_mkd), not {self.variant}")
+        if self.post_fl_microbatches < 0:
+            raise ValueError("post_fl_microbatches must be >= 0")
+        if not self.post_lr > 0:
+            raise ValueError("post_lr must be > 0")
+        if self.image_kd not in IMAGE_KD:
+            raise ValueError(f"image_kd must be one of {', '.join(IMAGE_KD)}")
+        if self.mome is not None:
+            if self.variant == "peft":
+                raise ValueError("variant peft has no mome model; TAP's FedAvg is tap's @fedavg view")
+            if mome_options(self.mome).backbone_module != "adapter":
+                raise ValueError("mome.backbone_module must be adapter for feddat (it trains the expert adapters)")
+
+
+def mome_options(mome: Mapping[str, Any]) -> MoMEOptions:
+    """FedDAT's modular model: ``mome``'s options, the backbone's module the expert adapters unless it says."""
+    return MoMEOptions.parse({"backbone_module": "adapter", **mome}, "mome")
 
 
 @register_method("feddat")
@@ -84,7 +131,11 @@ class FedDAT(Method):
     Params = FedDATParams
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
-        if self.params.variant == "peft":
+        variant = self.params.variant
+        if self.params.mome is not None:
+            return build_mome_model(backbone, tasks, mome_options(self.params.mome), seed, ADAPTERS[variant],
+                                    frozen_adapters=("frozen",))
+        if variant == "peft":
             return build_task_model(backbone, config, tasks, seed)
         if config.module != "adapter":
             raise ConfigError(f"methods (feddat) trains adapters, but model.module = {config.module!r}; set "
@@ -98,6 +149,8 @@ class FedDAT(Method):
             return False
         if self.params.variant == "peft":
             return not name.startswith("head.") and name != "head"
+        if self.params.mome is not None:  # TAP's FL model: everything but A_c (Â_s is never trained)
+            return LOCAL not in name
         return SHARED in name
 
     # Client side ---------------------------------------------------------------------------------------
@@ -132,25 +185,32 @@ class FedDAT(Method):
         beta = 0.0 if variant == "no_mkd" else self.kd_weight(self.params.beta, round_idx)
         dat = DAT[variant]
 
+        # Each objective over the batch's task parts: sum_o lambda_o (CE_o + weight KD_o).
         def student(step: Step) -> torch.Tensor:
-            set_adapter_mix(step.model, STUDENT)
-            z_s = step.outputs()
-            step.memory["z_s"] = z_s.detach()
-            loss = _cross_entropy(step, z_s)
-            if alpha:
-                set_adapter_mix(step.model, dat)
-                with torch.no_grad():
-                    teacher = step.outputs()
-                loss = loss + alpha * distillation_loss(z_s, teacher, tau)
-            return scale * loss
+            losses = []
+            for part, (task, batch) in enumerate(step.parts):
+                set_adapter_mix(step.model, STUDENT)
+                z_s, scored = self._outputs(step, part)
+                step.memory[f"z_s:{part}"] = z_s.detach()
+                loss = task.kind.loss(scored, batch)
+                if alpha:
+                    set_adapter_mix(step.model, dat)
+                    with torch.no_grad():
+                        z_dat, _ = self._outputs(step, part)
+                    loss = loss + alpha * self._kd(task, z_s, z_dat, tau)
+                losses.append(loss)
+            return scale * step.task_loss(losses)
 
         def teacher(step: Step) -> torch.Tensor:
             set_adapter_mix(step.model, dat)
-            z_dat = step.outputs()
-            loss = _cross_entropy(step, z_dat)
-            if beta:
-                loss = loss + beta * distillation_loss(z_dat, step.memory["z_s"], tau)
-            return scale * loss
+            losses = []
+            for part, (task, batch) in enumerate(step.parts):
+                z_dat, scored = self._outputs(step, part)
+                loss = task.kind.loss(scored, batch)
+                if beta:
+                    loss = loss + beta * self._kd(task, z_dat, step.memory[f"z_s:{part}"], tau)
+                losses.append(loss)
+            return scale * step.task_loss(losses)
 
         if variant == "no_local":  # no L^DAT: the only teacher is frozen
             return [Phase(trains=lambda name: LOCAL not in name, loss=student)]
@@ -159,24 +219,49 @@ class FedDAT(Method):
         return [Phase(trains=lambda name: LOCAL not in name, loss=student),
                 Phase(trains=lambda name: SHARED not in name, loss=teacher)]
 
+    def _outputs(self, step: Step, part: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What distillation compares and what the task's kind scores, on ``step.parts[part]``."""
+        if self.params.mome is None:
+            outputs = step.outputs(part)
+            return outputs, outputs
+        return task_outputs(step.model, *step.parts[part])
+
+    def _kd(self, task: Task, student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torch.Tensor:
+        if self.params.mome is None:
+            return distillation_loss(student, teacher, tau)
+        return kd_term(task_key(task), student, teacher, tau, self.params.image_kd)
+
+    def after_federation(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> ClientState:
+        microbatches = self.params.post_fl_microbatches
+        if not microbatches:
+            return state
+        start = {**state["personal"], **(payload or {})}
+        if self.params.variant == "peft":
+            return {**state, **post_train_views(client, start, microbatches, self.params.post_lr)}
+        client.model.load_trainable(self._frozen_copy(start))
+        views = post_train_views(client, start, microbatches, self.params.post_lr, phases=self._phases(client.round))
+        set_adapter_mix(client.model, None)
+        return {**state, **views}
+
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
         own = {**state["personal"], **(payload or {})}
-        own.update(self._frozen_copy(own))
-        if self.params.variant in ("peft", "no_local"):  # no local adapter; no_local's DAT is the received A_s
-            return {"": own}
-        views = {"": own, "local": own}
-        if self.params.variant != "no_frozen":  # there, the DAT is A_c alone
-            views["dat"] = own
+        frozen = self._frozen_copy(own)
+        own.update(frozen)
+        views = {view: own for view in self._view_mixtures()}
+        # Post-trained views keep the last received A_s as Â_s.
+        views.update({view: {**values, **frozen} for view, values in stored_views(state).items()})
         return views
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
         return self.eval_views(state, payload)[""]
 
+    def _view_mixtures(self) -> dict[str, str]:
+        """Each adapter view's name -> the adapters it evaluates (``shared``, ``dat``, ``local``)."""
+        evaluated = self.params.evaluate
+        return {"": evaluated, **{name: name for name in VIEWS[self.params.variant] if name != evaluated}}
+
     def activate_view(self, model: nn.Module, view: str) -> None:
         if self.params.variant == "peft":
             return
-        set_adapter_mix(model, {"": None, "dat": DAT[self.params.variant], "local": {"local": 1.0}}[view])
-
-
-def _cross_entropy(step: Step, logits: torch.Tensor) -> torch.Tensor:
-    return step.task.kind.loss(logits, step.batch)
+        adapters = self._view_mixtures().get(view, self.params.evaluate)  # pt, pt2: the evaluated adapters
+        set_adapter_mix(model, {"shared": None, "dat": DAT[self.params.variant], "local": {"local": 1.0}}[adapters])

@@ -25,6 +25,7 @@ from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.method import ClientState, LocalResult, Method, TensorDict
+from rayfed.methods.tap import post_train_views, stored_views
 from rayfed.models import Backbone
 from rayfed.modules import select_task
 from rayfed.mome import MoMEOptions, build_mome_model
@@ -119,20 +120,16 @@ class PerFedAvg(Method):
         client.train(global_params, steps=1, loss=adapt, purpose="personalize")  # the engine's own step is dropped
         state = {**state, "view:adapted": adapted["params"]}
         if self.params.post_fl_microbatches:
-            steps = -(-self.params.post_fl_microbatches // client.train_config.grad_accum)
-            for view, count in (("pt", steps), ("pt2", 2 * steps)):
-                state[f"view:{view}"] = client.train(global_params, steps=count, lr=self.params.post_lr,
-                                                     purpose="post_train").params
+            state.update(post_train_views(client, global_params, self.params.post_fl_microbatches,
+                                          self.params.post_lr))
         return state
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
         global_params = {**state["personal"], **(payload or {})}
         if "view:adapted" not in state:  # during the rounds: the global model
             return {"": global_params}
-        views = {"": state["view:adapted"], "global": global_params}
-        views.update({slot.removeprefix("view:"): v for slot, v in state.items()
-                      if slot.startswith("view:") and slot != "view:adapted"})
-        return views
+        views = stored_views(state)
+        return {"": views.pop("adapted"), "global": global_params, **views}
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
         return self.eval_views(state, payload)[""]

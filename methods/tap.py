@@ -44,6 +44,7 @@ from rayfed.mome import TASK_KEYS, MoMEModel, MoMEOptions, build_mome_model, tas
 from rayfed.registry import register_method, register_source
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Step, TrainResult, distillation_loss, scheduled_lr
+from rayfed.types import Batch
 
 HISTORIES = ("weighted", "plain")
 IMAGE_KD = ("softmax", "mse")
@@ -111,6 +112,40 @@ def post_fl_steps(microbatches: int, grad_accum: int) -> int:
     return math.ceil(microbatches / grad_accum)
 
 
+def post_train_views(client: ClientContext, start: TensorDict, microbatches: int, lr: float,
+                     multiples: Sequence[int] = (1, 2), **train: Any) -> dict[str, TensorDict]:
+    """The "+ Post-train" views (spec §6) as client-state slots: ``view:pt`` (``start`` trained P micro-batches
+    at ``lr``) and ``view:pt2`` (2P), ``view:pt<k>`` for each of ``multiples``, every one on the same batches in
+    the same order; ``train``: :meth:`ClientContext.train`'s ``loss`` or ``phases`` (the method's own
+    objective)."""
+    steps = post_fl_steps(microbatches, client.train_config.grad_accum)
+    return {f"view:pt{'' if k == 1 else k}": client.train(start, steps=k * steps, lr=lr, purpose="post_train",
+                                                          **train).params for k in multiples}
+
+
+def stored_views(state: ClientState) -> dict[str, TensorDict]:
+    """The views a client state holds in its ``view:<name>`` slots, by name."""
+    return {slot.removeprefix("view:"): values for slot, values in state.items() if slot.startswith("view:")}
+
+
+def task_outputs(model: nn.Module, task: Task, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The modular model's outputs on ``task``'s ``batch``: the decoder's own (what distillation compares; text
+    generation: the logits of every output position) and what the task's kind scores."""
+    select_task(model, task.index)
+    raw = model(batch, raw=True)
+    return raw, model.aligned(raw, batch) if task_key(task) == "text_generation" else raw
+
+
+def kd_term(key: str, student: torch.Tensor, teacher: torch.Tensor, temperature: float,
+            image_kd: str) -> torch.Tensor:
+    """Eq. 5 on the decoders' outputs of a task with key ``key``: ``tau^2 KL(p_T || p_S)``, batchmean, over the
+    last axis (classes; the vocabulary at every output position, pad included; an image's width axis, the
+    code's), or for image generation with ``image_kd = mse`` the mean squared error between the two images."""
+    if key == "image_generation" and image_kd == "mse":
+        return nn.functional.mse_loss(student.float(), teacher.float())
+    return distillation_loss(student, teacher, temperature)
+
+
 class LossHistory:
     """A training loss function (the default task loss) that also records each TAP task's loss over the call:
     ``weighted``: (1 / #micro-batches) sum_mb lambda_o,mb l_o,mb (the code's), ``plain``: the mean over the
@@ -161,9 +196,7 @@ class Distillation:
         losses, distilled = [], []
         for task, batch in step.parts:
             key = task_key(task)
-            select_task(model, task.index)
-            raw = model(batch, raw=True)
-            outputs = model.aligned(raw, batch) if key == "text_generation" else raw
+            raw, outputs = task_outputs(model, task, batch)
             losses.append(task.kind.loss(outputs, batch))
             beta = self.weights[TASK_KEYS.index(key)]
             if self.teacher is not None and beta:
@@ -176,9 +209,7 @@ class Distillation:
         return loss + sum(distilled) if distilled else loss
 
     def term(self, key: str, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-        if key == "image_generation" and self.image_kd == "mse":
-            return nn.functional.mse_loss(student.float(), teacher.float())
-        return distillation_loss(student, teacher, self.temperature)
+        return kd_term(key, student, teacher, self.temperature, self.image_kd)
 
 
 @register_method("tap")
@@ -246,16 +277,14 @@ class TAP(Method):
         if not self.params.federated or not microbatches:
             return state
         steps = post_fl_steps(microbatches, client.train_config.grad_accum)
-        start = self._w(state, payload)
 
         def post_train(params: TensorDict, count: int, loss: Any = None) -> TensorDict:
             # Every post-FL model sees the same batches in the same order (purpose post_train).
             return client.train(params, steps=count, lr=self.params.post_lr, purpose="post_train", loss=loss).params
 
-        teacher = post_train(start, steps)
-        state = {**state, "view:pt": teacher}
-        if self.params.two_p:
-            state["view:pt2"] = post_train(start, 2 * steps)
+        state = {**state, **post_train_views(client, self._w(state, payload), microbatches, self.params.post_lr,
+                                             (1, 2) if self.params.two_p else (1,))}
+        teacher = state["view:pt"]
         if not self.params.personalize:
             return state
         p = self.params
@@ -272,8 +301,7 @@ class TAP(Method):
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
         w = self._w(state, payload)
         views = {"": state["x"], "fedavg": w} if self.params.personalize else {"": w}
-        views.update({slot.removeprefix("view:"): values for slot, values in state.items() if slot.startswith("view:")})
-        return views
+        return {**views, **stored_views(state)}
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
         return self.eval_views(state, payload)[""]

@@ -233,6 +233,21 @@ def add_output_adapters(
         layer.output = AdaptedOutput(layer.output, nn.ModuleDict(dict(copies)))
 
 
+def adapter_set(
+    names: Sequence[str], width: int, dim: int, activation: str = "gelu", init: str = "zero",
+    frozen: Collection[str] = (), seed_of: Callable[[str], int] | None = None,
+) -> nn.ModuleDict:
+    """One site's named bottleneck adapters (:class:`AdaptedMLP` / :class:`AdaptedOutput` read them), ``frozen``
+    ones not trainable; adapter ``name`` is built under seed ``seed_of(name)`` (None: the global generator as it
+    stands)."""
+    built = {}
+    for name in names:
+        if seed_of is not None:
+            torch.manual_seed(seed_of(name))
+        built[name] = Bottleneck(width, dim, activation, init).requires_grad_(name not in frozen)
+    return nn.ModuleDict(built)
+
+
 def add_adapter_set(
     encoder: nn.Module, names: Sequence[str], width: int, dim: int, site: str, seed_of: Callable[[str], int],
     activation: str = "gelu", init: str = "zero", frozen: Collection[str] = (),
@@ -244,11 +259,7 @@ def add_adapter_set(
     :func:`add_output_adapters` start their shared copy."""
 
     def adapters(index: int, width: int) -> nn.ModuleDict:
-        built = {}
-        for name in names:
-            torch.manual_seed(seed_of(f"{name}:block{index}"))
-            built[name] = Bottleneck(width, dim, activation, init).requires_grad_(name not in frozen)
-        return nn.ModuleDict(built)
+        return adapter_set(names, width, dim, activation, init, frozen, lambda name: seed_of(f"{name}:block{index}"))
 
     if site == "output":
         for index, layer in enumerate(bert_layers(encoder)):

@@ -9,9 +9,11 @@
   pretrained layers ``0..L-1``, and a MoME block per task key and a shared one, made of layers ``L..2L-1``.
   A block layer is ``x += MHA(LN1(x))`` (frozen, LoRA on q and v; q and v first pass through a residual
   per-domain expert, "MoDE") then ``x += Expert(LN2(x))`` with the expert chosen by the route. Every expert is
-  the layer's frozen pretrained FFN plus LoRA on both linears. Routing is by metadata only: for the tokens of
-  each input modality m of a task with key o (``image_classification``, ``image_generation``,
-  ``text_classification``, ``text_generation``) four paths run::
+  the layer's frozen pretrained FFN plus LoRA on both linears (``backbone_module: adapter``: no LoRA in the
+  backbone, named bottleneck adapters after every expert's FFN instead, FedDAT's in this model, spec §6).
+  Routing is by metadata only: for the tokens of each input modality m of a task with key o
+  (``image_classification``, ``image_generation``, ``text_classification``, ``text_generation``) four paths
+  run::
 
       SS  shared_proj(x) -> mote[shared] / E^T[shared][shared] -> mome[shared] / E^M[shared][shared]
       ST  shared_proj(x) -> mote[m]      / E^T[shared][o]      -> mome[o]      / E^M[o][shared]
@@ -35,7 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +49,7 @@ from torch import nn
 from rayfed.errors import ConfigError
 from rayfed.kinds import IGNORE, causal_from_target_logits
 from rayfed.models import Backbone, TrainableModule
-from rayfed.modules import tag_tasks
+from rayfed.modules import AdaptedMLP, adapter_set, tag_tasks
 from rayfed.tasks import Task, task_key as run_task_key
 from rayfed.types import Batch
 
@@ -56,11 +58,12 @@ MODALITIES = (IMAGE, TEXT)
 TASK_KEYS = ("image_classification", "image_generation", "text_classification", "text_generation")
 FAMILIES = ("flava", "vilt")
 ADAPTOR_INITS = ("default", "identity", "none")
+BACKBONE_MODULES = ("lora", "adapter")
 # Per family (spec §5, Table 21 and the code): the LoRA ranks of the encoders, the backbone's attention and the
-# experts (alpha = 2 rank everywhere), and L.
+# experts (alpha = 2 rank everywhere), L, and the bottleneck of FedDAT's expert adapters.
 FAMILY_DEFAULTS: dict[str, dict[str, int]] = {
-    "flava": {"encoder_rank": 8, "attention_rank": 16, "expert_rank": 4, "layers": 1},
-    "vilt": {"encoder_rank": 4, "attention_rank": 8, "expert_rank": 8, "layers": 4},
+    "flava": {"encoder_rank": 8, "attention_rank": 16, "expert_rank": 4, "layers": 1, "adapter_dim": 32},
+    "vilt": {"encoder_rank": 4, "attention_rank": 8, "expert_rank": 8, "layers": 4, "adapter_dim": 16},
 }
 
 
@@ -77,9 +80,13 @@ class MoMEOptions:
     text_positions: int = 32  # the text decoder's output positions (the longest target it can produce)
     condition_text_decoder: bool = True  # False: the released code's decoder, which never reads the features
     input_adaptor: str = "default"  # the image adaptor's init: default (the code's), identity; none: resize only
+    # lora: LoRA on the backbone's attention and experts (TAP); adapter: none, a bottleneck adapter set after every
+    # expert's FFN instead (FedDAT in this model, spec §6 [R]: Linear D -> b, ReLU, Linear b -> D, residual)
+    backbone_module: str = "lora"
+    adapter_dim: int | None = None  # b of the expert adapters (FLAVA 32, ViLT 16)
 
     def __post_init__(self) -> None:
-        for name in ("layers", "encoder_rank", "attention_rank", "expert_rank"):
+        for name in ("layers", "encoder_rank", "attention_rank", "expert_rank", "adapter_dim"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"mome.{name} must be >= 1")
@@ -89,6 +96,8 @@ class MoMEOptions:
             raise ValueError("mome.text_positions must be >= 1")
         if self.input_adaptor not in ADAPTOR_INITS:
             raise ValueError(f"mome.input_adaptor must be one of {', '.join(ADAPTOR_INITS)}")
+        if self.backbone_module not in BACKBONE_MODULES:
+            raise ValueError(f"mome.backbone_module must be one of {', '.join(BACKBONE_MODULES)}")
 
     @classmethod
     def parse(cls, values: Mapping[str, Any] | None, where: str) -> MoMEOptions:
@@ -157,11 +166,14 @@ def _frozen(module: nn.Module) -> nn.Module:
 
 class Expert(nn.Module):
     """A layer's pretrained FFN ``Linear -> GELU -> Linear`` (frozen, the same tensors in every expert of the
-    layer) with LoRA on both linears."""
+    layer) with LoRA on both linears, or with ``adapters`` after it instead: ``h + A(h)`` on the FFN's output h
+    with the ``shared`` adapter, or a mixture of the named ones (:func:`rayfed.modules.set_adapter_mix`)."""
 
-    def __init__(self, first: nn.Linear, second: nn.Linear, rank: int, dropout: float):
+    def __init__(self, first: nn.Linear, second: nn.Linear, rank: int | None, dropout: float,
+                 adapters: nn.ModuleDict | None = None):
         super().__init__()
-        self.ffn = _lora(nn.Sequential(first, nn.GELU(), second), ["0", "2"], rank, dropout)
+        ffn = nn.Sequential(first, nn.GELU(), second)
+        self.ffn = _lora(ffn, ["0", "2"], rank, dropout) if adapters is None else AdaptedMLP(ffn, adapters)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ffn(x)
@@ -169,15 +181,16 @@ class Expert(nn.Module):
 
 class Attention(nn.Module):
     """A pretrained BERT-style self-attention (frozen copies of query, key, value and output) with LoRA on query
-    and value; a key-padding mask keeps padded tokens out."""
+    and value (none with ``rank`` None); a key-padding mask keeps padded tokens out."""
 
-    def __init__(self, layer: nn.Module, heads: int, rank: int, dropout: float):
+    def __init__(self, layer: nn.Module, heads: int, rank: int | None, dropout: float):
         super().__init__()
         attention = layer.attention
         self.heads = heads
         self.query, self.key, self.value = (_frozen(getattr(attention.attention, n)) for n in ("query", "key", "value"))
         self.output = _frozen(attention.output.dense)
-        _lora(self, ["query", "value"], rank, dropout)
+        if rank is not None:
+            _lora(self, ["query", "value"], rank, dropout)
 
     def forward(self, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         size, length, width = k_in.shape
@@ -191,19 +204,22 @@ class Attention(nn.Module):
         return self.output(attended.transpose(1, 2).reshape(size, length, width))
 
 
+# Builds an expert over a layer's (frozen) FFN linears.
+ExpertFactory = Callable[[nn.Linear, nn.Linear], Expert]
+
+
 class MoEBlockLayer(nn.Module):
     """One layer of a MoTE / MoME block: ``x += MHA(LN1(x))`` with per-domain residual experts on q and v
     ("MoDE"), then ``x += expert(LN2(x))`` with the expert the route chooses."""
 
-    def __init__(self, layer: nn.Module, ffn: tuple[nn.Linear, nn.Linear], heads: int, attention_rank: int,
-                 expert_rank: int, dropout: float, domains: Sequence[str]):
+    def __init__(self, layer: nn.Module, ffn: tuple[nn.Linear, nn.Linear], heads: int, attention_rank: int | None,
+                 dropout: float, domains: Sequence[str], expert: ExpertFactory):
         super().__init__()
         self.attention_norm = _frozen(layer.layernorm_before)
         self.attention = Attention(layer, heads, attention_rank, dropout)
         self.expert_norm = _frozen(layer.layernorm_after)
-        first, second = ffn
-        self.mode_q = nn.ModuleDict({d: Expert(first, second, expert_rank, dropout) for d in domains})
-        self.mode_v = nn.ModuleDict({d: Expert(first, second, expert_rank, dropout) for d in domains})
+        self.mode_q = nn.ModuleDict({d: expert(*ffn) for d in domains})
+        self.mode_v = nn.ModuleDict({d: expert(*ffn) for d in domains})
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, experts: Sequence[nn.Module], domain: str) -> torch.Tensor:
         """``x``: the inputs of ``len(experts)`` routes through this block, stacked along the batch; route i's
@@ -222,9 +238,9 @@ class MoEBlock(nn.Module):
     """A MoTE or MoME block: L layers, each fed the experts of that layer of the routes it runs."""
 
     def __init__(self, layers: Sequence[nn.Module], ffns: Sequence[tuple[nn.Linear, nn.Linear]], heads: int,
-                 attention_rank: int, expert_rank: int, dropout: float, domains: Sequence[str]):
+                 attention_rank: int | None, dropout: float, domains: Sequence[str], expert: ExpertFactory):
         super().__init__()
-        self.layers = nn.ModuleList([MoEBlockLayer(layer, ffn, heads, attention_rank, expert_rank, dropout, domains)
+        self.layers = nn.ModuleList([MoEBlockLayer(layer, ffn, heads, attention_rank, dropout, domains, expert)
                                      for layer, ffn in zip(layers, ffns)])
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, experts: Sequence[Sequence[nn.Module]], domain: str,
@@ -417,11 +433,14 @@ def _key(name: str) -> str:
 class MoMEModel(TrainableModule):
     """The client (and server) model of TAP and its baselines; ``forward(batch)`` gives what the active task's
     kind scores (text generation: logits aligned as a causal LM's, see
-    :func:`rayfed.kinds.causal_from_target_logits`), ``forward(batch, raw=True)`` the decoder's own output."""
+    :func:`rayfed.kinds.causal_from_target_logits`), ``forward(batch, raw=True)`` the decoder's own output.
+    With ``backbone_module: adapter`` every expert holds the named ``adapters`` (``frozen_adapters`` of them not
+    trainable)."""
 
     generates_text = True  # text-generation tasks decode with the parallel text head (generate_text)
 
-    def __init__(self, backbone: Backbone, tasks: Sequence[Task], options: MoMEOptions, seed: int):
+    def __init__(self, backbone: Backbone, tasks: Sequence[Task], options: MoMEOptions, seed: int,
+                 adapters: Sequence[str] = ("shared",), frozen_adapters: Collection[str] = ()):
         super().__init__()
         family = family_of(backbone)
         defaults = FAMILY_DEFAULTS[family]
@@ -459,6 +478,14 @@ class MoMEModel(TrainableModule):
 
         torch.manual_seed(seed)
         dropout = options.lora_dropout
+        lora = options.backbone_module == "lora"
+
+        def make_expert(first: nn.Linear, second: nn.Linear) -> Expert:
+            if lora:
+                return Expert(first, second, option["expert_rank"], dropout)
+            return Expert(first, second, None, dropout, adapter_set(adapters, second.out_features,
+                                                                    option["adapter_dim"], "relu", "normal",
+                                                                    frozen_adapters))
         built = {}
         if IMAGE in modalities:
             built[IMAGE] = tagged(ImageEncoder(backbone, family, width, option["encoder_rank"], dropout,
@@ -475,8 +502,8 @@ class MoMEModel(TrainableModule):
         def block(first_layer: int, tasks_using: frozenset[int]) -> nn.Module:
             used = sorted({self.domain[t] for t in tasks_using})
             chosen = range(first_layer, first_layer + self.num_layers)
-            made = MoEBlock([layers[i] for i in chosen], [ffns[i] for i in chosen], heads, option["attention_rank"],
-                            option["expert_rank"], dropout, used)
+            made = MoEBlock([layers[i] for i in chosen], [ffns[i] for i in chosen], heads,
+                            option["attention_rank"] if lora else None, dropout, used, make_expert)
             for name in used:
                 for layer in made.layers:
                     tagged(layer.mode_q[name], tasks_using & users(domain=name))
@@ -488,7 +515,7 @@ class MoMEModel(TrainableModule):
                                   | {SHARED: block(self.num_layers, every)})
 
         def expert(layer: int, tasks_using: frozenset[int]) -> nn.Module:
-            return tagged(Expert(*ffns[layer], option["expert_rank"], dropout), tasks_using)
+            return tagged(make_expert(*ffns[layer]), tasks_using)
 
         # E^T[l][mod | shared][key | shared] and E^M[l][key | shared][mod | shared], only the cells a task uses.
         mote_experts, mome_experts = {}, {}
@@ -634,11 +661,16 @@ class MoMEModel(TrainableModule):
 
 
 def build_mome_model(backbone: Backbone, tasks: Sequence[Task], options: MoMEOptions | Mapping[str, Any] | None,
-                     seed: int) -> MoMEModel:
-    """TAP's modular model over ``backbone`` for ``tasks``; its initial values depend on ``seed`` only."""
+                     seed: int, adapters: Sequence[str] = ("shared",), frozen_adapters: Collection[str] = (),
+                     ) -> MoMEModel:
+    """TAP's modular model over ``backbone`` for ``tasks``; its initial values depend on ``seed`` only. With
+    ``backbone_module: adapter``, each expert's adapter set is ``adapters`` (``shared`` among them: the one its
+    forward uses unless a mixture is set), ``frozen_adapters`` not trainable."""
     if not isinstance(options, MoMEOptions):
         options = MoMEOptions.parse(options, "mome")
-    return MoMEModel(backbone, tasks, options, seed)
+    if options.backbone_module == "adapter" and "shared" not in adapters:
+        raise ConfigError(f"the expert adapters {list(adapters)} lack 'shared', the one an expert's forward uses.")
+    return MoMEModel(backbone, tasks, options, seed, adapters, frozen_adapters)
 
 
 __all__ = ["FAMILIES", "MODALITIES", "TASK_KEYS", "MoMEModel", "MoMEOptions", "build_mome_model", "family_of",

@@ -1,9 +1,11 @@
 """TAP (spec tap.md): the modular MoTE/MoME model and what each client holds, the two stages (replacement,
-distillation), what is sent, the aggregation, the baselines (Local, Per-FedAvg, DisentAFL) and the configs."""
+distillation), what is sent, the aggregation, the baselines (Local, Per-FedAvg, DisentAFL, FedDAT in TAP's model)
+and the configs."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from pathlib import Path
 
@@ -16,8 +18,10 @@ from rayfed.actors.driver import DriverActor
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.method import Upload
-from rayfed.mome import MoMEModel, task_key
+from rayfed.modules import AdaptedMLP, set_adapter_mix
+from rayfed.mome import Expert, MoMEModel, task_key
 from rayfed.tasks import sample_round, task_view
+from rayfed.training import ClientContext
 
 from conftest import method_class
 
@@ -60,10 +64,15 @@ def actor() -> ClientActor:
 def _start(actor: ClientActor, **params) -> tuple[object, DriverActor]:
     """``actor`` running TAP with ``params`` (a fresh method, model and client states), and its driver."""
     config = load_config(_run(**params))
-    method = method_class("tap")(method_class("tap").Params(**config.methods[0].params))
+    return _start_method(actor, "tap", config.methods[0].params, config)
+
+
+def _start_method(actor: ClientActor, name: str, params: dict, config=None) -> tuple[object, DriverActor]:
+    """``actor`` running method ``name`` with ``params`` (a fresh method, model and client states), and its driver."""
+    method = method_class(name)(method_class(name).Params(**params))
     method.num_clients, method.tasks, method.rounds = 4, tuple(actor.tasks), 3
     actor.methods = [method]
-    driver = DriverActor(config.to_dict(), [method])
+    driver = DriverActor((config or load_config(_run())).to_dict(), [method])
     driver.start_method(0, [""], actor.start_method(0), actor.task_tags())
     return method, driver
 
@@ -409,13 +418,7 @@ def test_perfedavg_inner_step_is_first_order_maml():
 
 
 def test_perfedavg_runs_on_the_modular_model_and_personalizes_after_the_last_round(actor):
-    cls = method_class("perfedavg")
-    method = cls(cls.Params(mome={"text_positions": 8}, post_fl_microbatches=1))
-    method.num_clients, method.tasks, method.rounds = 4, tuple(actor.tasks), 3
-    actor.methods = [method]
-    config = load_config(_run())
-    driver = DriverActor(config.to_dict(), [method])
-    driver.start_method(0, [""], actor.start_method(0), actor.task_tags())
+    method, driver = _start_method(actor, "perfedavg", {"mome": {"text_positions": 8}, "post_fl_microbatches": 1})
     _rounds(actor, driver, 1, [[0, 2]])
     payload = driver.payloads([0], False)[0]
     client = actor._context(0, 1)
@@ -423,6 +426,173 @@ def test_perfedavg_runs_on_the_modular_model_and_personalizes_after_the_last_rou
     metrics = actor._metrics(client, state, payload)
     assert {"local_acc", "local_acc@global", "local_acc@pt", "local_acc@pt2"} <= set(metrics)
     assert set(state["view:adapted"]) == set(payload) and not _equal(state["view:adapted"], payload)
+
+
+# FedDAT in TAP's model (spec §6) ----------------------------------------------------------------------------
+FEDDAT = {"alpha": 2e-3, "beta": 2e-3, "tau": 1.0, "kd_schedule": "constant", "objective_scale": 1.0,
+          "aggregation": "samples", "evaluate": "dat", "post_fl_microbatches": 2, "post_lr": 1e-3,
+          "mome": {"text_positions": 8, "adapter_dim": 4}}
+DAT_MIX = {"frozen": 0.5, "local": 0.5}
+
+
+def _start_feddat(actor: ClientActor, **params) -> tuple[object, DriverActor]:
+    return _start_method(actor, "feddat", {**FEDDAT, **params})
+
+
+def _adapters(names, which: str) -> set[str]:
+    """The names of ``which`` adapters (shared = A_g, frozen = A_g0, local = A_l) among ``names``."""
+    return {n for n in names if f".adapters.{which}." in n}
+
+
+def _as(name: str, which: str) -> str:
+    """The name of A_g's tensor ``name`` in adapter ``which``."""
+    return name.replace(".adapters.shared.", f".adapters.{which}.")
+
+
+def test_feddat_puts_its_three_adapters_after_every_expert_ffn_and_no_lora_in_the_backbone(actor):
+    _start_feddat(actor)
+    model = actor.model
+    params = dict(model.named_parameters())
+    experts = {name: module for name, module in model.named_modules() if isinstance(module, Expert)}
+    assert any(".mode_q." in n for n in experts) and any(n.startswith("mome_experts.") for n in experts)
+    for name, expert in experts.items():
+        width = expert.ffn.mlp[2].out_features  # D
+        assert width == 64
+        for which, trainable in (("shared", True), ("frozen", False), ("local", True)):
+            adapter = [p for n, p in params.items() if n.startswith(f"{name}.ffn.adapters.{which}.")]
+            assert sum(p.numel() for p in adapter) == 2 * width * 4 + 4 + width  # Linear D->b, Linear b->D
+            assert all(p.requires_grad == trainable for p in adapter)
+    assert not any("lora_" in n for n in params if n.startswith(("mote", "mome")))  # attention and experts
+    assert any("lora_" in n and p.requires_grad for n, p in params.items() if n.startswith("encoders."))
+    assert all(not p.requires_grad for n, p in params.items() if ".ffn.mlp." in n)  # the pretrained FFNs
+    # b defaults to the paper's value of the family: 32 on FLAVA (16 on ViLT).
+    cls = method_class("feddat")
+    default = cls(cls.Params(mome={"text_positions": 8})).build_model(actor.backbone, None, actor.tasks, 0)
+    assert default.mote_experts["0"]["shared"]["shared"].ffn.adapters["local"].down.out_features == 32
+
+
+def test_feddat_uploads_the_fl_model_but_never_a_l_or_a_g0_and_a_g0_stays_the_received_global(actor):
+    method, driver = _start_feddat(actor)
+    received = {n: v + 0.01 for n, v in driver.payloads([1])[1].items()}  # unlike the model's initial values
+    result = method.local_update(actor._context(1, 0), actor.states[1], received)  # text cls + image generation
+    held = set(actor.initial[1])
+    uploaded = set(result.upload["shared"])
+    assert uploaded == held - _adapters(held, "local") == set(received)
+    assert not _adapters(uploaded, "local") and not _adapters(uploaded, "frozen")
+    assert _adapters(uploaded, "shared") and any(n.startswith("heads.") for n in uploaded)
+    assert set(result.state["personal"]) == _adapters(held, "local")
+    assert math.isfinite(result.train_loss) and result.weight is None  # |D_i|-weighted, as TAP's FedAvg
+    params = dict(actor.model.named_parameters())
+    frozen = {_as(n, "frozen"): n for n in _adapters(received, "shared")}
+    assert frozen and all(torch.equal(params[f], received[s]) for f, s in frozen.items())
+    assert any(not torch.equal(result.upload["shared"][n], received[n]) for n in _adapters(uploaded, "shared"))
+
+
+def test_feddat_keeps_a_l_across_rounds_and_sends_it_never(actor, monkeypatch):
+    _, driver = _start_feddat(actor)
+    _rounds(actor, driver, 1, [[1, 2]])
+    kept = {n: v.clone() for n, v in actor.states[1]["personal"].items()}
+    assert kept and not _equal(kept, {n: actor.initial[1][n] for n in kept})  # trained in round 0
+    starts = []
+    original = ClientContext.train
+    monkeypatch.setattr(ClientContext, "train",
+                        lambda self, params, **kw: starts.append(params) or original(self, params, **kw))
+    part = actor.train_round(1, [1], driver.payloads([1]), {1: 1.0})
+    [start] = starts
+    assert all(torch.equal(start[n], v) for n, v in kept.items())  # A_l as round 0 left it
+    assert not _adapters(start, "frozen")  # A_g0 is loaded into the model, not trained
+    assert not _adapters(part.uploads[0].tensors["shared"], "local")
+    assert not _equal(kept, actor.states[1]["personal"])
+
+
+@pytest.mark.parametrize("image_kd", ["softmax", "mse"])  # mse: a KD term that does not detach its teacher itself
+def test_feddat_steps_move_a_g_then_a_l_and_the_teacher_gets_no_gradient(actor, image_kd):
+    method, driver = _start_feddat(actor, image_kd=image_kd)
+    phase: list[int] = []
+    phases = method._phases
+
+    def tracked(round_idx):
+        def marked(index, loss):
+            return lambda step: phase.append(index) or loss(step)
+
+        return [dataclasses.replace(p, loss=marked(i, p.loss)) for i, p in enumerate(phases(round_idx))]
+
+    method._phases = tracked
+    params = dict(actor.model.named_parameters())
+    events: list[tuple[int, str]] = []
+    handles = [p.register_hook(lambda grad, n=n: events.append((phase[-1], n))) for n, p in params.items()
+               if p.requires_grad]
+    try:
+        method.local_update(actor._context(1, 0), actor.states[1], driver.payloads([1])[1])
+    finally:
+        for handle in handles:
+            handle.remove()
+    first, second = ({n for i, n in events if i == index} for index in (0, 1))
+    assert _adapters(first, "shared") and not _adapters(first, "local")  # z_DAT without gradient
+    assert _adapters(second, "local") and not _adapters(second, "shared")  # z_g detached
+    assert all(not params[n].requires_grad for n in _adapters(params, "frozen"))
+    assert any(n.startswith("heads.") for n in first & second)  # the heads train in both steps
+
+
+def test_feddat_dat_is_a_g_alone_when_the_three_adapters_are_equal(actor):
+    _start_feddat(actor)
+    model = actor.model
+    shared = _adapters(model.trainable_params(), "shared")
+    values = model.trainable_params()
+    model.load_trainable({_as(n, which): values[n] for n in shared for which in ("frozen", "local")})
+    model.eval()
+    for client, task in ((0, 0), (2, 3)):  # image classification, VQA (both encoders, text generation)
+        batch = {k: v[:3] for k, v in actor.data[client].parts[0].train.items()}
+        model.select_task(task)
+        outputs = {}
+        for view, mix in (("shared", None), ("dat", DAT_MIX), ("local", {"local": 1.0})):
+            set_adapter_mix(model, mix)
+            with torch.no_grad():
+                outputs[view] = model(batch, raw=True)
+        assert torch.equal(outputs["dat"], outputs["shared"]) and torch.equal(outputs["local"], outputs["shared"])
+    model.load_trainable({_as(n, "local"): values[n] + 0.1 for n in shared})
+    set_adapter_mix(model, DAT_MIX)
+    with torch.no_grad():
+        moved = model(batch, raw=True)
+    assert not torch.allclose(moved, outputs["shared"])  # the DAT does read A_l
+    set_adapter_mix(model, None)
+
+
+def test_feddat_evaluates_the_dat_and_reports_the_post_trained_views(actor):
+    method, driver = _start_feddat(actor)
+    _rounds(actor, driver, 1, [[0, 2]])
+    payload = driver.payloads([2], False)[2]
+    client = actor._context(2, 1)
+    state = method.after_federation(client, actor.states[2], payload)
+    views = method.eval_views(state, payload)
+    assert list(views) == ["", "shared", "local", "pt", "pt2"]
+    for view in ("pt", "pt2"):  # post-trained: A_g, A_l and the heads move; A_g0 stays the last global A_g
+        assert all(torch.equal(views[view][_as(n, "frozen")], payload[n])
+                   for n in _adapters(payload, "shared"))
+        assert not _equal({n: views[view][n] for n in payload}, payload)
+        assert not _equal({n: views[view][n] for n in state["personal"]}, state["personal"])
+    assert not _equal(state["view:pt"], state["view:pt2"])
+    sites = [m for m in actor.model.modules() if isinstance(m, AdaptedMLP)]
+    for view, mix in (("", DAT_MIX), ("pt", DAT_MIX), ("shared", None), ("local", {"local": 1.0})):
+        method.activate_view(actor.model, view)
+        assert all(site.mix == mix for site in sites)
+    metrics = actor._metrics(client, state, payload)
+    assert {"local_token_f1", "local_token_f1@shared", "local_token_f1@local", "local_token_f1@pt",
+            "local_token_f1@pt2"} <= set(metrics)
+
+
+def test_feddat_in_taps_model_validates_its_hyperparameters():
+    params = method_class("feddat").Params
+    with pytest.raises(ValueError, match="mome.backbone_module must be adapter for feddat"):
+        params(mome={"backbone_module": "lora"})
+    with pytest.raises(ValueError, match="mome.adapter_dim must be >= 1"):
+        params(mome={"adapter_dim": 0})
+    with pytest.raises(ValueError, match="evaluate = dat needs a variant with a dual-adapter teacher"):
+        params(evaluate="dat", variant="no_local")
+    with pytest.raises(ValueError, match="variant peft has no mome model"):
+        params(variant="peft", mome={})
+    with pytest.raises(ValueError, match="image_kd must be one of softmax, mse"):
+        params(image_kd="l1")
 
 
 # Configs and data -------------------------------------------------------------------------------------------
@@ -436,6 +606,12 @@ def test_tap_configs_are_valid(path):
     if "paper" in path.name:
         assert config.federation.rounds == 200 and config.federation.clients_per_round == 2
         assert str(config.model.backbone).startswith("hf:")
+    feddat = config.methods[labels.index("FedDAT")].params
+    method_class("feddat").Params(**feddat)
+    assert feddat["alpha"] == feddat["beta"] == 2e-3 and feddat["evaluate"] == "dat"  # w (Table 21), DAT evaluated
+    assert feddat["aggregation"] == "samples" and feddat["mome"]["domains"] == tap.params["mome"]["domains"]
+    if "paper" in path.name:
+        assert feddat["mome"]["adapter_dim"] == (32 if "flava" in path.name else 16)  # b (Table 21)
 
 
 def test_the_margin_sweep_is_a_valid_asha_sweep():
