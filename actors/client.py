@@ -18,7 +18,7 @@ import torch
 from rayfed import registry
 from rayfed.architectures import architecture_of
 from rayfed.config import RunConfig, architecture_model_config, build_config, method_model_config
-from rayfed.data.clients import build_federation, encode_public
+from rayfed.data.clients import Federation, build_federation, encode_public
 from rayfed.method import ClientState, Method, PartialSum, TensorDict, Upload, build_method, tensor_bytes
 from rayfed.models import build_backbone
 from rayfed.modules import feature_shift, head_features, select_task
@@ -53,11 +53,13 @@ def run_methods(config: RunConfig, federation) -> list[Method]:
 class ClientActor:
     def __init__(
         self, config: RunConfig | dict, client_ids: Sequence[int], methods: Sequence[Method] | None = None,
-        plugins: Sequence[registry.Entry] = (), architecture: str = "",
+        plugins: Sequence[registry.Entry] = (), architecture: str = "", federation: Federation | None = None,
     ):
         """``methods``: the run's methods as the driver built them (default: built here from the config);
         ``plugins``: what the driver script registered, so that names resolve here as they do there;
-        ``architecture``: the architecture of every hosted client (``""``: the run's one)."""
+        ``architecture``: the architecture of every hosted client (``""``: the run's one);
+        ``federation``: the run's data as the driver built it (default: built here). Handed over through
+        Ray's object store, its arrays are read-only views of one copy per node, shared by the node's actors."""
         registry.install(plugins)
         use_raw_tensor_transport()
         self.config: RunConfig = config if isinstance(config, RunConfig) else build_config(config)
@@ -66,7 +68,8 @@ class ClientActor:
         self.client_ids = list(client_ids)
         self.architecture = architecture
         self.model_config = architecture_model_config(self.config, architecture)
-        federation = build_federation(self.config.data, self.config.seed)
+        if federation is None:
+            federation = build_federation(self.config.data, self.config.seed)
         self.methods = list(methods) if methods is not None else run_methods(self.config, federation)
         self.federation = federation
         self.tasks = list(federation.tasks)

@@ -73,6 +73,7 @@ class Workload:
     rounds: int = 3
     method: str = "fedavg"
     cuda_graphs: bool = False  # train.cuda_graphs: each actor replays one captured training step
+    compile: bool = False  # train.compile: the steps run torch.compile's kernels
     client_memory: bool = True  # also measure the memory a hosted client adds (builds two more models)
 
     def __post_init__(self) -> None:
@@ -95,7 +96,7 @@ class Workload:
             "federation": {"rounds": self.rounds, "clients_per_round": self.clients_per_round,
                            "eval_every": self.rounds + 1},
             "train": {"local_steps": self.local_steps, "batch_size": self.batch_size, "optimizer": "adam", "lr": 1e-3,
-                      "cuda_graphs": self.cuda_graphs},
+                      "cuda_graphs": self.cuda_graphs, "compile": self.compile},
             "methods": [self.method],
             "placement": {"clients_per_actor": clients_per_actor, "cpus_per_actor": 1, "gpus_per_actor": gpus_per_actor,
                           "client_state": client_state},
@@ -208,9 +209,10 @@ class IdealLoop:
         self.shared = self.host.start_method(0)
 
     def step_work(self) -> StepWork:
-        """The work of one client step (client 0's first), run eagerly: a replayed CUDA graph runs the same kernels."""
+        """The work of one client step (client 0's first), run eagerly: a replayed CUDA graph and compiled kernels
+        compute the same products."""
         context = self.host._context(0, 0)
-        context.train_config = context.train_config.model_copy(update={"cuda_graphs": False})
+        context.train_config = context.train_config.model_copy(update={"cuda_graphs": False, "compile": False})
         return count_step_work(context, self.shared)
 
     def run_round(self, round_idx: int) -> float:

@@ -61,11 +61,15 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import dataclasses
     from pathlib import Path
 
     from rayfed.benchmarks.overhead import run_bench, workload_named
 
-    results = run_bench(workload_named(args.workload), tuple(args.actors_per_gpu), Path(args.out), repeats=args.repeats)
+    workload = workload_named(args.workload)
+    if args.compile:
+        workload = dataclasses.replace(workload, compile=True)
+    results = run_bench(workload, tuple(args.actors_per_gpu), Path(args.out), repeats=args.repeats)
     print((Path(args.out) / "bench.md").read_text())
     print(f"results: {args.out}/bench.json, {args.out}/bench.md ({len(results['runs'])} runs)")
     return 0
@@ -138,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--actors-per-gpu", type=int, nargs="+", default=[1, 2, 4], help="packings to sweep")
     bench.add_argument("--repeats", type=int, default=1,
                        help="run the sweep this many times; each packing's median overhead ratio is reported")
+    bench.add_argument("--compile", action="store_true",
+                       help="train.compile on (rayfed's clients and the ideal loop alike)")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
     bench.set_defaults(handler=_bench)
 

@@ -346,6 +346,11 @@ class TrainConfig(_Section):
         False, description="on a GPU, capture a training step once as a CUDA graph and replay it (adam/adamw, "
         "constant schedule, no grad_clip; steps with a method's extra loss term run eagerly)"
     )
+    compile: bool = Field(
+        False, description="train through torch.compile of the model (inductor: fused kernels for the forward and "
+        "backward), compiled once per model and reused by every client it trains; the first steps of each task and "
+        "batch shape pay the compilation"
+    )
 
     @model_validator(mode="after")
     def _one_budget(self) -> TrainConfig:

@@ -132,6 +132,7 @@ class Simulation:
         """Run every method, write the results contract into ``run_dir``, return the summary."""
         started = time.perf_counter()
         self.federation = build_federation(self.config.data, self.config.seed)
+        self._federation_ref = None
         self.num_train = {cid: self.federation.sizes(cid)["num_train"] for cid in range(self.federation.num_clients)}
         self.methods = run_methods(self.config, self.federation)
         if self.check_model:
@@ -241,19 +242,24 @@ class Simulation:
         """One actor per ``clients_per_actor`` clients of one architecture, in client-id order; each builds its
         architecture's backbone once.
 
-        Every actor gets the run as the driver resolved it: the config, the methods built once here, and
-        the plug-ins this process registered (shipped by value when they are the user's own code)."""
+        Every actor gets the run as the driver resolved it: the config, the methods and the federation (the
+        clients' data) built once here, and the plug-ins this process registered (shipped by value when they are
+        the user's own code)."""
         placement, executor = self.config.placement, self.executor
         plugins = registry.user_entries()
         if not executor.local:
             ship_by_value([self.config, *self.methods, *(entry.obj for entry in plugins)])
         config, methods = executor.put(self.config), executor.put(self.methods)
+        if self._federation_ref is None:  # once per run: actors started again after a failure share it
+            self._federation_ref = executor.put(self.federation)
+            self.federation = executor.get(self._federation_ref)  # on Ray: views of the object store's copy
+        federation = self._federation_ref
         self.actors, self.host_of, self.slots = [], {}, actor_slots(self.config)
         for actor_index, slot in enumerate(self.slots):
             options = _placed({"num_cpus": slot.cpus, "num_gpus": slot.gpus, "scheduling_strategy": placement.strategy},
                               bundle_index=actor_index + 1)
             self.actors.append(executor.actor(ClientActor, options, config, slot.client_ids, methods, plugins,
-                                              slot.architecture))
+                                              slot.architecture, federation))
             self.host_of.update({cid: actor_index for cid in slot.client_ids})
         options = _placed({"num_cpus": placement.driver_cpus}, bundle_index=0)
         self.driver = executor.actor(DriverActor, options, config, methods, plugins)

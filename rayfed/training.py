@@ -102,7 +102,7 @@ class Step:
         """The model's outputs on ``parts[part]``, with the values being trained."""
         task, batch = self.parts[part]
         select_task(self.model, task.index)
-        return self.model(batch)
+        return trained_forward(self.model, self.client.train_config)(batch)
 
     def forward(self, params: TensorDict, part: int = 0) -> torch.Tensor:
         """The model's outputs on ``parts[part]`` with ``params`` in place of the live values of those
@@ -467,6 +467,7 @@ class GraphedStep:
     def __init__(self, model: nn.Module, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
                  batch: Batch, task: Task):
         self.optimizer = _optimizer(config, list(named.values()), lr, capturable=True)
+        self.forward = trained_forward(model, config)
         self.batch = {name: column.clone() for name, column in batch.items()}
         self.task = task
         device = next(iter(self.batch.values())).device
@@ -478,21 +479,21 @@ class GraphedStep:
                 warnings.filterwarnings("ignore", message=".*capturable=True.*")  # uncaptured warm-up steps
                 for _ in range(3):
                     self.optimizer.zero_grad(set_to_none=True)
-                    self._forward_backward_step(model)
+                    self._forward_backward_step()
             torch.cuda.current_stream(device).wait_stream(side)
             self.optimizer.zero_grad(set_to_none=True)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.loss = self._forward_backward_step(model)
+                self.loss = self._forward_backward_step()
         finally:
             with torch.no_grad():  # undo the warm-up's steps
                 for name, param in named.items():
                     param.copy_(start[name])
 
-    def _forward_backward_step(self, model: nn.Module) -> torch.Tensor:
+    def _forward_backward_step(self) -> torch.Tensor:
         device = next(iter(self.batch.values())).device
         with _autocast(device, cache_enabled=False):  # no cast cache under capture
-            loss = self.task.kind.loss(model(self.batch), self.batch)
+            loss = self.task.kind.loss(self.forward(self.batch), self.batch)
         loss.backward()
         self.optimizer.step()
         return loss.detach().float()
@@ -508,6 +509,19 @@ class GraphedStep:
             self.batch[name].copy_(column, non_blocking=True)
         self.graph.replay()
         return self.loss
+
+
+def trained_forward(model: nn.Module, config: TrainConfig) -> nn.Module:
+    """What a training step calls: ``model``, or with ``train.compile`` its ``torch.compile``, built once per model.
+
+    Clients' values are loaded into the same parameter tensors, which the compiled code reads as inputs, so one
+    compilation (per task and batch shape) serves every client of the model."""
+    if not config.compile:
+        return model
+    if "_rayfed_compiled" not in model.__dict__:
+        # Outside nn.Module's attribute hooks: the compiled wrapper must not become a submodule of its model.
+        object.__setattr__(model, "_rayfed_compiled", torch.compile(model))
+    return model.__dict__["_rayfed_compiled"]
 
 
 MAX_GRAPHS_PER_MODEL = 4  # each graph keeps a step's activations in a memory pool of its own

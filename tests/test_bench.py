@@ -179,3 +179,17 @@ def test_attention_flops_of_grouped_query_attention_count_every_query_head():
     # Q K^T and the weights times V: two products of 2 * length * length * head_dim per query head.
     assert _sdpa_flops(query, grouped, grouped) == 2 * 2 * batch * query_heads * length * length * head_dim
     assert _sdpa_backward_flops(query, query, grouped, grouped) == 2.5 * _sdpa_flops(query, grouped, grouped)
+
+
+def test_many_clients_puts_memory_growth_per_added_client_beside_what_a_client_owns():
+    from rayfed.benchmarks.many_clients import HEADER, memory_rows
+
+    def result(clients, pss_mib):
+        return {"clients": clients, "median_round_s": 2.0, "pss_bytes": pss_mib * 2**20, "state_bytes": clients * 2**10,
+                "data_bytes": clients * 2**10, "dataset_bytes": 0, "total_s": 1.0}
+
+    rows = memory_rows([result(100, 1000), result(1100, 1010)])
+    assert len(rows[0]) == len(HEADER)
+    assert rows[0][4] == "-"
+    assert rows[1][4] == "10.2"  # 10 MiB over 1,000 added clients
+    assert rows[1][5] == "2.0"  # 1 KiB of state and 1 KiB of data each

@@ -93,6 +93,26 @@ def test_balanced_rounds_move_clients_between_actors_without_changing_a_number(r
     assert _results(pinned) == _results(reference["summary"])
 
 
+def test_actors_share_the_drivers_data_through_the_object_store(tiny_run, tmp_path):
+    """The federation is built once, by the driver: every actor reads the same object-store copy (read-only
+    views), not a dataset built again per actor."""
+    seen = []
+
+    def inspect(sim, label, rounds_done):
+        if rounds_done == 1:
+            seen.extend(ray.get([actor.__ray_call__.remote(lambda a: (
+                a.federation.holdings[0].dataset.images.flags.writeable,
+                a.federation.holdings[0].dataset.images.sum())) for actor in sim.actors]))
+            seen.append(sim.federation.holdings[0].dataset.images.sum())
+
+    tiny_run["placement"]["clients_per_actor"] = 2
+    _run(tiny_run, tmp_path, callbacks=[inspect])
+    *actors, driver_sum = seen
+    assert len(actors) == 2
+    assert [writeable for writeable, _ in actors] == [False, False]
+    assert [total for _, total in actors] == [driver_sum, driver_sum]
+
+
 def test_a_rounds_clients_are_spread_evenly_over_each_architectures_actors():
     from rayfed.architectures import ActorSlot
     from rayfed.simulation import balanced_assignment

@@ -199,3 +199,25 @@ def test_the_round_warmup_schedule_rises_linearly_over_rounds_then_stays():
     config = TrainConfig(schedule="round_warmup", warmup_rounds=20, warmup_start_lr=1e-4, lr=3e-4)
     lrs = [training.scheduled_lr(config, 3e-4, r, 0) for r in (0, 10, 20, 50)]
     assert lrs == pytest.approx([1e-4, 2e-4, 3e-4, 3e-4])
+
+
+def test_a_compiled_step_trains_like_the_eager_one_and_compiles_once_for_every_client(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)  # no pool of compile workers on 2 cores
+    eager, eager_start = _host(cuda_graphs=False)
+    config = dataclasses.replace(WORKLOAD, compile=True).config(clients_per_actor=3, gpus_per_actor=0)
+    compiled = ClientActor(config.to_dict(), [0, 1, 2])
+    compiled_start = compiled.start_method(0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    results = [compiled._context(cid, 0).train(compiled_start) for cid in (0, 1, 2)]
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    compiled._context(0, 1).train(compiled_start)  # another client and round: the same compiled code
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames > 0
+    for cid, result in zip((0, 1, 2), results):
+        reference = eager._context(cid, 0).train(eager_start)
+        assert result.loss == pytest.approx(reference.loss, rel=1e-5)
+        for name, value in reference.params.items():
+            update = value - eager_start[name]
+            assert (result.params[name] - value).norm() <= 1e-4 * update.norm() + 1e-7, name
