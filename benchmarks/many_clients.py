@@ -26,7 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import psutil
 import ray
@@ -34,7 +33,7 @@ import ray
 from rayfed.benchmarks.overhead import GPU_WORKLOAD, Workload
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.report import format_table
-from rayfed.simulation import Simulation, init_local_ray
+from rayfed.simulation import Simulation, init_local_ray, keep_loopback
 
 CPU_WORKLOAD = Workload(image_size=8, samples_per_client=16, local_steps=5, batch_size=8, lora_rank=4, rounds=5,
                         client_memory=False)
@@ -79,8 +78,7 @@ def start_cluster(nodes: int, cpus_per_node: int, gpus: int) -> Any:
     from ray.cluster_utils import Cluster
 
     node_args = {"num_cpus": cpus_per_node, "object_store_memory": 10**9, "node_ip_address": "127.0.0.1"}
-    # As init_local_ray: keep Ray from swapping the loopback address for the machine's routable one.
-    with mock.patch.object(ray._private.services, "resolve_ip_for_localhost", lambda host: host):
+    with keep_loopback():
         cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
         for _ in range(nodes - 1):
             cluster.add_node(**node_args)

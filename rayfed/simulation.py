@@ -664,11 +664,17 @@ def init_ray(config: RunConfig) -> bool:
     return True
 
 
+def keep_loopback() -> Any:
+    """A context in which Ray nodes started with node address 127.0.0.1 keep it.
+
+    Ray 2.60 rewrites a loopback node address to the machine's routable IP (services.resolve_ip_for_localhost),
+    after which its servers listen on every interface."""
+    return mock.patch.object(ray._private.services, "resolve_ip_for_localhost", lambda host: host)
+
+
 def init_local_ray(**kwargs: Any) -> None:
     """A new private Ray instance on this machine, reachable on 127.0.0.1 only, without a dashboard."""
-    # Ray 2.60 rewrites a loopback node address to the machine's routable IP
-    # (services.resolve_ip_for_localhost), after which its servers listen on every interface.
-    with mock.patch.object(ray._private.services, "resolve_ip_for_localhost", lambda host: host):
+    with keep_loopback():
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
                  _node_ip_address="127.0.0.1", **kwargs)
 
