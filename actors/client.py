@@ -9,7 +9,7 @@ the uploads. The class is plain Python; the simulation wraps it with ``ray.remot
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import psutil
@@ -19,7 +19,8 @@ from rayfed import registry
 from rayfed.architectures import architecture_of
 from rayfed.config import RunConfig, architecture_model_config, build_config, method_model_config
 from rayfed.data.clients import Federation, build_federation, encode_public
-from rayfed.method import ClientState, Method, PartialSum, TensorDict, Upload, build_method, tensor_bytes
+from rayfed.batching import Lockstep
+from rayfed.method import ClientState, LocalResult, Method, PartialSum, TensorDict, Upload, build_method, tensor_bytes
 from rayfed.models import build_backbone
 from rayfed.modules import feature_shift, head_features, select_task
 from rayfed.seeding import SERVER, torch_seed
@@ -167,15 +168,36 @@ class ClientActor:
         )
 
     def train(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> list[Upload]:
-        return [self._local_update(round_idx, cid, payloads[cid], "cpu") for cid in client_ids]
+        return list(self._local_updates(round_idx, client_ids, payloads, "cpu"))
 
-    def _local_update(
-        self, round_idx: int, client_id: int, payload: TensorDict | None, upload_device: torch.device | str,
-    ) -> Upload:
-        """Client ``client_id``'s local update; its new state stays here, its upload is put on ``upload_device``."""
+    def _local_updates(
+        self, round_idx: int, client_ids: list[int], payloads: Payloads, upload_device: torch.device | str,
+    ) -> Iterator[Upload]:
+        """The clients' local updates in order (with ``train.batch_clients``, run in lockstep so that their plain
+        steps train together); each new state stays here, each upload is put on ``upload_device``."""
+        batch = self.config.train.batch_clients
+        if batch == 1 or len(client_ids) == 1 or not self.method.batchable_updates:
+            for cid in client_ids:
+                started = time.perf_counter()
+                result = self.method.local_update(self._context(cid, round_idx), self.states[cid], payloads[cid])
+                self._update_s += time.perf_counter() - started
+                yield self._keep(cid, result, upload_device)
+            return
+        lockstep: Lockstep[LocalResult] = Lockstep(batch)
+
+        def update(client_id: int) -> LocalResult:
+            context = self._context(client_id, round_idx)
+            context.lockstep = lockstep
+            return self.method.local_update(context, self.states[client_id], payloads[client_id])
+
         started = time.perf_counter()
-        result = self.method.local_update(self._context(client_id, round_idx), self.states[client_id], payload)
+        results = lockstep.run([lambda cid=cid: update(cid) for cid in client_ids])
         self._update_s += time.perf_counter() - started
+        for cid, result in zip(client_ids, results):
+            yield self._keep(cid, result, upload_device)
+
+    def _keep(self, client_id: int, result: LocalResult, upload_device: torch.device | str) -> Upload:
+        """Keep a local update's new state here; its upload, put on ``upload_device``."""
         self.states[client_id] = _to(result.state, self.state_device)
         weight = self.data[client_id].num_train if result.weight is None else result.weight
         for name, value in result.stats.items():
@@ -203,8 +225,9 @@ class ClientActor:
             self.states[cid] = _to(state, self.state_device)
         partial = PartialSum() if self.method.presums_uploads else None
         uploads, up_bytes, up_params, losses = [], 0, 0, {}
-        for cid in sorted(client_ids):
-            upload = self._local_update(round_idx, cid, payloads[cid], "cpu" if partial is None else self.state_device)
+        for upload in self._local_updates(round_idx, sorted(client_ids), payloads,
+                                          "cpu" if partial is None else self.state_device):
+            cid = upload.client_id
             upload.weight_scale = weight_scale[cid]
             up_bytes += upload.nbytes
             up_params += upload.nparams

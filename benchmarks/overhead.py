@@ -74,6 +74,7 @@ class Workload:
     method: str = "fedavg"
     cuda_graphs: bool = False  # train.cuda_graphs: each actor replays one captured training step
     compile: bool = False  # train.compile: the steps run torch.compile's kernels
+    batch_clients: int = 1  # train.batch_clients: rayfed's actors train this many clients per step (the ideal: one)
     client_memory: bool = True  # also measure the memory a hosted client adds (builds two more models)
 
     def __post_init__(self) -> None:
@@ -96,7 +97,7 @@ class Workload:
             "federation": {"rounds": self.rounds, "clients_per_round": self.clients_per_round,
                            "eval_every": self.rounds + 1},
             "train": {"local_steps": self.local_steps, "batch_size": self.batch_size, "optimizer": "adam", "lr": 1e-3,
-                      "cuda_graphs": self.cuda_graphs, "compile": self.compile},
+                      "cuda_graphs": self.cuda_graphs, "compile": self.compile, "batch_clients": self.batch_clients},
             "methods": [self.method],
             "placement": {"clients_per_actor": clients_per_actor, "cpus_per_actor": 1, "gpus_per_actor": gpus_per_actor,
                           "client_state": client_state},

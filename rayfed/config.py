@@ -94,6 +94,8 @@ class StreamConfig(_Section):
         "reservoir", description="reservoir: a seeded uniform sample of the stream; per_task: equal quotas per seen task"
     )
     evaluate_others: bool = Field(True, description="also score each client on other clients' seen tasks (others_*)")
+    others_by_task: bool = Field(False, description="with evaluate_others: also each other task's own score, "
+                                 "others/<task>_<metric> (e.g. to tell which clients' tasks a method transfers to)")
 
     @model_validator(mode="after")
     def _positive_patterns(self) -> StreamConfig:
@@ -350,6 +352,11 @@ class TrainConfig(_Section):
         False, description="train through torch.compile of the model (inductor: fused kernels for the forward and "
         "backward), compiled once per model and reused by every client it trains; the first steps of each task and "
         "batch shape pay the compilation"
+    )
+    batch_clients: int = Field(
+        1, ge=1, description="train up to this many of an actor's sampled clients in one forward and backward "
+        "(torch.func.vmap over their stacked parameters and batches) when their updates are plain (the task loss, "
+        "optionally a penalty) and train the same tensors; 1: each client's steps alone"
     )
 
     @model_validator(mode="after")

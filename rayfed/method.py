@@ -196,6 +196,10 @@ class Method:
     ``weighted_mean``), which actors may then pre-sum as uploads come (:func:`presum`); a method that needs
     every client's own upload (per-client weights, counts of uploads, relevance between clients) sets False.
     Declared by each method, never inferred."""
+    batchable_updates: ClassVar[bool] = True
+    """Whether, with ``train.batch_clients``, the plain training calls of :meth:`local_update` may run together
+    with other clients' (:mod:`rayfed.batching`): a hook that changes the model's own settings (an adapter mix, an
+    active view) before such a call sets False, as those settings would not be its own while the batch trains."""
 
     def __init__(self, params: Any = None):
         self.params = params if params is not None else self.Params()

@@ -24,6 +24,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,6 +37,9 @@ from rayfed.modules import select_task
 from rayfed.streams import seen_round, training_pool
 from rayfed.tasks import Task
 from rayfed.types import Batch, TensorDict
+
+if TYPE_CHECKING:
+    from rayfed.batching import Lockstep
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +197,7 @@ class ClientContext:
         self.tasks = list(tasks)  # the run's tasks, by index
         self.stream = stream  # data arrive over rounds: train on what has arrived, score the tasks seen so far
         self.others = others  # in a stream: other clients' tasks, to score this client's model on
+        self.lockstep: Lockstep | None = None  # train.batch_clients: plain updates train with other clients'
 
     @property
     def task(self) -> int:
@@ -215,10 +220,17 @@ class ClientContext:
         """Run ``steps`` optimizer steps from ``params``; batches and dropout seeded by (round, client, purpose).
 
         Without ``phases``: one phase over every parameter in ``params``, minimising ``loss`` (default: the
-        task loss) plus ``extra_loss``, at ``lr`` (default: the config's, on its schedule)."""
+        task loss) plus ``extra_loss``, at ``lr`` (default: the config's, on its schedule). Under
+        ``train.batch_clients`` (the actor sets ``lockstep``) such a plain update of a one-task client trains
+        stacked with other clients' (:mod:`rayfed.batching`)."""
         config = self.train_config
         steps = self.default_steps() if steps is None else steps
         base_lr = lr or config.lr
+        if (self.lockstep is not None and phases is None and loss is None and len(self.data.parts) == 1
+                and config.grad_accum == 1 and optimizer_state is None and not keep_optimizer_state):
+            pool = self.arrived_rows()
+            if pool is None or len(pool):
+                return self.lockstep.train(self, params, steps, purpose, base_lr, extra_loss)
         phases = list(phases) if phases is not None else [Phase(loss=loss, extra_loss=extra_loss)]
         self.model.load_trainable(params)
         named = {name: p for name, p in self.model.named_parameters() if name in params}
@@ -229,13 +241,11 @@ class ClientContext:
                 and optimizer_state is None and not keep_optimizer_state):
             # Before seeding: a first capture runs warm-up steps, which would draw dropout masks.
             graphed = _graphed_step(self.model, named, config, base_lr, self.data, self.tasks[self.task])
-        generator = seeding.torch_generator(self.seed, self.round, self.client_id, purpose + ":batches")
         torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
-        pool = self._pool()
+        pool = self.arrived_rows()
         if pool is not None and len(pool) == 0:  # nothing has arrived yet
             return TrainResult({n: p.detach().clone() for n, p in named.items()}, float("nan"))
-        batches = _batches(self.data.num_train, config.batch_size, steps * config.grad_accum, generator,
-                           self.data.parts[0].train[next(iter(self.data.parts[0].train))].device, pool)
+        batches = self.batch_order(steps * config.grad_accum, purpose)
         # Summed on the device: reading each step's loss would make the host wait for the GPU every step.
         total_loss = torch.zeros((), device=self.device)
         if graphed is not None:
@@ -259,7 +269,7 @@ class ClientContext:
                 optimizer.zero_grad(set_to_none=True)
                 for parts, memory in zip(micro_batches, memories):
                     step_view = Step(self, parts, named, index, step, memory)
-                    with _autocast(self.device):
+                    with mixed_precision(self.device):
                         if phase.loss is None:
                             losses = step_view.part_losses()
                             value = step_view.task_loss(losses)
@@ -283,7 +293,14 @@ class ClientContext:
         return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss.item() / max(steps, 1),
                            task_losses, state)
 
-    def _pool(self) -> torch.Tensor | None:
+    def batch_order(self, batches: int, purpose: str) -> Iterator[torch.Tensor]:
+        """The rows of each of ``batches`` micro-batches of a train call, seeded by (round, client, purpose)."""
+        generator = seeding.torch_generator(self.seed, self.round, self.client_id, purpose + ":batches")
+        first_column = next(iter(self.data.parts[0].train.values()))
+        return _batches(self.data.num_train, self.train_config.batch_size, batches, generator, first_column.device,
+                        self.arrived_rows())
+
+    def arrived_rows(self) -> torch.Tensor | None:
         """In a stream, the training rows local training may draw from this round (None: all)."""
         arrival = self.data.arrival
         if self.stream is None or arrival is None:
@@ -298,7 +315,7 @@ class ClientContext:
             if phase.selects(name):
                 own = phase.lr_of(name) if phase.lr_of is not None else None
                 groups.setdefault(own or phase_lr, []).append(param)
-        optimizer = _optimizer(self.train_config, [{"params": ps, "lr": group_lr} for group_lr, ps in groups.items()],
+        optimizer = build_optimizer(self.train_config, [{"params": ps, "lr": group_lr} for group_lr, ps in groups.items()],
                                phase_lr)
         for group in optimizer.param_groups:
             group["base_lr"] = group["lr"]
@@ -337,6 +354,8 @@ class ClientContext:
                     values = task.kind.summarize(*self._score(task, other.test))
                     if task.kind.primary in values:
                         other_primary.append((task.kind.primary, values[task.kind.primary]))
+                        if self.stream.others_by_task:
+                            metrics[f"others/{task.name}_{task.kind.primary}"] = values[task.kind.primary]
             self.model.load_trainable(params)
             metrics.update(_task_means("others", other_primary))
         for eval_set in self.eval_sets:
@@ -359,7 +378,7 @@ class ClientContext:
         size, rows = self.train_config.eval_batch_size, num_rows(columns)
         for start in range(0, rows, size):
             batch = {name: column[start:start + size].to(self.device) for name, column in columns.items()}
-            with _autocast(self.device):
+            with mixed_precision(self.device):
                 scored = task.kind.score(self.model, batch)
             for name, value in scored.items():
                 sums[name] = sums.get(name, 0.0) + value
@@ -415,7 +434,7 @@ def scheduled_lr(config: TrainConfig, base_lr: float, round_idx: int, global_ste
     return 0.5 * base_lr * (1.0 + math.cos(math.pi * progress))
 
 
-def _optimizer(
+def build_optimizer(
     config: TrainConfig, params: list[torch.Tensor] | list[dict], lr: float, capturable: bool = False,
 ) -> torch.optim.Optimizer:
     tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
@@ -466,7 +485,7 @@ class GraphedStep:
 
     def __init__(self, model: nn.Module, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
                  batch: Batch, task: Task):
-        self.optimizer = _optimizer(config, list(named.values()), lr, capturable=True)
+        self.optimizer = build_optimizer(config, list(named.values()), lr, capturable=True)
         self.forward = trained_forward(model, config)
         self.batch = {name: column.clone() for name, column in batch.items()}
         self.task = task
@@ -492,7 +511,7 @@ class GraphedStep:
 
     def _forward_backward_step(self) -> torch.Tensor:
         device = next(iter(self.batch.values())).device
-        with _autocast(device, cache_enabled=False):  # no cast cache under capture
+        with mixed_precision(device, cache_enabled=False):  # no cast cache under capture
             loss = self.task.kind.loss(self.forward(self.batch), self.batch)
         loss.backward()
         self.optimizer.step()
@@ -581,7 +600,8 @@ def _batches(num_samples: int, batch_size: int, steps: int, generator: torch.Gen
         position += batch_size
 
 
-def _autocast(device: torch.device, cache_enabled: bool = True):
+def mixed_precision(device: torch.device, cache_enabled: bool = True) -> torch.autocast:
+    """bf16 autocast on a GPU; nothing on the CPU."""
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda", cache_enabled=cache_enabled)
 
 

@@ -25,3 +25,20 @@ def test_overrides_reach_nested_method_fields() -> None:
     config = job_config("fedmosaic/offline_dynamic", "fedmosaic", {"methods.0.tau": 2.0}, seed=0,
                         extra={"federation.rounds": 2})
     assert config["methods"][0]["tau"] == 2.0 and config["federation"]["rounds"] == 2
+
+
+def test_others_are_grouped_by_the_other_tasks_group_and_architecture() -> None:
+    from rayfed.benchmarks.fedmosaic_others import by_relation
+
+    def task(name: str, client: int, group: int) -> dict:
+        return {"name": name, "clients": [client], "options": {"group": group}}
+
+    config = {"data": {"tasks": [task("a", 0, 0), task("b", 1, 0), task("c", 2, 1), task("d", 3, 1)]},
+              "architectures": {"small": {"clients": [0, 2]}, "large": {"clients": [1, 3]}}}
+    clients = {"0": {"others/b_f1": 0.8, "others/c_f1": 0.2, "others/d_f1": 0.1, "others_f1": 0.37, "self_f1": 1.0},
+               "1": {"others/a_f1": 0.6, "others/c_f1": 0.4, "others/d_f1": 0.3}}
+    assert by_relation(clients, config, "f1") == pytest.approx({
+        "same group, other architecture": 0.7,  # 0 on b, 1 on a
+        "other group, same architecture": (0.2 + 0.3) / 2,  # 0 on c (small), 1 on d (large)
+        "other group, other architecture": (0.1 + 0.4) / 2,
+    })

@@ -112,6 +112,21 @@ def test_evaluation_covers_the_tasks_seen_so_far_and_the_other_clients_tasks():
     assert all(not other.missing["head.task_" + str(other.task) + ".weight"].isnan().any() for other in actor.others[2])
 
 
+def test_others_by_task_reports_each_other_task_whose_mean_is_others():
+    config = copy.deepcopy(STREAM_RUN)
+    config["data"]["stream"]["others_by_task"] = True
+    actor = ClientActor(load_config(config), [0, 2])
+    shared = actor.start_method(0)
+    early, late = actor.evaluate(1, {0: shared, 2: shared}), actor.evaluate(3, {0: shared, 2: shared})
+    # Client 2 is scored on task a from round 0 and on task b once it has arrived (round 2); client 0 on c.
+    assert sorted(k for k in early[2] if k.startswith("others/")) == ["others/a_acc"]
+    assert sorted(k for k in late[2] if k.startswith("others/")) == ["others/a_acc", "others/b_acc"]
+    assert late[2]["others_acc"] == pytest.approx((late[2]["others/a_acc"] + late[2]["others/b_acc"]) / 2)
+    assert sorted(k for k in late[0] if k.startswith("others/")) == ["others/c_acc"]
+    plain = ClientActor(load_config(STREAM_RUN), [2])
+    assert not any(k.startswith("others/") for k in plain.evaluate(3, {2: plain.start_method(0)})[2])
+
+
 def test_a_last_and_a_auc_are_the_last_value_and_the_mean_over_evaluations():
     events = [{"event": "eval", "method": "m", "round": r, "self_acc": a, "others_acc": b}
               for r, a, b in ((0, 0.0, 0.0), (2, 0.4, 0.2), (4, 0.6, 0.3), (6, 0.5, 0.4))]

@@ -201,19 +201,19 @@ def test_the_round_warmup_schedule_rises_linearly_over_rounds_then_stays():
     assert lrs == pytest.approx([1e-4, 2e-4, 3e-4, 3e-4])
 
 
-def test_a_compiled_step_trains_like_the_eager_one_and_compiles_once_for_every_client(monkeypatch):
+def test_a_compiled_step_trains_like_the_eager_one_and_compiles_once_for_every_client():
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)  # no pool of compile workers on 2 cores
     eager, eager_start = _host(cuda_graphs=False)
     config = dataclasses.replace(WORKLOAD, compile=True).config(clients_per_actor=3, gpus_per_actor=0)
     compiled = ClientActor(config.to_dict(), [0, 1, 2])
     compiled_start = compiled.start_method(0)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    results = [compiled._context(cid, 0).train(compiled_start) for cid in (0, 1, 2)]
-    frames = torch._dynamo.utils.counters["frames"]["ok"]
-    compiled._context(0, 1).train(compiled_start)  # another client and round: the same compiled code
+    with inductor_config.patch(compile_threads=1):  # no pool of compile workers on 2 cores
+        results = [compiled._context(cid, 0).train(compiled_start) for cid in (0, 1, 2)]
+        frames = torch._dynamo.utils.counters["frames"]["ok"]
+        compiled._context(0, 1).train(compiled_start)  # another client and round: the same compiled code
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames > 0
     for cid, result in zip((0, 1, 2), results):
         reference = eager._context(cid, 0).train(eager_start)
