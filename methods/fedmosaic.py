@@ -185,6 +185,7 @@ class FedMosaic(Method):
         super().__init__(params)
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
         self._index: _ServerIndex | None = None
+        self._customized_cache: tuple[list[tuple[torch.Tensor, int]], TensorDict] | None = None
 
     # The model ---------------------------------------------------------------------------------------------
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
@@ -464,6 +465,33 @@ class FedMosaic(Method):
             self._index = _ServerIndex(server, self.architecture_of)
         return self._index
 
+    def _customized(self, server: ServerState, index: _ServerIndex) -> TensorDict:
+        """Every client's customized global adapter, per stack (a row per client of the stack): each PQ stack's
+        rows mixed by the RELA weights over all clients, each conventional stack's by the weights within the
+        architecture, renormalised (or equal). One matrix product per stack for the round's clients, kept until
+        the weights or a stack change: one client's payload at a time would read every stack once per client."""
+        weights, stacks = server["relevance"]["weights"], server["stacks"]
+        inputs = [weights, *stacks.values()]
+        if self._customized_cache is not None:
+            seen, customized = self._customized_cache
+            if len(seen) == len(inputs) and all(a is b and version == b._version for (a, version), b in zip(seen, inputs)):
+                return customized
+        all_clients = weights.double()
+        customized: TensorDict = {}
+        for key, stack in stacks.items():
+            if key.startswith("pq/"):
+                customized[key] = _weighted(all_clients, stack)
+                continue
+            same = index.rows_of[_arch(key)]
+            if self.params.conv_agg == "equal_within_type" or self.params.relevance == "equal":
+                within = torch.full((len(same), len(same)), 1.0 / len(same), dtype=torch.float64)
+            else:
+                within = all_clients[same][:, same]
+                within = within / within.sum(dim=1, keepdim=True)
+            customized[key] = _weighted(within, stack)
+        self._customized_cache = ([(tensor, tensor._version) for tensor in inputs], customized)
+        return customized
+
     def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
         index = self._server_index(server)
         stacks, relevance, received = server["stacks"], dict(server["relevance"]), server["received"]["aligned"]
@@ -492,18 +520,12 @@ class FedMosaic(Method):
     def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
         index = self._server_index(server)
         arch = self.architecture_of[client_id]
-        weights = server["relevance"]["weights"][client_id].double()
+        customized = self._customized(server, index)
         payload: TensorDict = {}
         for name, block in index.pq_names[arch]:
-            stack = server["stacks"][_pq_key(block, name)]
-            payload[global_name(name)] = _weighted(weights, stack)
-        same = index.rows_of[arch]
-        if self.params.conv_agg == "equal_within_type" or self.params.relevance == "equal":
-            within = torch.full((len(same),), 1.0 / len(same), dtype=torch.float64)
-        else:
-            within = weights[same] / weights[same].sum()
-        for name in index.conv_names[arch]:
-            payload[global_name(name)] = _weighted(within, server["stacks"][name])
+            payload[global_name(name)] = customized[_pq_key(block, name)][client_id].clone()
+        for name in index.conv_names[arch]:  # clones: a row alone, not its stack, goes to the client
+            payload[global_name(name)] = customized[name][index.row_in_arch[client_id]].clone()
         if not server["received"]["aligned"][client_id]:
             prefix = f"{arch}/" if arch else ""
             payload.update({n: v for n, v in server["aligned"].items() if n.startswith(prefix)})
@@ -528,8 +550,8 @@ def relevance_weights(gradients: torch.Tensor, present: torch.Tensor, tau: float
 
 
 def _weighted(weights: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
-    """``sum_j weights_j stack_j`` in float64, in the stack's dtype."""
-    return (weights @ stack.flatten(1).double()).view(stack.shape[1:]).to(stack.dtype)
+    """Row i: ``sum_j weights_ij stack_j``, in float64, in the stack's dtype."""
+    return (weights @ stack.flatten(1).double()).view(len(weights), *stack.shape[1:]).to(stack.dtype)
 
 
 def _pq_key(block: int, name: str) -> str:
