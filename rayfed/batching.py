@@ -126,8 +126,14 @@ class Lockstep(Generic[R]):
         following = [j for j in range(index + 1, self._count) if j not in self._finished]
         if not following:
             if self._waiting:
-                train_together([self._waiting[j] for j in sorted(self._waiting)], self.max_clients)
+                waiting = [self._waiting[j] for j in sorted(self._waiting)]
                 self._waiting = {}
+                try:
+                    train_together(waiting, self.max_clients)
+                except Exception as error:  # noqa: BLE001 - e.g. grouping failed: every waiting hook raises it
+                    for request in waiting:
+                        if request.result is None:
+                            request.error = error
             following = [j for j in range(self._count) if j not in self._finished]
         self._turn = following[0] if following else None
         self._cond.notify_all()
