@@ -49,6 +49,7 @@ class TrainRequest:
     purpose: str
     lr: float
     extra_loss: Penalty | None
+    pool: torch.Tensor | None  # the rows it may draw from (ClientContext.arrived_rows)
     result: TrainResult | None = None
     error: BaseException | None = None
 
@@ -56,8 +57,7 @@ class TrainRequest:
         """Updates with equal keys can train together: the same trained tensors, task, batch shape and budget."""
         client = self.client
         part = client.data.parts[0]
-        pool = client.arrived_rows()
-        rows = client.data.num_train if pool is None else len(pool)
+        rows = client.data.num_train if self.pool is None else len(self.pool)
         columns = tuple((name, tuple(column.shape[1:]), column.dtype) for name, column in part.train.items())
         tensors = tuple((name, tuple(value.shape), value.dtype) for name, value in self.params.items())
         return (tensors, part.task, columns, min(client.train_config.batch_size, rows), self.steps, self.purpose,
@@ -107,9 +107,9 @@ class Lockstep(Generic[R]):
         return results
 
     def train(self, client: ClientContext, params: TensorDict, steps: int, purpose: str, lr: float,
-              extra_loss: Penalty | None) -> TrainResult:
+              extra_loss: Penalty | None, pool: torch.Tensor | None) -> TrainResult:
         """A plain update of ``client`` (see :meth:`ClientContext.train`), trained with the other updates' ones."""
-        request = TrainRequest(client, params, steps, purpose, lr, extra_loss)
+        request = TrainRequest(client, params, steps, purpose, lr, extra_loss, pool)
         index = self._local.index
         with self._cond:
             self._waiting[index] = request
@@ -202,7 +202,7 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
     optimizer = build_optimizer(config, list(stacked.values()), requests[0].lr)
     for group in optimizer.param_groups:
         group["base_lr"] = group["lr"]
-    batch_orders = [r.client.batch_order(r.steps, r.purpose) for r in requests]
+    batch_orders = [r.client.batch_order(r.steps, r.purpose, r.pool) for r in requests]
     # The first client's dropout stream; vmap draws each client's masks from it, different ones per client.
     torch.manual_seed(seeding.torch_seed(first.seed, first.round, first.client_id, requests[0].purpose + ":dropout"))
     part = first.data.parts[0]
@@ -210,8 +210,8 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
     losses = torch.zeros(len(requests), device=device)
     for step in range(requests[0].steps):
         if config.schedule != "constant" and requests[0].purpose == "train":
+            global_step = first.round * requests[0].steps + step
             for group in optimizer.param_groups:
-                global_step = first.round * requests[0].steps + step
                 group["lr"] = scheduled_lr(config, group["base_lr"], first.round, global_step)
         rows = [next(order) for order in batch_orders]
         batch = {name: torch.stack([r.client.data.parts[0].train[name][index] for r, index in zip(requests, rows)])

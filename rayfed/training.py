@@ -226,26 +226,25 @@ class ClientContext:
         config = self.train_config
         steps = self.default_steps() if steps is None else steps
         base_lr = lr or config.lr
-        if (self.lockstep is not None and phases is None and loss is None and len(self.data.parts) == 1
-                and config.grad_accum == 1 and optimizer_state is None and not keep_optimizer_state):
-            pool = self.arrived_rows()
-            if pool is None or len(pool):
-                return self.lockstep.train(self, params, steps, purpose, base_lr, extra_loss)
+        # One task, one micro-batch a step, a fresh optimizer: what a captured or a stacked step can run.
+        simple = (len(self.data.parts) == 1 and config.grad_accum == 1 and optimizer_state is None
+                  and not keep_optimizer_state)
+        pool = self.arrived_rows()
+        if self.lockstep is not None and phases is None and loss is None and simple and (pool is None or len(pool)):
+            return self.lockstep.train(self, params, steps, purpose, base_lr, extra_loss, pool)
         phases = list(phases) if phases is not None else [Phase(loss=loss, extra_loss=extra_loss)]
         self.model.load_trainable(params)
         named = {name: p for name, p in self.model.named_parameters() if name in params}
         self.model.train()
         graphed = None
         if (config.cuda_graphs and self.device.type == "cuda" and len(phases) == 1 and phases[0].loss is None
-                and phases[0].extra_loss is None and len(self.data.parts) == 1 and config.grad_accum == 1
-                and optimizer_state is None and not keep_optimizer_state):
+                and phases[0].extra_loss is None and simple):
             # Before seeding: a first capture runs warm-up steps, which would draw dropout masks.
             graphed = _graphed_step(self.model, named, config, base_lr, self.data, self.tasks[self.task])
         torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
-        pool = self.arrived_rows()
         if pool is not None and len(pool) == 0:  # nothing has arrived yet
             return TrainResult({n: p.detach().clone() for n, p in named.items()}, float("nan"))
-        batches = self.batch_order(steps * config.grad_accum, purpose)
+        batches = self.batch_order(steps * config.grad_accum, purpose, pool)
         # Summed on the device: reading each step's loss would make the host wait for the GPU every step.
         total_loss = torch.zeros((), device=self.device)
         if graphed is not None:
@@ -293,12 +292,13 @@ class ClientContext:
         return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss.item() / max(steps, 1),
                            task_losses, state)
 
-    def batch_order(self, batches: int, purpose: str) -> Iterator[torch.Tensor]:
-        """The rows of each of ``batches`` micro-batches of a train call, seeded by (round, client, purpose)."""
+    def batch_order(self, batches: int, purpose: str, pool: torch.Tensor | None) -> Iterator[torch.Tensor]:
+        """The rows of each of ``batches`` micro-batches of a train call, seeded by (round, client, purpose), drawn
+        from ``pool`` (:meth:`arrived_rows`)."""
         generator = seeding.torch_generator(self.seed, self.round, self.client_id, purpose + ":batches")
         first_column = next(iter(self.data.parts[0].train.values()))
         return _batches(self.data.num_train, self.train_config.batch_size, batches, generator, first_column.device,
-                        self.arrived_rows())
+                        pool)
 
     def arrived_rows(self) -> torch.Tensor | None:
         """In a stream, the training rows local training may draw from this round (None: all)."""
