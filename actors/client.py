@@ -79,7 +79,7 @@ class ClientActor:
         data = {cid: federation.client_data(cid, self.backbone) for cid in self.client_ids}
         eval_sets = federation.eval_sets(self.backbone)
         data_device = self._resident_device(
-            sum(tensor_bytes({i: p.train | p.test for i, p in enumerate(d.parts)}) for d in data.values())
+            sum(client_data.nbytes for client_data in data.values())
             + tensor_bytes({i: e.columns for i, e in enumerate(eval_sets)})
         )
         self.data_device = data_device
@@ -313,8 +313,7 @@ class ClientActor:
             "gpu_peak_bytes": gpu_peak,
             "rss_bytes": psutil.Process().memory_info().rss,
             "state_bytes": tensor_bytes(self.states),
-            "data_bytes": sum(tensor_bytes({i: p.train | p.test for i, p in enumerate(d.parts)})
-                              for d in self.data.values()),
+            "data_bytes": sum(client_data.nbytes for client_data in self.data.values()),
         }
 
     def get_round_times(self) -> list[dict[str, float]]:

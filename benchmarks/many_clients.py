@@ -5,7 +5,7 @@ round, on one host or on a local multi-node Ray cluster (``ray.cluster_utils``, 
     python -m rayfed.benchmarks.many_clients --workload gpu --clients 100 1000 10000 --out runs/many_clients_gpu
 
 Each client count is one Ditto run (every client keeps a personal LoRA of its own, so hosted state grows with
-the clients) on ``--actors`` ClientActors. Reported per count: the rounds' wall time (the first left out: it
+the clients; ``--method fedavg``: no client state, only the data grows) on ``--actors`` ClientActors. Reported per count: the rounds' wall time (the first left out: it
 builds optimizers), and the host memory of the run after its last round, as proportional set size (PSS) summed
 over this process, the DriverActor and the ClientActors: pages of the object store that several actors map, such
 as the clients' data the driver built once, count once. (Ray's own daemons and idle workers are left out: their
@@ -48,8 +48,9 @@ def pss_bytes(pids: list[int]) -> int:
     return sum(psutil.Process(pid).memory_full_info().pss for pid in pids)
 
 
-def measure(workload: Workload, num_clients: int, num_actors: int, gpus_per_actor: float, per_round: int) -> dict:
-    sized = dataclasses.replace(workload, num_clients=num_clients, clients_per_round=per_round, method="ditto")
+def measure(workload: Workload, num_clients: int, num_actors: int, gpus_per_actor: float, per_round: int,
+            method: str = "ditto") -> dict:
+    sized = dataclasses.replace(workload, num_clients=num_clients, clients_per_round=per_round, method=method)
     config = sized.config(clients_per_actor=math.ceil(num_clients / num_actors), gpus_per_actor=gpus_per_actor)
     found: dict[str, Any] = {}
 
@@ -59,6 +60,8 @@ def measure(workload: Workload, num_clients: int, num_actors: int, gpus_per_acto
             actors = [*sim.actors, sim.driver]
             pids = ray.get([actor.__ray_call__.remote(lambda instance: os.getpid()) for actor in actors])
             found["pss_bytes"] = pss_bytes([os.getpid(), *pids])
+            found["pss_by_process"] = {"this process": pss_bytes([os.getpid()]), "DriverActor": pss_bytes(pids[-1:]),
+                                       "ClientActors": pss_bytes(pids[:-1])}
             found["state_bytes"] = sum(u["state_bytes"] for u in usage)
             found["data_bytes"] = sum(u["data_bytes"] for u in usage)
             found["dataset_bytes"] = sum(array.nbytes for holding in sim.federation.holdings
@@ -136,10 +139,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="more than 1: a local ray.cluster_utils cluster")
     parser.add_argument("--cpus-per-node", type=int, default=2)
     parser.add_argument("--actors", type=int, default=None, help="ClientActors (default: one per GPU, else per node)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds a run (default: the workload's; the first "
+                        "is left out of the round times)")
+    parser.add_argument("--method", default="ditto",
+                        help="ditto: every client keeps a personal LoRA; fedavg: clients keep no state of their own")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import torch
 
+    workload = WORKLOADS[args.workload]
+    if args.rounds is not None:
+        workload = dataclasses.replace(workload, rounds=args.rounds)
     gpus = torch.cuda.device_count() if args.workload == "gpu" else 0
     num_actors = args.actors or max(gpus, args.nodes)
     cluster = start_cluster(args.nodes, args.cpus_per_node, gpus)
@@ -148,11 +158,12 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     try:
         for num_clients in args.clients:
-            result = measure(WORKLOADS[args.workload], num_clients, num_actors, 1.0 if gpus else 0, args.per_round)
+            result = measure(workload, num_clients, num_actors, 1.0 if gpus else 0, args.per_round,
+                             args.method)
             results.append(result)
             print(json.dumps({k: v for k, v in result.items() if k != "round_s"}), flush=True)
             atomic_write_json(out / "many_clients.json", {
-                "workload": dataclasses.asdict(WORKLOADS[args.workload]), "nodes": args.nodes,
+                "workload": {**dataclasses.asdict(workload), "method": args.method}, "nodes": args.nodes,
                 "cpus_per_node": args.cpus_per_node, "gpu": torch.cuda.get_device_name(0) if gpus else None,
                 "results": results})
     finally:

@@ -22,6 +22,14 @@ def _host(cuda_graphs: bool) -> tuple[ClientActor, dict[str, torch.Tensor]]:
     return host, host.start_method(0)
 
 
+def test_an_actors_data_bytes_count_the_train_and_the_test_columns_of_every_client():
+    host, _ = _host(cuda_graphs=False)
+    train, test = ([column.numel() * column.element_size() for data in host.data.values() for part in data.parts
+                    for column in getattr(part, split).values()] for split in ("train", "test"))
+    assert sum(train) > sum(test) > 0
+    assert host.resource_usage()["data_bytes"] == sum(train) + sum(test)
+
+
 @pytest.mark.parametrize("field, value", [("optimizer", "sgd"), ("grad_clip", 1.0)])
 def test_cuda_graphs_refuse_what_a_captured_step_cannot_do(field, value):
     config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0).to_dict()

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rayfed.types import tensor_bytes
+
 Columns = dict[str, torch.Tensor]
 
 
@@ -66,6 +68,11 @@ class ClientData:
     @property
     def num_test(self) -> int:
         return sum(num_rows(part.test) for part in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every part's train and test tensors."""
+        return sum(tensor_bytes(part.train) + tensor_bytes(part.test) for part in self.parts)
 
     def part(self, task: int) -> TaskData:
         return next(part for part in self.parts if part.task == task)
