@@ -71,16 +71,23 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# Settings whose configs are offline_dynamic's with other methods (tests/test_offline_runs.py checks it): the same
+# clients, data and rounds, so their methods pair by seed with offline_dynamic's.
+SAME_CLIENTS = ("dynamic", "baselines", "rela_variants", "alignment")
+
+
 def paired_gaps(rows: list[dict[str, Any]], reference: str, setting: str = "dynamic") -> str:
-    """Each method minus ``reference`` on the same seed (mean +- std of the seed-paired differences)."""
+    """Each method minus ``reference`` on the same seed (mean +- std of the seed-paired differences), for the
+    methods of ``setting`` and, when it is ``dynamic``, of the settings that share its clients."""
     by_seed: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
     for row in rows:
         by_seed[key(row)][row["seed"]] = row
     base = by_seed.get(f"{setting}:{reference}", {})
-    lines = [f"| {setting}:method - {reference} | seeds | Self A_last | Self A_AUC | Others A_last | Others A_AUC |",
+    settings = SAME_CLIENTS if setting == "dynamic" else (setting,)
+    lines = [f"| method - {setting}:{reference} | seeds | Self A_last | Self A_AUC | Others A_last | Others A_AUC |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name in sorted(by_seed):
-        if not name.startswith(f"{setting}:") or name == f"{setting}:{reference}":
+        if name.split(":")[0] not in settings or name == f"{setting}:{reference}":
             continue
         seeds = sorted(set(by_seed[name]) & set(base))
         cells = [_fmt([_value(by_seed[name][s], m, st) - _value(base[s], m, st) for s in seeds]) for m, st in METRICS]

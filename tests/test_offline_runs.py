@@ -42,3 +42,18 @@ def test_others_are_grouped_by_the_other_tasks_group_and_architecture() -> None:
         "other group, same architecture": (0.2 + 0.3) / 2,  # 0 on c (small), 1 on d (large)
         "other group, other architecture": (0.1 + 0.4) / 2,
     })
+
+
+def test_the_settings_paired_with_offline_dynamic_differ_from_it_only_in_their_methods() -> None:
+    import yaml
+
+    from rayfed.benchmarks.fedmosaic_tables import SAME_CLIENTS
+    from rayfed.benchmarks.offline_runs import CONFIGS
+
+    def without_methods(setting: str) -> dict:
+        config = yaml.safe_load((CONFIGS / f"fedmosaic/offline_{setting}.yaml").read_text())
+        return {key: value for key, value in config.items() if key not in ("methods", "name")}
+
+    reference = without_methods("dynamic")
+    assert [setting for setting in SAME_CLIENTS if without_methods(setting) != reference] == []
+    assert without_methods("static") != reference  # the check can tell a different benchmark apart
