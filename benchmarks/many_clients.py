@@ -5,13 +5,14 @@ round, on one host or on a local multi-node Ray cluster (``ray.cluster_utils``, 
     python -m rayfed.benchmarks.many_clients --workload gpu --clients 100 1000 10000 --out runs/many_clients_gpu
 
 Each client count is one Ditto run (every client keeps a personal LoRA of its own, so hosted state grows with
-the clients; ``--method fedavg``: no client state, only the data grows) on ``--actors`` ClientActors. Reported per count: the rounds' wall time (the first left out: it
-builds optimizers), and the host memory of the run after its last round, as proportional set size (PSS) summed
-over this process, the DriverActor and the ClientActors: pages of the object store that several actors map, such
-as the clients' data the driver built once, count once. (Ray's own daemons and idle workers are left out: their
-number varies between runs, not with the clients.) ``memory.md`` puts the memory
-growth per added client beside what each client owns (its state and its encoded data) and ``many_clients.png``
-plots both against the number of clients.
+the clients; with ``--method fedavg`` clients keep no state and only their data grows) on ``--actors``
+ClientActors. Reported per count: the rounds' wall time (the first left out: it builds optimizers), and the host
+memory of the run after its last round, as proportional set size (PSS) summed over this process, the
+DriverActor and the ClientActors (and per process, ``pss_by_process``): pages of the object store that several
+actors map, such as the clients' data the driver built once, count once. (Ray's own daemons and idle workers are
+left out: their number varies between runs, not with the clients.) ``many_clients.md`` puts the memory growth per
+added client beside what each client owns (its state and its encoded data) and ``many_clients.png`` plots both
+against the number of clients.
 """
 
 from __future__ import annotations
