@@ -155,10 +155,12 @@ class ClientActor:
         setting = self.config.placement.client_state
         if self.device.type != "cuda" or setting == "host":
             return torch.device("cpu")
-        if setting == "device":
-            return self.device
+        return self.device if setting == "device" or self._fits_on_gpu(nbytes) else torch.device("cpu")
+
+    def _fits_on_gpu(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` take under a quarter of the GPU's free memory."""
         free, _ = torch.cuda.mem_get_info(self.device)
-        return self.device if nbytes < free / 4 else torch.device("cpu")
+        return nbytes < free / 4
 
     def _context(self, client_id: int, round_idx: int) -> ClientContext:
         select_task(self.model, self.tasks_of[client_id][0])
@@ -168,41 +170,60 @@ class ClientActor:
         )
 
     def train(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> list[Upload]:
-        return list(self._local_updates(round_idx, client_ids, payloads, "cpu"))
+        uploads = list(self._local_updates(round_idx, client_ids, payloads))
+        for upload in uploads:
+            upload.tensors = _to(upload.tensors, "cpu")
+        return uploads
 
-    def _local_updates(
-        self, round_idx: int, client_ids: list[int], payloads: Payloads, upload_device: torch.device | str,
-    ) -> Iterator[Upload]:
+    def _local_updates(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> Iterator[Upload]:
         """The clients' local updates in order (with ``train.batch_clients``, run in lockstep so that their plain
-        steps train together); each new state stays here, each upload is put on ``upload_device``."""
+        steps train together); each new state is kept here, each upload is left on :meth:`_round_device`."""
+        on = self._round_device(client_ids)
+        for cid in client_ids:
+            self.states[cid] = _to(self.states[cid], on)
+        payloads = _OnDevice(payloads, on)
         batch = self.config.train.batch_clients
         if batch == 1 or len(client_ids) == 1 or not self.method.batchable_updates:
             for cid in client_ids:
                 started = time.perf_counter()
                 result = self.method.local_update(self._context(cid, round_idx), self.states[cid], payloads[cid])
                 self._update_s += time.perf_counter() - started
-                yield self._keep(cid, result, upload_device)
-            return
-        lockstep: Lockstep[LocalResult] = Lockstep(batch)
+                yield self._keep(cid, result, on)
+        else:
+            lockstep: Lockstep[LocalResult] = Lockstep(batch)
 
-        def update(client_id: int) -> LocalResult:
-            context = self._context(client_id, round_idx)
-            context.lockstep = lockstep
-            return self.method.local_update(context, self.states[client_id], payloads[client_id])
+            def update(client_id: int) -> LocalResult:
+                context = self._context(client_id, round_idx)
+                context.lockstep = lockstep
+                return self.method.local_update(context, self.states[client_id], payloads[client_id])
 
-        started = time.perf_counter()
-        results = lockstep.run([lambda cid=cid: update(cid) for cid in client_ids])
-        self._update_s += time.perf_counter() - started
-        for cid, result in zip(client_ids, results):
-            yield self._keep(cid, result, upload_device)
+            started = time.perf_counter()
+            results = lockstep.run([lambda cid=cid: update(cid) for cid in client_ids])
+            self._update_s += time.perf_counter() - started
+            for cid, result in zip(client_ids, results):
+                yield self._keep(cid, result, on)
+        for cid in client_ids:
+            self.states[cid] = _to(self.states[cid], self.state_device)
 
-    def _keep(self, client_id: int, result: LocalResult, upload_device: torch.device | str) -> Upload:
-        """Keep a local update's new state here; its upload, put on ``upload_device``."""
-        self.states[client_id] = _to(result.state, self.state_device)
+    def _round_device(self, client_ids: list[int]) -> torch.device:
+        """Where a round's clients' states, payloads and uploads stay while the round trains: the training device
+        when they fit there, even where states are kept on the host between rounds.
+
+        A copy to or from the host between two clients' updates would make the host wait for the GPU to finish
+        one client, and the GPU then wait for the host to set up the next; this way each state crosses once each
+        way a round, before the first update and after the last.
+        """
+        if self.state_device == self.device or self._fits_on_gpu(4 * sum(tensor_bytes(self.states[cid]) for cid in client_ids)):
+            return self.device
+        return self.state_device
+
+    def _keep(self, client_id: int, result: LocalResult, device: torch.device) -> Upload:
+        """Keep a local update's new state here; its upload; both on ``device``."""
+        self.states[client_id] = _to(result.state, device)
         weight = self.data[client_id].num_train if result.weight is None else result.weight
         for name, value in result.stats.items():
             self._stats[name] = self._stats.get(name, 0.0) + value
-        return Upload(client_id, weight, _to(result.upload, upload_device), result.train_loss)
+        return Upload(client_id, weight, _to(result.upload, device), result.train_loss)
 
     def train_round(
         self, round_idx: int, client_ids: list[int], payloads: Payloads, weight_scale: dict[int, float],
@@ -214,8 +235,8 @@ class ClientActor:
         the round (their states given, their new states kept for :meth:`take_guest_states`); their data is
         built here from the same federation, so they train exactly as on their host.
 
-        The partial sum is made as each upload comes, where the actor keeps its clients' state (on the
-        GPU when it fits there), and moved to the host once per round: then no copy to the host, and no
+        The partial sum is made as each upload comes, on the device where the uploads were trained when they fit
+        there (:meth:`_round_device`), and moved to the host once per round: then no copy to the host, and no
         float64 arithmetic on the host, per client. Clients train in client-id order, the order they are
         summed in.
         """
@@ -225,8 +246,7 @@ class ClientActor:
             self.states[cid] = _to(state, self.state_device)
         partial = PartialSum() if self.method.presums_uploads else None
         uploads, up_bytes, up_params, losses = [], 0, 0, {}
-        for upload in self._local_updates(round_idx, sorted(client_ids), payloads,
-                                          "cpu" if partial is None else self.state_device):
+        for upload in self._local_updates(round_idx, sorted(client_ids), payloads):
             cid = upload.client_id
             upload.weight_scale = weight_scale[cid]
             up_bytes += upload.nbytes
@@ -238,6 +258,8 @@ class ClientActor:
                 uploads.append(upload)
         if partial is not None and partial.client_ids:
             uploads = [partial.upload("cpu")]
+        for upload in uploads:
+            upload.tensors = _to(upload.tensors, "cpu")
         for cid in guests:
             self.guest_states[cid] = _to(self.states.pop(cid), "cpu")
         self.round_times.append({"round": round_idx, "start": started, "end": time.time(), "update_s": self._update_s})
@@ -266,6 +288,7 @@ class ClientActor:
         self.states.update({cid: _to(state, self.state_device) for cid, state in states.items() if cid in self.client_ids})
 
     def evaluate(self, round_idx: int, payloads: Payloads) -> dict[int, dict[str, float]]:
+        payloads = _OnDevice(payloads, self.state_device)
         return {cid: self._metrics(self._context(cid, round_idx), self.states[cid], payloads[cid])
                 for cid in self.client_ids}
 
@@ -294,7 +317,7 @@ class ClientActor:
 
     def finish(self, round_idx: int, payloads: Payloads, post_train_steps: int) -> dict[int, dict[str, float]]:
         """The post-FL stages: the method's own, then optional fine-tuning; returns final metrics."""
-        metrics = {}
+        metrics, payloads = {}, _OnDevice(payloads, self.state_device)
         for cid in self.client_ids:
             client = self._context(cid, round_idx)
             state = self.method.after_federation(client, self.states[cid], payloads[cid])
@@ -324,6 +347,28 @@ class ClientActor:
 
     def set_states(self, states: dict[int, ClientState]) -> None:
         self.states = {cid: _to(states[cid], self.state_device) for cid in self.client_ids}
+
+
+class _OnDevice:
+    """``payloads``, each client's on ``device`` when asked for (the device that keeps the clients' state).
+
+    A tensor the previous client received too is not moved again: a round's clients often receive the same
+    tensors (FedAvg's global model), which then reach the GPU once, not once a client.
+    """
+
+    def __init__(self, payloads: Payloads, device: torch.device) -> None:
+        self.payloads, self.device = payloads, device
+        self.previous: dict[int, torch.Tensor] = {}  # by id() of the source, alive in ``payloads`` meanwhile
+
+    def __getitem__(self, client_id: int) -> TensorDict | None:
+        payload = self.payloads[client_id]
+        if payload is None:
+            return None
+        previous = self.previous
+        moved = {id(value): previous[id(value)] if id(value) in previous else value.to(self.device)
+                 for value in payload.values()}
+        self.previous = moved
+        return {name: moved[id(value)] for name, value in payload.items()}
 
 
 def _to(slots: dict[str, TensorDict], device: torch.device | str) -> dict[str, TensorDict]:

@@ -44,15 +44,20 @@ WORKLOADS = {"cpu": CPU_WORKLOAD,
              "gpu": dataclasses.replace(GPU_WORKLOAD, client_memory=False, local_steps=2, rounds=4)}
 
 
+class _Measured(Exception):
+    """Raised after the last round's measurement: it stops the run before its final evaluation."""
+
+
 def pss_bytes(pids: list[int]) -> int:
     """Proportional set size of these processes (pages they share, such as the object store's, split between them)."""
     return sum(psutil.Process(pid).memory_full_info().pss for pid in pids)
 
 
 def measure(workload: Workload, num_clients: int, num_actors: int, gpus_per_actor: float, per_round: int,
-            method: str = "ditto") -> dict:
+            method: str = "ditto", client_state: str = "auto") -> dict:
     sized = dataclasses.replace(workload, num_clients=num_clients, clients_per_round=per_round, method=method)
-    config = sized.config(clients_per_actor=math.ceil(num_clients / num_actors), gpus_per_actor=gpus_per_actor)
+    config = sized.config(clients_per_actor=math.ceil(num_clients / num_actors), gpus_per_actor=gpus_per_actor,
+                          client_state=client_state)
     found: dict[str, Any] = {}
 
     def after_round(sim: Simulation, label: str, rounds_done: int) -> None:
@@ -67,10 +72,14 @@ def measure(workload: Workload, num_clients: int, num_actors: int, gpus_per_acto
             found["data_bytes"] = sum(u["data_bytes"] for u in usage)
             found["dataset_bytes"] = sum(array.nbytes for holding in sim.federation.holdings
                                          for array in vars(holding.dataset).values() if hasattr(array, "nbytes"))
+            raise _Measured  # the final evaluation of every client is not what this measures
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"rayfed-many-{num_clients}-")) / "run"
     started = time.perf_counter()
-    Simulation(config, out_dir=out_dir, callbacks=[after_round], progress=False, check_model=False).run()
+    try:
+        Simulation(config, out_dir=out_dir, callbacks=[after_round], progress=False, check_model=False).run()
+    except _Measured:
+        pass
     events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     walls = [e["wall_s"] for e in events if e["event"] == "round"][1:]
     return {"clients": num_clients, "actors": num_actors, "round_s": walls, "median_round_s": statistics.median(walls),
@@ -110,7 +119,7 @@ def memory_rows(results: list[dict]) -> list[list[str]]:
 
 
 HEADER = ["clients", "s/round (median)", "x first", "host PSS MiB", "KiB per added client", "KiB a client owns",
-          "dataset MiB (once per node)", "whole run s"]
+          "dataset MiB (once per node)", "run s (to the last round)"]
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -144,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
                         "is left out of the round times)")
     parser.add_argument("--method", default="ditto",
                         help="ditto: every client keeps a personal LoRA; fedavg: clients keep no state of their own")
+    parser.add_argument("--client-state", choices=["auto", "host", "device"], default="auto",
+                        help="placement.client_state: where clients' states live between rounds")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import torch
@@ -160,11 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for num_clients in args.clients:
             result = measure(workload, num_clients, num_actors, 1.0 if gpus else 0, args.per_round,
-                             args.method)
+                             args.method, args.client_state)
             results.append(result)
             print(json.dumps({k: v for k, v in result.items() if k != "round_s"}), flush=True)
             atomic_write_json(out / "many_clients.json", {
-                "workload": {**dataclasses.asdict(workload), "method": args.method}, "nodes": args.nodes,
+                "workload": {**dataclasses.asdict(workload), "method": args.method, "client_state": args.client_state},
+                "nodes": args.nodes,
                 "cpus_per_node": args.cpus_per_node, "gpu": torch.cuda.get_device_name(0) if gpus else None,
                 "results": results})
     finally:

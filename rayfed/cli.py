@@ -67,7 +67,8 @@ def _bench(args: argparse.Namespace) -> int:
     from rayfed.benchmarks.overhead import run_bench, workload_named
 
     workload = workload_named(args.workload)
-    workload = dataclasses.replace(workload, compile=args.compile or workload.compile, batch_clients=args.batch_clients)
+    workload = dataclasses.replace(workload, compile=args.compile or workload.compile, batch_clients=args.batch_clients,
+                                   rounds=args.rounds or workload.rounds)
     results = run_bench(workload, tuple(args.actors_per_gpu), Path(args.out), repeats=args.repeats)
     print((Path(args.out) / "bench.md").read_text())
     print(f"results: {args.out}/bench.json, {args.out}/bench.md ({len(results['runs'])} runs)")
@@ -145,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train.compile on (rayfed's clients and the ideal loop alike)")
     bench.add_argument("--batch-clients", type=int, default=1,
                        help="train.batch_clients for rayfed's actors (the ideal loop trains one client at a time)")
+    bench.add_argument("--rounds", type=int, choices=range(2, 1001), metavar="{2..1000}",
+                       help="rounds a run, the first a warm-up (default: the workload's)")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
     bench.set_defaults(handler=_bench)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from rayfed.types import ClientState, ServerState, TensorDict, tensor_bytes, tensor_params
+from rayfed.types import ClientState, ServerState, TensorDict, tensor_bytes, tensor_params, tensors_to
 
 if TYPE_CHECKING:
     from rayfed.config import ModelConfig
@@ -165,7 +165,7 @@ class PartialSum:
         """The partial sum as one upload, its tensors moved to ``device`` (None: where they are)."""
         return Upload(
             client_id=self.client_ids[0], num_samples=self.num_samples,
-            tensors={slot: {n: v if device is None else v.to(device) for n, v in self.sums[slot].items()}
+            tensors={slot: self.sums[slot] if device is None else tensors_to(self.sums[slot], device)
                      for slot in sorted(self.sums)},
             train_loss=float("nan"), weight_sums=self.weights, dtypes=self.dtypes,
         )

@@ -35,3 +35,23 @@ def tensor_bytes(tree: Any) -> int:
     if isinstance(tree, dict):
         return sum(tensor_bytes(value) for value in tree.values())
     return 0
+
+
+def tensors_to(tensors: TensorDict, device: torch.device | str) -> TensorDict:
+    """``tensors`` on ``device``. From a GPU to the host, the tensors of each dtype go in one copy into pinned
+    memory, several times faster than a small synchronous copy per tensor; the results are views of that copy."""
+    if torch.device(device).type != "cpu" or not any(value.is_cuda for value in tensors.values()):
+        return {name: value.to(device) for name, value in tensors.items()}
+    on_host = {name: value for name, value in tensors.items() if not value.is_cuda}
+    groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
+    for name, value in tensors.items():
+        if value.is_cuda:
+            groups.setdefault((value.device, value.dtype), []).append(name)
+    for (gpu, dtype), names in groups.items():
+        flat = torch.cat([tensors[name].detach().reshape(-1) for name in names])
+        pinned = torch.empty(flat.numel(), dtype=dtype, pin_memory=True)
+        pinned.copy_(flat, non_blocking=True)
+        torch.cuda.current_stream(gpu).synchronize()
+        for name, part in zip(names, pinned.split([tensors[name].numel() for name in names])):
+            on_host[name] = part.view(tensors[name].shape)
+    return {name: on_host[name] for name in tensors}

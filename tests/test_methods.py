@@ -8,6 +8,7 @@ import torch
 from rayfed.actors.client import ClientActor
 from rayfed.config import load_config
 from rayfed.method import Method, PartialSum, Upload, presum, weighted_mean
+from rayfed.types import tensors_to
 from conftest import method_class
 
 
@@ -177,3 +178,15 @@ def test_a_partial_sum_made_on_the_gpu_is_bitwise_the_one_made_on_the_host():
     on_gpu = [Upload(u.client_id, u.num_samples, {"shared": {"w": u.tensors["shared"]["w"].cuda()}}, 0.0, u.weight_scale)
               for u in uploads]
     assert torch.equal(presum(on_gpu).tensors["shared"]["w"].cpu(), presum(uploads).tensors["shared"]["w"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_tensors_moved_to_the_host_in_one_copy_per_dtype_keep_their_values_shapes_and_dtypes():
+    generator = torch.Generator().manual_seed(2)
+    tensors = {"a": torch.randn(3, 5, generator=generator), "b": torch.randn(7, generator=generator, dtype=torch.float64),
+               "c": torch.randn(2, 2, 2, generator=generator), "on_host": torch.arange(4), "d": torch.randn(0, 3)}
+    moved = tensors_to({name: value if name == "on_host" else value.cuda() for name, value in tensors.items()}, "cpu")
+    assert list(moved) == list(tensors)
+    for name, value in tensors.items():
+        assert moved[name].device.type == "cpu" and moved[name].dtype == value.dtype
+        assert torch.equal(moved[name], value)

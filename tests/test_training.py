@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rayfed import training
-from rayfed.actors.client import ClientActor
+from rayfed.actors.client import ClientActor, _OnDevice
 from rayfed.benchmarks.overhead import Workload
 from rayfed.data.batches import ClientData, TaskData
 from rayfed.errors import ConfigError
@@ -28,6 +28,40 @@ def test_an_actors_data_bytes_count_the_train_and_the_test_columns_of_every_clie
                     for column in getattr(part, split).values()] for split in ("train", "test"))
     assert sum(train) > sum(test) > 0
     assert host.resource_usage()["data_bytes"] == sum(train) + sum(test)
+
+
+def test_a_payload_tensor_that_consecutive_clients_share_reaches_the_device_once():
+    shared, own = torch.ones(3), torch.zeros(2)
+    payloads = _OnDevice({0: {"w": shared}, 1: {"w": shared, "b": own}, 2: None, 3: {"b": own}, 4: {"w": shared}},
+                         torch.device("meta"))
+    first, second = payloads[0], payloads[1]
+    assert first["w"].device.type == "meta" and first["w"].shape == (3,)
+    assert second["w"] is first["w"] and second["b"].shape == (2,)
+    assert payloads[1]["b"] is second["b"]  # asked for again: nothing moved again
+    assert payloads[2] is None
+    assert payloads[3]["b"] is second["b"]
+    assert payloads[4]["w"] is not first["w"]  # only the previous client's tensors are kept
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_states_kept_on_the_host_train_on_the_gpu_for_the_round_and_come_back_as_if_kept_there():
+    rounds = {}
+    for client_state in ("host", "device"):
+        config = dataclasses.replace(WORKLOAD, method="ditto").config(3, 0, client_state=client_state)
+        host = ClientActor(config.to_dict(), [0, 1, 2])
+        shared = host.start_method(0)
+        uploads = host.train_round(0, [0, 2], {0: shared, 2: shared}, {0: 1.0, 2: 1.0}).uploads
+        rounds[client_state] = host, uploads
+    (on_host, host_uploads), (on_device, device_uploads) = rounds["host"], rounds["device"]
+    assert on_host.device.type == "cuda" and on_host.state_device.type == "cpu"
+    for cid in (0, 2):
+        for slot, values in on_device.states[cid].items():
+            for name, value in values.items():
+                kept = on_host.states[cid][slot][name]
+                assert kept.device.type == "cpu" and torch.equal(kept, value.cpu())
+    for host_upload, device_upload in zip(host_uploads, device_uploads, strict=True):
+        for slot, values in device_upload.tensors.items():
+            assert all(torch.equal(host_upload.tensors[slot][name], value) for name, value in values.items())
 
 
 @pytest.mark.parametrize("field, value", [("optimizer", "sgd"), ("grad_clip", 1.0)])
