@@ -25,18 +25,19 @@ CLUSTER_SCENARIOS = textwrap.dedent("""
     from pathlib import Path
     import ray
     from ray.cluster_utils import Cluster
-    from rayfed.simulation import Simulation
+    from rayfed.simulation import Simulation, keep_loopback
 
     config, root = json.loads(sys.argv[1]), Path(sys.argv[2])
-    node_args = {"num_cpus": 1, "object_store_memory": 10**8}
+    node_args = {"num_cpus": 1, "object_store_memory": 10**8, "node_ip_address": "127.0.0.1"}
     # A removed node is declared dead after ~1 s instead of Ray's default ~15 s.
     fast_health_checks = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 200,
                           "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
-    cluster = Cluster(initialize_head=True, head_node_args={
-        **node_args, "include_dashboard": False, "_system_config": fast_health_checks})
-    workers = [cluster.add_node(**node_args) for _ in range(2)]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    with keep_loopback():  # every node's servers on 127.0.0.1 only
+        cluster = Cluster(initialize_head=True, head_node_args={
+            **node_args, "include_dashboard": False, "_system_config": fast_health_checks})
+        workers = [cluster.add_node(**node_args) for _ in range(2)]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
 
 
     def where(actor):
@@ -46,7 +47,8 @@ CLUSTER_SCENARIOS = textwrap.dedent("""
         return ray.get(actor.__ray_call__.remote(ids))
 
 
-    facts = {"head": cluster.head_node.node_id, "workers": [w.node_id for w in workers]}
+    facts = {"head": cluster.head_node.node_id, "workers": [w.node_id for w in workers],
+             "node_addresses": sorted({node["NodeManagerAddress"] for node in ray.nodes()})}
     try:
         # Undisturbed: the reference run.
         def record_placement(sim, label, rounds_done):
@@ -107,6 +109,10 @@ def cluster_runs(tmp_path_factory) -> dict:
 
 def _results(summary: dict) -> dict:
     return {"methods": summary["methods"], "comm_bytes": summary["comm_bytes"]}
+
+
+def test_the_test_clusters_nodes_bind_to_loopback(cluster_runs):
+    assert cluster_runs["node_addresses"] == ["127.0.0.1"]
 
 
 def test_spread_places_client_actors_on_different_nodes(cluster_runs):
