@@ -213,9 +213,10 @@ class ClientActor:
         one client, and the GPU then wait for the host to set up the next; this way each state crosses once each
         way a round, before the first update and after the last.
         """
-        if self.state_device == self.device or self._fits_on_gpu(4 * sum(tensor_bytes(self.states[cid]) for cid in client_ids)):
+        if self.state_device == self.device:
             return self.device
-        return self.state_device
+        round_bytes = 4 * sum(tensor_bytes(self.states[cid]) for cid in client_ids)  # old and new states, uploads
+        return self.device if self._fits_on_gpu(round_bytes) else self.state_device
 
     def _keep(self, client_id: int, result: LocalResult, device: torch.device) -> Upload:
         """Keep a local update's new state here; its upload; both on ``device``."""
@@ -350,7 +351,7 @@ class ClientActor:
 
 
 class _OnDevice:
-    """``payloads``, each client's on ``device`` when asked for (the device that keeps the clients' state).
+    """``payloads``, each client's on ``device`` when asked for.
 
     A tensor the previous client received too is not moved again: a round's clients often receive the same
     tensors (FedAvg's global model), which then reach the GPU once, not once a client.

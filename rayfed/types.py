@@ -39,7 +39,8 @@ def tensor_bytes(tree: Any) -> int:
 
 def tensors_to(tensors: TensorDict, device: torch.device | str) -> TensorDict:
     """``tensors`` on ``device``. From a GPU to the host, the tensors of each dtype go in one copy into pinned
-    memory, several times faster than a small synchronous copy per tensor; the results are views of that copy."""
+    memory, several times faster than a synchronous copy per tensor into pageable memory
+    (``benchmarks/state_copies.py``); the results are views of that copy."""
     if torch.device(device).type != "cpu" or not any(value.is_cuda for value in tensors.values()):
         return {name: value.to(device) for name, value in tensors.items()}
     on_host = {name: value for name, value in tensors.items() if not value.is_cuda}
