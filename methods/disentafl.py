@@ -24,8 +24,7 @@ from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, LocalResult, Method, TensorDict
-from rayfed.methods.tap import post_train_views, stored_views
+from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
 from rayfed.models import Backbone
 from rayfed.mome import MoMEOptions, build_mome_model
 from rayfed.registry import register_method

@@ -45,14 +45,13 @@ from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, LocalResult, Method, TensorDict
-from rayfed.methods.tap import IMAGE_KD, kd_term, post_train_views, stored_views, task_outputs
+from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
 from rayfed.models import Backbone, attach_adapter_set, build_task_model
 from rayfed.modules import set_adapter_mix
-from rayfed.mome import MoMEOptions, build_mome_model, task_key
+from rayfed.mome import MoMEOptions, build_mome_model, task_key, task_outputs
 from rayfed.registry import register_method
 from rayfed.tasks import Task
-from rayfed.training import ClientContext, Phase, Step, distillation_loss
+from rayfed.training import IMAGE_KD, ClientContext, Phase, Step, distillation_loss, kd_term
 
 SHARED, FROZEN, LOCAL = ".adapters.shared.", ".adapters.frozen.", ".adapters.local."
 VARIANTS = ("feddat", "no_frozen", "no_local", "no_mkd", "peft")

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from rayfed.config import ModelConfig
-from rayfed.method import ClientState, LocalResult, Method, TensorDict
-from rayfed.methods.tap import post_train_views, stored_views
+from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
 from rayfed.models import Backbone
 from rayfed.modules import select_task
 from rayfed.mome import MoMEOptions, build_mome_model

@@ -37,17 +37,14 @@ from torch import nn
 from rayfed.config import ModelConfig
 from rayfed.data.sources import ArrayDataset, SourceRequest
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, LocalResult, Method, TensorDict
+from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_fl_steps, post_train_views, stored_views
 from rayfed.models import Backbone
-from rayfed.modules import select_task
-from rayfed.mome import TASK_KEYS, MoMEModel, MoMEOptions, build_mome_model, task_key
+from rayfed.mome import TASK_KEYS, MoMEModel, MoMEOptions, build_mome_model, task_key, task_outputs
 from rayfed.registry import register_method, register_source
 from rayfed.tasks import Task
-from rayfed.training import ClientContext, Step, TrainResult, distillation_loss, scheduled_lr
-from rayfed.types import Batch
+from rayfed.training import IMAGE_KD, ClientContext, Step, TrainResult, kd_term, scheduled_lr
 
 HISTORIES = ("weighted", "plain")
-IMAGE_KD = ("softmax", "mse")
 # Per task key, in the order of TASK_KEYS: image-cls, image-gen, text-cls, text-gen.
 PAPER_MARGINS_FLAVA = (0.01, 0.005, 0.005, 0.01)  # Table 22
 CODE_KD_WEIGHTS = (2e-3, 2e-3, 1.0, 2e-3)  # run_train.sh: 2e-3, text classification x 500
@@ -105,45 +102,6 @@ def client_groups(tasks: Sequence[Task], held: Sequence[int]) -> dict[str, list[
     for index in held:
         groups.setdefault(task_key(tasks[index]), []).append(index)
     return groups
-
-
-def post_fl_steps(microbatches: int, grad_accum: int) -> int:
-    """Optimizer steps of P micro-batches (the code steps every grad_accum micro-batches and after the last)."""
-    return math.ceil(microbatches / grad_accum)
-
-
-def post_train_views(client: ClientContext, start: TensorDict, microbatches: int, lr: float,
-                     multiples: Sequence[int] = (1, 2), **train: Any) -> dict[str, TensorDict]:
-    """The "+ Post-train" views (spec §6) as client-state slots: ``view:pt`` (``start`` trained P micro-batches
-    at ``lr``) and ``view:pt2`` (2P), ``view:pt<k>`` for each of ``multiples``, every one on the same batches in
-    the same order; ``train``: :meth:`ClientContext.train`'s ``loss`` or ``phases`` (the method's own
-    objective)."""
-    steps = post_fl_steps(microbatches, client.train_config.grad_accum)
-    return {f"view:pt{'' if k == 1 else k}": client.train(start, steps=k * steps, lr=lr, purpose="post_train",
-                                                          **train).params for k in multiples}
-
-
-def stored_views(state: ClientState) -> dict[str, TensorDict]:
-    """The views a client state holds in its ``view:<name>`` slots, by name."""
-    return {slot.removeprefix("view:"): values for slot, values in state.items() if slot.startswith("view:")}
-
-
-def task_outputs(model: nn.Module, task: Task, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The modular model's outputs on ``task``'s ``batch``: the decoder's own (what distillation compares; text
-    generation: the logits of every output position) and what the task's kind scores."""
-    select_task(model, task.index)
-    raw = model(batch, raw=True)
-    return raw, model.aligned(raw, batch) if task_key(task) == "text_generation" else raw
-
-
-def kd_term(key: str, student: torch.Tensor, teacher: torch.Tensor, temperature: float,
-            image_kd: str) -> torch.Tensor:
-    """Eq. 5 on the decoders' outputs of a task with key ``key``: ``tau^2 KL(p_T || p_S)``, batchmean, over the
-    last axis (classes; the vocabulary at every output position, pad included; an image's width axis, the
-    code's), or for image generation with ``image_kd = mse`` the mean squared error between the two images."""
-    if key == "image_generation" and image_kd == "mse":
-        return nn.functional.mse_loss(student.float(), teacher.float())
-    return distillation_loss(student, teacher, temperature)
 
 
 class LossHistory:

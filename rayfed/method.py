@@ -11,6 +11,7 @@ State is plain tensors (:mod:`rayfed.types`) so that it can be checkpointed as s
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
     from rayfed.training import ClientContext, PreFederation
 
 __all__ = ["ClientState", "LocalResult", "Method", "NoParams", "PartialSum", "ServerState", "TensorDict", "Upload",
-           "presum", "tensor_bytes", "tensor_params", "weighted_mean", "weighted_sums"]
+           "post_fl_steps", "post_train_views", "presum", "stored_views", "tensor_bytes", "tensor_params",
+           "weighted_mean", "weighted_sums"]
 
 
 @dataclass(frozen=True)
@@ -371,3 +373,24 @@ def _validated_params(params_cls: type, values: dict[str, Any], label: str) -> A
         message, value = str(err), values.get(name, values)
     message = message.removeprefix("Value error, ").rstrip(".")
     raise ConfigError(f"{label}.{name} = {value!r} is invalid: {message}.") from None
+
+
+def post_fl_steps(microbatches: int, grad_accum: int) -> int:
+    """Optimizer steps of P micro-batches (the code steps every grad_accum micro-batches and after the last)."""
+    return math.ceil(microbatches / grad_accum)
+
+
+def post_train_views(client: ClientContext, start: TensorDict, microbatches: int, lr: float,
+                     multiples: Sequence[int] = (1, 2), **train: Any) -> dict[str, TensorDict]:
+    """The "+ Post-train" views (spec §6) as client-state slots: ``view:pt`` (``start`` trained P micro-batches
+    at ``lr``) and ``view:pt2`` (2P), ``view:pt<k>`` for each of ``multiples``, every one on the same batches in
+    the same order; ``train``: :meth:`ClientContext.train`'s ``loss`` or ``phases`` (the method's own
+    objective)."""
+    steps = post_fl_steps(microbatches, client.train_config.grad_accum)
+    return {f"view:pt{'' if k == 1 else k}": client.train(start, steps=k * steps, lr=lr, purpose="post_train",
+                                                          **train).params for k in multiples}
+
+
+def stored_views(state: ClientState) -> dict[str, TensorDict]:
+    """The views a client state holds in its ``view:<name>`` slots, by name."""
+    return {slot.removeprefix("view:"): values for slot, values in state.items() if slot.startswith("view:")}

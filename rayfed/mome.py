@@ -49,7 +49,7 @@ from torch import nn
 from rayfed.errors import ConfigError
 from rayfed.kinds import IGNORE, causal_from_target_logits
 from rayfed.models import Backbone, TrainableModule
-from rayfed.modules import AdaptedMLP, adapter_set, tag_tasks
+from rayfed.modules import AdaptedMLP, adapter_set, select_task, tag_tasks
 from rayfed.tasks import Task, task_key as run_task_key
 from rayfed.types import Batch
 
@@ -675,3 +675,11 @@ def build_mome_model(backbone: Backbone, tasks: Sequence[Task], options: MoMEOpt
 
 __all__ = ["FAMILIES", "MODALITIES", "TASK_KEYS", "MoMEModel", "MoMEOptions", "build_mome_model", "family_of",
            "head_key", "task_key", "task_modalities"]
+
+
+def task_outputs(model: nn.Module, task: Task, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The modular model's outputs on ``task``'s ``batch``: the decoder's own (what distillation compares; text
+    generation: the logits of every output position) and what the task's kind scores."""
+    select_task(model, task.index)
+    raw = model(batch, raw=True)
+    return raw, model.aligned(raw, batch) if task_key(task) == "text_generation" else raw
