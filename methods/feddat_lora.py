@@ -23,8 +23,7 @@ from torch import nn
 from rayfed import pqlora
 from rayfed.config import ModelConfig
 from rayfed.method import ClientState, LocalResult, Method, TensorDict
-from rayfed.methods.fedsim import build_lora_set
-from rayfed.models import Backbone
+from rayfed.models import Backbone, build_lora_set
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase, Step, distillation_loss

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from rayfed import pqlora, seeding
+from rayfed import pqlora
 from rayfed.config import ModelConfig
-from rayfed.errors import ConfigError
 from rayfed.method import Method
-from rayfed.models import Backbone, build_task_model
+from rayfed.models import Backbone, build_lora_set
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 
@@ -33,24 +32,6 @@ class FedSimParams:
     def __post_init__(self) -> None:
         if self.personal_scale < 0:
             raise ValueError("personal_scale must be >= 0")
-
-
-def build_lora_set(method: str, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int,
-                   adapters: Sequence[str], frozen: Sequence[str] = (), gate: bool = False) -> nn.Module:
-    """The task model with named conventional-LoRA ``adapters`` on the backbone's ``model.lora.targets`` (default:
-    the family's), rank and scale from ``model.lora``; the same initial values on every actor."""
-    lora = config.lora
-    if lora is None:
-        raise ConfigError(f"methods ({method}) trains LoRA adapters: set model.lora (rank, alpha, targets).")
-    model = build_task_model(backbone, config.model_copy(update={"module": "head", "lora": None}), tasks, seed)
-    try:
-        model.adapter_placement = pqlora.attach(
-            model.encoder, rank=lora.rank, adapters=adapters, scale=lora.alpha / lora.rank, frozen=frozen, gate=gate,
-            scope=backbone.lora_scope, targets=lora.targets or backbone.lora_targets,
-            seed_of=lambda purpose: seeding.torch_seed(seed, 0, seeding.SERVER, f"{method}:{purpose}"))
-    except ValueError as err:
-        raise ConfigError(f"methods ({method}) on model.backbone = {backbone.name!r}: {err}.") from None
-    return model
 
 
 @register_method("fedsim")

@@ -30,6 +30,7 @@ import torch
 import transformers
 from torch import nn
 
+from rayfed import pqlora
 from rayfed.config import LoraConfig, ModelConfig
 from rayfed.errors import ConfigError, choice_error
 from rayfed.modules import (
@@ -542,6 +543,24 @@ def build_task_model(
     model.head = task_heads(backbone, tasks, _seeds(seed))
     _attach_module(model, backbone, config, tasks, dedicated, seed)
     model.head.requires_grad_(True)
+    return model
+
+
+def build_lora_set(method: str, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int,
+                   adapters: Sequence[str], frozen: Sequence[str] = (), gate: bool = False) -> nn.Module:
+    """The task model with named conventional-LoRA ``adapters`` on the backbone's ``model.lora.targets`` (default:
+    the family's), rank and scale from ``model.lora``; the same initial values on every actor."""
+    lora = config.lora
+    if lora is None:
+        raise ConfigError(f"methods ({method}) trains LoRA adapters: set model.lora (rank, alpha, targets).")
+    model = build_task_model(backbone, config.model_copy(update={"module": "head", "lora": None}), tasks, seed)
+    try:
+        model.adapter_placement = pqlora.attach(
+            model.encoder, rank=lora.rank, adapters=adapters, scale=lora.alpha / lora.rank, frozen=frozen, gate=gate,
+            scope=backbone.lora_scope, targets=lora.targets or backbone.lora_targets,
+            seed_of=lambda purpose: torch_seed(seed, 0, SERVER, f"{method}:{purpose}"))
+    except ValueError as err:
+        raise ConfigError(f"methods ({method}) on model.backbone = {backbone.name!r}: {err}.") from None
     return model
 
 

@@ -165,10 +165,9 @@ HETERO = {
 }
 
 
-@pytest.fixture(scope="module")
-def federation():
-    """The run's actors after the pre-federation stage and one round (built once for the tests below)."""
-    config = load_config(HETERO)
+def _first_round(config):
+    """The run's actors (one per architecture) and driver after the pre-federation stage, the server state it
+    left, and the parts of round 1 the actors sent."""
     actors = {slot.architecture: ClientActor(config, slot.client_ids, architecture=slot.architecture)
               for slot in actor_slots(config)}
     driver = DriverActor(config)
@@ -176,11 +175,20 @@ def federation():
     names = list(first)
     driver.start_method(0, names, *(first[n][0] for n in names), *(first[n][1] for n in names))
     driver.before_federation(names, *(actors[n].pre_federation(0) for n in names))
-    aligned = copy.deepcopy(driver.get_state()["aligned"])
-    parts = [actor.train_round(0, actor.client_ids, driver.payloads(actor.client_ids), dict.fromkeys(actor.client_ids, 1.0))
-             for actor in actors.values()]
-    driver.aggregate(*parts)
-    return config, actors, driver, aligned, parts
+    prepared = copy.deepcopy(driver.get_state())
+    parts = {arch: actor.train_round(0, actor.client_ids, driver.payloads(actor.client_ids),
+                                     dict.fromkeys(actor.client_ids, 1.0))
+             for arch, actor in actors.items()}
+    driver.aggregate(*parts.values())
+    return actors, driver, prepared, parts
+
+
+@pytest.fixture(scope="module")
+def federation():
+    """The run's actors after the pre-federation stage and one round (built once for the tests below)."""
+    config = load_config(HETERO)
+    actors, driver, prepared, parts = _first_round(config)
+    return config, actors, driver, prepared["aligned"], list(parts.values())
 
 
 def test_the_aligned_basis_reaches_each_client_once_orthonormal_and_only_p_q_cross_architectures(federation):
@@ -286,6 +294,36 @@ def test_the_local_adapter_is_never_overwritten_by_an_aggregate(federation):
             assert torch.allclose(personal[name], value, atol=1e-6)
             assert not torch.allclose(personal[name], poisoned[name.replace(".local_", ".global_")])
     assert all(torch.equal(method.eval_params(result.state, poisoned)[n], v) for n, v in poisoned.items())
+
+
+# The LoRA baselines of Tab. 2: the adapter each sends, the one each keeps.
+BASELINE_ADAPTERS = {"fedsim": ("shared", "personal"), "feddpa": ("global", "local"), "feddat_lora": ("shared", "local")}
+
+
+@pytest.mark.parametrize("method", sorted(BASELINE_ADAPTERS))
+def test_a_lora_baseline_sends_only_its_shared_adapter_averaged_within_an_architecture_and_keeps_its_own(method):
+    sent, kept = BASELINE_ADAPTERS[method]
+    actors, driver, _, parts = _first_round(load_config({**HETERO, "methods": [method]}))
+    uploaded = {n for part in parts.values() for u in part.uploads for n in u.tensors["shared"]}
+    assert uploaded and all(f".{sent}_" in n for n in uploaded)
+    [small_sum] = parts["small"].uploads  # the small actor's clients 0 and 1, pre-summed
+    payload = driver.payloads([0], count_bytes=False)[0]
+    assert payload.keys() == small_sum.tensors["shared"].keys()  # no other adapter, no large layer
+    for name, value in payload.items():  # the mean of the small clients' uploads only
+        assert torch.equal(value, (small_sum.tensors["shared"][name] / small_sum.weight_sums["shared"][name]).float())
+
+    actor = actors["small"]
+    own = {n: v.clone() for n, v in actor.states[0]["personal"].items() if f".{kept}_" in n}
+    initial = actor.initial[0]
+    assert own and any(not torch.equal(v, initial[n]) for n, v in own.items())  # trained in round 1
+    poisoned = {n: v + 0.05 for n, v in payload.items()}  # an aggregate unlike any client's adapter
+    context = actor._context(0, 1)
+    context.train_config = context.train_config.model_copy(update={"lr": 1e-12})
+    result = actor.method.local_update(context, actor.states[0], poisoned)
+    for name, value in own.items():  # kept, never replaced by what the server sends
+        assert torch.allclose(result.state["personal"][name], value, atol=1e-6)
+    for name, value in result.upload["shared"].items():  # the sent adapter starts from what was received
+        assert torch.allclose(value, poisoned[name], atol=1e-6)
 
 
 def test_the_task_groups_conflict_on_every_answer():
