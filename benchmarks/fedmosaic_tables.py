@@ -18,13 +18,16 @@ from rayfed.benchmarks.fedmosaic_configs import GROUPS
 
 METRICS = (("self_token_f1", "a_last"), ("self_token_f1", "a_auc"), ("others_token_f1", "a_last"),
            ("others_token_f1", "a_auc"))
-# Tab. 2 / Tab. 7 (DRAKE-Dynamic): Self A_last / A_AUC / Others A_last / A_AUC.
-PAPER = {"local": (65.79, 57.62, 47.66, 46.67), "fedavg": (66.11, 57.86, 47.63, 46.62),
+# Per setting, the paper's DRAKE numbers: Self A_last / A_AUC / Others A_last / A_AUC. Dynamic: Tab. 2 / 7 / 30 (the
+# settings that share its clients too); static: Tab. 3.
+DYNAMIC_PAPER = {"local": (65.79, 57.62, 47.66, 46.67), "fedavg": (66.11, 57.86, 47.63, 46.62),
          "ditto": (59.91, 54.16, 47.45, 46.70), "fedsim": (63.98, 56.42, 47.04, 46.15),
          "feddpa": (63.34, 55.74, 47.61, 46.64), "feddat_lora": (58.47, 54.38, 48.91, 47.78),
          "vanilla": (66.10, 57.87, 47.63, 46.62), "pq_lora": (66.99, 58.39, 51.33, 48.78),
          "fedmosaic": (67.86, 59.83, 51.16, 49.36), "training_current": (67.16, 59.38, None, None),
          "frozen_current": (67.24, 59.45, None, None)}
+PAPER = {"dynamic": DYNAMIC_PAPER, "baselines": DYNAMIC_PAPER, "rela_variants": DYNAMIC_PAPER,
+         "static": {"local": (68.50, 63.84, 47.91, 47.56), "fedmosaic": (70.10, 64.64, 51.57, 50.42)}}
 
 
 def load(paths: list[str]) -> list[dict[str, Any]]:
@@ -60,12 +63,13 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     grouped: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         grouped[key(row)].append(row)
-    lines = ["| setting:method | seeds | Self A_last | Self A_AUC | Others A_last | Others A_AUC | paper (Tab. 2/7/30) |",
+    lines = ["| setting:method | seeds | Self A_last | Self A_AUC | Others A_last | Others A_AUC | paper (DRAKE) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name in sorted(grouped):
         group = grouped[name]
         cells = [_fmt([_value(r, m, s) for r in group]) for m, s in METRICS]
-        paper = PAPER.get(group[0]["label"]) if not group[0]["overrides"] else None
+        setting = _stem(group[0]).removeprefix("offline_")
+        paper = PAPER.get(setting, {}).get(group[0]["label"]) if not group[0]["overrides"] else None
         paper_cell = " / ".join("—" if v is None else f"{v:.2f}" for v in paper) if paper else ""
         lines.append(f"| {name} | {len(group)} | {' | '.join(cells)} | {paper_cell} |")
     return "\n".join(lines)

@@ -57,3 +57,17 @@ def test_the_settings_paired_with_offline_dynamic_differ_from_it_only_in_their_m
     reference = without_methods("dynamic")
     assert [setting for setting in SAME_CLIENTS if without_methods(setting) != reference] == []
     assert without_methods("static") != reference  # the check can tell a different benchmark apart
+
+
+def test_each_settings_rows_stand_next_to_that_settings_paper_numbers() -> None:
+    from rayfed.benchmarks.fedmosaic_tables import results_table
+
+    def row(setting: str, label: str) -> dict:
+        stream = {metric: {"a_last": 0.3, "a_auc": 0.3} for metric in ("self_token_f1", "others_token_f1")}
+        return {"config": f"fedmosaic/offline_{setting}", "label": label, "overrides": {}, "seed": 0, "stream": stream}
+
+    lines = {line.split(" |")[0].lstrip("| "): line for line in results_table(
+        [row("dynamic", "fedmosaic"), row("static", "fedmosaic"), row("alignment", "random_basis")]).splitlines()}
+    assert lines["dynamic:fedmosaic"].endswith("| 67.86 / 59.83 / 51.16 / 49.36 |")  # Tab. 2
+    assert lines["static:fedmosaic"].endswith("| 70.10 / 64.64 / 51.57 / 50.42 |")  # Tab. 3
+    assert lines["alignment:random_basis"].endswith("|  |")  # Tab. 32 is another setting's; no column
