@@ -350,8 +350,8 @@ class TrainConfig(_Section):
     )
     compile: bool = Field(
         False, description="train through torch.compile of the model (inductor: fused kernels for the forward and "
-        "backward), compiled once per model and reused by every client it trains; the first steps of each task and "
-        "batch shape pay the compilation"
+        "backward; patch-embedding convolutions become matrix products), compiled once per model and reused by every "
+        "client it trains; the first steps of each task and batch shape pay the compilation"
     )
     batch_clients: int = Field(
         1, ge=1, description="train up to this many of an actor's sampled clients in one forward and backward "

@@ -257,9 +257,34 @@ def test_a_compiled_step_trains_like_the_eager_one_and_compiles_once_for_every_c
         frames = torch._dynamo.utils.counters["frames"]["ok"]
         compiled._context(0, 1).train(compiled_start)  # another client and round: the same compiled code
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames > 0
+    assert any(isinstance(module, training.PatchMatmul) for module in compiled.model.modules())
     for cid, result in zip((0, 1, 2), results):
         reference = eager._context(cid, 0).train(eager_start)
         assert result.loss == pytest.approx(reference.loss, rel=1e-5)
         for name, value in reference.params.items():
             update = value - eager_start[name]
             assert (result.params[name] - value).norm() <= 1e-4 * update.norm() + 1e-7, name
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_patch_convolution_as_a_matrix_product_equals_the_convolution(bias):
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 12, kernel_size=4, stride=4, bias=bias)
+    reference = torch.nn.Conv2d(3, 12, kernel_size=4, stride=4, bias=bias)
+    reference.load_state_dict(conv.state_dict())
+    assert training.PatchMatmul.replaces(conv)
+    conv.__class__ = training.PatchMatmul
+    for shape in [(2, 3, 16, 16), (1, 3, 18, 13)]:  # the second leaves pixels past the last whole patch
+        images = torch.randn(shape)
+        expected = reference(images)
+        assert conv(images).shape == expected.shape
+        torch.testing.assert_close(conv(images), expected, rtol=1e-5, atol=1e-5)
+    assert list(conv.state_dict()) == list(reference.state_dict())
+
+
+def test_only_convolutions_over_non_overlapping_patches_become_matrix_products():
+    assert not training.PatchMatmul.replaces(torch.nn.Conv2d(3, 8, kernel_size=3, stride=1))
+    assert not training.PatchMatmul.replaces(torch.nn.Conv2d(3, 8, kernel_size=4, stride=4, padding=1))
+    assert not training.PatchMatmul.replaces(torch.nn.Conv2d(4, 8, kernel_size=4, stride=4, groups=2))
+    assert not training.PatchMatmul.replaces(torch.nn.Conv2d(3, 8, kernel_size=4, stride=2))
+    assert training.PatchMatmul.replaces(torch.nn.Conv2d(3, 8, kernel_size=(2, 4), stride=(2, 4)))
