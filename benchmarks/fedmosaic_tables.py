@@ -150,7 +150,10 @@ def communication(rows: list[dict[str, Any]], rounds: int = 20) -> str:
 def main(argv: list[str] | None = None) -> None:
     rows = load(argv if argv is not None else sys.argv[1:])
     print("## Results\n\n" + results_table(rows))
-    print("\n## Seed-paired gaps to SFT\n\n" + paired_gaps(rows, "local"))
+    # Each setting with its own SFT rows pairs with them; the settings of SAME_CLIENTS pair with dynamic's.
+    settings = sorted({key(row).split(":")[0] for row in rows if row["label"] == "local" and not row["overrides"]})
+    for setting in settings:
+        print(f"\n## Seed-paired gaps to SFT ({setting})\n\n" + paired_gaps(rows, "local", setting))
     print("\n## RELA weights by task group\n\n" + block_structure(rows))
     print("\n## Communication\n\n" + communication(rows))
 

@@ -18,6 +18,7 @@ against the number of clients.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -76,10 +77,8 @@ def measure(workload: Workload, num_clients: int, num_actors: int, gpus_per_acto
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"rayfed-many-{num_clients}-")) / "run"
     started = time.perf_counter()
-    try:
+    with contextlib.suppress(_Measured):
         Simulation(config, out_dir=out_dir, callbacks=[after_round], progress=False, check_model=False).run()
-    except _Measured:
-        pass
     events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     walls = [e["wall_s"] for e in events if e["event"] == "round"][1:]
     return {"clients": num_clients, "actors": num_actors, "round_s": walls, "median_round_s": statistics.median(walls),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from rayfed.benchmarks.offline_runs import PLANS, job_config
@@ -59,15 +62,31 @@ def test_the_settings_paired_with_offline_dynamic_differ_from_it_only_in_their_m
     assert without_methods("static") != reference  # the check can tell a different benchmark apart
 
 
+def _tables_row(setting: str, label: str, value: float = 0.3) -> dict:
+    stream = {metric: {"a_last": value, "a_auc": value} for metric in ("self_token_f1", "others_token_f1")}
+    return {"config": f"fedmosaic/offline_{setting}", "label": label, "overrides": {}, "seed": 0, "stream": stream,
+            "comm_params": {"up": 20, "down": 20}}
+
+
 def test_each_settings_rows_stand_next_to_that_settings_paper_numbers() -> None:
     from rayfed.benchmarks.fedmosaic_tables import results_table
 
-    def row(setting: str, label: str) -> dict:
-        stream = {metric: {"a_last": 0.3, "a_auc": 0.3} for metric in ("self_token_f1", "others_token_f1")}
-        return {"config": f"fedmosaic/offline_{setting}", "label": label, "overrides": {}, "seed": 0, "stream": stream}
-
+    row = _tables_row
     lines = {line.split(" |")[0].lstrip("| "): line for line in results_table(
         [row("dynamic", "fedmosaic"), row("static", "fedmosaic"), row("alignment", "random_basis")]).splitlines()}
     assert lines["dynamic:fedmosaic"].endswith("| 67.86 / 59.83 / 51.16 / 49.36 |")  # Tab. 2
     assert lines["static:fedmosaic"].endswith("| 70.10 / 64.64 / 51.57 / 50.42 |")  # Tab. 3
     assert lines["alignment:random_basis"].endswith("|  |")  # Tab. 32 is another setting's; no column
+
+
+def test_each_setting_with_its_own_sft_is_paired_with_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rayfed.benchmarks.fedmosaic_tables import main
+
+    rows = [_tables_row("dynamic", "local", 0.1), _tables_row("dynamic", "fedmosaic", 0.2),
+            _tables_row("async", "local", 0.4), _tables_row("async", "fedmosaic", 0.7)]
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    main([str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert "| dynamic:fedmosaic | 1 | 10.00 | 10.00 | 10.00 | 10.00 |" in lines
+    assert "| async:fedmosaic | 1 | 30.00 | 30.00 | 30.00 | 30.00 |" in lines
