@@ -41,10 +41,20 @@ def _stem(row: dict[str, Any]) -> str:
     return row["config"].rsplit("/", 1)[-1]  # offline_runs names configs by their path under configs/
 
 
+def _short(overrides: dict[str, Any]) -> str:
+    return ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in sorted(overrides.items()))
+
+
+def setting_of(row: dict[str, Any]) -> str:
+    """The config's setting (``dynamic``, ``static``, ...), with offline_runs' ``--set`` overrides in braces: rows run
+    with other ``--set`` values are another setting, paired with their own SFT."""
+    extra = _short(row.get("set", {}))
+    return _stem(row).removeprefix("offline_") + (f"{{{extra}}}" if extra else "")
+
+
 def key(row: dict[str, Any]) -> str:
-    suffix = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in sorted(row["overrides"].items()))
-    setting = _stem(row).removeprefix("offline_")
-    return f"{setting}:{row['label']}" + (f"[{suffix}]" if suffix else "")
+    suffix = _short(row["overrides"])
+    return f"{setting_of(row)}:{row['label']}" + (f"[{suffix}]" if suffix else "")
 
 
 def _value(row: dict[str, Any], metric: str, stat: str) -> float:
@@ -69,7 +79,8 @@ def results_table(rows: list[dict[str, Any]]) -> str:
         group = grouped[name]
         cells = [_fmt([_value(r, m, s) for r in group]) for m, s in METRICS]
         setting = _stem(group[0]).removeprefix("offline_")
-        paper = PAPER.get(setting, {}).get(group[0]["label"]) if not group[0]["overrides"] else None
+        changed = group[0]["overrides"] or group[0].get("set")
+        paper = PAPER.get(setting, {}).get(group[0]["label"]) if not changed else None
         paper_cell = " / ".join("—" if v is None else f"{v:.2f}" for v in paper) if paper else ""
         lines.append(f"| {name} | {len(group)} | {' | '.join(cells)} | {paper_cell} |")
     return "\n".join(lines)
@@ -136,7 +147,7 @@ def block_structure(rows: list[dict[str, Any]], label: str = "fedmosaic", settin
 def communication(rows: list[dict[str, Any]], rounds: int = 20) -> str:
     seen: dict[str, dict[str, int]] = {}
     for row in rows:
-        if _stem(row) == "offline_dynamic" and not row["overrides"]:
+        if setting_of(row) == "dynamic" and not row["overrides"]:
             seen.setdefault(row["label"], row["comm_params"])
     lines = ["| method | uploaded parameters per round (10 clients) | downloaded per round | vs FedAvg upload |",
              "| --- | --- | --- | --- |"]

@@ -127,8 +127,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _key(job: dict[str, Any]) -> dict[str, Any]:
+    """What tells a job's line apart: plan, config, method, the plan's overrides, ``--set``'s and the seed."""
     return {"plan": job["plan"], "config": job["config"], "label": job["label"], "overrides": job["overrides"],
-            "seed": job["seed"]}
+            "set": job["extra"], "seed": job["seed"]}
 
 
 def main(argv: list[str] | None = None) -> None:

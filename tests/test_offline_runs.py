@@ -62,10 +62,10 @@ def test_the_settings_paired_with_offline_dynamic_differ_from_it_only_in_their_m
     assert without_methods("static") != reference  # the check can tell a different benchmark apart
 
 
-def _tables_row(setting: str, label: str, value: float = 0.3) -> dict:
+def _tables_row(setting: str, label: str, value: float = 0.3, extra: dict | None = None) -> dict:
     stream = {metric: {"a_last": value, "a_auc": value} for metric in ("self_token_f1", "others_token_f1")}
-    return {"config": f"fedmosaic/offline_{setting}", "label": label, "overrides": {}, "seed": 0, "stream": stream,
-            "comm_params": {"up": 20, "down": 20}}
+    return {"config": f"fedmosaic/offline_{setting}", "label": label, "overrides": {}, "set": extra or {}, "seed": 0,
+            "stream": stream, "comm_params": {"up": 20, "down": 20}}
 
 
 def test_each_settings_rows_stand_next_to_that_settings_paper_numbers() -> None:
@@ -82,11 +82,23 @@ def test_each_settings_rows_stand_next_to_that_settings_paper_numbers() -> None:
 def test_each_setting_with_its_own_sft_is_paired_with_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from rayfed.benchmarks.fedmosaic_tables import main
 
+    more_steps = {"train.local_steps": 30}  # offline_runs --set: another setting, paired with its own SFT
     rows = [_tables_row("dynamic", "local", 0.1), _tables_row("dynamic", "fedmosaic", 0.2),
-            _tables_row("async", "local", 0.4), _tables_row("async", "fedmosaic", 0.7)]
+            _tables_row("async", "local", 0.4), _tables_row("async", "fedmosaic", 0.7),
+            _tables_row("dynamic", "local", 0.5, more_steps), _tables_row("dynamic", "fedmosaic", 0.55, more_steps)]
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     main([str(path)])
     lines = capsys.readouterr().out.splitlines()
     assert "| dynamic:fedmosaic | 1 | 10.00 | 10.00 | 10.00 | 10.00 |" in lines
     assert "| async:fedmosaic | 1 | 30.00 | 30.00 | 30.00 | 30.00 |" in lines
+    assert "| dynamic{local_steps=30}:fedmosaic | 1 | 5.00 | 5.00 | 5.00 | 5.00 |" in lines
+    assert not [line for line in lines if "45.00" in line]  # never paired with the other setting's SFT
+
+
+def test_a_result_line_records_the_overrides_of_offline_runs_set() -> None:
+    from rayfed.benchmarks.offline_runs import _key
+
+    job = {"plan": "fedmosaic", "config": "fedmosaic/offline_dynamic", "label": "local", "overrides": {}, "seed": 1,
+           "extra": {"train.local_steps": 30}}
+    assert _key(job)["set"] == {"train.local_steps": 30}
