@@ -78,9 +78,8 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     for name in sorted(grouped):
         group = grouped[name]
         cells = [_fmt([_value(r, m, s) for r in group]) for m, s in METRICS]
-        setting = _stem(group[0]).removeprefix("offline_")
-        changed = group[0]["overrides"] or group[0].get("set")
-        paper = PAPER.get(setting, {}).get(group[0]["label"]) if not changed else None
+        # A setting with --set overrides is no key of PAPER, so it gets no paper column.
+        paper = PAPER.get(setting_of(group[0]), {}).get(group[0]["label"]) if not group[0]["overrides"] else None
         paper_cell = " / ".join("—" if v is None else f"{v:.2f}" for v in paper) if paper else ""
         lines.append(f"| {name} | {len(group)} | {' | '.join(cells)} | {paper_cell} |")
     return "\n".join(lines)
