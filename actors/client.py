@@ -41,7 +41,7 @@ class RoundUploads:
     up_params: int
     train_losses: dict[int, float]
     stats: dict[str, float] = field(default_factory=dict)  # the methods' per-client statistics, summed
-    busy_s: float = 0.0  # seconds the actor spent in its clients' local updates
+    busy_s: float = 0.0  # seconds from the actor's first local update to the end of its last one on the device
 
 
 def run_methods(config: RunConfig, federation) -> list[Method]:
@@ -99,7 +99,6 @@ class ClientActor:
         # Per train_round call: its wall-clock start and end (time.time()) and the seconds spent in the
         # clients' local updates, so a benchmark can tell training from the rest of a round.
         self.round_times: list[dict[str, float]] = []
-        self._update_s = 0.0
         self._stats: dict[str, float] = {}
 
     def start_method(self, method_index: int) -> TensorDict:
@@ -173,6 +172,7 @@ class ClientActor:
         uploads = list(self._local_updates(round_idx, client_ids, payloads))
         for upload in uploads:
             upload.tensors = _to(upload.tensors, "cpu")
+            upload.train_loss = float(upload.train_loss)
         return uploads
 
     def _local_updates(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> Iterator[Upload]:
@@ -185,9 +185,7 @@ class ClientActor:
         batch = self.config.train.batch_clients
         if batch == 1 or len(client_ids) == 1 or not self.method.batchable_updates:
             for cid in client_ids:
-                started = time.perf_counter()
                 result = self.method.local_update(self._context(cid, round_idx), self.states[cid], payloads[cid])
-                self._update_s += time.perf_counter() - started
                 yield self._keep(cid, result, on)
         else:
             lockstep: Lockstep[LocalResult] = Lockstep(batch)
@@ -197,9 +195,7 @@ class ClientActor:
                 context.lockstep = lockstep
                 return self.method.local_update(context, self.states[client_id], payloads[client_id])
 
-            started = time.perf_counter()
             results = lockstep.run([lambda cid=cid: update(cid) for cid in client_ids])
-            self._update_s += time.perf_counter() - started
             for cid, result in zip(client_ids, results):
                 yield self._keep(cid, result, on)
         for cid in client_ids:
@@ -241,12 +237,13 @@ class ClientActor:
         float64 arithmetic on the host, per client. Clients train in client-id order, the order they are
         summed in.
         """
-        started, self._update_s, self._stats = time.time(), 0.0, {}
+        started, self._stats = time.time(), {}
         for cid, state in zip(guests, guest_states):
             self._welcome(cid)
             self.states[cid] = _to(state, self.state_device)
         partial = PartialSum() if self.method.presums_uploads else None
         uploads, up_bytes, up_params, losses = [], 0, 0, {}
+        updating = time.perf_counter()
         for upload in self._local_updates(round_idx, sorted(client_ids), payloads):
             cid = upload.client_id
             upload.weight_scale = weight_scale[cid]
@@ -257,14 +254,18 @@ class ClientActor:
                 partial.add(upload)
             elif upload.tensors:
                 uploads.append(upload)
+        # Read once the last client's steps are queued: the first read waits for the device to finish them all.
+        losses = {cid: float(loss) for cid, loss in losses.items()}
+        busy_s = time.perf_counter() - updating
         if partial is not None and partial.client_ids:
             uploads = [partial.upload("cpu")]
         for upload in uploads:
             upload.tensors = _to(upload.tensors, "cpu")
+            upload.train_loss = float(upload.train_loss)
         for cid in guests:
             self.guest_states[cid] = _to(self.states.pop(cid), "cpu")
-        self.round_times.append({"round": round_idx, "start": started, "end": time.time(), "update_s": self._update_s})
-        return RoundUploads(uploads, up_bytes, up_params, losses, self._stats, self._update_s)
+        self.round_times.append({"round": round_idx, "start": started, "end": time.time(), "update_s": busy_s})
+        return RoundUploads(uploads, up_bytes, up_params, losses, self._stats, busy_s)
 
     def _welcome(self, client_id: int) -> None:
         """What a guest client needs on this actor: its tasks, data, initial view and (a stream) other tasks."""

@@ -207,7 +207,9 @@ class IdealLoop:
     def __init__(self, workload: Workload):
         self.config = workload.config(clients_per_actor=workload.num_clients, gpus_per_actor=0)
         self.host = ClientActor(self.config.to_dict(), list(range(workload.num_clients)))
-        self.shared = self.host.start_method(0)
+        # On the training device, as a hand-written loop keeps them: a copy from the host before each client
+        # would make the host wait for the previous client's steps.
+        self.shared = {name: value.to(self.host.device) for name, value in self.host.start_method(0).items()}
 
     def step_work(self) -> StepWork:
         """The work of one client step (client 0's first), run eagerly: a replayed CUDA graph and compiled kernels
@@ -273,8 +275,9 @@ BREAKDOWN_KEYS = ("update_s", "actor_rest_s", "before_actors_s", "after_actors_s
 def round_breakdown(
     walls: list[float], round_ends: list[float], actor_times: list[list[dict[str, float]]],
 ) -> list[dict[str, float]]:
-    """Where each round's wall time went: the clients' local updates (the longest of any actor); the
-    rest of the actors' train_round calls beyond that (moves of states and uploads, the partial sum);
+    """Where each round's wall time went: the clients' local updates and the partial sum of their uploads
+    (the longest of any actor); the rest of the actors' train_round calls beyond that (guests' states, the
+    partial sum's copy to the host);
     before the first actor starts (payloads, Ray calls); after the last one ends (its uploads to the
     DriverActor, aggregation, logging). ``round_ends`` are wall-clock times taken by a round callback."""
     rounds = []

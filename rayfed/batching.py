@@ -238,7 +238,7 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
     steps = max(requests[0].steps, 1)
     results = []
     for i, request in enumerate(requests):
-        loss = (losses[i] / steps).item()
+        loss = losses[i] / steps
         results.append(TrainResult({name: value[i].detach().clone() for name, value in stacked.items()}, loss,
                                    {task.index: loss}))
     return results

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from rayfed.types import ClientState, ServerState, TensorDict, tensor_bytes, tensor_params, tensors_to
+from rayfed.types import ClientState, Loss, ServerState, TensorDict, tensor_bytes, tensor_params, tensors_to
 
 if TYPE_CHECKING:
     from rayfed.config import ModelConfig
@@ -44,7 +44,7 @@ class Upload:
     client_id: int
     num_samples: int
     tensors: dict[str, TensorDict]
-    train_loss: float
+    train_loss: Loss
     weight_scale: float = 1.0  # < 1 for a late upload that the system config down-weights
     # Set on a partial sum made on an actor (see presum): ``tensors`` then hold, per tensor, the float64
     # sum of weight * value over the actor's clients, and ``weight_sums`` the sum of their weights.
@@ -86,7 +86,7 @@ class LocalResult:
 
     state: ClientState
     upload: dict[str, TensorDict]
-    train_loss: float
+    train_loss: Loss  # e.g. a TrainResult's loss, left on the device: the actor reads a round's losses together
     weight: float | None = None
     stats: dict[str, float] = dataclasses.field(default_factory=dict)  # summed over a round's clients into its event
 

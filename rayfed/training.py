@@ -36,7 +36,7 @@ from rayfed.metrics import with_derived
 from rayfed.modules import select_task
 from rayfed.streams import seen_round, training_pool
 from rayfed.tasks import Task
-from rayfed.types import Batch, TensorDict
+from rayfed.types import Batch, Loss, TensorDict
 
 if TYPE_CHECKING:
     from rayfed.batching import Lockstep
@@ -51,8 +51,8 @@ LossFn = Callable[["Step"], torch.Tensor]
 @dataclass
 class TrainResult:
     params: TensorDict
-    loss: float  # mean training loss over the steps taken (the first phase's)
-    task_losses: dict[int, float] = field(default_factory=dict)  # per task: mean loss over the micro-batches holding it
+    loss: Loss  # mean training loss over the steps taken (the first phase's), left on the device
+    task_losses: dict[int, Loss] = field(default_factory=dict)  # per task: mean loss over the micro-batches holding it
     optimizer_state: TensorDict | None = None  # with keep_optimizer_state: to pass back in a later call
 
 
@@ -265,7 +265,7 @@ class ClientContext:
             part = self.data.parts[0]
             for indices in batches:
                 total_loss += graphed.step({k: v[indices] for k, v in part.train.items()})
-            return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss.item() / max(steps, 1))
+            return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1))
         optimizers = [self._optimizer(phase, named, base_lr) for phase in phases]
         if optimizer_state is not None:
             _load_optimizer_state(optimizers, phases, named, optimizer_state)
@@ -301,9 +301,9 @@ class ClientContext:
                 if config.grad_clip is not None:
                     nn.utils.clip_grad_norm_(trained, config.grad_clip)
                 optimizer.step()
-        task_losses = {task: (task_sums[task] / task_counts[task]).item() for task in task_sums}
+        task_losses = {task: task_sums[task] / task_counts[task] for task in task_sums}
         state = _optimizer_state(optimizers, named) if keep_optimizer_state else None
-        return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss.item() / max(steps, 1),
+        return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1),
                            task_losses, state)
 
     def batch_order(self, batches: int, purpose: str, pool: torch.Tensor | None) -> Iterator[torch.Tensor]:
@@ -627,13 +627,17 @@ def _batches(num_samples: int, batch_size: int, steps: int, generator: torch.Gen
     the rows a stream has made available, when given).
 
     The permutations are drawn on the CPU (the same numbers on every device) and moved once per
-    epoch to where the data is, so indexing it never waits on a copy.
+    epoch to where the data is, so indexing it never waits on a copy. To a GPU they go from pinned memory
+    without waiting: a plain copy would make the host wait for every step already queued (the last client's).
     """
     rows = num_samples if pool is None else len(pool)
 
     def permutation() -> torch.Tensor:
         order = torch.randperm(rows, generator=generator)
-        return (order if pool is None else pool[order]).to(device)
+        order = order if pool is None else pool[order]
+        if device.type == "cuda":
+            return order.pin_memory().to(device, non_blocking=True)
+        return order.to(device)
 
     batch_size = min(batch_size, rows)
     order = permutation()

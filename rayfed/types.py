@@ -17,6 +17,10 @@ ClientState = dict[str, TensorDict]
 ServerState = dict[str, TensorDict]
 Batch = dict[str, torch.Tensor]
 """Named columns of one minibatch (``pixel_values``, ``input_ids``, ``attention_mask``, ``labels``, ...)."""
+Loss = torch.Tensor | float
+"""A training loss: a 0-d tensor on the training device (or a float). ``float(loss)`` reads it, waiting for the
+device to finish the steps behind it; an actor reads a round's losses together after its last client, so that
+the host never waits for the GPU between two clients."""
 
 
 def tensor_params(tree: Any) -> int:
