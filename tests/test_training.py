@@ -43,7 +43,6 @@ def test_a_payload_tensor_that_consecutive_clients_share_reaches_the_device_once
     assert payloads[4]["w"] is not first["w"]  # only the previous client's tensors are kept
 
 
-
 def test_an_actor_reads_a_rounds_losses_after_its_last_client_has_trained(monkeypatch):
     """Reading a loss waits for the device; read between clients, the GPU would idle while the host sets up
     the next one."""
@@ -69,6 +68,7 @@ def test_an_actor_reads_a_rounds_losses_after_its_last_client_has_trained(monkey
     assert all(type(loss) is float and loss > 0 for loss in part.train_losses.values())
     reference = _tiny_host()[0]._context(1, 0).train(shared)
     assert part.train_losses[1] == float(reference.loss)
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_states_kept_on_the_host_train_on_the_gpu_for_the_round_and_come_back_as_if_kept_there():
