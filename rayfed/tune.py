@@ -57,7 +57,8 @@ pFedMMA's ``alpha`` / ``rank`` / ``layer`` are swept the same way (``methods.0.a
 
 Execution: each trial runs inside its own placement group (:func:`trial_resources`): bundle 0
 holds the trial's round loop and the DriverActor, bundle ``i + 1`` ClientActor ``i``, so
-concurrent trials pack onto a cluster without oversubscribing (fractional) GPUs. Every
+concurrent trials pack onto a cluster without oversubscribing (fractional) GPUs; with
+``placement.executor: local`` the trial's own process runs every actor, in one bundle. Every
 evaluation (``federation.eval_every``) is reported to Tune with its ``round``, which is ASHA's
 time axis, and the run's final summary is the trial's last report. The trial's run directory
 (``tune/runs/<trial_id>/``, a normal rayfed run) is its checkpoint: with
@@ -518,10 +519,16 @@ def trial_resources(config: RunConfig) -> ray_tune.PlacementGroupFactory:
 
     The head bundle is empty, so Tune runs the trial function itself in bundle 0 without
     reserving anything for it, next to the DriverActor; bundle ``i + 1`` is ClientActor ``i``
-    (the layout ``rayfed.simulation._placed`` uses).
+    (the layout ``rayfed.simulation._placed`` uses). With ``placement.executor: local`` the trial's
+    own process runs every actor, one after another: one bundle, as large as the largest actor's.
     """
     placement = config.placement
-    client_bundles = [{"CPU": slot.cpus, "GPU": slot.gpus} for slot in actor_slots(config)]
+    slots = actor_slots(config)
+    if placement.executor == "local":
+        cpus = max(placement.driver_cpus, TRIAL_DRIVER_CPUS, *(slot.cpus for slot in slots))
+        gpus = max(slot.gpus for slot in slots)
+        return ray_tune.PlacementGroupFactory([{"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}])
+    client_bundles = [{"CPU": slot.cpus, "GPU": slot.gpus} for slot in slots]
     return ray_tune.PlacementGroupFactory(
         [{}, {"CPU": max(placement.driver_cpus, TRIAL_DRIVER_CPUS)}, *client_bundles],
         strategy="SPREAD" if placement.strategy == "SPREAD" else "PACK",

@@ -400,12 +400,13 @@ def test_warmup_cosine_schedule_rises_linearly_then_decays_to_zero():
         load_config({"train": {"schedule": "warmup_cosine"}})
 
 
-def test_a_multitask_fedyolo_run_reports_per_task_means_and_parameter_counts(tiny_run, tmp_path, ray_local):
+def test_a_multitask_fedyolo_run_reports_per_task_means_and_parameter_counts(tiny_run, tmp_path):
     from rayfed.simulation import Simulation
 
     run = _multitask_run(tiny_run, [_task("a", 4, 0), _task("b", 3, 7)],
                          ["fedyolo", {"name": "fedavg", "label": "fedavg-full", "model": {"module": "full"}}])
     run["federation"].update(rounds=2, eval_every=1, representation_shift=True)
+    run["placement"]["executor"] = "local"
     summary = Simulation(run, out_dir=tmp_path, progress=False).run()
     yolo, full = summary["methods"]["fedyolo"], summary["methods"]["fedavg-full"]
     assert set(yolo["tasks"]) == {"a", "b"}

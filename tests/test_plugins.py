@@ -190,11 +190,12 @@ def _results(cwd: Path) -> dict:
 
 @pytest.mark.parametrize("script", sorted(EXAMPLES))
 def test_an_example_runs_and_packing_does_not_change_its_numbers(script, tmp_path):
+    """On Ray actors of 2 clients each, and with all 4 clients on one actor in the script's own process."""
     numbers = []
-    for packing in (1, 4):
-        cwd = tmp_path / f"packing{packing}"
+    for placement in ("clients_per_actor=2", "clients_per_actor=4 placement.executor=local"):
+        cwd = tmp_path / placement.split()[-1]
         cwd.mkdir()
-        printed = _run_example(script, [*EXAMPLES[script], f"placement.clients_per_actor={packing}"], cwd)
+        printed = _run_example(script, [*EXAMPLES[script], *f"placement.{placement}".split()], cwd)
         assert "local_acc" in printed
         numbers.append(_results(cwd))
     assert numbers[0] == numbers[1]

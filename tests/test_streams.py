@@ -149,7 +149,8 @@ def test_stream_settings_that_cannot_hold_are_refused():
 
 @pytest.mark.usefixtures("ray_local")
 def test_a_stream_run_reports_self_and_others_per_round_and_their_a_last_and_a_auc(tmp_path):
-    summary = Simulation(STREAM_RUN, out_dir=tmp_path, progress=False).run()
+    in_process = {**STREAM_RUN, "placement": {**STREAM_RUN["placement"], "executor": "local"}}
+    summary = Simulation(in_process, out_dir=tmp_path, progress=False).run()
     stream = summary["methods"]["fedavg"]["stream"]
     assert set(stream) == {"self_acc", "others_acc"} and all(set(v) == {"a_last", "a_auc"} for v in stream.values())
     assert stream["self_acc"]["a_last"] == pytest.approx(summary["methods"]["fedavg"]["mean"]["self_acc"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import ray
 import torch
 
 from rayfed.config import load_config
@@ -53,13 +52,13 @@ def test_speeds_must_name_existing_clients(tiny_run):
         load_config(tiny_run, ["system.speeds={9: 0.5}"])
 
 
-@pytest.mark.usefixtures("ray_local")
 def test_a_round_with_dropout_one_leaves_the_server_state_unchanged(tiny_run, tmp_path):
     tiny_run["system"] = {"dropout_by_round": {2: 1.0}}
+    tiny_run["placement"]["executor"] = "local"
     server_after = {}
 
     def record(sim, label, rounds_done):
-        server_after[rounds_done] = ray.get(sim.driver.get_state.remote())
+        server_after[rounds_done] = sim.executor.get(sim.driver.get_state.remote())
 
     Simulation(tiny_run, out_dir=tmp_path, progress=False, callbacks=[record]).run()
     unchanged = server_after[1]["global"], server_after[2]["global"]

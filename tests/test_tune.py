@@ -156,6 +156,17 @@ def test_trial_resources_has_the_driver_bundle_then_one_bundle_per_client_actor(
     assert resources.strategy == "SPREAD"
 
 
+def test_a_local_trial_reserves_one_bundle_for_its_process_as_large_as_its_largest_actor(tiny_run):
+    tiny_run["placement"] = {"executor": "local", "clients_per_actor": 3, "cpus_per_actor": 2, "gpus_per_actor": 0.25}
+    tiny_run["data"]["num_clients"] = 7
+    resources = trial_resources(load_config(tiny_run))
+    assert resources.bundles == [{"CPU": 2.0, "GPU": 0.25}]
+    assert not resources.head_bundle_is_empty  # the trial function itself runs every actor
+
+    tiny_run["placement"] = {"executor": "local", "cpus_per_actor": 0.5}
+    assert trial_resources(load_config(tiny_run)).bundles == [{"CPU": 0.5}]
+
+
 # Sweeps on Ray -----------------------------------------------------------------------------------
 class _RecordPlacement:
     """Per round, from inside the trial: its placement group, and each actor's placement group and resources."""
@@ -209,7 +220,8 @@ def test_asha_stops_a_bad_trial_and_the_best_yaml_reproduces_its_metric(asha_swe
     best_yaml = yaml.safe_load((tune_dir / "best.yaml").read_text())
     assert best_yaml["tune"] is None and best_yaml["train"]["lr"] == float(best["train.lr"])
     rerun = asha_sweep["folder"] / "rerun"
-    assert main(["run", str(tune_dir / "best.yaml"), "--out", str(rerun), "--quiet"]) == 0
+    # in this process (executor local): the trial's numbers, which it made on Ray actors
+    assert main(["run", str(tune_dir / "best.yaml"), "placement.executor=local", "--out", str(rerun), "--quiet"]) == 0
     summary = json.loads((rerun / "summary.json").read_text())
     assert summary["methods"]["fedavg"]["mean"]["local_acc"] == float(best["fedavg/local_acc"])
 
@@ -253,6 +265,7 @@ class _FailAt:
 @pytest.mark.usefixtures("ray_fake_gpu")
 def test_resumed_sweep_continues_a_failed_trial_from_its_checkpoint(tmp_path, capsys):
     config = _sweep({"train.lr": {"choice": [0.02]}})
+    config["placement"]["executor"] = "local"  # the trial's process runs its actors: resume is the same on Ray
     out = tmp_path / "out"
 
     with pytest.raises(RuntimeError, match="no trial of the sweep completed .1 errored.*first error: injected failure"):
