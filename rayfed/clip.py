@@ -19,15 +19,17 @@ import functools
 from collections.abc import Sequence
 
 import torch
-import transformers
 from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError, choice_error
+from rayfed.lazy import DeferredModule
 from rayfed.models import Backbone, BackboneRequest, TrainableModule
 from rayfed.registry import register_backbone
 from rayfed.types import Batch
 from rayfed.zoo.registry import ZooModel
+
+transformers = DeferredModule("transformers")
 
 PROMPT_TEMPLATE = "a photo of a {}."
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import peft
 import torch
-import transformers
 from torch import nn
 
 from rayfed import pqlora
 from rayfed.config import LoraConfig, ModelConfig
 from rayfed.errors import ConfigError, choice_error
+from rayfed.lazy import DeferredModule
 from rayfed.modules import (
     MlpHead, TaskHeads, add_adapter_set, add_adapters, add_bias_tuning, add_modality_prompts, add_output_adapters,
     add_prompts, tag_tasks, task_heads,
@@ -41,6 +40,9 @@ from rayfed.registry import register_backbone, resolve
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import Task
 from rayfed.types import Batch, TensorDict
+
+peft = DeferredModule("peft")
+transformers = DeferredModule("transformers")
 
 IMAGE, TEXT = "image", "text"
 

@@ -41,17 +41,19 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import peft
 import torch
-import transformers
 from torch import nn
 
 from rayfed.errors import ConfigError
 from rayfed.kinds import IGNORE, causal_from_target_logits
+from rayfed.lazy import DeferredModule
 from rayfed.models import Backbone, TrainableModule
 from rayfed.modules import AdaptedMLP, adapter_set, select_task, tag_tasks
 from rayfed.tasks import Task, task_key as run_task_key
 from rayfed.types import Batch
+
+peft = DeferredModule("peft")
+transformers = DeferredModule("transformers")
 
 IMAGE, TEXT, SHARED = "image", "text", "shared"
 MODALITIES = (IMAGE, TEXT)

@@ -26,10 +26,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import datasets
 import numpy as np
 
 from rayfed.errors import ConfigError, choice_error
+from rayfed.lazy import DeferredModule
+
+datasets = DeferredModule("datasets")
 
 VERSION = 1  # bump when the same arguments generate different samples (pretrained models then rebuild)
 

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
+from rayfed.lazy import DeferredModule
 from rayfed.zoo import training
 from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
 from rayfed.zoo.tokenizers import EOS, load_tokenizer, word_tokenizer
+
+transformers = DeferredModule("transformers")
 
 _TRAIN = {"steps": 200, "batch_size": 32, "lr": 3e-3, "weight_decay": 0.01}
 _DATA = {"train_samples": 4096, "eval_samples": 512, "max_length": 20}
@@ -40,14 +42,14 @@ RECIPES: dict[str, dict[str, Any]] = {
     "llama-large": _recipe("llama", hidden_size=64, layers=16),
     "qwen": _recipe("qwen2", hidden_size=56, layers=8),
 }
-_CONFIGS = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}
 
 
 def tiny_config(
     architecture: str, model: Mapping[str, Any], tokenizer: transformers.PreTrainedTokenizerBase
 ) -> transformers.PretrainedConfig:
     """A ``LlamaConfig`` or ``Qwen2Config`` of the sizes in ``model`` over the tokenizer's vocabulary."""
-    return _CONFIGS[architecture](
+    return getattr(transformers, _CONFIGS[architecture])(
         **model, vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,

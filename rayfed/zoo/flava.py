@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 from rayfed.data.multimodal import PRETRAIN
+from rayfed.lazy import DeferredModule
 from rayfed.zoo import training
 from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
 from rayfed.zoo.tokenizers import load_tokenizer, word_tokenizer
+
+transformers = DeferredModule("transformers")
 
 RECIPE: dict[str, Any] = {
     "version": 2,

@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 from rayfed.data.multimodal import COLORS, PRETRAIN, SHAPES
+from rayfed.lazy import DeferredModule
 from rayfed.zoo import clip, training
 from rayfed.zoo.causal_lm import sequences
 from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
 from rayfed.zoo.tokenizers import IMAGE, load_tokenizer
+
+transformers = DeferredModule("transformers")
 
 VISION = "clip-vision"  # the family of the vision tower
 # Each LLaVA family: the causal-LM family of its language model.

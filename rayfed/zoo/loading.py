@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import transformers
 
 from rayfed.errors import ConfigError, choice_error
+from rayfed.lazy import DeferredModule
 from rayfed.zoo import cache, causal_lm, clip, flava, llava, openclip, vilt, vit
 from rayfed.zoo.registry import ZooModel
+
+transformers = DeferredModule("transformers")
 
 MODEL_NAMES = (
     "tiny-pretrained:<family>",

@@ -14,13 +14,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import open_clip
 import safetensors.torch
 import torch
 
 from rayfed.data.multimodal import CLASSES, PRETRAIN, Distribution
+from rayfed.lazy import DeferredModule
 from rayfed.zoo import training
 from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
+
+open_clip = DeferredModule("open_clip")
 
 RECIPE: dict[str, Any] = {
     "version": 1,

@@ -11,15 +11,17 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from rayfed.data.multimodal import vocabulary
+from rayfed.lazy import DeferredModule
+
+transformers = DeferredModule("transformers")
 
 PAD, UNK, BOS, EOS, MASK, IMAGE = "<pad>", "<unk>", "<bos>", "<eos>", "<mask>", "<image>"
 SPECIAL_TOKENS = (PAD, UNK, BOS, EOS, MASK, IMAGE)  # ids 0..5, in this order
 
 
-def word_tokenizer(*, append_eos: bool, model_max_length: int = 64) -> PreTrainedTokenizerFast:
+def word_tokenizer(*, append_eos: bool, model_max_length: int = 64) -> transformers.PreTrainedTokenizerFast:
     """Special tokens + :func:`rayfed.data.multimodal.vocabulary`, split on whitespace and punctuation.
 
     Every encoded text starts with ``<bos>``; encoders (CLIP, ViLT, FLAVA) also end it with ``<eos>``
@@ -34,14 +36,14 @@ def word_tokenizer(*, append_eos: bool, model_max_length: int = 64) -> PreTraine
     backend.post_processor = processors.TemplateProcessing(
         single=template, special_tokens=[(BOS, vocab[BOS]), (EOS, vocab[EOS])]
     )
-    return PreTrainedTokenizerFast(
+    return transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD, unk_token=UNK, bos_token=BOS, eos_token=EOS, mask_token=MASK,
         model_max_length=model_max_length,
     )  # fmt: skip
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str) -> transformers.PreTrainedTokenizerBase:
     """``AutoTokenizer.from_pretrained(name_or_path)``; a folder holding a word-level tokenizer (written by
     :func:`word_tokenizer`) is loaded from its ``tokenizer.json`` as is.
 
@@ -50,5 +52,5 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """
     tokenizer_file = Path(name_or_path) / "tokenizer.json"
     if tokenizer_file.is_file() and json.loads(tokenizer_file.read_text())["model"]["type"] == "WordLevel":
-        return PreTrainedTokenizerFast.from_pretrained(name_or_path)
-    return AutoTokenizer.from_pretrained(name_or_path)
+        return transformers.PreTrainedTokenizerFast.from_pretrained(name_or_path)
+    return transformers.AutoTokenizer.from_pretrained(name_or_path)

@@ -13,11 +13,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import transformers
 
 from rayfed.data.multimodal import PRETRAIN
+from rayfed.lazy import DeferredModule
 from rayfed.zoo import training
 from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
+
+transformers = DeferredModule("transformers")
 
 RECIPE: dict[str, Any] = {
     "version": 2,

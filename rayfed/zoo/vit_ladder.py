@@ -16,11 +16,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import transformers
 
 from rayfed.data import parts
+from rayfed.lazy import DeferredModule
 from rayfed.zoo import training
 from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
+
+transformers = DeferredModule("transformers")
 
 # d, blocks, heads, MLP width (spec §8: T', S', B'); 32 px images in 4-px patches (65 tokens).
 SIZES: dict[str, dict[str, int]] = {
