@@ -1,7 +1,8 @@
 """Heavy libraries imported on first use.
 
-``transformers`` and ``peft`` take about 12 s of CPU to import on a small 2-core machine. A process that never
-builds a model (a DriverActor of most runs) then never pays for them; one that does pays once, on first use.
+``transformers``, ``peft``, ``datasets`` and ``open_clip`` take seconds each to import (``transformers`` and ``peft``
+about 12 s of CPU on a small 2-core machine). A process that never builds a model or reads a Hugging Face dataset (a
+DriverActor of most runs) then never pays for them; one that does pays once, on first use.
 """
 
 from __future__ import annotations
