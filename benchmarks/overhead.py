@@ -125,11 +125,12 @@ GPU_WORKLOAD = Workload(
 # Llama-3.2-1B's shape, randomly initialised (bf16 weights on a GPU), + LoRA r16 on all seven linear layers of
 # every block (rayfed's default for LLMs, as QLoRA-style recipes train them), FlowerTune-LLM's sizes: 20 clients, a
 # few per round, 10 local steps on sequences of 512 tokens. Each probe of client memory would build two more
-# 1.2 B-parameter models.
+# 1.2 B-parameter models. CUDA graphs: an eager step waits on the host's kernel launches (on an H100 the GPU was
+# busy 54-78% of a round), so its rounds vary with the host by 25% and more.
 LLM_WORKLOAD = Workload(
     backbone="llama:1B", task="text_generation", lora_rank=16, lora_targets=LLM_LORA_TARGETS, seq_len=512,
     target_words=32, num_clients=20, clients_per_round=4, local_steps=10, batch_size=8, samples_per_client=16,
-    rounds=5, client_memory=False,
+    rounds=5, client_memory=False, cuda_graphs=True,
 )
 LLM_CPU_WORKLOAD = dataclasses.replace(
     LLM_WORKLOAD, backbone="llama:tiny", seq_len=64, target_words=8, num_clients=4, clients_per_round=2,

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from rayfed.config import ModelConfig
-from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload, weighted_sums
+from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload, mean_as, weighted_sums
 from rayfed.registry import register_method
 from rayfed.models import Backbone, build_task_model, num_blocks
 from rayfed.modules import dedicated_blocks
@@ -85,5 +85,5 @@ class FedYolo(Method):
             task = task_of_name(name)
             weight = totals[name] if task is None else float(task_totals[task])
             if weight > 0:  # a task without sampled clients keeps its slots
-                merged[name] = (total / weight).to(server["global"][name].dtype)
+                merged[name] = mean_as(total, weight, server["global"][name].dtype)
         return {**server, "global": merged}

@@ -7,7 +7,7 @@ import torch
 
 from rayfed.actors.client import ClientActor
 from rayfed.config import load_config
-from rayfed.method import Method, PartialSum, Upload, presum, weighted_mean
+from rayfed.method import Method, PartialSum, Upload, mean_as, presum, weighted_mean
 from rayfed.types import tensors_to
 from conftest import method_class
 
@@ -107,10 +107,21 @@ def test_partial_sums_from_actors_give_the_same_float32_mean_as_every_upload():
         for cid in range(8)
     ]
     expected = weighted_mean(uploads, "shared")
-    for groups in ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0], [1, 2], [3, 4, 5, 6], [7]], [[7, 0], [3, 1, 6], [2, 5, 4]]):
+    for groups in ([list(range(8))], [[0, 1, 2, 3], [4, 5, 6, 7]], [[0], [1, 2], [3, 4, 5, 6], [7]],
+                   [[7, 0], [3, 1, 6], [2, 5, 4]]):
         partials = [presum([uploads[cid] for cid in group]) for group in groups]
+        sent = [p.tensors["shared"]["w"].clone() for p in partials]
         got = weighted_mean(partials, "shared")
         assert got["w"].dtype == torch.float32 and torch.equal(got["w"], expected["w"])
+        # the first partial sum starts the driver's sum without a copy and must not be written to
+        assert all(torch.equal(p.tensors["shared"]["w"], before) for p, before in zip(partials, sent))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_a_mean_rounds_once_from_float64_as_dividing_then_casting_does(dtype):
+    total = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 1e3
+    mean = mean_as(total, 7.0, dtype)
+    assert mean.dtype == dtype and torch.equal(mean, (total / 7.0).to(dtype))
 
 
 def test_pre_summing_is_what_each_method_declares():
