@@ -158,7 +158,7 @@ def test_a_task_kind_plug_in_scores_with_its_own_loss_and_metric(tiny_run):
     assert set(actor.evaluate(0, {0: shared})[0]) == {"local_top2"}
 
 
-# The examples: each runs as a user runs it, and gives the same numbers with 1 and 4 clients per actor ---
+# The examples: each runs as a user runs it, and gives the same numbers on a Ray actor and in its own process ---
 SHORT = ["federation.rounds=2", "federation.eval_every=2", "data.num_clients=4", "federation.clients_per_round=2",
          "placement.cpus_per_actor=0.25"]
 EXAMPLES = {
@@ -190,9 +190,10 @@ def _results(cwd: Path) -> dict:
 
 @pytest.mark.parametrize("script", sorted(EXAMPLES))
 def test_an_example_runs_and_packing_does_not_change_its_numbers(script, tmp_path):
-    """On Ray actors of 2 clients each, and with all 4 clients on one actor in the script's own process."""
+    """On one Ray actor hosting all 4 clients, and on 2 actors of 2 clients in the script's own process: the
+    plug-ins reach a Ray worker, and neither the executor nor the packing changes the numbers."""
     numbers = []
-    for placement in ("clients_per_actor=2", "clients_per_actor=4 placement.executor=local"):
+    for placement in ("clients_per_actor=4", "clients_per_actor=2 placement.executor=local"):
         cwd = tmp_path / placement.split()[-1]
         cwd.mkdir()
         printed = _run_example(script, [*EXAMPLES[script], *f"placement.{placement}".split()], cwd)
