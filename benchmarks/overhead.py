@@ -126,7 +126,7 @@ GPU_WORKLOAD = Workload(
 # every block (rayfed's default for LLMs, as QLoRA-style recipes train them), FlowerTune-LLM's sizes: 20 clients, a
 # few per round, 10 local steps on sequences of 512 tokens. Each probe of client memory would build two more
 # 1.2 B-parameter models. CUDA graphs: an eager step waits on the host's kernel launches (on an H100 the GPU was
-# busy 54-78% of a round), so its rounds vary with the host by 25% and more.
+# busy 59-78% of a round), so its rounds vary with the host by 25% and more.
 LLM_WORKLOAD = Workload(
     backbone="llama:1B", task="text_generation", lora_rank=16, lora_targets=LLM_LORA_TARGETS, seq_len=512,
     target_words=32, num_clients=20, clients_per_round=4, local_steps=10, batch_size=8, samples_per_client=16,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from rayfed.errors import ConfigError, choice_error
 from rayfed.lazy import DeferredModule
 from rayfed.zoo import cache, causal_lm, clip, flava, llava, openclip, vilt, vit
