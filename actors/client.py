@@ -28,6 +28,7 @@ from rayfed.data.batches import to_device
 from rayfed.tasks import param_tasks, task_view
 from rayfed.training import ClientContext, OtherTask, PreFederation
 from rayfed.transport import use_raw_tensor_transport
+from rayfed.types import ReadOnlyTensors, states_to
 
 Payloads = dict[int, TensorDict | None]
 
@@ -179,8 +180,7 @@ class ClientActor:
         """The clients' local updates in order (with ``train.batch_clients``, run in lockstep so that their plain
         steps train together); each new state is kept here, each upload is left on :meth:`_round_device`."""
         on = self._round_device(client_ids)
-        for cid in client_ids:
-            self.states[cid] = _to(self.states[cid], on)
+        self.states.update(states_to({cid: self.states[cid] for cid in client_ids}, on))
         payloads = _OnDevice(payloads, on)
         batch = self.config.train.batch_clients
         if batch == 1 or len(client_ids) == 1 or not self.method.batchable_updates:
@@ -198,8 +198,7 @@ class ClientActor:
             results = lockstep.run([lambda cid=cid: update(cid) for cid in client_ids])
             for cid, result in zip(client_ids, results):
                 yield self._keep(cid, result, on)
-        for cid in client_ids:
-            self.states[cid] = _to(self.states[cid], self.state_device)
+        self.states.update(states_to({cid: self.states[cid] for cid in client_ids}, self.state_device))
 
     def _round_device(self, client_ids: list[int]) -> torch.device:
         """Where a round's clients' states, payloads and uploads stay while the round trains: the training device
@@ -261,6 +260,8 @@ class ClientActor:
             uploads = [partial.upload("cpu")]
         for upload in uploads:
             upload.tensors = _to(upload.tensors, "cpu")
+            if upload.weight_sums is not None:  # a partial sum, which the aggregation only reads (weighted_sums)
+                upload.tensors = ReadOnlyTensors(upload.tensors)
             upload.train_loss = float(upload.train_loss)
         for cid in guests:
             self.guest_states[cid] = _to(self.states.pop(cid), "cpu")
@@ -352,10 +353,11 @@ class ClientActor:
 
 
 class _OnDevice:
-    """``payloads``, each client's on ``device`` when asked for.
+    """``payloads``, each client's copied to ``device`` when asked for.
 
-    A tensor the previous client received too is not moved again: a round's clients often receive the same
-    tensors (FedAvg's global model), which then reach the GPU once, not once a client.
+    A tensor the previous client received too is not copied again: a round's clients often receive the same
+    tensors (FedAvg's global model), which then reach the GPU once, not once a client. The copy is this actor's
+    own: through Ray the payloads are views of the object store's copy, and in one process the server's tensors.
     """
 
     def __init__(self, payloads: Payloads, device: torch.device) -> None:
@@ -367,7 +369,7 @@ class _OnDevice:
         if payload is None:
             return None
         previous = self.previous
-        moved = {id(value): previous[id(value)] if id(value) in previous else value.to(self.device)
+        moved = {id(value): previous[id(value)] if id(value) in previous else value.to(self.device, copy=True)
                  for value in payload.values()}
         self.previous = moved
         return {name: moved[id(value)] for name, value in payload.items()}

@@ -16,6 +16,7 @@ from rayfed.data.clients import build_federation
 from rayfed.method import Method, ServerState, TensorDict, tensor_bytes, tensor_params
 from rayfed.tasks import client_tasks, task_view
 from rayfed.transport import use_raw_tensor_transport
+from rayfed.types import ReadOnlyTensors
 
 
 class DriverActor:
@@ -53,8 +54,8 @@ class DriverActor:
 
     def payloads(self, client_ids: list[int], count_bytes: bool = True) -> dict[int, TensorDict | None]:
         """What each client receives: the method's payload, restricted to the client's architecture and its
-        tasks' view, under the client's own parameter names."""
-        payloads = {}
+        tasks' view, under the client's own parameter names (read-only: the actor copies it to where it trains)."""
+        payloads = ReadOnlyTensors()
         for cid in client_ids:
             architecture = self.architecture_of[cid]
             own = unprefixed(self.method.payload(self.server, cid), architecture)

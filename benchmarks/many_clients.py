@@ -40,9 +40,12 @@ from rayfed.simulation import Simulation, init_local_ray, keep_loopback
 CPU_WORKLOAD = Workload(image_size=8, samples_per_client=16, local_steps=5, batch_size=8, lora_rank=4, rounds=5,
                         client_memory=False)
 # The bench's ViT-B/16 clients with 2 local steps instead of 10 and 4 rounds instead of 6: what grows with the
-# number of clients is the work around the steps, and 10 steps of 50 Ditto clients would take 25 s a round.
+# number of clients is the work around the steps, and 10 steps of 50 Ditto clients would take 25 s a round. 64
+# samples a client (steps of the 48 training ones), as measured in benchmarks/README.md: 10,000 clients' raw
+# images are then 7.5 GB.
 WORKLOADS = {"cpu": CPU_WORKLOAD,
-             "gpu": dataclasses.replace(GPU_WORKLOAD, client_memory=False, local_steps=2, rounds=4)}
+             "gpu": dataclasses.replace(GPU_WORKLOAD, client_memory=False, local_steps=2, rounds=4,
+                                        samples_per_client=64)}
 
 
 class _Measured(Exception):
@@ -80,8 +83,10 @@ def measure(workload: Workload, num_clients: int, num_actors: int, gpus_per_acto
     with contextlib.suppress(_Measured):
         Simulation(config, out_dir=out_dir, callbacks=[after_round], progress=False, check_model=False).run()
     events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    walls = [e["wall_s"] for e in events if e["event"] == "round"][1:]
+    rounds = [e for e in events if e["event"] == "round"][1:]
+    walls = [e["wall_s"] for e in rounds]
     return {"clients": num_clients, "actors": num_actors, "round_s": walls, "median_round_s": statistics.median(walls),
+            "busiest_actor_s": [max(e["actor_busy_s"]) for e in rounds],
             "total_s": time.perf_counter() - started, **found}
 
 

@@ -1,4 +1,5 @@
-"""Host <-> GPU copy time of one round's client states, from pageable and from pinned host memory.
+"""Host <-> GPU copy time of one round's client states: a copy per tensor from pageable and from pinned host memory,
+and the round's states moved together (``rayfed.types.states_to``, what a ClientActor does) from pageable memory.
 
 The states are those of 50 Ditto clients of the GPU workload (LoRA r16 on the 24 MLP linears of ViT-B/16: 48 float32
 tensors, 5.9 MB a client): what an actor moves in and out of the GPU each round when states are kept on the host.
@@ -13,6 +14,8 @@ import json
 import time
 
 import torch
+
+from rayfed.types import states_to
 
 LORA_SHAPES = [(16, 768), (3072, 16), (16, 3072), (768, 16)] * 12  # c_fc's A, B and c_proj's A, B, 12 blocks
 
@@ -30,9 +33,19 @@ def time_copies(clients: int = 50) -> dict[str, dict[str, float]]:
             arrived = time.perf_counter()
             [[t.to("cpu") for t in state] for state in on_gpu]
             returned = time.perf_counter()
-        timings[label] = {"to_gpu_s": arrived - started, "to_host_s": returned - arrived,
-                          "mb": sum(t.numel() * t.element_size() for state in states for t in state) / 1e6}
-    return timings
+        timings[label] = {"to_gpu_s": arrived - started, "to_host_s": returned - arrived}
+    together = {cid: {"personal": dict(enumerate(state))} for cid, state in enumerate(states)}
+    for _ in range(2):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        on_gpu = states_to(together, "cuda")
+        torch.cuda.synchronize()
+        arrived = time.perf_counter()
+        states_to(on_gpu, "cpu")
+        returned = time.perf_counter()
+    timings["states_to"] = {"to_gpu_s": arrived - started, "to_host_s": returned - arrived}
+    megabytes = sum(t.numel() * t.element_size() for state in states for t in state) / 1e6
+    return {label: {**timing, "mb": megabytes} for label, timing in timings.items()}
 
 
 if __name__ == "__main__":

@@ -154,6 +154,14 @@ def test_the_llm_workload_builds_llama_3_2_1b_with_bf16_weights_and_fp32_lora_r1
     assert config.train.batch_size * config.data.max_text_length == 8 * 512
 
 
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_every_bench_workload_trains_whole_batches_of_its_batch_size(name):
+    workload = WORKLOADS[name]
+    config = workload.config(clients_per_actor=workload.num_clients, gpus_per_actor=0)
+    [holding] = build_federation(config.data, config.seed).holdings
+    assert min(len(train) for train, _ in holding.splits) >= workload.batch_size
+
+
 def test_the_bench_workloads_are_the_same_for_the_cli_and_the_flower_side_by_side():
     bench = build_parser()._subparsers._group_actions[0].choices["bench"]
     [workload_option] = [a for a in bench._actions if a.dest == "workload"]

@@ -8,7 +8,7 @@ import torch
 from rayfed.actors.client import ClientActor
 from rayfed.config import load_config
 from rayfed.method import Method, PartialSum, Upload, mean_as, presum, weighted_mean
-from rayfed.types import tensors_to
+from rayfed.types import ReadOnlyTensors, states_to, tensors_to
 from conftest import method_class
 
 
@@ -162,6 +162,7 @@ def test_an_actors_running_partial_sum_equals_the_presum_of_its_clients_uploads(
     assert (got.client_id, got.num_samples, got.weight_sums, got.dtypes) == (
         expected.client_id, expected.num_samples, expected.weight_sums, expected.dtypes)
     assert got.tensors.keys() == expected.tensors.keys() == {"shared"}
+    assert isinstance(got.tensors, ReadOnlyTensors)  # received as views of the object store's copy
     for name, value in expected.tensors["shared"].items():
         assert value.dtype == torch.float64 and got.tensors["shared"][name].device.type == "cpu"
         assert torch.equal(got.tensors["shared"][name], value)
@@ -201,3 +202,32 @@ def test_tensors_moved_to_the_host_in_one_copy_per_dtype_keep_their_values_shape
     for name, value in tensors.items():
         assert moved[name].device.type == "cpu" and moved[name].dtype == value.dtype
         assert torch.equal(moved[name], value)
+
+
+def test_states_moved_together_move_a_tensor_they_share_once_and_keep_what_is_there():
+    initial = torch.ones(4)  # the initial parameters clients hold until they first train
+    states = {0: {"personal": {"w": initial}}, 1: {"personal": {"w": initial, "b": torch.zeros(2)}}, 2: {}}
+    moved = states_to(states, "meta")
+    assert list(moved) == [0, 1, 2] and moved[2] == {}
+    assert moved[0]["personal"]["w"] is moved[1]["personal"]["w"] and moved[0]["personal"]["w"].device.type == "meta"
+    again = states_to(moved, "meta")
+    assert all(again[cid]["personal"][n] is moved[cid]["personal"][n] for cid in (0, 1) for n in moved[cid]["personal"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_states_cross_to_the_gpu_and_back_with_their_values_each_client_in_its_own_host_buffer():
+    generator = torch.Generator().manual_seed(3)
+    initial = torch.randn(5, 3, generator=generator)
+    states = {cid: {"personal": {"w": initial if cid == 0 else torch.randn(5, 3, generator=generator),
+                                 "step": torch.tensor(cid), "h": torch.randn(7, generator=generator).bfloat16()},
+                    "empty": {"e": torch.zeros(0, 2)}} for cid in range(3)}
+    on_gpu = states_to(states, "cuda")
+    back = states_to(on_gpu, "cpu")
+    for cid, state in states.items():
+        for slot, values in state.items():
+            for name, value in values.items():
+                assert on_gpu[cid][slot][name].is_cuda
+                got = back[cid][slot][name]
+                assert got.device.type == "cpu" and got.dtype == value.dtype and torch.equal(got, value)
+    first, second = (back[cid]["personal"]["w"] for cid in (1, 2))
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr() and not first.is_pinned()

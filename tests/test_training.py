@@ -43,6 +43,15 @@ def test_a_payload_tensor_that_consecutive_clients_share_reaches_the_device_once
     assert payloads[4]["w"] is not first["w"]  # only the previous client's tensors are kept
 
 
+def test_a_payload_reaches_the_hooks_as_the_actors_own_copy():
+    server = {"w": torch.ones(3)}  # in one process the payloads are the server's tensors
+    payloads = _OnDevice({0: server, 1: dict(server)}, torch.device("cpu"))
+    received = payloads[0]["w"]
+    received.add_(1.0)  # a hook writing into its payload
+    assert torch.equal(server["w"], torch.ones(3))
+    assert payloads[1]["w"] is received  # copied once for the round's clients that share it
+
+
 def test_an_actor_reads_a_rounds_losses_after_its_last_client_has_trained(monkeypatch):
     """Reading a loss waits for the device; read between clients, the GPU would idle while the host sets up
     the next one."""

@@ -1,4 +1,5 @@
-"""rayfed.transport: host tensors sent through Ray as raw bytes come back equal, as their own writable copies."""
+"""rayfed.transport: host tensors sent through Ray as raw bytes come back equal, as their own writable copies (a
+ReadOnlyTensors' as views of the object store's copy)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ray
 import torch
 
 from rayfed import transport
+from rayfed.types import ReadOnlyTensors
 
 PLAIN = {
     "float32": torch.randn(3, 4),
@@ -42,20 +44,39 @@ def test_tensors_that_need_more_than_their_bytes_keep_torchs_own_pickling():
         assert torch.equal(got.detach().to_dense(), tensor.detach().to_dense())
 
 
-@pytest.mark.usefixtures("ray_local")
-def test_through_the_object_store_a_payload_comes_back_equal_and_writable(monkeypatch):
+@pytest.fixture
+def raw_transport(ray_local, monkeypatch):
+    """The raw transport registered in this process, on a local Ray; yields the tensors it packs."""
     sent, original = [], transport._to_bytes
     monkeypatch.setattr(transport, "_to_bytes", lambda tensor: sent.append(tensor) or original(tensor))
     transport.use_raw_tensor_transport()
-    try:
-        shared = torch.randn(64, 32)
-        payload = {0: {"w": shared, "b": torch.zeros(32)}, 1: {"w": shared}}  # one tensor in two clients' payloads
-        got = ray.get(ray.put(payload))
-    finally:
-        ray.util.deregister_serializer(torch.Tensor)
-    assert len(sent) == 2  # each distinct tensor once, through the raw path
+    yield sent
+    ray.util.deregister_serializer(torch.Tensor)
+    ray.util.deregister_serializer(ReadOnlyTensors)
+
+
+def test_through_the_object_store_a_payload_comes_back_equal_and_writable(raw_transport):
+    shared = torch.randn(64, 32)
+    payload = {0: {"w": shared, "b": torch.zeros(32)}, 1: {"w": shared}}  # one tensor in two clients' payloads
+    got = ray.get(ray.put(payload))
+    assert len(raw_transport) == 2  # each distinct tensor once, through the raw path
     assert torch.equal(got[0]["w"], shared) and torch.equal(got[0]["b"], torch.zeros(32))
     assert got[1]["w"] is got[0]["w"]
     got[0]["w"].add_(1.0)  # the object store's buffer is read-only; the tensor received is not
     assert torch.equal(got[1]["w"], shared + 1.0)
 
+
+def test_read_only_tensors_arrive_as_views_of_the_object_stores_one_copy(raw_transport):
+    shared = torch.randn(512, 512)  # large enough to go to the object store, not inline
+    payloads = ReadOnlyTensors({0: {"w": shared, "b": torch.arange(3.0, dtype=torch.float64)}, 1: {"w": shared},
+                                2: None, 3: {"scalar": torch.tensor(True), "empty": torch.zeros(0, 4)}})
+    ref = ray.put(payloads)
+    got, again = ray.get(ref), ray.get(ref)
+    assert len(raw_transport) == 4  # each distinct tensor once
+    assert isinstance(got, ReadOnlyTensors) and list(got) == [0, 1, 2, 3] and got[2] is None
+    for cid, tensors in payloads.items():
+        for name, value in (tensors or {}).items():
+            received = got[cid][name]
+            assert (received.dtype, received.shape) == (value.dtype, value.shape) and torch.equal(received, value)
+    assert got[1]["w"] is got[0]["w"]
+    assert got[0]["w"].data_ptr() == again[0]["w"].data_ptr()  # not a copy each: views of the stored one
