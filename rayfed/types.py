@@ -64,7 +64,7 @@ def states_to(states: dict[Any, ClientState], device: torch.device | str) -> dic
 
     Between the host and a GPU each dtype's tensors cross in one copy through pinned memory instead of one
     synchronising copy each into or from pageable memory (``benchmarks/state_copies.py``: 50 Ditto states of
-    5.6 MB, 0.24 -> 0.15 s both ways on an H100), and a tensor several states share (the initial parameters of
+    5.6 MB, 0.24 -> 0.15 s both ways on one H100 host; no gain on another), and a tensor several states share (the initial parameters of
     clients that have not trained yet) crosses once. On the host each client's tensors of a dtype are views of one
     buffer of its own, so that thousands of clients' states are freed one by one as they are replaced, not held by
     a buffer a round's clients share.
@@ -99,15 +99,24 @@ def _by_kind(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtyp
     return groups
 
 
+def _gathered(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensors' values one after another in one flat tensor."""
+    return torch.cat([value.detach().reshape(-1) for value in tensors], out=out)
+
+
+def _split_like(flat: torch.Tensor, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """A :func:`_gathered` tensor's parts as views shaped like ``tensors``, by the ``id`` of each."""
+    parts = flat.split([value.numel() for value in tensors])
+    return {id(value): part.view(value.shape) for value, part in zip(tensors, parts)}
+
+
 def _host_to_gpu(tensors: list[torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
     """Host tensors on the GPU: each dtype's gathered into pinned memory, then one copy without waiting."""
     moved = {}
     for (_, dtype), group in _by_kind(tensors).items():
-        sizes = [value.numel() for value in group]
-        pinned = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
-        torch.cat([value.detach().reshape(-1) for value in group], out=pinned)
-        on_gpu = pinned.to(device, non_blocking=True)  # torch keeps the pinned block until the copy is done
-        moved.update({id(value): part.view(value.shape) for value, part in zip(group, on_gpu.split(sizes))})
+        pinned = torch.empty(sum(value.numel() for value in group), dtype=dtype, pin_memory=True)
+        on_gpu = _gathered(group, out=pinned).to(device, non_blocking=True)  # torch keeps the pinned block until done
+        moved.update(_split_like(on_gpu, group))
     return moved
 
 
@@ -115,12 +124,11 @@ def _gpu_to_pinned(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """GPU tensors on the host: views of one pinned copy per GPU and dtype, made with one wait per GPU."""
     pinned_views, gpus = {}, set()
     for (gpu, dtype), group in _by_kind(tensors).items():
-        flat = torch.cat([value.detach().reshape(-1) for value in group])
+        flat = _gathered(group)
         pinned = torch.empty(flat.numel(), dtype=dtype, pin_memory=True)
         pinned.copy_(flat, non_blocking=True)
         gpus.add(gpu)
-        sizes = [value.numel() for value in group]
-        pinned_views.update({id(value): part.view(value.shape) for value, part in zip(group, pinned.split(sizes))})
+        pinned_views.update(_split_like(pinned, group))
     for gpu in gpus:
         torch.cuda.current_stream(gpu).synchronize()
     return pinned_views
@@ -128,13 +136,11 @@ def _gpu_to_pinned(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
 
 def _own_host_copies(pinned: dict[int, torch.Tensor], tensors: list[torch.Tensor],
                      owner: dict[int, Any]) -> dict[int, torch.Tensor]:
-    """The pinned views copied into one pageable buffer per owner and dtype."""
+    """The pinned views of ``tensors`` copied into one pageable buffer per owner and dtype."""
     by_owner: dict[tuple[Any, torch.dtype], list[torch.Tensor]] = {}
     for value in tensors:
-        by_owner.setdefault((owner[id(value)], value.dtype), []).append(pinned[id(value)])
+        by_owner.setdefault((owner[id(value)], value.dtype), []).append(value)
     copies = {}
-    for views in by_owner.values():
-        sizes = [view.numel() for view in views]
-        own = torch.cat([view.reshape(-1) for view in views])
-        copies.update({id(view): part.view(view.shape) for view, part in zip(views, own.split(sizes))})
-    return {id(value): copies[id(pinned[id(value)])] for value in tensors}
+    for group in by_owner.values():
+        copies.update(_split_like(_gathered([pinned[id(value)] for value in group]), group))
+    return copies
