@@ -23,6 +23,7 @@ evaluation sets; :attr:`TaskKind.lower_is_better` tells reports which way is bet
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -51,6 +52,7 @@ class TaskKind:
     primary: ClassVar[str] = ""  # the metric streams average over tasks (self_<primary>, others_<primary>)
     shared_metrics: ClassVar[tuple[str, ...]] = ()  # reported on shared evaluation sets as <set>_<metric>
     lower_is_better: ClassVar[frozenset[str]] = frozenset({"loss"})
+    forward_inputs: ClassVar[tuple[str, ...] | None] = None  # the columns forward reads (None: it may read any)
 
     def check_data(self, dataset: ArrayDataset, where: str) -> None:
         """Raise one sentence if ``dataset`` lacks the columns this kind needs (``where``: its config section)."""
@@ -83,6 +85,16 @@ class TaskKind:
     def score(self, model: ClientModel, batch: Batch) -> dict[str, float]:
         """Sums over the test ``batch`` (under ``torch.no_grad``) that :meth:`summarize` turns into metrics."""
         raise NotImplementedError
+
+    def score_rows(self, model: ClientModel, batch: Batch) -> dict[str, torch.Tensor]:
+        """:meth:`score`'s values row by row (each a float64 tensor over the batch's rows), for a kind that scores
+        several tasks' test sets in one pass (:meth:`merge_columns`)."""
+        raise NotImplementedError
+
+    def merge_columns(self, columns: Sequence[Columns], pad_token_id: int | None) -> Columns | None:
+        """Several tasks' test columns as one set whose rows :meth:`score_rows` scores each as its own task would,
+        for a model that runs these tasks through the same forward; None (the default): score each on its own."""
+        return None
 
     def summarize(self, sums: dict[str, float], count: int) -> dict[str, float]:
         """The metrics from the sums of every test batch over ``count`` samples."""
@@ -232,11 +244,20 @@ class MultipleChoice(Classification):
 
 
 # Text generation -------------------------------------------------------------------------------------
+GENERATION_LENGTH = "generation_length"  # a merged test set's column: each row's own max_new_tokens
+# A text-generation batch's text columns: (their padding value, None: the pad token; padded on the left).
+_TEXT_PADDING: dict[str, tuple[int | None, bool]] = {
+    "input_ids": (None, False), "attention_mask": (0, False), "labels": (IGNORE, False),
+    "prompt_ids": (None, True), "prompt_mask": (0, True), "target_ids": (None, False),
+}
+
+
 @register_task_kind("text_generation")
 class TextGeneration(TaskKind):
     """A prompt (and an image) -> the target text: next-token cross-entropy on the target's tokens."""
 
     name = "text_generation"
+    forward_inputs = ("input_ids", "attention_mask", "pixel_values")
     metrics = ("token_f1", "exact_match", "meteor", "perplexity")
     primary = "token_f1"
     shared_metrics = ("token_f1",)
@@ -298,34 +319,62 @@ class TextGeneration(TaskKind):
                 "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "target_ids": target_ids}
 
     def forward(self, model: ClientModel, batch: Batch) -> torch.Tensor:
-        return model.lm_logits({k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values") if k in batch})
+        return model.lm_logits({k: batch[k] for k in self.forward_inputs if k in batch})
 
     def loss(self, outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
         return nn.functional.cross_entropy(outputs[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
                                            ignore_index=IGNORE)
 
     def score(self, model: ClientModel, batch: Batch) -> dict[str, float]:
+        return {name: float(values.sum()) for name, values in self.score_rows(model, batch).items()}
+
+    def score_rows(self, model: ClientModel, batch: Batch) -> dict[str, torch.Tensor]:
         logits = model(batch).float()
         targets = batch["labels"][:, 1:]
-        nll = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
-                                          reduction="sum").item()
-        generated = generate(model, batch, max_new_tokens=batch["target_ids"].shape[1])
+        nll = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, ignore_index=IGNORE,
+                                          reduction="none").sum(dim=1)
+        generated = generate(model, batch, max_new_tokens=batch["target_ids"].shape[1]).tolist()
+        if GENERATION_LENGTH in batch:  # a merged set: each row generates as many tokens as its own task allows
+            generated = [row[:length] for row, length in zip(generated, batch[GENERATION_LENGTH].tolist())]
         tokenizer = model.tokenizer
         predictions = tokenizer.batch_decode(generated, skip_special_tokens=True)
         references = tokenizer.batch_decode(batch["target_ids"], skip_special_tokens=True)
-        sums = {
-            "nll": nll, "tokens": float((targets != IGNORE).sum()),
-            "token_f1": sum(text_metrics.token_f1(p, r) for p, r in zip(predictions, references)),
-            "exact_match": sum(text_metrics.exact_match(p, r) for p, r in zip(predictions, references)),
-            "meteor": sum(text_metrics.meteor(p, r) for p, r in zip(predictions, references)),
+        pairs = list(zip(predictions, references))
+        rows = {
+            "nll": nll, "tokens": (targets != IGNORE).sum(dim=1),
+            "token_f1": [text_metrics.token_f1(p, r) for p, r in pairs],
+            "exact_match": [text_metrics.exact_match(p, r) for p, r in pairs],
+            "meteor": [text_metrics.meteor(p, r) for p, r in pairs],
         }
-        full_meteor = [text_metrics.nltk_meteor(p, r) for p, r in zip(predictions, references)]
+        full_meteor = [text_metrics.nltk_meteor(p, r) for p, r in pairs]
         if all(score is not None for score in full_meteor):
-            sums["nltk_meteor"] = sum(full_meteor)
+            rows["nltk_meteor"] = full_meteor
         bertscore = text_metrics.bertscore_f1(predictions, references)
         if bertscore is not None:
-            sums["bertscore_f1"] = sum(bertscore)
-        return sums
+            rows["bertscore_f1"] = bertscore
+        return {name: torch.as_tensor(values, dtype=torch.float64).cpu() for name, values in rows.items()}
+
+    def merge_columns(self, columns: Sequence[Columns], pad_token_id: int | None) -> Columns | None:
+        """Prompts left-padded and the other text columns right-padded to the longest; each row keeps its own
+        task's generation length (``max_new_tokens`` is the width of its task's ``target_ids``)."""
+        if pad_token_id is None or not _TEXT_PADDING.keys() <= columns[0].keys() or any(
+                c.keys() != columns[0].keys() for c in columns):
+            return None
+        others = [name for name in columns[0] if name not in _TEXT_PADDING]
+        if any(c[name].shape[1:] != columns[0][name].shape[1:] for c in columns for name in others):
+            return None
+        merged = {name: torch.cat([c[name] for c in columns]) for name in others}
+        for name, (fill, left) in _TEXT_PADDING.items():
+            width = max(c[name].shape[1] for c in columns)
+            padded = []
+            for c in columns:
+                value = c[name]
+                pad = value.new_full((len(value), width - value.shape[1]), pad_token_id if fill is None else fill)
+                padded.append(torch.cat([pad, value] if left else [value, pad], dim=1))
+            merged[name] = torch.cat(padded)
+        merged[GENERATION_LENGTH] = torch.cat([torch.full((len(c["target_ids"]),), c["target_ids"].shape[1])
+                                               for c in columns])
+        return merged
 
     def summarize(self, sums: dict[str, float], count: int) -> dict[str, float]:
         metrics = {name: sums[name] / count for name in ("token_f1", "exact_match", "meteor")}

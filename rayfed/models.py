@@ -33,12 +33,12 @@ from rayfed.config import LoraConfig, ModelConfig
 from rayfed.errors import ConfigError, choice_error
 from rayfed.lazy import DeferredModule
 from rayfed.modules import (
-    MlpHead, TaskHeads, add_adapter_set, add_adapters, add_bias_tuning, add_modality_prompts, add_output_adapters,
+    TASK_SELECTED_MODULES, MlpHead, TaskHeads, add_adapter_set, add_adapters, add_bias_tuning, add_modality_prompts, add_output_adapters,
     add_prompts, tag_tasks, task_heads,
 )
 from rayfed.registry import register_backbone, resolve
 from rayfed.seeding import SERVER, torch_seed
-from rayfed.tasks import Task
+from rayfed.tasks import Task, task_key
 from rayfed.types import Batch, TensorDict
 
 peft = DeferredModule("peft")
@@ -430,6 +430,11 @@ class TrainableModule(nn.Module):
         for name, value in values.items():
             params[name].copy_(value)
 
+    def shares_forward(self, task_indices: Sequence[int]) -> bool:
+        """Whether these tasks' batches run through one and the same forward, so that they may be stacked into
+        one batch (training a step's tasks together, scoring their test sets together)."""
+        return False
+
     def task_tags(self) -> dict[str, frozenset[int]]:
         """The tasks each parameter belongs to (:func:`rayfed.modules.tag_tasks`); untagged ones are shared."""
         tags: dict[str, frozenset[int]] = {}
@@ -464,6 +469,20 @@ class ClientModel(TrainableModule):
 
     def select_task(self, index: int) -> None:
         self.active_task = index
+
+    def shares_forward(self, task_indices: Sequence[int]) -> bool:
+        """Tasks of one kind share the forward when no part of the model is chosen by task: their heads have no
+        parameters (a causal LM's own head) and no module is kept per task."""
+        if len({type(self.task_kinds[index]) for index in task_indices}) > 1:
+            return False
+        for module in self.modules():
+            if isinstance(module, TaskHeads):
+                heads = [module[task_key(index)] for index in task_indices]
+                if any(type(head) is not nn.Identity for head in heads):
+                    return False
+            elif isinstance(module, TASK_SELECTED_MODULES):
+                return False
+        return True
 
     @property
     def generates_text(self) -> bool:

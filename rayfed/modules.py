@@ -163,13 +163,16 @@ class TaskHeads(nn.ModuleDict):
         return self[task_key(self.active_task)](features)
 
 
+TASK_SELECTED_MODULES = (_TaskSelected, AdaptedOutput)  # modules that may keep a copy per task, besides TaskHeads
+
+
 def select_task(model: nn.Module, task_index: int) -> None:
     """Make every per-task part of ``model`` use task ``task_index``'s copies (heads, modules, a text
     classifier's label space)."""
     if hasattr(model, "select_task"):
         model.select_task(task_index)
     for module in model.modules():
-        if isinstance(module, (_TaskSelected, TaskHeads, AdaptedOutput)):
+        if isinstance(module, (*TASK_SELECTED_MODULES, TaskHeads)):
             module.active_task = task_index
 
 

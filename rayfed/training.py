@@ -39,6 +39,7 @@ from rayfed.tasks import Task
 from rayfed.types import Batch, Loss, TensorDict
 
 if TYPE_CHECKING:
+    from rayfed.kinds import TaskKind
     from rayfed.batching import Lockstep
 
 log = logging.getLogger(__name__)
@@ -117,9 +118,19 @@ class Step:
             return torch.func.functional_call(self.model, params, (batch,), strict=False)
 
     def part_losses(self, outputs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Each task's own loss on its part of the batch (from ``outputs``, else a forward of each part)."""
-        outputs = outputs if outputs is not None else [self.outputs(i) for i in range(len(self.parts))]
+        """Each task's own loss on its part of the batch (from ``outputs``, else a forward of each part, or one
+        forward of the parts stacked where the model runs their tasks through the same forward)."""
+        if outputs is None:
+            outputs = self._stacked_outputs() or [self.outputs(i) for i in range(len(self.parts))]
         return [task.kind.loss(out, batch) for (task, batch), out in zip(self.parts, outputs)]
+
+    def _stacked_outputs(self) -> list[torch.Tensor] | None:
+        stacked = stacked_forward_batch(self.model, self.parts)
+        if stacked is None:
+            return None
+        select_task(self.model, self.parts[0][0].index)
+        outputs = trained_forward(self.model, self.client.train_config)(stacked)
+        return list(outputs.split([num_rows(batch) for _, batch in self.parts]))
 
     def task_loss(self, losses: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """``sum_o lambda_o loss_o`` over the batch's tasks (lambda_o: task o's share of the samples)."""
@@ -151,6 +162,22 @@ class PreFederation:
         generator = seeding.torch_generator(self.seed, 0, seeding.SERVER, f"{purpose}:{self.architecture}")
         for indices in _batches(rows, batch_size, steps, generator, torch.device("cpu")):
             yield {name: column[indices].to(self.device) for name, column in self.public.items()}
+
+
+def stacked_forward_batch(model: nn.Module, parts: Sequence[tuple[Task, Batch]]) -> Batch | None:
+    """The parts' forward inputs (:attr:`~rayfed.kinds.TaskKind.forward_inputs`) stacked into one batch, when the
+    model runs all their tasks through one forward (``shares_forward``) and the inputs agree past the rows; else
+    None. A client holding several tasks then trains each step with one forward and one backward, not one per task."""
+    if len(parts) < 2 or not model.shares_forward([task.index for task, _ in parts]):
+        return None
+    names = parts[0][0].kind.forward_inputs
+    batches = [{name: column for name, column in batch.items() if names is None or name in names} for _, batch in parts]
+    first = batches[0]
+    if any(batch.keys() != first.keys() or any(
+            batch[name].shape[1:] != first[name].shape[1:] or batch[name].dtype != first[name].dtype for name in first)
+           for batch in batches):
+        return None
+    return {name: torch.cat([batch[name] for batch in batches]) for name in first}
 
 
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -348,11 +375,14 @@ class ClientContext:
         self.model.eval()
         metrics: dict[str, float] = {}
         seen = self.data.parts if self.stream is None else [p for p in self.data.parts if p.first_round <= seen_round(self.round)]
+        others = [] if self.stream is None else [o for o in self.others if o.first_round <= seen_round(self.round)]
+        # Scored together where the model allows: the own tasks and the others that need no parameters of their own.
+        together = iter(self._score_tasks([(part.task, part.test) for part in seen]
+                                          + [(other.task, other.test) for other in others if not other.missing]))
         own_primary: list[tuple[str, float]] = []
         for part in seen:
             task = self.tasks[part.task]
-            select_task(self.model, part.task)
-            values = task.kind.summarize(*self._score(task, part.test))
+            values = task.kind.summarize(*next(together))
             prefix = "" if len(self.data.parts) == 1 else f"{task.name}/"
             metrics.update({f"{prefix}local_{name}": value for name, value in values.items()})
             if task.kind.primary in values:  # a plug-in kind may report other metrics than its parent's primary
@@ -360,16 +390,19 @@ class ClientContext:
         if self.stream is not None:
             metrics.update(_task_means("self", own_primary))
             other_primary = []
-            for other in self.others:
-                if other.first_round <= seen_round(self.round):
-                    task = self.tasks[other.task]
+            for other in others:
+                task = self.tasks[other.task]
+                if other.missing:
                     select_task(self.model, other.task)
                     self.model.load_trainable(other.missing)  # the other task's own parameters: their round-0 values
-                    values = task.kind.summarize(*self._score(task, other.test))
-                    if task.kind.primary in values:
-                        other_primary.append((task.kind.primary, values[task.kind.primary]))
-                        if self.stream.others_by_task:
-                            metrics[f"others/{task.name}_{task.kind.primary}"] = values[task.kind.primary]
+                    sums = self._score(task, other.test)
+                else:
+                    sums = next(together)
+                values = task.kind.summarize(*sums)
+                if task.kind.primary in values:
+                    other_primary.append((task.kind.primary, values[task.kind.primary]))
+                    if self.stream.others_by_task:
+                        metrics[f"others/{task.name}_{task.kind.primary}"] = values[task.kind.primary]
             self.model.load_trainable(params)
             metrics.update(_task_means("others", other_primary))
         for eval_set in self.eval_sets:
@@ -389,14 +422,59 @@ class ClientContext:
     def _score(self, task: Task, columns: Columns) -> tuple[dict[str, float], int]:
         """The task kind's sums over ``columns``, scored in batches of ``eval_batch_size``, and the row count."""
         sums: dict[str, float] = {}
-        size, rows = self.train_config.eval_batch_size, num_rows(columns)
-        for start in range(0, rows, size):
-            batch = {name: column[start:start + size].to(self.device) for name, column in columns.items()}
+        for batch in self._test_batches(columns):
             with mixed_precision(self.device):
                 scored = task.kind.score(self.model, batch)
             for name, value in scored.items():
                 sums[name] = sums.get(name, 0.0) + value
-        return sums, rows
+        return sums, num_rows(columns)
+
+    def _score_tasks(self, items: Sequence[tuple[int, Columns]]) -> list[tuple[dict[str, float], int]]:
+        """Each (task index, test columns)'s sums and row count. The test sets of tasks that the model runs through
+        one forward and whose kind can merge them are scored as one set: one pass of batched generations for a
+        client's every text-generation task, not one per task."""
+        scored: dict[int, tuple[dict[str, float], int]] = {}
+        by_kind: dict[type, list[int]] = {}
+        for position, (task_index, _) in enumerate(items):
+            by_kind.setdefault(type(self.tasks[task_index].kind), []).append(position)
+        pad_token_id = getattr(getattr(self.model, "tokenizer", None), "pad_token_id", None)
+        for positions in by_kind.values():
+            task_indices = [items[position][0] for position in positions]
+            kind = self.tasks[task_indices[0]].kind
+            merged = None
+            if len(positions) > 1 and self.model.shares_forward(task_indices):
+                merged = kind.merge_columns([items[position][1] for position in positions], pad_token_id)
+            if merged is None:
+                for position, task_index in zip(positions, task_indices):
+                    select_task(self.model, task_index)
+                    scored[position] = self._score(self.tasks[task_index], items[position][1])
+                continue
+            select_task(self.model, task_indices[0])
+            rows = self._score_rows(kind, merged)
+            first = 0
+            for position in positions:
+                count = num_rows(items[position][1])
+                scored[position] = ({name: float(values[first:first + count].sum()) for name, values in rows.items()},
+                                    count)
+                first += count
+        return [scored[position] for position in range(len(items))]
+
+    def _score_rows(self, kind: TaskKind, columns: Columns) -> dict[str, torch.Tensor]:
+        """``kind``'s values of every row of ``columns``, scored in batches of ``eval_batch_size`` (a value some
+        batches lack is dropped)."""
+        values: dict[str, list[torch.Tensor]] = {}
+        batches = 0
+        for batch in self._test_batches(columns):
+            with mixed_precision(self.device):
+                for name, rows in kind.score_rows(self.model, batch).items():
+                    values.setdefault(name, []).append(rows)
+            batches += 1
+        return {name: torch.cat(parts) for name, parts in values.items() if len(parts) == batches}
+
+    def _test_batches(self, columns: Columns) -> Iterator[Batch]:
+        size = self.train_config.eval_batch_size
+        for start in range(0, num_rows(columns), size):
+            yield {name: column[start:start + size].to(self.device) for name, column in columns.items()}
 
 
 @dataclass
