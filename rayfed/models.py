@@ -827,6 +827,7 @@ def check_image_channels(num_channels: int, backbone: Backbone) -> None:
 
 
 __all__ = [
-    "Backbone", "BackboneRequest", "ClientModel", "TrainableModule", "attach_adapter_set", "build_backbone", "build_client_model",
-    "build_task_model", "check_image_channels", "load_hf_backbone", "num_blocks", "tag_tasks",
+    "Backbone", "BackboneRequest", "ClientModel", "PaperModel", "TrainableModule", "attach_adapter_set", "build_backbone",
+    "build_client_model", "build_task_model", "check_image_channels", "load_hf_backbone", "num_blocks", "paper_backbone",
+    "paper_model", "tag_tasks",
 ]
