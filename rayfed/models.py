@@ -20,7 +20,7 @@ import copy
 import dataclasses
 import json
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,17 +228,29 @@ def _tiny_clip_vision(request: BackboneRequest) -> Backbone:
     return Backbone(encoder, clip_config.hidden_size, clip_config.image_size, 3, pooler_features)
 
 
-def llama_config(size: str) -> transformers.LlamaConfig:
-    """The ``LlamaConfig`` of ``llama:<size>`` (one of :data:`LLAMA_SIZES`), its token ids the word tokenizer's."""
+def llama_config(size: str, token_ids: Mapping[str, int] | None = None, layers: int | None = None,
+                 ) -> transformers.LlamaConfig:
+    """The ``LlamaConfig`` of ``llama:<size>`` (one of :data:`LLAMA_SIZES`): its token ids ``token_ids``
+    (``bos_token_id``, ...; default: the word tokenizer's), ``layers`` blocks if given."""
     from rayfed.zoo.tokenizers import word_tokenizer
 
     if size not in LLAMA_SIZES:
         raise choice_error("model.backbone", f"llama:{size}", [f"llama:{s}" for s in LLAMA_SIZES])
-    tokenizer = word_tokenizer(append_eos=False)
-    return transformers.LlamaConfig(
-        **LLAMA_SIZES[size], **_LLAMA_3_2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    if token_ids is None:
+        tokenizer = word_tokenizer(append_eos=False)
+        token_ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    return transformers.LlamaConfig(**_with_layers(LLAMA_SIZES[size], layers), **_LLAMA_3_2, **token_ids)
+
+
+def _with_layers(sizes: Mapping[str, Any], layers: int | None) -> dict[str, Any]:
+    return {**sizes, **({} if layers is None else {"num_hidden_layers": layers})}
+
+
+def _llm_dtype() -> torch.dtype:
+    """As the checkpoints ship: bfloat16 where this process sees a GPU (whose steps compute in bf16 under autocast
+    anyway), else float32 (a CPU runs no autocast here, and a float32 LoRA over bf16 weights would need it)."""
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
 @register_backbone("llama:")
@@ -248,12 +260,128 @@ def _random_llama(request: BackboneRequest) -> Backbone:
     from rayfed.zoo.tokenizers import word_tokenizer
 
     config = llama_config(request.argument or "")
-    # As the checkpoints ship; the steps compute in bf16 under autocast on a GPU anyway. A CPU runs no autocast
-    # here, and a float32 LoRA over bf16 weights would need it.
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     with _quiet_loading():
-        encoder = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        encoder = transformers.AutoModelForCausalLM.from_config(config, dtype=_llm_dtype())
     return _causal_lm(encoder, word_tokenizer(append_eos=False, model_max_length=config.max_position_embeddings))
+
+
+# Paper-size backbones: the published configurations of rayfed.zoo.paper, randomly initialised ----------------
+@dataclass(frozen=True)
+class PaperModel:
+    """A paper-size backbone's HF configuration and its offline processor (tokenizer and image processor)."""
+
+    config: Any
+    processor: Any
+
+
+def paper_model(name: str, layers: int | None = None) -> PaperModel:
+    """The configuration and processor of the paper-size backbone ``name`` (``flava:full``, ``vilt:B32``,
+    ``llava:llama-1B``, ...; docs/offline_models.md); ``layers``: each transformer stack of it cut to that many
+    blocks (the paper's widths at a CPU's depth, for tests)."""
+    family, _, size = name.partition(":")
+    if family not in _PAPER_FAMILIES:
+        raise choice_error("model.backbone", name, [f"{f}:<size>" for f in _PAPER_FAMILIES])
+    return _PAPER_FAMILIES[family](size, layers)
+
+
+def _paper_size(family: str, size: str, sizes: Collection[str]) -> None:
+    if size not in sizes:
+        raise choice_error("model.backbone", f"{family}:{size}", [f"{family}:{s}" for s in sizes])
+
+
+def _paper_flava(size: str, layers: int | None) -> PaperModel:
+    from rayfed.zoo import paper
+
+    _paper_size("flava", size, paper.FLAVA_SIZES)
+    facts = paper.FLAVA_SIZES[size]
+    config = transformers.FlavaConfig(**{
+        key: _with_layers(value, layers) if key.endswith("_config") else value for key, value in facts.items()
+    })
+    text = paper.tokenizer(paper.BERT_UNCASED, config.text_config.max_position_embeddings)
+    return PaperModel(config, paper.flava_processor(text, config.image_config.image_size))
+
+
+def _paper_vilt(size: str, layers: int | None) -> PaperModel:
+    from rayfed.zoo import paper
+
+    _paper_size("vilt", size, paper.VILT_SIZES)
+    special = paper.BERT_UNCASED.special
+    # [CLS] and [SEP]: what a text-less batch reads (vilt_features)
+    config = transformers.ViltConfig(**_with_layers(paper.VILT_SIZES[size], layers),
+                                     bos_token_id=special["cls_token"][1], eos_token_id=special["sep_token"][1])
+    text = paper.tokenizer(paper.BERT_UNCASED, config.max_position_embeddings)
+    return PaperModel(config, paper.vilt_processor(text, config.image_size))
+
+
+def _paper_llava(language: str, layers: int | None) -> PaperModel:
+    """LLaVA-1.5 on a Llama-3.2 (``llama-1B``, ``llama-3B``) or Qwen2.5 (``qwen-0.5B``, ``-1.5B``, ``-3B``) language
+    model, the mixes of FedMosaic's Tab. 8 and 14; the language model keeps its vocabulary size, LLaVA's image token
+    takes a special id it already has (rayfed.zoo.paper)."""
+    from rayfed.zoo import paper
+
+    family, _, size = language.partition("-")
+    _paper_size("llava", language, [*(f"llama-{s}" for s in LLAMA_SIZES if s != "tiny"),
+                                    *(f"qwen-{s}" for s in paper.QWEN_2_5_SIZES)])
+    if family == "llama":
+        vocab = paper.LLAMA_3
+        text_config = llama_config(size, {"bos_token_id": vocab.special["bos_token"][1],
+                                          "eos_token_id": vocab.special["eos_token"][1]}, layers)
+    else:
+        vocab = paper.QWEN_2_5_VOCABULARY
+        eos = vocab.special["eos_token"][1]  # Qwen2.5's config.json: bos_token_id = eos_token_id = <|endoftext|>
+        text_config = transformers.Qwen2Config(**_with_layers(paper.QWEN_2_5_SIZES[size], layers), **paper.QWEN_2_5,
+                                               bos_token_id=eos, eos_token_id=eos)
+    vision_config = transformers.CLIPVisionConfig(**_with_layers(paper.CLIP_VIT_L_14_336, layers))
+    image_token, image_token_id = vocab.image
+    config = transformers.LlavaConfig(
+        vision_config=vision_config, text_config=text_config, image_token_id=image_token_id,
+        image_seq_length=(vision_config.image_size // vision_config.patch_size) ** 2,
+        tie_word_embeddings=text_config.tie_word_embeddings, **paper.LLAVA_1_5,
+    )  # fmt: skip
+    text = paper.tokenizer(vocab, text_config.max_position_embeddings)
+    processor = paper.llava_processor(text, image_token, vision_config.image_size, vision_config.patch_size)
+    return PaperModel(config, processor)
+
+
+_PAPER_FAMILIES: dict[str, Callable[[str, int | None], PaperModel]] = {
+    "flava": _paper_flava, "vilt": _paper_vilt, "llava": _paper_llava,
+}
+
+
+def paper_backbone(name: str, layers: int | None = None) -> Backbone:
+    """The paper-size backbone ``name``, randomly initialised (see :func:`paper_model`; it also builds on the
+    meta device). FLAVA and ViLT in float32, LLaVA as ``llama:`` backbones (bfloat16 where a GPU is seen)."""
+    model = paper_model(name, layers)
+    config, tokenizer, images = model.config, model.processor.tokenizer, model.processor.image_processor
+    normalization = {"image_mean": tuple(images.image_mean), "image_std": tuple(images.image_std)}
+    with _quiet_loading():
+        if isinstance(config, transformers.FlavaConfig):
+            return _flava(transformers.FlavaModel(config), tokenizer, normalization)
+        if isinstance(config, transformers.ViltConfig):
+            return _vilt(transformers.ViltModel(config), tokenizer, normalization)
+        encoder = transformers.AutoModelForImageTextToText.from_config(config, dtype=_llm_dtype())
+    # room for the image's tokens before a text as long as other backbones' (576 at 336 px, patch 14)
+    text_length = config.image_seq_length + _text_limit(tokenizer, config.text_config.max_position_embeddings)
+    return _llava(encoder, tokenizer, normalization, text_length)
+
+
+@register_backbone("flava:")
+def _random_flava(request: BackboneRequest) -> Backbone:
+    """FLAVA at facebook/flava-full's size (``flava:full``), randomly initialised, offline tokenizer."""
+    return paper_backbone(request.name)
+
+
+@register_backbone("vilt:")
+def _random_vilt(request: BackboneRequest) -> Backbone:
+    """ViLT at dandelin/vilt-b32-mlm's size (``vilt:B32``), randomly initialised, offline tokenizer."""
+    return paper_backbone(request.name)
+
+
+@register_backbone("llava:")
+def _random_llava(request: BackboneRequest) -> Backbone:
+    """LLaVA-1.5 (CLIP ViT-L/14-336) on Llama-3.2 or Qwen2.5 (``llava:llama-1B``, ``llava:qwen-0.5B``, ...),
+    randomly initialised, offline tokenizer; bfloat16 weights where a GPU is seen."""
+    return paper_backbone(request.name)
 
 
 @register_backbone("tiny-pretrained:")
@@ -363,11 +491,15 @@ def _hf_vilt(name_or_path: str) -> Backbone:
     from rayfed.zoo.tokenizers import load_tokenizer
 
     encoder = transformers.ViltModel.from_pretrained(name_or_path, dtype=torch.float32)
-    config, tokenizer = encoder.config, load_tokenizer(name_or_path)
+    return _vilt(encoder, load_tokenizer(name_or_path), _image_normalization(name_or_path))
+
+
+def _vilt(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any]) -> Backbone:
+    config = encoder.config
     return Backbone(
         encoder, config.hidden_size, config.image_size, config.num_channels, vilt_features,
         frozenset({IMAGE, TEXT}), tokenizer=tokenizer, max_text_length=_text_limit(tokenizer, config.max_position_embeddings),
-        lora_targets=("query", "value"), **_image_normalization(name_or_path),
+        lora_targets=("query", "value"), **normalization,
     )  # fmt: skip
 
 
@@ -375,12 +507,16 @@ def _hf_flava(name_or_path: str) -> Backbone:
     from rayfed.zoo.tokenizers import load_tokenizer
 
     encoder = transformers.FlavaModel.from_pretrained(name_or_path, dtype=torch.float32)
-    config, tokenizer = encoder.config, load_tokenizer(name_or_path)
+    return _flava(encoder, load_tokenizer(name_or_path), _image_normalization(name_or_path))
+
+
+def _flava(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any]) -> Backbone:
+    config = encoder.config
     return Backbone(
         encoder, config.hidden_size, config.image_config.image_size, config.image_config.num_channels, flava_features,
         frozenset({IMAGE, TEXT}), tokenizer=tokenizer,
         max_text_length=_text_limit(tokenizer, config.text_config.max_position_embeddings),
-        lora_targets=("query", "value"), **_image_normalization(name_or_path),
+        lora_targets=("query", "value"), **normalization,
     )  # fmt: skip
 
 
@@ -403,15 +539,20 @@ def _causal_lm(encoder: nn.Module, tokenizer: Any) -> Backbone:
 def _hf_llava(name_or_path: str) -> Backbone:
     processor = transformers.AutoProcessor.from_pretrained(name_or_path)
     encoder = transformers.LlavaForConditionalGeneration.from_pretrained(name_or_path, dtype=torch.float32)
+    text_config = encoder.config.text_config
+    return _llava(encoder, processor.tokenizer, _image_normalization(name_or_path),
+                  _text_limit(processor.tokenizer, text_config.max_position_embeddings))
+
+
+def _llava(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any], max_text_length: int) -> Backbone:
+    """LoRA in the language model only; a text after an image reads its image tokens first."""
     config, vision = encoder.config, encoder.config.vision_config
-    text_config = config.text_config
     image_tokens = (vision.image_size // vision.patch_size) ** 2
-    image_token = processor.tokenizer.convert_ids_to_tokens(config.image_token_id)
+    image_token = tokenizer.convert_ids_to_tokens(config.image_token_id)
     return Backbone(
-        encoder, text_config.hidden_size, vision.image_size, vision.num_channels, causal_lm_features,
-        frozenset({IMAGE, TEXT}), causal_lm_logits, processor.tokenizer,
-        _text_limit(processor.tokenizer, text_config.max_position_embeddings), LLM_LORA_TARGETS,
-        lora_scope="model.language_model", image_prompt=image_token * image_tokens, **_image_normalization(name_or_path),
+        encoder, config.text_config.hidden_size, vision.image_size, vision.num_channels, causal_lm_features,
+        frozenset({IMAGE, TEXT}), causal_lm_logits, tokenizer, max_text_length, LLM_LORA_TARGETS,
+        lora_scope="model.language_model", image_prompt=image_token * image_tokens, **normalization,
     )  # fmt: skip
 
 
@@ -705,6 +846,7 @@ def check_image_channels(num_channels: int, backbone: Backbone) -> None:
 
 
 __all__ = [
-    "Backbone", "BackboneRequest", "ClientModel", "TrainableModule", "attach_adapter_set", "build_backbone", "build_client_model",
-    "build_task_model", "check_image_channels", "load_hf_backbone", "num_blocks", "tag_tasks",
+    "Backbone", "BackboneRequest", "ClientModel", "PaperModel", "TrainableModule", "attach_adapter_set", "build_backbone",
+    "build_client_model", "build_task_model", "check_image_channels", "load_hf_backbone", "num_blocks", "paper_backbone",
+    "paper_model", "tag_tasks",
 ]

@@ -1,0 +1,165 @@
+"""Paper-size backbones offline (``flava:full``, ``vilt:B32``, ``llava:<language model>``): the published shapes on
+the meta device, offline tokenizers and processors of the real vocabulary sizes, one CPU forward at one block."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from rayfed.config import LoraConfig, ModelConfig, load_config
+from rayfed.errors import ConfigError
+from rayfed.method import build_method
+from rayfed.models import build_backbone, build_client_model, paper_backbone, paper_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The published sizes (config.json of meta-llama/Llama-3.2-1B, -3B and Qwen/Qwen2.5-0.5B, -1.5B, -3B): hidden,
+# blocks, heads, kv heads, MLP width; and each model card's parameter count (tied input and output embeddings).
+LANGUAGE_MODELS = {
+    "llama-1B": (transformers.LlamaConfig, 2048, 16, 32, 8, 8192, 128256, 1_235_814_400),
+    "llama-3B": (transformers.LlamaConfig, 3072, 28, 24, 8, 8192, 128256, 3_212_749_824),
+    "qwen-0.5B": (transformers.Qwen2Config, 896, 24, 14, 2, 4864, 151936, 494_032_768),
+    "qwen-1.5B": (transformers.Qwen2Config, 1536, 28, 12, 2, 8960, 151936, 1_543_714_304),
+    "qwen-3B": (transformers.Qwen2Config, 2048, 36, 16, 2, 11008, 151936, 3_085_938_688),
+}
+# CLIP ViT-L/14's vision tower (303,179,776 parameters at 224 px) at 336 px: 577 positions instead of 257.
+CLIP_L_14_336 = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                     image_size=336, patch_size=14)
+CLIP_L_14_336_PARAMETERS = 303_179_776 + (577 - 257) * 1024
+
+
+def _meta(name: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return build_backbone(ModelConfig(backbone=name), seed=0).encoder
+
+
+def _shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+
+def _count(model: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
+    return sum(param.numel() for name, param in model.named_parameters() if not name.startswith(skip))
+
+
+@pytest.mark.parametrize("language", LANGUAGE_MODELS)
+def test_llava_backbones_have_llava_1_5s_shapes_and_the_language_models_published_sizes(language):
+    encoder = _meta(f"llava:{language}")
+    config_class, hidden, layers, heads, kv_heads, mlp, vocab, published = LANGUAGE_MODELS[language]
+    head_dim = hidden // heads
+    text = config_class(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, intermediate_size=mlp, vocab_size=vocab, head_dim=head_dim,
+                        tie_word_embeddings=True)
+    reference_config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**CLIP_L_14_336), text_config=text, projector_hidden_act="gelu",
+    )
+    with torch.device("meta"):
+        reference = transformers.LlavaForConditionalGeneration(reference_config)
+    assert _shapes(encoder) == _shapes(reference)
+    assert _count(encoder, skip=("model.vision_tower", "model.multi_modal_projector")) == published
+    assert _count(encoder.model.vision_tower) == CLIP_L_14_336_PARAMETERS
+    projector = encoder.model.multi_modal_projector
+    assert (projector.linear_1.weight.shape, projector.linear_2.weight.shape) == ((hidden, 1024), (hidden, hidden))
+    assert isinstance(projector.act, transformers.activations.GELUActivation)
+    config = encoder.config
+    assert (config.vision_feature_layer, config.vision_feature_select_strategy, config.image_seq_length) == (
+        -2, "default", 576)
+    assert encoder.lm_head.weight is encoder.model.language_model.embed_tokens.weight  # tied
+    assert config.text_config.rope_parameters["rope_theta"] == (500000.0 if language.startswith("llama") else 1e6)
+
+
+@pytest.mark.parametrize("name, reference", [
+    ("flava:full", lambda: transformers.FlavaModel(transformers.FlavaConfig())),
+    ("vilt:B32", lambda: transformers.ViltModel(transformers.ViltConfig())),
+])
+def test_flava_and_vilt_have_the_shapes_of_the_models_transformers_defaults_describe(name, reference):
+    """transformers documents FlavaConfig() as facebook/flava-full's and ViltConfig() as dandelin/vilt-b32-mlm's
+    architecture."""
+    with torch.device("meta"):
+        expected = reference()
+    encoder = _meta(name)
+    assert _shapes(encoder) == _shapes(expected)
+    assert _count(encoder) == {"flava:full": 241_356_289, "vilt:B32": 111_595_008}[name]
+
+
+@pytest.mark.parametrize("name, image_size", [("flava:full", 224), ("vilt:B32", 384), ("llava:llama-1B", 336),
+                                              ("llava:qwen-0.5B", 336)])
+def test_offline_processors_make_ids_within_the_vocabulary_and_images_of_the_models_size(name, image_size):
+    model = paper_model(name)
+    processor, tokenizer = model.processor, model.processor.tokenizer
+    text_config = model.config.text_config if hasattr(model.config, "text_config") else model.config
+    assert len(tokenizer) == text_config.vocab_size
+    image = np.random.default_rng(0).integers(0, 256, size=(48, 48, 3), dtype=np.uint8)
+    text = "Question : what color is the circle ?"
+    prompt = f"{processor.image_token} {text}" if name.startswith("llava") else text
+    inputs = processor(text=[prompt], images=[image], return_tensors="pt")
+    ids = inputs["input_ids"][0]
+    assert inputs["pixel_values"].shape == (1, 3, image_size, image_size)
+    assert 0 <= int(ids.min()) and int(ids.max()) < text_config.vocab_size
+    assert tokenizer.unk_token_id not in ids.tolist()  # the synthetic data's words are in the vocabulary
+    assert tokenizer.decode(ids, skip_special_tokens=True).split() == text.split()
+    if name.startswith("llava"):
+        assert int((ids == model.config.image_token_id).sum()) == 576  # one per 14 px patch of 336 px
+    if name == "llava:llama-1B":
+        assert ids[0] == 128000  # <|begin_of_text|>
+    if name in ("flava:full", "vilt:B32"):
+        assert (ids[0], ids[-1]) == (101, 102)  # [CLS] ... [SEP] of bert-base-uncased
+
+
+def test_llava_on_both_llama_sizes_share_one_tokenizer_as_fedmosaics_w_s_requires():
+    small, large = (paper_model(f"llava:llama-{size}").processor.tokenizer for size in ("1B", "3B"))
+    assert small.get_vocab() == large.get_vocab()
+    assert small.get_vocab() != paper_model("llava:qwen-0.5B").processor.tokenizer.get_vocab()
+
+
+@pytest.mark.parametrize("name", ["vilt:B32", "flava:full", "llava:qwen-0.5B"])
+def test_a_one_block_version_runs_forward_through_a_client_model_on_the_cpu(name):
+    backbone = paper_backbone(name, layers=1)
+    assert backbone.encoder.dtype == torch.float32  # no GPU here
+    config = ModelConfig(backbone=name, lora=LoraConfig(rank=2))
+    model = build_client_model(backbone, config, 3, seed=0, private_copy=False)
+    assert any("lora_" in n for n in model.trainable_names())
+    texts = [f"{backbone.image_prompt} a red circle", f"{backbone.image_prompt} the blue square"]
+    if backbone.generates_text:
+        texts = texts[:1]  # 576 image tokens and 3 words (Qwen has no <bos>): one is enough on a CPU
+    encoded = backbone.tokenizer(texts, padding=True, return_tensors="pt")
+    batch = {"pixel_values": torch.rand(len(texts), 3, 32, 32), "input_ids": encoded["input_ids"],
+             "attention_mask": encoded["attention_mask"]}
+    with torch.no_grad():
+        # a causal LM: its next-token logits, which a text-generation task trains; else the classifier head's
+        outputs = model.lm_logits(batch) if backbone.generates_text else model(batch)
+    vocabulary = backbone.encoder.config.text_config.vocab_size if backbone.generates_text else None
+    assert outputs.shape == ((1, 576 + 3, vocabulary) if backbone.generates_text else (2, 3))
+    assert torch.isfinite(outputs).all()
+
+
+@pytest.mark.parametrize("name, allowed", [
+    ("llava:llama-8B", "llava:llama-1B, llava:llama-3B, llava:qwen-0.5B, llava:qwen-1.5B, llava:qwen-3B"),
+    ("vilt:B16", "vilt:B32"),
+    ("flava:base", "flava:full"),
+])
+def test_an_unknown_size_is_one_sentence_listing_the_sizes(name, allowed):
+    with pytest.raises(ConfigError, match=rf"model\.backbone = '{name}' is not known.*; allowed: {allowed}\.$"):
+        build_backbone(ModelConfig(backbone=name), seed=0)
+
+
+def test_the_offline_twin_of_drake_static_is_the_paper_config_on_paper_size_models_and_synthetic_tasks():
+    twin = load_config(ROOT / "configs" / "fedmosaic" / "paper_drake_static_offline.yaml")
+    paper = load_config(ROOT / "configs" / "fedmosaic" / "paper_drake_static.yaml")
+    assert (twin.federation, twin.train, twin.model.lora, twin.placement, twin.data.stream) == (
+        paper.federation, paper.train, paper.model.lora, paper.placement, paper.data.stream)
+    assert [task.clients for task in twin.data.tasks] == [task.clients for task in paper.data.tasks]
+    assert {name: (arch.clients, arch.backbone) for name, arch in twin.architectures.items()} == {
+        "llama1b": (paper.architectures["llama1b"].clients, "llava:llama-1B"),
+        "llama3b": (paper.architectures["llama3b"].clients, "llava:llama-3B"),
+    }
+    paper_to_twin = {paper.architectures["llama1b"].backbone: "llava:llama-1B"}
+    for ours, theirs in zip(twin.methods, paper.methods, strict=True):
+        params = {k: paper_to_twin.get(v, v) if k == "relevance_model" else v for k, v in theirs.params.items()}
+        assert (ours.name, ours.label, ours.params) == (theirs.name, theirs.label, params)
+        build_method(ours, 0, num_clients=10, architecture_of=["llama1b"] * 4 + ["llama3b"] * 6)
+    # the 576 image tokens, <|begin_of_text|>, a question of the offline tasks and its answer fit every text
+    assert {task.max_text_length for task in twin.data.tasks} == {576 + 10}
