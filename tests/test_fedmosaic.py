@@ -316,7 +316,8 @@ def test_every_client_gets_a_finite_adapter_and_metrics_before_any_and_when_one_
                 assert metrics and all(math.isfinite(v) for v in metrics.values()), (cid, metrics)
         return payloads
 
-    evaluated(drivers[0], 0)
+    for driver in drivers:
+        evaluated(driver, 0)
     part = actors["small"].train_round(0, [0], drivers[0].payloads([0]), {0: 1.0})
     for driver in drivers:
         driver.aggregate(part)
