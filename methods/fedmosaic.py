@@ -64,7 +64,7 @@ class FedMosaicParams:
     pq: bool = True  # false: conventional LoRA everywhere (Tab. 7 "Vanilla")
     relevance: str = "rela"  # rela | equal | frozen_current | training_current (Tab. 30)
     tau: float = 0.5  # softmax temperature (Eq. 4)
-    self_weight: str = "include"  # include: w_ii in the softmax, as Eq. 4 reads; exclude: the others only (authors' code)
+    self_weight: str = "include"  # include: w_ii in the softmax (Eq. 4); exclude: the others only (authors' code)
     alpha: float = 0.5  # EMA ratio (Eq. 2)
     sample_ratio: float = 0.4  # N_s: share of the gradient's entries kept (Eq. 3)
     noise: float = 1e-4  # mu: std of the Gaussian noise added to the kept entries

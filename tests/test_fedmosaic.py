@@ -294,7 +294,8 @@ def test_self_weight_include_is_eq_4_with_the_diagonal_and_exclude_the_softmax_o
     # Client 0 alone has sent a gradient: with exclude it keeps its own adapter; the others weigh it fully.
     _, lone = relevance_weights(gradients, torch.tensor([True, False, False, False]), tau, "exclude")
     assert torch.equal(lone, torch.tensor([[1.0, 0.0, 0.0, 0.0]] * 4))
-    with pytest.raises(ConfigError, match=r"self_weight = 'both' is invalid: self_weight must be one of include, exclude\.$"):
+    allowed = r"self_weight = 'both' is invalid: self_weight must be one of include, exclude\.$"
+    with pytest.raises(ConfigError, match=allowed):
         build_method(load_config({"methods": [{"name": "fedmosaic", "self_weight": "both"}]}).methods[0], 0)
 
 
