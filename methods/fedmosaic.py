@@ -1,6 +1,7 @@
 """FedMosaic: relevance-guided aggregation (RELA) and PQ-LoRA across heterogeneous multi-modal clients.
 
-Seed paper ``001_341533e252d11d6f.txt`` ("Not all clients are equal", Alg. 1-4); spec ``fedmosaic.md``. Each client
+Seed paper "Not all clients are equal: collaborative model personalization on heterogeneous multi-modal clients"
+(Alg. 1-4); ``docs/fedmosaic.md`` describes this implementation. Each client
 trains, over its frozen backbone (any of K architectures), a *local* adapter (kept, never overwritten) next to a
 *global* adapter it receives every round (frozen while it trains), mixed per decoder layer by a learnable gate
 (Eq. 7, :mod:`rayfed.pqlora`). The last decoder layer of each of ``blocks`` blocks carries PQ-LoRA (§3): a frozen
@@ -19,9 +20,10 @@ small model ``W_s`` (``relevance_model``, the same for all clients, without adap
 on, keeps the shared random ``sample_ratio`` of its entries (one mask from the run's seed, the same on every
 client) plus noise ``noise``, averages them over the round and folds them into a decayed mean (``alpha``, once per
 round: Alg. 1, §9.1), which it uploads. The server turns the cosines of these vectors into per-client weights
-``w_ij = softmax_j(cos(g_i, g_j) / tau)`` (self included) and sends each client its own global adapter
-``G_i = sum_j w_ij L_j`` (conventional layers: over i's architecture, weights renormalized). The weights of every
-round are kept in the server state (``relevance/history``).
+``w_ij = softmax_j(cos(g_i, g_j) / tau)`` and sends each client its own global adapter ``G_i = sum_j w_ij L_j``
+(conventional layers: over i's architecture, weights renormalized). ``self_weight`` says whether j runs over every
+client, i included, as Eq. 4 reads (``include``), or over the others only, as the authors' code has it
+(``exclude``). The weights of every round are kept in the server state (``relevance/history``).
 
 Ablations (Tab. 7, Tab. 30): ``pq: false`` (Vanilla: conventional LoRA only), ``relevance: equal`` (+PQ-LoRA: equal
 weights), ``frozen_current`` / ``training_current`` (the latest gradient of W_s / of the trained model's last PQ
@@ -50,6 +52,7 @@ from rayfed.training import ClientContext, Phase, PreFederation, Step
 LOCAL, GLOBAL = "local", "global"
 RELEVANCE_VARIANTS = ("rela", "equal", "frozen_current", "training_current")
 CONV_AGG = ("rela_within_type", "equal_within_type", "none")
+SELF_WEIGHTS = ("include", "exclude")
 # A shared tensor's (module, part) in its name: "...layers.7.mlp.down_proj.local_P" -> ("mlp.down_proj", "P").
 _ADAPTER_NAME = re.compile(r"layers\.\d+\.(.+)\.local_([PQAB])$")
 TRAINING_COMPUTE_FACTOR = 1.098  # FedMosaic's training-only relative compute (Tab. 15; spec §9.14)
@@ -61,6 +64,7 @@ class FedMosaicParams:
     pq: bool = True  # false: conventional LoRA everywhere (Tab. 7 "Vanilla")
     relevance: str = "rela"  # rela | equal | frozen_current | training_current (Tab. 30)
     tau: float = 0.5  # softmax temperature (Eq. 4)
+    self_weight: str = "include"  # include: w_ii in the softmax (Eq. 4); exclude: the others only (authors' code)
     alpha: float = 0.5  # EMA ratio (Eq. 2)
     sample_ratio: float = 0.4  # N_s: share of the gradient's entries kept (Eq. 3)
     noise: float = 1e-4  # mu: std of the Gaussian noise added to the kept entries
@@ -106,6 +110,7 @@ class FedMosaicParams:
                                       ("noise_stage", self.noise_stage, ("per_grad", "on_upload")),
                                       ("last_layer", self.last_layer, ("down_proj", "lm_head")),
                                       ("conv_agg", self.conv_agg, CONV_AGG), ("pq_init", self.pq_init, ("zero", "identity")),
+                                      ("self_weight", self.self_weight, SELF_WEIGHTS),
                                       ("b_features", self.b_features, ("lora_output", "base_output"))):
             if value not in allowed:
                 raise ValueError(f"{field} must be one of {', '.join(allowed)}")
@@ -455,7 +460,7 @@ class FedMosaic(Method):
         server: ServerState = {
             "stacks": stacks, "pq_layout": layout, "aligned": {}, "alignment": {},
             "received": {"aligned": torch.zeros(clients)},
-            "relevance": {"weights": torch.full((clients, clients), 1.0 / clients)},
+            "relevance": {"weights": equal_weights(clients, self.params.self_weight)},
         }
         self._index = None
         return server
@@ -469,7 +474,13 @@ class FedMosaic(Method):
         """Every client's customized global adapter, per stack (a row per client of the stack): each PQ stack's
         rows mixed by the RELA weights over all clients, each conventional stack's by the weights within the
         architecture, renormalised (or equal). One matrix product per stack for the round's clients, kept until
-        the weights or a stack change: one client's payload at a time would read every stack once per client."""
+        the weights or a stack change: one client's payload at a time would read every stack once per client.
+
+        A client whose weights give nothing to any client of its architecture (no client of it has sent a gradient
+        yet, or, with ``self_weight: exclude``, none but itself) keeps its own adapter in the conventional layers,
+        as the authors' code does wherever it has no weight to give (before the first gradients, and for a client
+        alone of its type). It has no relevance to go by there; for a client that has not trained, its own adapter
+        is its architecture's initial one, what equal weights would give and what round 1 sent it."""
         weights, stacks = server["relevance"]["weights"], server["stacks"]
         inputs = [weights, *stacks.values()]
         if self._customized_cache is not None:
@@ -484,10 +495,11 @@ class FedMosaic(Method):
                 continue
             same = index.rows_of[_arch(key)]
             if self.params.conv_agg == "equal_within_type" or self.params.relevance == "equal":
-                within = torch.full((len(same), len(same)), 1.0 / len(same), dtype=torch.float64)
+                within = equal_weights(len(same), self.params.self_weight, torch.float64)
             else:
                 within = all_clients[same][:, same]
-                within = within / within.sum(dim=1, keepdim=True)
+                totals = within.sum(dim=1, keepdim=True)
+                within = torch.where(totals > 0, within / totals, torch.eye(len(same), dtype=torch.float64))
             customized[key] = _weighted(within, stack)
         self._customized_cache = ([(tensor, tensor._version) for tensor in inputs], customized)
         return customized
@@ -510,7 +522,7 @@ class FedMosaic(Method):
                 relevance["has_gradient"][client] = 1.0
         if self.params.relevance != "equal" and "gradients" in relevance:
             relevance["cosine"], relevance["weights"] = relevance_weights(
-                relevance["gradients"], relevance["has_gradient"].bool(), self.params.tau)
+                relevance["gradients"], relevance["has_gradient"].bool(), self.params.tau, self.params.self_weight)
         if self.params.relevance_history:
             history = relevance.get("history")
             current = relevance["weights"].unsqueeze(0)
@@ -532,9 +544,13 @@ class FedMosaic(Method):
         return payload
 
 
-def relevance_weights(gradients: torch.Tensor, present: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+def relevance_weights(gradients: torch.Tensor, present: torch.Tensor, tau: float,
+                      self_weight: str = "include") -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 4: ``S_ij = cos(g_i, g_j)`` and ``w_ij = exp(S_ij / tau) / sum_n exp(S_in / tau)`` over the clients that
-    have sent a gradient (``present``); a client that has not weighs those clients equally."""
+    have sent a gradient (``present``), n = i included; ``exclude``: over n != i, so ``w_ii = 0``, except for a
+    client that is the only one with a gradient, which keeps its own adapter (``w_ii = 1``). A client that has not
+    sent a gradient weighs those that have equally (itself not among them). A zero gradient has cosine 0 with
+    every gradient, itself included."""
     clients = len(gradients)
     cosine = torch.zeros(clients, clients)
     weights = torch.zeros(clients, clients)
@@ -543,10 +559,21 @@ def relevance_weights(gradients: torch.Tensor, present: torch.Tensor, tau: float
     similarity = unit @ unit.T
     rows = torch.nonzero(present).flatten()
     cosine[rows.unsqueeze(1), rows] = similarity.float()
-    weights[rows.unsqueeze(1), rows] = torch.softmax(similarity / tau, dim=1).float()
+    logits = similarity / tau
+    if self_weight == "exclude" and len(rows) > 1:
+        logits.fill_diagonal_(-math.inf)
+    weights[rows.unsqueeze(1), rows] = torch.softmax(logits, dim=1).float()
     weights[~present] = 0.0
     weights[~present.unsqueeze(1).expand(-1, clients) & present.unsqueeze(0)] = 1.0 / max(int(present.sum()), 1)
     return cosine, weights
+
+
+def equal_weights(clients: int, self_weight: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Each of ``clients`` clients' equal weights over them all, or (``exclude``) over the others; one client alone
+    keeps its own adapter."""
+    if self_weight == "include" or clients == 1:
+        return torch.full((clients, clients), 1.0 / clients, dtype=dtype)
+    return torch.full((clients, clients), 1.0 / (clients - 1), dtype=dtype).fill_diagonal_(0.0)
 
 
 def _weighted(weights: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from rayfed.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.config import ModelConfig, load_config
 from rayfed.data.task_groups import answer_maps
 from rayfed.errors import ConfigError
-from rayfed.method import Upload, build_method
+from rayfed.method import TensorDict, Upload, build_method
 from rayfed.methods.fedmosaic import FedMosaic, FedMosaicParams, linear_weight_gradient, relevance_weights
 from rayfed.models import build_backbone
 from rayfed.tasks import Task
@@ -165,16 +165,27 @@ HETERO = {
 }
 
 
-def _first_round(config):
-    """The run's actors (one per architecture) and driver after the pre-federation stage, the server state it
-    left, and the parts of round 1 the actors sent."""
+def _started(config, drivers: int = 1) -> tuple[dict[str, ClientActor], list[DriverActor]]:
+    """The run's actors (one per architecture, running method 0) and ``drivers`` drivers, the k-th running method
+    k on the server, after the pre-federation stage."""
     actors = {slot.architecture: ClientActor(config, slot.client_ids, architecture=slot.architecture)
               for slot in actor_slots(config)}
-    driver = DriverActor(config)
     first = {arch: (actor.start_method(0), actor.task_tags()) for arch, actor in actors.items()}
     names = list(first)
-    driver.start_method(0, names, *(first[n][0] for n in names), *(first[n][1] for n in names))
-    driver.before_federation(names, *(actors[n].pre_federation(0) for n in names))
+    prepared = [actors[n].pre_federation(0) for n in names]
+    started = []
+    for index in range(drivers):
+        driver = DriverActor(config)
+        driver.start_method(index, names, *(first[n][0] for n in names), *(first[n][1] for n in names))
+        driver.before_federation(names, *prepared)
+        started.append(driver)
+    return actors, started
+
+
+def _first_round(config):
+    """The run's actors and driver after the pre-federation stage, the server state it left, and the parts of
+    round 1 the actors sent."""
+    actors, [driver] = _started(config)
     prepared = copy.deepcopy(driver.get_state())
     parts = {arch: actor.train_round(0, actor.client_ids, driver.payloads(actor.client_ids),
                                      dict.fromkeys(actor.client_ids, 1.0))
@@ -260,6 +271,66 @@ def test_rela_weights_are_the_softmax_of_cosines_and_each_client_gets_its_own_we
                                         torch.tensor([True, True, False]), tau=0.5)
     assert weights[0, 0] / weights[0, 1] == pytest.approx(math.exp((1 - 2 ** -0.5) / 0.5), rel=1e-5)
     assert torch.allclose(weights[2], torch.tensor([0.5, 0.5, 0.0]))  # no gradient yet: the others, equally
+
+
+def test_self_weight_include_is_eq_4_with_the_diagonal_and_exclude_the_softmax_over_the_others():
+    gradients = torch.tensor([[1.0, 0.0, 2.0], [1.0, 1.0, 0.0], [0.0, 3.0, 1.0], [2.0, -1.0, 1.0]])
+    everyone = torch.ones(4, dtype=torch.bool)
+    cosine = [[float(gi @ gj / (gi.norm() * gj.norm())) for gj in gradients] for gi in gradients]
+    tau = 0.5
+
+    def softmax(i: int, over: list[int]) -> list[float]:
+        total = sum(math.exp(cosine[i][n] / tau) for n in over)
+        return [math.exp(cosine[i][j] / tau) / total for j in over]
+
+    _, include = relevance_weights(gradients, everyone, tau)
+    _, exclude = relevance_weights(gradients, everyone, tau, "exclude")
+    for i in range(4):
+        assert include[i].tolist() == pytest.approx(softmax(i, list(range(4))), rel=1e-5)
+        others = [j for j in range(4) if j != i]
+        assert exclude[i, i] == 0 and float(exclude[i].sum()) == pytest.approx(1.0, rel=1e-6)
+        assert exclude[i, others].tolist() == pytest.approx(softmax(i, others), rel=1e-5)
+    assert float(include.diagonal().min()) > 0.25  # w_ii is each row's largest: cos(g_i, g_i) = 1
+    # Client 0 alone has sent a gradient: with exclude it keeps its own adapter; the others weigh it fully.
+    _, lone = relevance_weights(gradients, torch.tensor([True, False, False, False]), tau, "exclude")
+    assert torch.equal(lone, torch.tensor([[1.0, 0.0, 0.0, 0.0]] * 4))
+    allowed = r"self_weight = 'both' is invalid: self_weight must be one of include, exclude\.$"
+    with pytest.raises(ConfigError, match=allowed):
+        build_method(load_config({"methods": [{"name": "fedmosaic", "self_weight": "both"}]}).methods[0], 0)
+
+
+def test_every_client_gets_a_finite_adapter_and_metrics_before_any_and_when_one_architecture_has_no_gradient():
+    """Before round 1 nobody has a gradient; then client 0 alone trains, so the large architecture (clients 2, 3)
+    has none: with either self_weight every payload and metric stays finite, and a client with no weight on its
+    architecture keeps its own adapter in the conventional layers (with exclude, client 0, the only one with a
+    gradient, too)."""
+    rela = HETERO["methods"][0]
+    config = load_config({**HETERO, "methods": [rela, {**rela, "self_weight": "exclude", "label": "exclude"}]})
+    actors, drivers = _started(config, drivers=2)  # the client side is the same for both: one set of actors
+
+    def evaluated(driver: DriverActor, round_idx: int) -> dict[int, TensorDict]:
+        payloads = driver.payloads(list(range(4)), count_bytes=False)
+        for cid, payload in payloads.items():
+            assert payload and all(torch.isfinite(v).all() for v in payload.values()), (cid, driver.method.params)
+        for actor in actors.values():
+            for cid, metrics in actor.evaluate(round_idx, {c: payloads[c] for c in actor.client_ids}).items():
+                assert metrics and all(math.isfinite(v) for v in metrics.values()), (cid, metrics)
+        return payloads
+
+    for driver in drivers:
+        evaluated(driver, 0)
+    part = actors["small"].train_round(0, [0], drivers[0].payloads([0]), {0: 1.0})
+    for driver in drivers:
+        driver.aggregate(part)
+        server = driver.get_state()
+        assert server["relevance"]["has_gradient"].tolist() == [1.0, 0.0, 0.0, 0.0]
+        payloads = evaluated(driver, 1)
+        for name in (n for n in server["stacks"] if not n.startswith("pq/")):
+            arch, local = name.split("/", 1)
+            own_of = {"small": {0: 0, 1: 0}, "large": {2: 0, 3: 1}}[arch]
+            for cid, row in own_of.items():  # client 1 draws on client 0's adapter, the others keep their own
+                received = payloads[cid][local.replace(".local_", ".global_")]
+                assert torch.equal(received, server["stacks"][name][row]), (name, cid, driver.method.params)
 
 
 def test_the_mask_is_one_for_all_clients_and_the_upload_is_w_s_gradient_on_the_trained_batch():
