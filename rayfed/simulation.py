@@ -680,16 +680,25 @@ def init_local_ray(**kwargs: Any) -> None:
 
 
 def _is_actor_failure(err: BaseException) -> bool:
-    if isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError)):
+    """Whether an actor or node died (the run restores and goes on), rather than an actor raising an error; an
+    error raised while an actor started (its ``__init__``) would raise again."""
+    if isinstance(err, ray.exceptions.ObjectLostError):
         return True
     if isinstance(err, ray.exceptions.RayTaskError):
-        return isinstance(err.cause, (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError))
-    return isinstance(err, ray.exceptions.ObjectLostError)
+        err = err.cause
+    if isinstance(err, ray.exceptions.RayActorError):
+        return not err.actor_init_failed
+    return isinstance(err, ray.exceptions.NodeDiedError)
 
 
 def _unwrap(err: BaseException) -> BaseException:
-    """A user-facing error raised inside an actor, without Ray's wrapping."""
-    if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, ValueError):
+    """An error raised inside an actor, as the user should see it: a :class:`ConfigError` without Ray's wrapping
+    (its one sentence says it all); any other error with Ray's wrapping, whose message holds the actor's
+    traceback (the user's file and line, and where :func:`rayfed.errors.raised_in` noted it ran), but without
+    the frames of Ray's own code in this process."""
+    if not isinstance(err, ray.exceptions.RayTaskError):
+        return err
+    if isinstance(err.cause, ConfigError):
         return err.cause
-    return err
-
+    err.__notes__ = []  # the error's own notes, already in the message, would be shown a second time
+    return err.with_traceback(None)
