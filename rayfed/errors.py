@@ -26,7 +26,7 @@ def raised_in(where: str) -> Iterator[None]:
         raise
     except Exception as err:
         if not any(note.startswith(_RAISED_IN) for note in getattr(err, "__notes__", ())):
-            err.add_note(_RAISED_IN + where)
+            err.__notes__ = [*getattr(err, "__notes__", ()), _RAISED_IN + where]  # add_note, before Python 3.11
         raise
 
 

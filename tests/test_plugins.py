@@ -332,3 +332,18 @@ def test_rayfed_exports_what_a_driver_script_needs():
                  "register_source", "register_partitioner", "register_backbone", "register_task_kind"):
         assert getattr(rayfed, name) is not None
     assert rayfed.register_method is registry.register_method
+
+
+def test_every_built_in_method_and_its_hyperparameters_import_from_rayfed_methods():
+    """``from rayfed.methods import Ditto, DittoParams``: a built-in method is the first thing one subclasses."""
+    import rayfed.methods
+    from rayfed.method import NoParams
+
+    built_in = [entry.obj for entry in registry.entries("method") if entry.builtin]
+    assert len(built_in) >= 17
+    for cls in built_in:
+        assert getattr(rayfed.methods, cls.__name__) is cls
+        if cls.Params is not NoParams:
+            assert getattr(rayfed.methods, cls.Params.__name__) is cls.Params
+    assert set(rayfed.methods.__all__) == {name for cls in built_in for name in (cls.__name__, cls.Params.__name__)
+                                           if name != NoParams.__name__}
