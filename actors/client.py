@@ -67,7 +67,7 @@ class ClientActor:
         registry.install(plugins)
         use_raw_tensor_transport()
         self.config: RunConfig = config if isinstance(config, RunConfig) else build_config(config)
-        torch.set_num_threads(max(1, int(self.config.placement.cpus_per_actor)))
+        torch.set_num_threads(max(1, int(self.config.placement.cpus_per_actor or 1)))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.client_ids = list(client_ids)
         self.architecture = architecture

@@ -407,7 +407,10 @@ class PlacementConfig(_Section):
         "client's state moves to another actor for the round); the numbers do not change"
     )
     strategy: Literal["DEFAULT", "SPREAD"] = Field("DEFAULT", description="how Ray places ClientActors on nodes")
-    cpus_per_actor: float = Field(1.0, gt=0)
+    cpus_per_actor: float | None = Field(
+        None, gt=0, description="CPUs a ClientActor asks Ray for; unset: 1, or an equal share of the Ray cluster's "
+        "CPUs where the run's actors would not fit (an actor trains on one thread either way)"
+    )
     gpus_per_actor: float = Field(0.0, ge=0)
     driver_cpus: float = Field(0.0, ge=0)
     client_state: Literal["auto", "host", "device"] = Field(

@@ -144,6 +144,7 @@ class Simulation:
         local = self.config.placement.executor == "local"
         self.executor = LocalExecutor() if local else RayExecutor()
         owns_ray = not local and init_ray(self.config)
+        self.slots = actor_slots(self.config)
         try:
             if not local:
                 self._check_resources()
@@ -206,6 +207,8 @@ class Simulation:
                         task.kind.loss(model(batch), batch)
 
     def _check_resources(self) -> None:
+        """Whether the ClientActors fit the Ray cluster (or the Tune trial's placement group); outside a trial,
+        ``self.slots`` become the actors as fitted to the cluster (see :func:`actor_slots`)."""
         placement = self.config.placement
         slots = actor_slots(self.config)
         group = ray.util.get_current_placement_group()
@@ -226,6 +229,7 @@ class Simulation:
                     )
             return
         available = ray.cluster_resources()
+        self.slots = slots = actor_slots(self.config, available.get("CPU", 0.0) - placement.driver_cpus)
         for resource, extra in (("CPU", placement.driver_cpus), ("GPU", 0.0)):
             per_actor = [slot.cpus if resource == "CPU" else slot.gpus for slot in slots]
             needed = sum(per_actor) + extra
@@ -254,7 +258,7 @@ class Simulation:
             self._federation_ref = executor.put(self.federation)
             self.federation = executor.get(self._federation_ref)  # on Ray: views of the object store's copy
         federation = self._federation_ref
-        self.actors, self.host_of, self.slots = [], {}, actor_slots(self.config)
+        self.actors, self.host_of = [], {}
         for actor_index, slot in enumerate(self.slots):
             options = _placed({"num_cpus": slot.cpus, "num_gpus": slot.gpus, "scheduling_strategy": placement.strategy},
                               bundle_index=actor_index + 1)
