@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from typing import ContextManager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import psutil
@@ -204,7 +204,7 @@ class ClientActor:
                 yield self._keep(cid, result, on)
         self.states.update(states_to({cid: self.states[cid] for cid in client_ids}, self.state_device))
 
-    def _hook(self, hook: str, client_id: int, when: str) -> ContextManager[None]:
+    def _hook(self, hook: str, client_id: int, when: str) -> AbstractContextManager[None]:
         """Marks an error raised within with the method's hook, the client and the round (``when``)."""
         return raised_in(f"{type(self.method).__name__}.{hook} for client {client_id} {when}")
 

@@ -123,7 +123,8 @@ class DataConfig(_Section):
     path: str | None = None
     split: str | None = None
     image_column: str | None = Field("image", description="hf: the image column (used when present unless set)")
-    label_column: str | None = Field("label", description="hf: the class-label column (used when present unless set)")
+    label_column: str | None = Field("label", description="the class-label column of an hf: dataset (used when present "
+                                     "unless set) or of a source's dict of columns")
     text_column: str | None = Field(None, description="hf: the input text column (question, caption, prompt)")
     target_column: str | None = Field(None, description="hf: the output text column (answer, description)")
     choices_column: str | None = Field(None, description="hf: the column of a multiple-choice question's options")
