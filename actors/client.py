@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import psutil
@@ -19,6 +20,7 @@ from rayfed import registry
 from rayfed.architectures import architecture_of
 from rayfed.config import RunConfig, architecture_model_config, build_config, method_model_config
 from rayfed.data.clients import Federation, build_federation, encode_public
+from rayfed.errors import raised_in
 from rayfed.batching import Lockstep
 from rayfed.method import ClientState, LocalResult, Method, PartialSum, TensorDict, Upload, build_method, tensor_bytes
 from rayfed.models import build_backbone
@@ -65,7 +67,7 @@ class ClientActor:
         registry.install(plugins)
         use_raw_tensor_transport()
         self.config: RunConfig = config if isinstance(config, RunConfig) else build_config(config)
-        torch.set_num_threads(max(1, int(self.config.placement.cpus_per_actor)))
+        torch.set_num_threads(max(1, int(self.config.placement.cpus_per_actor or 1)))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.client_ids = list(client_ids)
         self.architecture = architecture
@@ -185,7 +187,8 @@ class ClientActor:
         batch = self.config.train.batch_clients
         if batch == 1 or len(client_ids) == 1 or not self.method.batchable_updates:
             for cid in client_ids:
-                result = self.method.local_update(self._context(cid, round_idx), self.states[cid], payloads[cid])
+                with self._hook("local_update", cid, f"in round {round_idx + 1}"):
+                    result = self.method.local_update(self._context(cid, round_idx), self.states[cid], payloads[cid])
                 yield self._keep(cid, result, on)
         else:
             lockstep: Lockstep[LocalResult] = Lockstep(batch)
@@ -193,12 +196,17 @@ class ClientActor:
             def update(client_id: int) -> LocalResult:
                 context = self._context(client_id, round_idx)
                 context.lockstep = lockstep
-                return self.method.local_update(context, self.states[client_id], payloads[client_id])
+                with self._hook("local_update", client_id, f"in round {round_idx + 1}"):
+                    return self.method.local_update(context, self.states[client_id], payloads[client_id])
 
             results = lockstep.run([lambda cid=cid: update(cid) for cid in client_ids])
             for cid, result in zip(client_ids, results):
                 yield self._keep(cid, result, on)
         self.states.update(states_to({cid: self.states[cid] for cid in client_ids}, self.state_device))
+
+    def _hook(self, hook: str, client_id: int, when: str) -> AbstractContextManager[None]:
+        """Marks an error raised within with the method's hook, the client and the round (``when``)."""
+        return raised_in(f"{type(self.method).__name__}.{hook} for client {client_id} {when}")
 
     def _round_device(self, client_ids: list[int]) -> torch.device:
         """Where a round's clients' states, payloads and uploads stay while the round trains: the training device
@@ -291,9 +299,11 @@ class ClientActor:
         self.states.update({cid: _to(state, self.state_device) for cid, state in states.items() if cid in self.client_ids})
 
     def evaluate(self, round_idx: int, payloads: Payloads) -> dict[int, dict[str, float]]:
-        payloads = _OnDevice(payloads, self.state_device)
-        return {cid: self._metrics(self._context(cid, round_idx), self.states[cid], payloads[cid])
-                for cid in self.client_ids}
+        payloads, metrics = _OnDevice(payloads, self.state_device), {}
+        for cid in self.client_ids:
+            with self._hook("evaluation", cid, f"after round {round_idx}"):
+                metrics[cid] = self._metrics(self._context(cid, round_idx), self.states[cid], payloads[cid])
+        return metrics
 
     def _metrics(self, client: ClientContext, state: ClientState, payload: TensorDict | None,
                  params: TensorDict | None = None) -> dict[str, float]:
@@ -323,12 +333,14 @@ class ClientActor:
         metrics, payloads = {}, _OnDevice(payloads, self.state_device)
         for cid in self.client_ids:
             client = self._context(cid, round_idx)
-            state = self.method.after_federation(client, self.states[cid], payloads[cid])
-            params = None
-            if post_train_steps:
-                own = self.method.eval_params(state, payloads[cid])
-                params = client.train(own, steps=post_train_steps, purpose="post_train").params
-            metrics[cid] = self._metrics(client, state, payloads[cid], params)
+            with self._hook("after_federation", cid, f"after round {round_idx}"):
+                state = self.method.after_federation(client, self.states[cid], payloads[cid])
+                params = None
+                if post_train_steps:
+                    own = self.method.eval_params(state, payloads[cid])
+                    params = client.train(own, steps=post_train_steps, purpose="post_train").params
+            with self._hook("evaluation", cid, f"after round {round_idx}"):
+                metrics[cid] = self._metrics(client, state, payloads[cid], params)
         return metrics
 
     def resource_usage(self) -> dict[str, int]:

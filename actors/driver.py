@@ -13,6 +13,7 @@ from rayfed.actors.client import RoundUploads, run_methods
 from rayfed.architectures import architecture_of, prefixed, unprefixed
 from rayfed.config import RunConfig, build_config
 from rayfed.data.clients import build_federation
+from rayfed.errors import raised_in
 from rayfed.method import Method, ServerState, TensorDict, tensor_bytes, tensor_params
 from rayfed.tasks import client_tasks, task_view
 from rayfed.transport import use_raw_tensor_transport
@@ -58,7 +59,8 @@ class DriverActor:
         payloads = ReadOnlyTensors()
         for cid in client_ids:
             architecture = self.architecture_of[cid]
-            own = unprefixed(self.method.payload(self.server, cid), architecture)
+            with raised_in(f"{type(self.method).__name__}.payload for client {cid}"):
+                own = unprefixed(self.method.payload(self.server, cid), architecture)
             payloads[cid] = task_view(own, self.tasks_of[cid], self.tags[architecture])
         if count_bytes:
             self.down_bytes += sum(tensor_bytes(p) for p in payloads.values())
@@ -69,7 +71,8 @@ class DriverActor:
         """Aggregate one round's uploads (in client-id order); return the round's statistics."""
         uploads = sorted((u.under_server_names(self.architecture_of[u.client_id]) for part in parts for u in part.uploads),
                          key=lambda u: u.client_id)
-        self.server = self.method.aggregate(self.server, uploads)
+        with raised_in(f"{type(self.method).__name__}.aggregate"):
+            self.server = self.method.aggregate(self.server, uploads)
         losses = [loss for part in parts for loss in part.train_losses.values()]
         stats = {
             "up_bytes": sum(part.up_bytes for part in parts),

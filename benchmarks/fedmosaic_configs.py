@@ -80,7 +80,7 @@ def offline(name: str, methods: list[Any], stream: dict[str, Any] | None = None,
         "federation": {"rounds": 20, "clients_per_round": 10, "eval_every": 5, "checkpoint_every": 20},
         "train": {"local_steps": 10, "batch_size": 8, "lr": 0.004, "optimizer": "adamw", "eval_batch_size": 256},
         "methods": methods,
-        "placement": {"clients_per_actor": 5, "cpus_per_actor": 1},
+        "placement": {"clients_per_actor": 5},  # CPUs per actor: fitted to the cluster
     }
     for path, value in overrides.items():
         node = config

@@ -9,6 +9,7 @@ are. A run without ``architectures:`` has one architecture, ``""``, and no prefi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -41,19 +42,30 @@ def architecture_of(config: RunConfig) -> list[str]:
     return [owner[client] for client in range(config.data.num_clients)]
 
 
-def actor_slots(config: RunConfig) -> list[ActorSlot]:
+def actor_slots(config: RunConfig, cpus_free: float | None = None) -> list[ActorSlot]:
     """The run's ClientActors: per architecture (in config order), its clients in id order, packed by
-    ``clients_per_actor``."""
-    placement, slots = config.placement, []
+    ``clients_per_actor``.
+
+    An actor whose config leaves ``cpus_per_actor`` unset asks for 1 CPU, or, given the ``cpus_free`` of the
+    Ray cluster (less the driver's), for an equal share of what the actors that set it leave, if that is less.
+    """
+    placement, groups = config.placement, []
     of = architecture_of(config)
     for name in architecture_names(config):
         group = config.architectures[name] if name else None
         per_actor = (group.clients_per_actor if group else None) or placement.clients_per_actor
-        cpus = (group.cpus_per_actor if group else None) or placement.cpus_per_actor
+        cpus = (group.cpus_per_actor if group else None) or placement.cpus_per_actor  # None: unset
         gpus = group.gpus_per_actor if group and group.gpus_per_actor is not None else placement.gpus_per_actor
         ids = [client for client in range(config.data.num_clients) if of[client] == name]
-        slots += [ActorSlot(name, tuple(ids[i:i + per_actor]), cpus, gpus) for i in range(0, len(ids), per_actor)]
-    return slots
+        groups.append((name, [tuple(ids[i:i + per_actor]) for i in range(0, len(ids), per_actor)], cpus, gpus))
+    unset = sum(len(chunks) for _, chunks, cpus, _ in groups if cpus is None)
+    share = 1.0
+    if unset and cpus_free is not None:
+        left = cpus_free - sum(len(chunks) * cpus for _, chunks, cpus, _ in groups if cpus is not None)
+        fitted = math.floor(left / unset * 10**4) / 10**4  # Ray counts CPUs in ten-thousandths
+        share = min(share, fitted) if fitted > 0 else share  # nothing left: the resource check says so
+    return [ActorSlot(name, chunk, share if cpus is None else cpus, gpus)
+            for name, chunks, cpus, gpus in groups for chunk in chunks]
 
 
 def prefixed(tensors: dict[str, T], architecture: str) -> dict[str, T]:

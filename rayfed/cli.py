@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rayfed.errors import ConfigError
@@ -176,6 +177,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # As under `python -m`: modules in the working folder import (plug-ins named in `imports:` or as
+    # "module:Name"); Ray's workers find them there too, or get them by value (simulation.ship_by_value).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     args = parse_args(argv)
     try:
         return args.handler(args)

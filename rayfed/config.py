@@ -123,7 +123,8 @@ class DataConfig(_Section):
     path: str | None = None
     split: str | None = None
     image_column: str | None = Field("image", description="hf: the image column (used when present unless set)")
-    label_column: str | None = Field("label", description="hf: the class-label column (used when present unless set)")
+    label_column: str | None = Field("label", description="the class-label column of an hf: dataset (used when present "
+                                     "unless set) or of a source's dict of columns")
     text_column: str | None = Field(None, description="hf: the input text column (question, caption, prompt)")
     target_column: str | None = Field(None, description="hf: the output text column (answer, description)")
     choices_column: str | None = Field(None, description="hf: the column of a multiple-choice question's options")
@@ -407,7 +408,10 @@ class PlacementConfig(_Section):
         "client's state moves to another actor for the round); the numbers do not change"
     )
     strategy: Literal["DEFAULT", "SPREAD"] = Field("DEFAULT", description="how Ray places ClientActors on nodes")
-    cpus_per_actor: float = Field(1.0, gt=0)
+    cpus_per_actor: float | None = Field(
+        None, gt=0, description="CPUs a ClientActor asks Ray for; unset: 1, or an equal share of the Ray cluster's "
+        "CPUs where the run's actors would not fit (an actor trains on one thread either way)"
+    )
     gpus_per_actor: float = Field(0.0, ge=0)
     driver_cpus: float = Field(0.0, ge=0)
     client_state: Literal["auto", "host", "device"] = Field(

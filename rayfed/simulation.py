@@ -144,6 +144,7 @@ class Simulation:
         local = self.config.placement.executor == "local"
         self.executor = LocalExecutor() if local else RayExecutor()
         owns_ray = not local and init_ray(self.config)
+        self.slots = actor_slots(self.config)
         try:
             if not local:
                 self._check_resources()
@@ -206,6 +207,8 @@ class Simulation:
                         task.kind.loss(model(batch), batch)
 
     def _check_resources(self) -> None:
+        """Whether the ClientActors fit the Ray cluster (or the Tune trial's placement group); outside a trial,
+        ``self.slots`` become the actors as fitted to the cluster (see :func:`actor_slots`)."""
         placement = self.config.placement
         slots = actor_slots(self.config)
         group = ray.util.get_current_placement_group()
@@ -226,6 +229,7 @@ class Simulation:
                     )
             return
         available = ray.cluster_resources()
+        self.slots = slots = actor_slots(self.config, available.get("CPU", 0.0) - placement.driver_cpus)
         for resource, extra in (("CPU", placement.driver_cpus), ("GPU", 0.0)):
             per_actor = [slot.cpus if resource == "CPU" else slot.gpus for slot in slots]
             needed = sum(per_actor) + extra
@@ -254,7 +258,7 @@ class Simulation:
             self._federation_ref = executor.put(self.federation)
             self.federation = executor.get(self._federation_ref)  # on Ray: views of the object store's copy
         federation = self._federation_ref
-        self.actors, self.host_of, self.slots = [], {}, actor_slots(self.config)
+        self.actors, self.host_of = [], {}
         for actor_index, slot in enumerate(self.slots):
             options = _placed({"num_cpus": slot.cpus, "num_gpus": slot.gpus, "scheduling_strategy": placement.strategy},
                               bundle_index=actor_index + 1)
@@ -680,16 +684,25 @@ def init_local_ray(**kwargs: Any) -> None:
 
 
 def _is_actor_failure(err: BaseException) -> bool:
-    if isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError)):
+    """Whether an actor or node died (the run restores and goes on), rather than an actor raising an error; an
+    error raised while an actor started (its ``__init__``) would raise again."""
+    if isinstance(err, ray.exceptions.ObjectLostError):
         return True
     if isinstance(err, ray.exceptions.RayTaskError):
-        return isinstance(err.cause, (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError))
-    return isinstance(err, ray.exceptions.ObjectLostError)
+        err = err.cause
+    if isinstance(err, ray.exceptions.RayActorError):
+        return not err.actor_init_failed
+    return isinstance(err, ray.exceptions.NodeDiedError)
 
 
 def _unwrap(err: BaseException) -> BaseException:
-    """A user-facing error raised inside an actor, without Ray's wrapping."""
-    if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, ValueError):
+    """An error raised inside an actor, as the user should see it: a :class:`ConfigError` without Ray's wrapping
+    (its one sentence says it all); any other error with Ray's wrapping, whose message holds the actor's
+    traceback (the user's file and line, and where :func:`rayfed.errors.raised_in` noted it ran), but without
+    the frames of Ray's own code in this process."""
+    if not isinstance(err, ray.exceptions.RayTaskError):
+        return err
+    if isinstance(err.cause, ConfigError):
         return err.cause
-    return err
-
+    err.__notes__ = []  # the error's own notes, already in the message, would be shown a second time
+    return err.with_traceback(None)

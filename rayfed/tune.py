@@ -105,6 +105,7 @@ from rayfed.config import RunConfig, apply_overrides, build_config, dump_config,
 from rayfed.errors import ConfigError, choice_error, suggest
 from rayfed.io import atomic_write_bytes, atomic_write_text
 from rayfed.method import build_method
+from rayfed.metrics import DERIVED
 from rayfed.simulation import RoundCallback, Simulation, import_plugin_modules, init_ray, ship_by_value
 
 __all__ = [
@@ -399,6 +400,7 @@ class _Sweep:
                 f"tune.metric = {spec.metric!r} names no method of the config{suggest(spec.label, labels)}; "
                 f"allowed labels: {', '.join(labels)} (write LABEL/METRIC, e.g. {labels[0]}/local_acc)."
             )
+        _check_metric_name(spec, config)
         if spec.search == "optuna":
             try:
                 import optuna  # noqa: F401
@@ -550,6 +552,27 @@ class _Reporter:
         event = sim.log.events[-1]
         if label == self.spec.label and event["event"] == "eval" and event["round"] == rounds_done:
             ray_tune.report({self.spec.metric: _metric_of(self.spec, event), "round": rounds_done})
+
+
+def _check_metric_name(spec: TuneSpec, config: RunConfig) -> None:
+    """Refuse, before any trial starts, a metric name no run reports: less its view (``@<view>``), a reported
+    name is a task kind's metric after a scope (``local_acc``, ``novel_acc``, ``others_token_f1``; the kinds of
+    the config and every registered one), a derived metric (``hm``) or ``rep_shift``. Whether the method
+    reports it is checked when it reports (:func:`_metric_of`)."""
+    name = spec.metric_name.partition("@")[0]
+    sections = (config.data, *(config.data.tasks or ()), config.data.public)
+    named = [data.kind for data in sections if data is not None and data.kind is not None]
+    kinds = [entry.obj for entry in registry.entries("task_kind")] + [registry.resolve("task_kind", k).obj for k in named]
+    tokens = {token for kind in kinds for token in (*kind.metrics, *kind.shared_metrics, kind.primary) if token}
+    whole = {*DERIVED, "rep_shift"}
+    if name in whole or any(name.endswith(f"_{token}") and len(name) > len(token) + 1 for token in tokens):
+        return
+    examples = sorted({f"local_{token}" for token in tokens} | whole)
+    raise ConfigError(
+        f"tune.metric = {spec.metric!r}: no run reports a metric {name!r}{suggest(name, examples)}; a metric is a "
+        f"scope and a task kind's metric (local_acc, novel_acc, others_token_f1, ...), {', '.join(sorted(whole))}, "
+        "each with @<view> for one of a method's views."
+    )
 
 
 def _metric_of(spec: TuneSpec, means: dict[str, Any]) -> float:

@@ -162,3 +162,35 @@ def test_architectures_and_the_pre_federation_stage_keep_packing_and_resume_inva
     assert results(resumed) == results(reference)
     events = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert [e["round"] for e in events if e["event"] == "round"] == [1, 2, 3]
+
+
+def test_actors_that_leave_cpus_per_actor_unset_share_what_the_cluster_has_left():
+    config = {**TWO_SIZES, "data": {**TWO_SIZES["data"], "num_clients": 5}, "placement": {"clients_per_actor": 1}}
+    config["architectures"] = {"small": {"clients": [0, 1, 2], "backbone": "tiny-pretrained:llava"},
+                               "large": {"clients": [3, 4], "backbone": "tiny-pretrained:llava", "cpus_per_actor": 0.5}}
+    config = load_config(config)
+
+    def cpus(free):
+        return [slot.cpus for slot in actor_slots(config, free)]
+
+    assert cpus(None) == cpus(16) == [1, 1, 1, 0.5, 0.5]  # unset: 1 CPU each where there is room
+    assert cpus(3) == [0.6666] * 3 + [0.5, 0.5]  # what the set ones leave, in whole ten-thousandths as Ray counts
+    assert cpus(1) == [1, 1, 1, 0.5, 0.5]  # nothing left: the resource check refuses the run
+
+
+def test_the_resource_check_fits_unset_cpus_to_the_cluster_and_refuses_set_ones_that_do_not_fit(
+        tiny_run, tmp_path, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray.util, "get_current_placement_group", lambda: None)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    tiny_run["placement"] = {"clients_per_actor": 1}  # 4 ClientActors on 2 CPUs
+    simulation = Simulation(tiny_run, out_dir=tmp_path, progress=False)
+    simulation._check_resources()
+    assert [slot.cpus for slot in simulation.slots] == [0.5] * 4
+    tiny_run["placement"]["cpus_per_actor"] = 1
+    simulation = Simulation(tiny_run, out_dir=tmp_path, progress=False)
+    with pytest.raises(ConfigError, match=r"^placement: 4 ClientActors x 1 CPU \(\+ 0 for the driver\) need 4 CPU but "
+                                          r"the Ray cluster has 2; raise placement\.clients_per_actor or lower "
+                                          r"placement\.cpus_per_actor\.$"):
+        simulation._check_resources()

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -79,3 +82,35 @@ def test_run_applies_overrides_and_seed(config_file, tmp_path, capsys):
     assert saved["federation"]["rounds"] == 2 and saved["seed"] == 11
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["seed"] == 11 and "fedavg" in summary["methods"]
+
+
+WORKING_FOLDER_METHOD = """
+import rayfed
+from rayfed.methods import FedAvg
+
+
+@rayfed.register_method("my_fedavg")
+class MyFedAvg(FedAvg):
+    \"\"\"A researcher's first method: a built-in one, subclassed in a module of the working folder.\"\"\"
+"""
+
+
+def test_run_imports_a_module_of_the_working_folder(tiny_run, tmp_path):
+    """The `rayfed` command, started in the folder holding mymethods.py, imports it as `python -m` would."""
+    (tmp_path / "mymethods.py").write_text(WORKING_FOLDER_METHOD)
+    tiny_run.update(imports=["mymethods"], methods=["my_fedavg"])
+    tiny_run["federation"].update(rounds=1, eval_every=1)
+    tiny_run["placement"]["executor"] = "local"
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(tiny_run))
+    command = Path(sys.executable).with_name("rayfed")
+    done = subprocess.run([str(command), "run", "mine.yaml", "--out", "out", "--quiet"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "my_fedavg" in json.loads((tmp_path / "out" / "summary.json").read_text())["methods"]
+
+
+def test_python_m_rayfed_is_the_rayfed_command(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "rayfed", "--help"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage: rayfed ") and "{run,tune,bench,pretrain,list}" in done.stdout

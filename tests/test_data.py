@@ -493,3 +493,37 @@ def test_split_train_test_errors() -> None:
         split_train_test([np.array([0, 1]), np.array([2])], labels, 0.5, seed=0)
     with pytest.raises(DataError, match=r"data\.test_fraction = 1\.0 is invalid"):
         split_train_test([np.arange(3)], labels, 1.0, seed=0)
+
+
+def _captions(request):
+    """A user's source of captions and, in column ``topic``, their labels."""
+    return {"text": [f"caption {i}" for i in range(40)], "topic": [i % 4 for i in range(40)]}
+
+
+def test_a_users_source_reads_its_labels_from_data_label_column() -> None:
+    dataset = load_data(_captions, label_column="topic")
+    assert dataset.labels.tolist() == [i % 4 for i in range(40)] and list(dataset.text[:2]) == ["caption 0", "caption 1"]
+    with pytest.raises(DataError, match=r"^data\.source = '_captions' returned a column 'topic' rayfed does not read; "
+                                        r"columns it reads: .*; if it holds the labels, set data\.label_column = 'topic'\.$"):
+        load_data(_captions)
+    with pytest.raises(DataError, match=r"^data\.label_column = 'topics' is not a column data\.source = '_captions' "
+                                        r"returned \(did you mean 'topic'\?\); columns: text, topic\.$"):
+        load_data(_captions, label_column="topics")
+    with pytest.raises(DataError, match=r"^data\.label_column = 'topic' is set but data\.source = 'sklearn:digits' "
+                                        r"returns an ArrayDataset, whose labels are its own"):
+        load_data("sklearn:digits", label_column="topic")
+
+
+def test_a_source_without_labels_names_its_columns_and_what_to_set() -> None:
+    from rayfed.config import build_config
+    from rayfed.data.clients import build_federation
+
+    def captions_only(request):
+        return {"text": [f"caption {i}" for i in range(40)]}
+
+    config = build_config({"data": {"source": captions_only, "num_clients": 2, "partition": {"name": "iid"}},
+                           "federation": {"clients_per_round": 2}})
+    with pytest.raises(DataError, match=r"^data\.source = '.*captions_only' gives no labels, nor anything else to "
+                                        r"learn \(its columns: text\); return them in a 'label' column or name their "
+                                        r"column with data\.label_column, or set data\.kind \(.*classification.*\)\.$"):
+        build_federation(config.data, 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -65,6 +66,57 @@ def test_a_method_defined_only_in_this_module_runs_on_ray_actors(tiny_run, tmp_p
     assert methods["half"]["clients"] != methods["fedavg"]["clients"]
     saved = (tmp_path / "config.yaml").read_text()
     assert "test_plugins:ScaledAverage" in saved  # the dump names it by its import path
+
+
+class FailingUpdate(Method):
+    """Lives only in this test module: its local update raises, as a bug in a user's method would."""
+
+    def local_update(self, client, state, payload):
+        raise ValueError(f"a bug in the user's update of client {client.client_id}")  # FAILING_LINE
+
+
+FAILING_LINE = next(number for number, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+                    if line.endswith("# FAILING_LINE"))
+
+
+def _failing_run(tiny_run: dict, executor: str) -> dict:
+    tiny_run["methods"] = [FailingUpdate]
+    tiny_run["federation"]["rounds"] = 1
+    tiny_run["placement"].update(executor=executor, clients_per_actor=4)
+    return tiny_run
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_an_error_in_a_users_hook_on_a_ray_actor_shows_the_users_line_the_hook_the_client_and_the_round(
+        tiny_run, tmp_path):
+    with pytest.raises(ValueError, match="a bug in the user's update of client") as info:
+        Simulation(_failing_run(tiny_run, "ray"), out_dir=tmp_path, progress=False).run()
+    shown = str(info.value)
+    assert f'{__file__}", line {FAILING_LINE}, in local_update' in shown
+    assert re.search(r"raised in FailingUpdate\.local_update for client \d in round 1", shown)
+
+
+def test_an_error_in_a_users_hook_in_process_notes_the_hook_the_client_and_the_round(tiny_run, tmp_path):
+    with pytest.raises(ValueError, match="a bug in the user's update of client") as info:
+        Simulation(_failing_run(tiny_run, "local"), out_dir=tmp_path, progress=False).run()
+    client = re.search(r"client (\d)", str(info.value)).group(1)
+    assert info.value.__notes__ == [f"rayfed: raised in FailingUpdate.local_update for client {client} in round 1"]
+    assert info.traceback[-1].path == Path(__file__) and info.traceback[-1].lineno + 1 == FAILING_LINE
+
+
+def test_an_error_raised_on_an_actor_keeps_its_traceback_unless_it_is_a_config_error():
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from rayfed.simulation import _is_actor_failure, _unwrap
+
+    sentence = ConfigError("data.label_column = 'y' is not a column of the source.")
+    assert _unwrap(RayTaskError("f", "remote traceback", sentence).as_instanceof_cause()) is sentence
+    bug = ValueError("a bug")
+    bug.add_note("rayfed: raised in X.local_update for client 0 in round 1")
+    wrapped = _unwrap(RayTaskError("f", 'File "mine.py", line 3\nValueError: a bug', bug).as_instanceof_cause())
+    assert isinstance(wrapped, ValueError) and 'File "mine.py", line 3' in str(wrapped)
+    assert wrapped.__notes__ == []  # the note is in the remote traceback once already
+    assert _is_actor_failure(RayActorError()) and not _is_actor_failure(RayActorError(actor_init_failed=True))
 
 
 def test_a_class_given_by_import_path_or_object_or_name_is_the_same_method(tmp_path, monkeypatch):
@@ -280,3 +332,18 @@ def test_rayfed_exports_what_a_driver_script_needs():
                  "register_source", "register_partitioner", "register_backbone", "register_task_kind"):
         assert getattr(rayfed, name) is not None
     assert rayfed.register_method is registry.register_method
+
+
+def test_every_built_in_method_and_its_hyperparameters_import_from_rayfed_methods():
+    """``from rayfed.methods import Ditto, DittoParams``: a built-in method is the first thing one subclasses."""
+    import rayfed.methods
+    from rayfed.method import NoParams
+
+    built_in = [entry.obj for entry in registry.entries("method") if entry.builtin]
+    assert len(built_in) >= 17
+    for cls in built_in:
+        assert getattr(rayfed.methods, cls.__name__) is cls
+        if cls.Params is not NoParams:
+            assert getattr(rayfed.methods, cls.Params.__name__) is cls.Params
+    assert set(rayfed.methods.__all__) == {name for cls in built_in for name in (cls.__name__, cls.Params.__name__)
+                                           if name != NoParams.__name__}

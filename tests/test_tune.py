@@ -6,6 +6,7 @@ import copy
 import csv
 import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -77,6 +78,9 @@ def _read_table(tune_dir) -> list[dict]:
     ({"metric": "fedavgg/local_acc"},
      "tune.metric = 'fedavgg/local_acc' names no method of the config (did you mean 'fedavg'?)"),
     ({"metric": "local_acc"}, "tune.metric = 'local_acc' must name a method and a metric as LABEL/METRIC"),
+    ({"metric": "fedavg/local_accuracy"},
+     "tune.metric = 'fedavg/local_accuracy': no run reports a metric 'local_accuracy' (did you mean 'local_acc'?)"),
+    ({"metric": "fedavg/accuracy@personal"}, "no run reports a metric 'accuracy'"),
     ({"mode": "maximum"}, "tune.mode = 'maximum' is invalid: Input should be 'max' or 'min'"),
     ({"searchh": "grid"}, "unknown tune field 'tune.searchh' (did you mean 'search'?)"),
     ({"search": "grid"}, "tune.space.train.lr is loguniform, which grid search cannot enumerate"),
@@ -144,6 +148,22 @@ def test_a_metric_the_method_does_not_report_names_the_ones_it_does():
                                           r"'local_accuracy' \(did you mean 'local_acc'\?\); "
                                           r"it reports local_acc, local_loss.$"):
         _Reporter(spec)(simulation, "fedavg", 2)
+
+
+def test_the_metric_names_runs_report_pass_the_check_before_trials():
+    from rayfed.kinds import Classification
+    from rayfed.tune import _check_metric_name
+
+    class Agreement(Classification):
+        metrics = ("agreement",)
+
+    config = load_config({**TINY_RUN, "data": {**TINY_RUN["data"], "kind": Agreement}})
+    for metric in ("local_acc", "novel_acc", "others_token_f1", "hm", "rep_shift", "local_acc@personal",
+                   "local_agreement"):  # the last: the config's own task kind's
+        _check_metric_name(TuneSpec(metric=f"fedavg/{metric}", space={"train.lr": {"choice": [0.1]}}), config)
+    for path in sorted((Path(__file__).parents[1] / "configs" / "tune").glob("*.yaml")):
+        shipped = load_config(path)
+        _check_metric_name(TuneSpec.model_validate(shipped.tune), shipped)
 
 
 def test_trial_resources_has_the_driver_bundle_then_one_bundle_per_client_actor(tiny_run):

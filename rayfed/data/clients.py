@@ -12,11 +12,11 @@ from rayfed.config import DataConfig, StreamConfig
 from rayfed.data.base_novel import base_novel_split
 from rayfed.data.batches import ClientData, Columns, EvalSet, TaskData
 from rayfed.data.partition import exact_test_split, global_test_indices, partition, split_train_test
-from rayfed.data.sources import ArrayDataset, load_source
+from rayfed.data.sources import ArrayDataset, DataError, load_source
 from rayfed.errors import ConfigError
 from rayfed.kinds import TaskKind, infer_kind
 from rayfed.models import Backbone, check_image_channels
-from rayfed.registry import resolve
+from rayfed.registry import entries, resolve
 from rayfed.streams import Window, arrival_rounds, task_windows
 from rayfed.tasks import Task, task_client_ids
 
@@ -134,6 +134,14 @@ def input_modalities(dataset: ArrayDataset) -> frozenset[str]:
 
 def task_kind(config: DataConfig, dataset: ArrayDataset, where: str) -> TaskKind:
     """The task kind ``config.kind`` names (an instance, a class or a name), else the one the data calls for."""
+    if config.kind is None and all(getattr(dataset, column) is None for column in ("labels", "target", "choices", "images")):
+        found = [column for column in ("text", "groups") if getattr(dataset, column) is not None]
+        kinds = ", ".join(entry.name for entry in entries("task_kind"))
+        raise DataError(
+            f"{where}.source = {resolve('source', config.source).name!r} gives no labels, nor anything else to learn "
+            f"(its columns: {', '.join(found)}); return them in a 'label' column or name their column with "
+            f"{where}.label_column, or set {where}.kind ({kinds})."
+        )
     resolved = resolve("task_kind", config.kind if config.kind is not None else infer_kind(dataset), f"{where}.kind")
     kind = resolved.obj() if isinstance(resolved.obj, type) else resolved.obj
     if not isinstance(kind, TaskKind):

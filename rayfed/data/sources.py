@@ -142,7 +142,14 @@ def load_source(config: DataConfig, seed: int = 0) -> ArrayDataset:
     request = SourceRequest(config, seed, resolved.argument)
     if config.resize is not None and resolved.obj is not _hf:
         raise DataError(f"data.resize = {config.resize} is set but data.source = {resolved.name!r}; it only applies to hf: sources.")
-    dataset = as_dataset(resolved.obj(request), request)
+    result = resolved.obj(request)
+    if isinstance(result, ArrayDataset) and resolved.obj is not _hf and config.label_column != "label":
+        raise DataError(
+            f"data.label_column = {config.label_column!r} is set but data.source = {resolved.name!r} returns an "
+            "ArrayDataset, whose labels are its own; data.label_column names a column of an hf: dataset or of a "
+            "source's dict of columns."
+        )
+    dataset = as_dataset(result, request)
     group_column, group_size = config.partition.column, _group_size(config)
     if group_column is not None and dataset.groups is None:
         raise DataError(
@@ -180,13 +187,22 @@ def as_dataset(result: Any, request: SourceRequest) -> ArrayDataset:
 
 def _from_columns(columns: dict[str, Any], request: SourceRequest) -> ArrayDataset:
     where = f"data.source = {request.name!r}"
+    label_column = request.config.label_column
+    if label_column != "label":  # the labels are in a column of another name, or (None) not read
+        if label_column is not None and label_column not in columns:
+            raise DataError(f"data.label_column = {label_column!r} is not a column {where} returned"
+                            f"{suggest(label_column, columns)}; columns: {', '.join(sorted(columns))}.")
+        labels = {} if label_column is None else {"label": columns[label_column]}
+        columns = {**{n: v for n, v in columns.items() if n not in ("label", "labels", label_column)}, **labels}
     aliases = {"images": "image", "labels": "label"}
     columns = {aliases.get(name, name): value for name, value in columns.items()}
     group_column = request.config.partition.column
     known = {"image", "label", "text", "target", "choices", "class_names", "groups", *([group_column] if group_column else [])}
     unknown = sorted(set(columns) - known)
     if unknown:
-        raise DataError(f"{where} returned a column {unknown[0]!r} rayfed does not read; columns: {', '.join(sorted(known))}.")
+        hint = "" if "label" in columns else f"; if it holds the labels, set data.label_column = {unknown[0]!r}"
+        raise DataError(f"{where} returned a column {unknown[0]!r} rayfed does not read; columns it reads: "
+                        f"{', '.join(sorted(known))}{hint}.")
     images = None
     if columns.get("image") is not None:
         images = _image_array(np.asarray(columns["image"]), f"{where} column 'image'")
