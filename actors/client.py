@@ -379,7 +379,6 @@ class ClientActor:
     def set_states(self, states: dict[int, ClientState]) -> None:
         self.states = {cid: _to(states[cid], self.state_device) for cid in self.client_ids}
 
-
     def _on_device(self, payloads: Payloads, device: torch.device, when: str) -> _OnDevice:
         """``payloads`` on ``device``, each tensor checked against the model's parameter of its name."""
         return _OnDevice(payloads, device, self.param_specs, f"method {self.label!r}, hook payload, {{}}, {when}")

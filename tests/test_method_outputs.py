@@ -119,8 +119,8 @@ def test_a_mean_leaves_non_finite_values_out():
 @pytest.mark.usefixtures("ray_local")
 def test_on_ray_the_sentence_of_a_client_side_check_arrives_unwrapped(tiny_run, tmp_path):
     config = _config(tiny_run, WrongShapePayload)
-    config["placement"]["executor"] = "ray"
-    config["federation"]["rounds"] = 2
+    config["placement"].update(executor="ray", clients_per_actor=4)  # one ClientActor: less to start
+    config["federation"]["rounds"] = 1
     with pytest.raises(MethodOutputError) as caught:
         Simulation(config, out_dir=tmp_path, progress=False).run()
     message = str(caught.value)
