@@ -393,9 +393,10 @@ class _OnDevice:
     own: through Ray the payloads are views of the object store's copy, and in one process the server's tensors.
     """
 
-    def __init__(self, payloads: Payloads, device: torch.device, specs: TensorSpecs, source: str) -> None:
+    def __init__(self, payloads: Payloads, device: torch.device, specs: TensorSpecs | None = None,
+                 source: str = "the payload of {}") -> None:
         self.payloads, self.device = payloads, device
-        self.specs, self.source = specs, source
+        self.specs, self.source = specs or {}, source
         self.previous: dict[int, torch.Tensor] = {}  # by id() of the source, alive in ``payloads`` meanwhile
 
     def __getitem__(self, client_id: int) -> TensorDict | None:
