@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from rayfed.checkpoint import load_checkpoint
+from rayfed.config import load_config
+from rayfed.errors import ConfigError
 from rayfed.method import MethodOutputError, NonFiniteError
 from rayfed.methods.fedavg import FedAvg
 from rayfed.simulation import Simulation, _mean_std
@@ -69,7 +71,8 @@ def test_a_hook_returning_a_broadcastable_wrong_shape_stops_the_run_naming_it(ti
         Simulation(_config(tiny_run, method), out_dir=tmp_path, progress=False).run()
     message = str(caught.value)
     assert re.match(f"method 'mine', {hook}: tensor '", message)
-    assert "has shape (1, " in message and "(float32), but " in message and message.count(".") >= 1
+    assert "has shape (1, " in message and "(float32), but " in message
+    assert message.endswith(").") and "\n" not in message
     name = message.split("tensor '")[1].split("'")[0]
     model_name = name.removeprefix("global/")
     assert model_name in message and "of that name has shape (" in message
@@ -105,8 +108,18 @@ def test_warn_runs_to_the_end_and_marks_the_nan_in_the_summary_and_report(tiny_r
     rows = [line for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("| mine |")]
     assert f"({len(clients)} non-finite)" in rows[0]
     rounds = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    second = next(e for e in rounds if e["event"] == "round" and e["round"] == 2)
+    second, third = (next(e for e in rounds if e["event"] == "round" and e["round"] == r) for r in (2, 3))
     assert any(what.startswith("server tensor 'global/") for what in second["nonfinite"])
+    assert "training loss" not in second["nonfinite"]  # round 2 trained from round 1's finite model
+    assert third["nonfinite"]["training loss"] == third["participants"]  # then from the NaN one
+    assert any(what.startswith("upload tensor 'shared/") for what in third["nonfinite"])
+    assert third["train_loss"] is None  # no client's loss was finite: no mean
+
+
+def test_on_nonfinite_is_validated(tiny_run):
+    tiny_run["federation"]["on_nonfinite"] = "ignore"
+    with pytest.raises(ConfigError, match=r"federation.on_nonfinite = 'ignore' is invalid: .*'stop' or 'warn'"):
+        load_config(tiny_run)
 
 
 def test_a_mean_leaves_non_finite_values_out():
