@@ -8,6 +8,7 @@ the uploads. The class is plain Python; the simulation wraps it with ``ray.remot
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -22,7 +23,8 @@ from rayfed.config import RunConfig, architecture_model_config, build_config, me
 from rayfed.data.clients import Federation, build_federation, encode_public
 from rayfed.errors import raised_in
 from rayfed.batching import Lockstep
-from rayfed.method import ClientState, LocalResult, Method, PartialSum, TensorDict, Upload, build_method, tensor_bytes
+from rayfed.method import (ClientState, LocalResult, Method, PartialSum, TensorDict, TensorSpecs, Upload, build_method,
+                           check_tensors, largest_magnitudes, nonfinite_names, tensor_bytes, tensor_specs)
 from rayfed.models import build_backbone
 from rayfed.modules import feature_shift, head_features, select_task
 from rayfed.seeding import SERVER, torch_seed
@@ -45,6 +47,8 @@ class RoundUploads:
     train_losses: dict[int, float]
     stats: dict[str, float] = field(default_factory=dict)  # the methods' per-client statistics, summed
     busy_s: float = 0.0  # seconds from the actor's first local update to the end of its last one on the device
+    nonfinite: dict[str, list[int]] = field(default_factory=dict)  # what was NaN or infinite -> the clients it came from
+    round_idx: int | None = None
 
 
 def run_methods(config: RunConfig, federation) -> list[Method]:
@@ -109,11 +113,13 @@ class ClientActor:
         parameters."""
         entry = self.config.methods[method_index]
         self.method = self.methods[method_index]
+        self.label = entry.label
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
         model_config = method_model_config(self.model_config, entry, method_index)
         self.model = self.method.build_model(self.backbone, model_config, self.tasks, init_seed).to(self.device)
         self.tags = self.model.task_tags() if hasattr(self.model, "task_tags") else {}
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
+        self.param_specs = tensor_specs(initial)  # what payloads and uploads are checked against
         self.state_device = self._resident_device(3 * tensor_bytes(initial) * len(self.client_ids))
         resident = {name: value.to(self.state_device) for name, value in initial.items()}  # one copy, shared
         self.initial_params = resident
@@ -183,13 +189,13 @@ class ClientActor:
         steps train together); each new state is kept here, each upload is left on :meth:`_round_device`."""
         on = self._round_device(client_ids)
         self.states.update(states_to({cid: self.states[cid] for cid in client_ids}, on))
-        payloads = _OnDevice(payloads, on)
+        payloads = self._on_device(payloads, on, f"round {round_idx + 1}")
         batch = self.config.train.batch_clients
         if batch == 1 or len(client_ids) == 1 or not self.method.batchable_updates:
             for cid in client_ids:
                 with self._hook("local_update", cid, f"in round {round_idx + 1}"):
                     result = self.method.local_update(self._context(cid, round_idx), self.states[cid], payloads[cid])
-                yield self._keep(cid, result, on)
+                yield self._keep(cid, round_idx, result, on)
         else:
             lockstep: Lockstep[LocalResult] = Lockstep(batch)
 
@@ -201,7 +207,7 @@ class ClientActor:
 
             results = lockstep.run([lambda cid=cid: update(cid) for cid in client_ids])
             for cid, result in zip(client_ids, results):
-                yield self._keep(cid, result, on)
+                yield self._keep(cid, round_idx, result, on)
         self.states.update(states_to({cid: self.states[cid] for cid in client_ids}, self.state_device))
 
     def _hook(self, hook: str, client_id: int, when: str) -> AbstractContextManager[None]:
@@ -221,8 +227,12 @@ class ClientActor:
         round_bytes = 4 * sum(tensor_bytes(self.states[cid]) for cid in client_ids)  # old and new states, uploads
         return self.device if self._fits_on_gpu(round_bytes) else self.state_device
 
-    def _keep(self, client_id: int, result: LocalResult, device: torch.device) -> Upload:
-        """Keep a local update's new state here; its upload; both on ``device``."""
+    def _keep(self, client_id: int, round_idx: int, result: LocalResult, device: torch.device) -> Upload:
+        """Keep a local update's new state here; its upload, whose shared tensors must have the shapes and dtypes of
+        the model's parameters of their names; both on ``device``."""
+        source = f"method {self.label!r}, hook local_update, client {client_id}, round {round_idx + 1}"
+        for slot, values in result.upload.items():
+            check_tensors(values, self.param_specs if slot == "shared" else {}, source, "the client model's parameter")
         self.states[client_id] = _to(result.state, device)
         weight = self.data[client_id].num_train if result.weight is None else result.weight
         for name, value in result.stats.items():
@@ -249,7 +259,7 @@ class ClientActor:
             self._welcome(cid)
             self.states[cid] = _to(state, self.state_device)
         partial = PartialSum() if self.method.presums_uploads else None
-        uploads, up_bytes, up_params, losses = [], 0, 0, {}
+        uploads, up_bytes, up_params, losses, magnitudes = [], 0, 0, {}, {}
         updating = time.perf_counter()
         for upload in self._local_updates(round_idx, sorted(client_ids), payloads):
             cid = upload.client_id
@@ -257,6 +267,7 @@ class ClientActor:
             up_bytes += upload.nbytes
             up_params += upload.nparams
             losses[cid] = upload.train_loss
+            magnitudes[cid] = largest_magnitudes(upload.tensors)
             if upload.tensors and partial is not None:
                 partial.add(upload)
             elif upload.tensors:
@@ -264,6 +275,7 @@ class ClientActor:
         # Read once the last client's steps are queued: the first read waits for the device to finish them all.
         losses = {cid: float(loss) for cid, loss in losses.items()}
         busy_s = time.perf_counter() - updating
+        nonfinite = self._nonfinite(round_idx, losses, magnitudes)
         if partial is not None and partial.client_ids:
             uploads = [partial.upload("cpu")]
         for upload in uploads:
@@ -274,7 +286,23 @@ class ClientActor:
         for cid in guests:
             self.guest_states[cid] = _to(self.states.pop(cid), "cpu")
         self.round_times.append({"round": round_idx, "start": started, "end": time.time(), "update_s": busy_s})
-        return RoundUploads(uploads, up_bytes, up_params, losses, self._stats, busy_s)
+        return RoundUploads(uploads, up_bytes, up_params, losses, self._stats, busy_s, nonfinite, round_idx)
+
+    def _nonfinite(self, round_idx: int, losses: dict[int, float],
+                   magnitudes: dict[int, tuple[list[str], torch.Tensor | None]]) -> dict[str, list[int]]:
+        """What of a round's results is NaN or infinite, with the clients it came from: each upload tensor (its
+        magnitudes read in one go) and the training loss of every client that trained (one whose stream has brought
+        no data yet trains nothing and reports a NaN loss)."""
+        found: dict[str, list[int]] = {}
+        for cid, names in nonfinite_names(magnitudes).items():
+            for name in names:
+                found.setdefault(f"upload tensor {name!r}", []).append(cid)
+        for cid, loss in losses.items():
+            if not math.isfinite(loss):
+                pool = self._context(cid, round_idx).arrived_rows()
+                if pool is None or len(pool):
+                    found.setdefault("training loss", []).append(cid)
+        return found
 
     def _welcome(self, client_id: int) -> None:
         """What a guest client needs on this actor: its tasks, data, initial view and (a stream) other tasks."""
@@ -299,7 +327,7 @@ class ClientActor:
         self.states.update({cid: _to(state, self.state_device) for cid, state in states.items() if cid in self.client_ids})
 
     def evaluate(self, round_idx: int, payloads: Payloads) -> dict[int, dict[str, float]]:
-        payloads, metrics = _OnDevice(payloads, self.state_device), {}
+        payloads, metrics = self._on_device(payloads, self.state_device, f"the evaluation after round {round_idx}"), {}
         for cid in self.client_ids:
             with self._hook("evaluation", cid, f"after round {round_idx}"):
                 metrics[cid] = self._metrics(self._context(cid, round_idx), self.states[cid], payloads[cid])
@@ -330,7 +358,7 @@ class ClientActor:
 
     def finish(self, round_idx: int, payloads: Payloads, post_train_steps: int) -> dict[int, dict[str, float]]:
         """The post-FL stages: the method's own, then optional fine-tuning; returns final metrics."""
-        metrics, payloads = {}, _OnDevice(payloads, self.state_device)
+        metrics, payloads = {}, self._on_device(payloads, self.state_device, f"the final stage after round {round_idx}")
         for cid in self.client_ids:
             client = self._context(cid, round_idx)
             with self._hook("after_federation", cid, f"after round {round_idx}"):
@@ -363,17 +391,24 @@ class ClientActor:
     def set_states(self, states: dict[int, ClientState]) -> None:
         self.states = {cid: _to(states[cid], self.state_device) for cid in self.client_ids}
 
+    def _on_device(self, payloads: Payloads, device: torch.device, when: str) -> _OnDevice:
+        """``payloads`` on ``device``, each tensor checked against the model's parameter of its name."""
+        return _OnDevice(payloads, device, self.param_specs, f"method {self.label!r}, hook payload, {{}}, {when}")
+
 
 class _OnDevice:
-    """``payloads``, each client's copied to ``device`` when asked for.
+    """``payloads``, each client's copied to ``device`` when asked for, after checking that each tensor has the
+    shape and dtype of the model's parameter of its name (``specs``; ``source``: who sent it, ``{}`` the client).
 
     A tensor the previous client received too is not copied again: a round's clients often receive the same
     tensors (FedAvg's global model), which then reach the GPU once, not once a client. The copy is this actor's
     own: through Ray the payloads are views of the object store's copy, and in one process the server's tensors.
     """
 
-    def __init__(self, payloads: Payloads, device: torch.device) -> None:
+    def __init__(self, payloads: Payloads, device: torch.device, specs: TensorSpecs | None = None,
+                 source: str = "the payload of {}") -> None:
         self.payloads, self.device = payloads, device
+        self.specs, self.source = specs or {}, source
         self.previous: dict[int, torch.Tensor] = {}  # by id() of the source, alive in ``payloads`` meanwhile
 
     def __getitem__(self, client_id: int) -> TensorDict | None:
@@ -381,6 +416,8 @@ class _OnDevice:
         if payload is None:
             return None
         previous = self.previous
+        check_tensors({name: value for name, value in payload.items() if id(value) not in previous}, self.specs,
+                      self.source.format(f"client {client_id}"), "the client model's parameter")
         moved = {id(value): previous[id(value)] if id(value) in previous else value.to(self.device, copy=True)
                  for value in payload.values()}
         self.previous = moved

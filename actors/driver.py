@@ -6,7 +6,8 @@ process running the round loop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 from rayfed import registry
 from rayfed.actors.client import RoundUploads, run_methods
@@ -14,7 +15,8 @@ from rayfed.architectures import architecture_of, prefixed, unprefixed
 from rayfed.config import RunConfig, build_config
 from rayfed.data.clients import build_federation
 from rayfed.errors import raised_in
-from rayfed.method import Method, ServerState, TensorDict, tensor_bytes, tensor_params
+from rayfed.method import (Method, MethodOutputError, ServerState, TensorDict, TensorSpecs, check_tensors, largest_magnitudes,
+                           nonfinite_names, tensor_bytes, tensor_params, tensor_specs)
 from rayfed.tasks import client_tasks, task_view
 from rayfed.transport import use_raw_tensor_transport
 from rayfed.types import ReadOnlyTensors
@@ -43,15 +45,21 @@ class DriverActor:
         count = len(architectures)
         initial, tags = initial_and_tags[:count], initial_and_tags[count:]
         self.method = self.methods[method_index]
+        self.label = self.config.methods[method_index].label
         self.tags = {name: arch_tags for name, arch_tags in zip(architectures, tags)}
         shared = {key: value for name, values in zip(architectures, initial) for key, value in prefixed(values, name).items()}
+        self.server_specs: TensorSpecs = {}
         self.server: ServerState = self.method.init_server(shared)
+        self._check_server(self.server, "init_server")
+        # A later server state's tensor of a (slot, name) init_server gave keeps its shape and dtype.
+        self.server_specs = tensor_specs(_by_path(self.server))
         self.down_bytes = self.down_params = 0
 
     def before_federation(self, architectures: list[str], *prepared: TensorDict) -> None:
         """The method's server-side stage before round 1, given what its pre-federation stage returned on
         each architecture's actors (``ClientActor.pre_federation``, in the order of ``architectures``)."""
         self.server = self.method.before_federation(self.server, dict(zip(architectures, prepared)))
+        self._check_server(self.server, "before_federation")
 
     def payloads(self, client_ids: list[int], count_bytes: bool = True) -> dict[int, TensorDict | None]:
         """What each client receives: the method's payload, restricted to the client's architecture and its
@@ -68,12 +76,29 @@ class DriverActor:
         return payloads
 
     def aggregate(self, *parts: RoundUploads) -> dict[str, float | None]:
-        """Aggregate one round's uploads (in client-id order); return the round's statistics."""
+        """Aggregate one round's uploads (in client-id order); return the round's statistics, with ``nonfinite``
+        (what was NaN or infinite -> its clients) when something was.
+
+        With ``federation.on_nonfinite: stop`` and a non-finite upload or loss, the method does not aggregate (the
+        run stops), and a non-finite new server state is not kept."""
         uploads = sorted((u.under_server_names(self.architecture_of[u.client_id]) for part in parts for u in part.uploads),
                          key=lambda u: u.client_id)
-        with raised_in(f"{type(self.method).__name__}.aggregate"):
-            self.server = self.method.aggregate(self.server, uploads)
-        losses = [loss for part in parts for loss in part.train_losses.values()]
+        nonfinite: dict[str, list[int]] = {}
+        for part in parts:
+            for what, clients in part.nonfinite.items():
+                nonfinite[what] = sorted(nonfinite.get(what, []) + clients)
+        stop = self.config.federation.on_nonfinite == "stop"
+        if not (nonfinite and stop):
+            with raised_in(f"{type(self.method).__name__}.aggregate"):
+                server = self.method.aggregate(self.server, uploads)
+            done = {part.round_idx + 1 for part in parts if part.round_idx is not None}
+            self._check_server(server, "aggregate" + "".join(f", round {r}" for r in done))
+            clients = sorted(cid for part in parts for cid in part.train_losses)
+            for name in nonfinite_names({0: largest_magnitudes(server)}).get(0, []):
+                nonfinite[f"server tensor {name!r}"] = clients
+            if not (nonfinite and stop):
+                self.server = server
+        losses = [loss for part in parts for loss in part.train_losses.values() if math.isfinite(loss)]
         stats = {
             "up_bytes": sum(part.up_bytes for part in parts),
             "down_bytes": self.down_bytes,
@@ -88,11 +113,28 @@ class DriverActor:
                 client_stats[name] = client_stats.get(name, 0.0) + value
         if client_stats:
             stats["client_stats"] = dict(sorted(client_stats.items()))
+        if nonfinite:
+            stats["nonfinite"] = nonfinite
         self.down_bytes = self.down_params = 0
         return stats
+
+    def _check_server(self, server: ServerState, hook: str) -> None:
+        """One sentence if ``server`` (what ``hook`` returned) holds something other than tensors, or a tensor whose
+        shape or dtype differ from init_server's of its slot and name."""
+        source = f"method {self.label!r}, hook {hook}"
+        for slot, values in server.items():
+            if not isinstance(values, Mapping):
+                raise MethodOutputError(f"{source}: server slot {slot!r} is a {type(values).__name__}, not a dict of "
+                                        "named tensors.")
+        check_tensors(_by_path(server), self.server_specs, source, "init_server's tensor")
 
     def get_state(self) -> ServerState:
         return self.server
 
     def set_state(self, server: ServerState) -> None:
         self.server = server
+
+
+def _by_path(server: ServerState) -> dict[str, object]:
+    """A server state's values under ``slot/name``."""
+    return {f"{slot}/{name}": value for slot, values in server.items() for name, value in values.items()}

@@ -324,6 +324,10 @@ class FederationConfig(_Section):
         False, description="also evaluate 1 - cosine(features of the initial model, features now) on test data"
     )
     max_failures: int = Field(3, ge=0, description="actor failures survived before giving up")
+    on_nonfinite: Literal["stop", "warn"] = Field(
+        "stop", description="a NaN or infinite training loss, upload, server tensor or evaluation metric: stop the run "
+        "(keeping the last checkpoint written before it) or warn once per method and go on"
+    )
 
 
 class TrainConfig(_Section):

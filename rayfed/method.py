@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
+from rayfed.errors import ConfigError
 from rayfed.types import ClientState, Loss, ServerState, TensorDict, tensor_bytes, tensor_params, tensors_to
 
 if TYPE_CHECKING:
@@ -27,9 +28,10 @@ if TYPE_CHECKING:
     from rayfed.tasks import Task
     from rayfed.training import ClientContext, PreFederation
 
-__all__ = ["ClientState", "LocalResult", "Method", "NoParams", "PartialSum", "ServerState", "TensorDict", "Upload",
+__all__ = ["ClientState", "LocalResult", "Method", "MethodOutputError", "NoParams", "NonFiniteError", "PartialSum",
+           "ServerState", "TensorDict", "Upload", "check_tensors", "largest_magnitudes", "nonfinite_names",
            "post_fl_steps", "post_train_views", "presum", "stored_views", "tensor_bytes", "tensor_params",
-           "weighted_mean", "weighted_sums"]
+           "tensor_specs", "weighted_mean", "weighted_sums"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,66 @@ class LocalResult:
     train_loss: Loss  # e.g. a TrainResult's loss, left on the device: the actor reads a round's losses together
     weight: float | None = None
     stats: dict[str, float] = dataclasses.field(default_factory=dict)  # summed over a round's clients into its event
+
+
+class MethodOutputError(ConfigError):
+    """A tensor a method's hook returned is not a tensor, or has not the shape and dtype of the tensor it replaces."""
+
+
+class NonFiniteError(ConfigError):
+    """A training loss, upload, server tensor or evaluation metric is NaN or infinite (``federation.on_nonfinite``)."""
+
+
+TensorSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> TensorSpecs:
+    """Each tensor's shape and dtype, by name: what :func:`check_tensors` compares with."""
+    return {name: (tuple(value.shape), value.dtype) for name, value in tensors.items()}
+
+
+def check_tensors(tensors: Mapping[str, object], specs: TensorSpecs, source: str, reference: str) -> None:
+    """One sentence (:class:`MethodOutputError`) for the first of ``tensors`` that is not a tensor or differs in shape
+    or dtype from ``specs``' entry of its name (a name without one is not checked).
+
+    ``source`` says who returned them (the method, its hook, the round and client), ``reference`` what ``specs``
+    describe. Metadata only: nothing here reads a tensor's values.
+    """
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise MethodOutputError(f"{source}: {name!r} is a {type(value).__name__}, not a torch.Tensor.")
+        spec = specs.get(name)
+        if spec is not None and (tuple(value.shape), value.dtype) != spec:
+            raise MethodOutputError(
+                f"{source}: tensor {name!r} has shape {_described(tuple(value.shape), value.dtype)}, but {reference} of "
+                f"that name has shape {_described(*spec)}."
+            )
+
+
+def _described(shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    return f"{shape} ({str(dtype).removeprefix('torch.')})"
+
+
+def largest_magnitudes(slots: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor | None]:
+    """The ``slot/name`` of every non-empty floating tensor of ``slots`` and a vector of their largest magnitudes
+    (NaN where a tensor holds a NaN), in one fused pass over them (an infinity norm each); the vector is left on
+    the tensors' device, to be read together with a round's other results (:func:`nonfinite_names`)."""
+    named = [(f"{slot}/{name}", value) for slot, values in slots.items() for name, value in values.items()
+             if value.is_floating_point() and value.numel()]
+    if not named:
+        return [], None
+    return [name for name, _ in named], torch.stack(torch._foreach_norm([value for _, value in named], math.inf))
+
+
+def nonfinite_names(magnitudes: Mapping[int, tuple[list[str], torch.Tensor | None]]) -> dict[int, list[str]]:
+    """Per key of ``magnitudes`` (:func:`largest_magnitudes` of each), the names of its non-finite tensors (keys
+    with none left out): the vectors are read in one go."""
+    measured = {key: (names, vector) for key, (names, vector) in magnitudes.items() if vector is not None}
+    if not measured:
+        return {}
+    finite = iter(torch.cat([vector for _, vector in measured.values()]).isfinite().tolist())
+    found = {key: [name for name in names if not next(finite)] for key, (names, _) in measured.items()}
+    return {key: names for key, names in found.items() if names}
 
 
 def weighted_sums(uploads: Sequence[Upload], slot: str) -> tuple[TensorDict, dict[str, float]]:

@@ -188,11 +188,14 @@ def _fmt_number(value: object) -> str:
 
 
 def _fmt_mean_std(method_summary: Mapping, metric: str) -> str:
+    """``mean ± std``, marked with the number of clients whose value was NaN or infinite (left out of both)."""
     mean = method_summary.get("mean", {}).get(metric)
     std = method_summary.get("std", {}).get(metric)
     if not _is_number(mean):
         return _MISSING
-    return f"{_fmt_number(mean)} ± {_fmt_number(std)}"
+    nonfinite = len(method_summary.get("nonfinite", {}).get(metric, ()))
+    marked = f" ({nonfinite} non-finite)" if nonfinite else ""
+    return f"{_fmt_number(mean)} ± {_fmt_number(std)}{marked}"
 
 
 def _fmt_bytes(num_bytes: object) -> str:
@@ -249,7 +252,8 @@ def _render_markdown(
         out.append(f"rayfed version {summary['rayfed_version']}.\n")
 
     out.append("## Method comparison\n")
-    out.append("Metrics are mean ± std over clients (each client counts once); communication is the run total.\n")
+    out.append("Metrics are mean ± std over clients (each client counts once; \"(k non-finite)\": k clients' NaN or "
+               "infinite values are left out); communication is the run total.\n")
     header = ["method", *metrics, "upload", "download"]
     rows = []
     for method in methods:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import sys
 import sysconfig
 import time
+import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import ConfigError
 from rayfed.executors import LocalExecutor, RayExecutor
 from rayfed.io import atomic_write_json, atomic_write_text
+from rayfed.method import NonFiniteError
 from rayfed.metrics import with_derived
 from rayfed.models import build_backbone
 from rayfed.modules import select_task
@@ -141,6 +144,7 @@ class Simulation:
         dump_config(self.config, self.run_dir / "config.yaml")
         previous = MetricsLog.read(self.run_dir / "metrics.jsonl") if self._resuming else []
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", previous)
+        self._warned_nonfinite: set[str] = set()
         local = self.config.placement.executor == "local"
         self.executor = LocalExecutor() if local else RayExecutor()
         owns_ray = not local and init_ray(self.config)
@@ -374,6 +378,8 @@ class Simulation:
             stats = self.executor.get(self.driver.aggregate.remote(*upload_refs))
             self.executor.get(hosts_to_update)
             rounds_done = round_idx + 1
+            if "nonfinite" in stats:
+                self._nonfinite(entry.label, f"in round {rounds_done}", stats["nonfinite"])
             wall = time.perf_counter() - started
             counters["up_bytes"] += stats["up_bytes"]
             counters["down_bytes"] += stats["down_bytes"]
@@ -423,17 +429,47 @@ class Simulation:
 
     def _evaluate(self, label: str, rounds_done: int) -> dict[str, float]:
         clients = self._all_client_metrics(label, rounds_done, None)
+        nonfinite = self._nonfinite_metrics(label, f"at the evaluation after round {rounds_done}", clients)
         means, _ = _mean_std(clients)
-        self.log.append({"event": "eval", "method": label, "round": rounds_done, **means,
+        self.log.append({"event": "eval", "method": label, "round": rounds_done, **means, **nonfinite,
                          "clients": {str(c): m for c, m in clients.items()}})
         return means
+
+    def _nonfinite_metrics(self, label: str, when: str, clients: Mapping[int, dict[str, float]]) -> dict[str, Any]:
+        """``{"nonfinite": {metric: [clients]}}`` for the metrics some clients report as NaN or infinite (the means
+        leave them out), after :meth:`_nonfinite`; ``{}`` when every value is finite."""
+        found: dict[str, list[int]] = {}
+        for cid in sorted(clients):
+            for name, value in clients[cid].items():
+                if name not in COUNT_KEYS and not math.isfinite(value):
+                    found.setdefault(name, []).append(cid)
+        if not found:
+            return {}
+        self._nonfinite(label, when, {f"metric {name!r}": cids for name, cids in found.items()})
+        return {"nonfinite": found}
+
+    def _nonfinite(self, label: str, when: str, found: Mapping[str, list[int]]) -> None:
+        """Stop the run with one sentence naming what went NaN or infinite, or (``federation.on_nonfinite: warn``)
+        warn once per method and go on. Stopping comes before the round's checkpoint: the last one written stays."""
+        shown = [f"{what} (client{'s' if len(cids) > 1 else ''} {', '.join(map(str, cids))})"
+                 for what, cids in list(found.items())[:2]]
+        more = f" and {len(found) - 2} more" if len(found) > 2 else ""
+        message = f"method {label!r} went non-finite {when}: {'; '.join(shown)}{more}"
+        if self.config.federation.on_nonfinite == "stop":
+            raise NonFiniteError(f"{message}; the run stops, keeping the last checkpoint written before it "
+                                 "(federation.on_nonfinite: warn goes on instead).")
+        if label not in self._warned_nonfinite:
+            self._warned_nonfinite.add(label)
+            warnings.warn(f"{message}; going on (federation.on_nonfinite: warn), and the means leave non-finite "
+                          "values out.", RuntimeWarning, stacklevel=2)
 
     def _finish(self, method_index: int, counters: dict[str, float]) -> dict[str, float]:
         entry = self.config.methods[method_index]
         rounds = self.config.federation.rounds
         clients = self._all_client_metrics(entry.label, rounds, entry.post_train_steps)
+        nonfinite = self._nonfinite_metrics(entry.label, f"at the final evaluation after round {rounds}", clients)
         means, stds = _mean_std(clients)
-        self.log.append({"event": "eval", "method": entry.label, "round": rounds, "final": True, **means,
+        self.log.append({"event": "eval", "method": entry.label, "round": rounds, "final": True, **means, **nonfinite,
                          "clients": {str(c): m for c, m in clients.items()}})
         grouped = {}
         if len(self.federation.holdings) > 1:
@@ -447,7 +483,7 @@ class Simulation:
             grouped["architectures"] = {name: _mean_std({c: m for c, m in clients.items() if of[c] == name})[0]
                                         for name in architecture_names(self.config)}
         atomic_write_json(self._results_dir / f"{entry.label}.json", {
-            "clients": {str(c): m for c, m in clients.items()}, "mean": means, "std": stds, **grouped,
+            "clients": {str(c): m for c, m in clients.items()}, "mean": means, "std": stds, **nonfinite, **grouped,
             "comm_bytes": {"up": int(counters["up_bytes"]), "down": int(counters["down_bytes"])},
             "comm_params": {"up": int(counters.get("up_params", 0)), "down": int(counters.get("down_params", 0))},
             "wall_time_s": counters["wall_time_s"],
@@ -469,7 +505,7 @@ class Simulation:
         for entry in self.config.methods:
             result = json.loads((self._results_dir / f"{entry.label}.json").read_text())
             methods[entry.label] = {"clients": result["clients"], "mean": result["mean"], "std": result["std"]}
-            for group in ("tasks", "kinds", "architectures", "stream"):  # per task, kind (the papers' Avg.), architecture
+            for group in ("nonfinite", "tasks", "kinds", "architectures", "stream"):  # per task, kind (the papers' Avg.), ...
                 if group in result:
                     methods[entry.label][group] = result[group]
             comm[entry.label] = result["comm_bytes"]
@@ -513,12 +549,14 @@ def rounds_to_target(
 
 
 def _mean_std(clients: Mapping[int, dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:
-    """Mean and std of every metric over the clients that report it (each client counts once)."""
+    """Mean and std of every metric over the clients that report it as a finite number (each client counts once;
+    NaN when none does): a non-finite value is left out, and the event or summary lists its clients."""
     names = list(dict.fromkeys(k for c in sorted(clients) for k in clients[c] if k not in COUNT_KEYS))
     values = {name: np.array([clients[c][name] for c in sorted(clients) if name in clients[c]], dtype=np.float64)
               for name in names}
-    means = with_derived({n: float(v.mean()) for n, v in values.items()})
-    return means, {n: float(v.std()) for n, v in values.items()}
+    values = {name: v[np.isfinite(v)] for name, v in values.items()}
+    means = with_derived({n: float(v.mean()) if len(v) else math.nan for n, v in values.items()})
+    return means, {n: float(v.std()) if len(v) else math.nan for n, v in values.items()}
 
 
 def balanced_assignment(client_ids: list[int], slots: list[ActorSlot], host_of: dict[int, int]) -> dict[int, list[int]]:
