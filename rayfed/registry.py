@@ -208,6 +208,25 @@ def name_of(kind: str, obj: Any) -> str:
     return name
 
 
+def defined_in(kind: str, value: Any) -> tuple[str, str] | None:
+    """Where the user's plug-in ``value`` (a registered name, or the object: an instance stands for its class) is
+    defined, as ``(module, qualified name)``; None for a built-in, and for a name this process has not registered
+    (an import path, which a config resolves by itself)."""
+    _check_kind(kind)
+    if isinstance(value, str):
+        registered = _ENTRIES[kind]
+        prefixes = [name for name in registered if name.endswith(":") and value.startswith(name)]
+        entry = registered.get(value) or (registered[max(prefixes, key=len)] if prefixes else None)
+        if entry is None or entry.builtin:
+            return None
+        value = entry.obj
+    owner = value if isinstance(value, type) or callable(value) else type(value)
+    module = str(getattr(owner, "__module__", None) or "__main__")
+    if module.startswith("rayfed."):
+        return None
+    return module, getattr(owner, "__qualname__", type(owner).__qualname__)
+
+
 def user_entries() -> list[Entry]:
     """What this process registered beyond the built-ins: shipped to actors with a run (:func:`install`)."""
     return [entry for kind in KINDS for entry in _ENTRIES[kind].values() if not entry.builtin]
