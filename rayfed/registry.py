@@ -153,13 +153,9 @@ def resolve(kind: str, value: Any, field: str | None = None) -> Resolved:
     if not isinstance(value, str):
         return Resolved(value, name_of(kind, value))
     _load_builtins(kind)
-    registered = _ENTRIES[kind]
-    if value in registered:
-        return Resolved(registered[value].obj, value)
-    prefixes = [name for name in registered if name.endswith(":") and value.startswith(name)]
-    if prefixes:
-        longest = max(prefixes, key=len)
-        return Resolved(registered[longest].obj, value, value[len(longest):])
+    entry = _registered(kind, value)
+    if entry is not None:
+        return Resolved(entry.obj, value, value[len(entry.name):] if entry.prefix else None)
     allowed = names(kind)
     unknown = ConfigError(
         f"{field} = {value!r} is not known{suggest(value, allowed)}; allowed: {', '.join(allowed)}, "
@@ -173,6 +169,15 @@ def resolve(kind: str, value: Any, field: str | None = None) -> Resolved:
         if suggest(value, allowed):  # a misspelt registered name (sklearn:digit), not an import path
             raise unknown from None
         raise
+
+
+def _registered(kind: str, name: str) -> Entry | None:
+    """The entry answering ``name``: the one registered under it, else the longest prefix it starts with."""
+    registered = _ENTRIES[kind]
+    if name in registered:
+        return registered[name]
+    prefixes = [entry for entry in registered.values() if entry.prefix and name.startswith(entry.name)]
+    return max(prefixes, key=lambda entry: len(entry.name), default=None)
 
 
 def import_object(path: str, field: str) -> Any:
@@ -214,9 +219,7 @@ def defined_in(kind: str, value: Any) -> tuple[str, str] | None:
     (an import path, which a config resolves by itself)."""
     _check_kind(kind)
     if isinstance(value, str):
-        registered = _ENTRIES[kind]
-        prefixes = [name for name in registered if name.endswith(":") and value.startswith(name)]
-        entry = registered.get(value) or (registered[max(prefixes, key=len)] if prefixes else None)
+        entry = _registered(kind, value)
         if entry is None or entry.builtin:
             return None
         value = entry.obj
