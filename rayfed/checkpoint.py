@@ -3,16 +3,18 @@
 Layout, per method label::
 
     checkpoints/<label>/latest.json          -> {"round": R, "dir": "round_R"}
-    checkpoints/<label>/round_R/meta.json     round, counters, slot names, resolved config
+    checkpoints/<label>/round_R/meta.json     round, counters, slot names, resolved config and its fingerprint
     checkpoints/<label>/round_R/server.safetensors
     checkpoints/<label>/round_R/clients.safetensors
 
 ``latest.json`` is replaced atomically after a round's files are complete, so a crash while
-writing leaves the previous checkpoint in force.
+writing leaves the previous checkpoint in force. A resumed run loads a checkpoint only when its
+config (every method's hyperparameters included) has the checkpoint's fingerprint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -54,6 +56,17 @@ def _unflatten(flat: dict[str, torch.Tensor], slot_names: list[str]) -> dict[str
     return slots
 
 
+UNCHECKED_SECTIONS = ("placement", "ray")
+"""Config sections a fingerprint leaves out: where the actors run does not change a run's numbers."""
+
+
+def config_fingerprint(config: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of a resolved config (``RunConfig.to_dict()``), but its :data:`UNCHECKED_SECTIONS`."""
+    checked = {key: value for key, value in config.items() if key not in UNCHECKED_SECTIONS}
+    canonical = json.dumps(checked, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def save_checkpoint(
     root: Path, label: str, round_idx: int, server: ServerState,
     clients: dict[int, ClientState], meta: dict[str, Any],
@@ -70,6 +83,7 @@ def save_checkpoint(
     atomic_write_bytes(round_dir / "clients.safetensors", safetensors.torch.save(client_tensors))
     full_meta = {
         **meta,
+        **({"fingerprint": config_fingerprint(meta["config"])} if "config" in meta else {}),
         "round": round_idx,
         "server_slots": sorted(server),
         "client_slots": {str(cid): sorted(state) for cid, state in clients.items()},
@@ -82,14 +96,17 @@ def save_checkpoint(
     return round_dir
 
 
-def load_checkpoint(root: Path, label: str) -> Checkpoint | None:
-    """The latest complete checkpoint of ``label``, or None when there is none."""
+def load_checkpoint(root: Path, label: str, config: dict[str, Any] | None = None) -> Checkpoint | None:
+    """The latest complete checkpoint of ``label``, or None when there is none; given the resolved ``config`` of
+    the run that is to continue from it, one sentence naming a difference unless it has the checkpoint's fingerprint."""
     method_dir = Path(root) / label
     pointer = method_dir / "latest.json"
     if not pointer.is_file():
         return None
     round_dir = method_dir / _read_json(pointer)["dir"]
     meta = _read_json(round_dir / "meta.json")
+    if config is not None:
+        _check_config(meta, config, round_dir)
     server = _unflatten(_read_tensors(round_dir / "server.safetensors"), meta["server_slots"])
     grouped: dict[int, dict[str, torch.Tensor]] = {int(cid): {} for cid in meta["client_slots"]}
     for key, value in _read_tensors(round_dir / "clients.safetensors").items():
@@ -97,6 +114,41 @@ def load_checkpoint(root: Path, label: str) -> Checkpoint | None:
         grouped[int(cid)][rest] = value
     clients = {cid: _unflatten(flat, meta["client_slots"][str(cid)]) for cid, flat in grouped.items()}
     return Checkpoint(meta["round"], server, clients, meta)
+
+
+def _check_config(meta: dict[str, Any], config: dict[str, Any], round_dir: Path) -> None:
+    recorded = meta.get("config", {})
+    expected = meta.get("fingerprint") or config_fingerprint(recorded)  # older checkpoints kept only the config
+    if config_fingerprint(config) == expected:
+        return
+    checked = [{k: v for k, v in c.items() if k not in UNCHECKED_SECTIONS} for c in (recorded, config)]
+    difference = _first_difference(*checked)
+    what = (f"{difference[0]} = {difference[1]!r} there, {difference[2]!r} now" if difference
+            else "its config fingerprint differs")
+    raise ConfigError(
+        f"checkpoint {str(round_dir)!r} was written with another config ({what}), and a run never continues with "
+        "settings other than its own: restore the run's config.yaml, or start a new run."
+    )
+
+
+_UNSET = "<unset>"
+
+
+def _first_difference(then: Any, now: Any, path: str = "") -> tuple[str, Any, Any] | None:
+    """The first ``(field, value then, value now)`` at which two config dicts differ, or None."""
+    if isinstance(then, dict) and isinstance(now, dict):
+        for key in list(then) + [k for k in now if k not in then]:
+            found = _first_difference(then.get(key, _UNSET), now.get(key, _UNSET), f"{path}.{key}" if path else key)
+            if found:
+                return found
+        return None
+    if isinstance(then, list) and isinstance(now, list) and len(then) == len(now):
+        for index, (old, new) in enumerate(zip(then, now)):
+            found = _first_difference(old, new, f"{path}[{index}]")
+            if found:
+                return found
+        return None
+    return None if then == now else (path, then, now)
 
 
 def _read_json(path: Path) -> Any:

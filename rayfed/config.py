@@ -6,25 +6,40 @@ allowed (see :func:`load_config`).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, SerializationInfo, SerializerFunctionWrapHandler,
+                      model_serializer, model_validator)
+from pydantic_core import to_jsonable_python
 
 from rayfed import registry
 from rayfed.errors import ConfigError, suggest
+
+log = logging.getLogger(__name__)
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
 
-def _plugin(kind: str, optional: bool = False) -> Any:
+@dataclass(frozen=True)
+class _PluginKind:
+    """Marks a config field that names a plug-in of ``kind`` (see :func:`plugins`)."""
+
+    kind: str
+
+
+def _plugin(kind: str, optional: bool = False, recorded: Callable[[Any], Any] = lambda value: value) -> Any:
     """A config value naming a plug-in: a name, a ``"package.module:Name"`` string, or (from Python) the
-    object itself, which a config dump writes as its registered name or import path."""
+    object itself, which a config dump writes as the registered name or import path of ``recorded(object)``."""
 
     def check(value: Any) -> Any:
         if value is None and optional:
@@ -34,16 +49,30 @@ def _plugin(kind: str, optional: bool = False) -> Any:
         return value
 
     def dump(value: Any) -> Any:
-        return value if value is None or isinstance(value, str) else registry.name_of(kind, value)
+        return value if value is None or isinstance(value, str) else registry.name_of(kind, recorded(value))
 
-    return Annotated[Any, pydantic.AfterValidator(check), PlainSerializer(dump, when_used="json")]
+    return Annotated[Any, pydantic.AfterValidator(check), PlainSerializer(dump, when_used="json"), _PluginKind(kind)]
+
+
+def _is_instance(method: Any) -> bool:
+    """Whether a method entry's ``name`` is a built method (from Python) rather than a name or a class."""
+    return not isinstance(method, (str, type))
+
+
+def _class_of(method: Any) -> Any:
+    return type(method) if _is_instance(method) else method
+
+
+def _plain(params: Any) -> dict[str, Any]:
+    """A method's frozen dataclass of hyperparameters as plain YAML values (tuples as lists)."""
+    return to_jsonable_python(dataclasses.asdict(params))
 
 
 SourceName = _plugin("source")
 PartitionerName = _plugin("partitioner")
 BackboneName = _plugin("backbone")
 TaskKindName = _plugin("task_kind", optional=True)
-MethodName = _plugin("method")
+MethodName = _plugin("method", recorded=_class_of)  # a built method: its class (its params: MethodEntry)
 
 
 class PartitionConfig(_Section):
@@ -466,10 +495,18 @@ class MethodEntry(_Section):
     @model_validator(mode="after")
     def _default_label(self) -> MethodEntry:
         if not self.label:
-            name = self.name if isinstance(self.name, str) else registry.name_of("method", self.name)
+            name = self.name if isinstance(self.name, str) else registry.name_of("method", _class_of(self.name))
             label = name.rsplit(":", 1)[-1].rsplit(".", 1)[-1] + ("+post" if self.post_train_steps else "")
             object.__setattr__(self, "label", label)
         return self
+
+    @model_serializer(mode="wrap")
+    def _instance_as_class(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        """A built method is recorded as its class and every one of its hyperparameters, which rebuild it."""
+        data = handler(self)
+        if info.mode_is_json() and _is_instance(self.name):
+            data["params"] = {**_plain(self.name.params), **data["params"]}
+        return data
 
 
 DataConfig.model_rebuild()
@@ -542,8 +579,66 @@ class RunConfig(_Section):
             raise ValueError(f"architectures: client {missing[0]} is in no architecture; list every client "
                              f"0..{self.data.num_clients - 1} in exactly one")
 
+    @model_serializer(mode="wrap")
+    def _with_plugin_modules(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        """A dump imports the modules defining the user's plug-ins it names, so that it resolves them anywhere."""
+        data = handler(self)
+        if info.mode_is_json():
+            modules = [module for _, module, qualname in user_plugins(self) if _importable(module, qualname)]
+            data["imports"] = list(dict.fromkeys([*data["imports"], *modules]))
+        return data
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def plugins(section: BaseModel, path: str = "") -> Iterator[tuple[str, str, Any]]:
+    """``(field, kind, value)`` of every plug-in a config section names, in it and in its subsections
+    (fields such as ``methods[1].name``, ``data.tasks[0].source``, ``architectures.big.backbone``)."""
+    for name, field in type(section).model_fields.items():
+        value, where = getattr(section, name), f"{path}{name}"
+        kinds = [meta.kind for meta in field.metadata if isinstance(meta, _PluginKind)]
+        if kinds:
+            if value is not None:
+                yield where, kinds[0], value
+            continue
+        if isinstance(value, tuple):
+            children = [(f"{where}[{index}].", item) for index, item in enumerate(value)]
+        elif isinstance(value, dict):
+            children = [(f"{where}.{key}.", item) for key, item in value.items()]
+        else:
+            children = [(f"{where}.", value)]
+        for prefix, child in children:
+            if isinstance(child, BaseModel):
+                yield from plugins(child, prefix)
+
+
+def user_plugins(config: RunConfig) -> list[tuple[str, str, str]]:
+    """``(field, module, qualified name)`` of every plug-in of the user's (not a built-in) that ``config`` names."""
+    found = [(where, registry.defined_in(kind, value)) for where, kind, value in plugins(config)]
+    return [(where, *defined) for where, defined in found if defined is not None]
+
+
+def _importable(module: str, qualname: str) -> bool:
+    return module != "__main__" and "<locals>" not in qualname
+
+
+def rerun_notes(config: RunConfig) -> list[str]:
+    """One sentence per plug-in of ``config`` that a rerun of its dump elsewhere cannot import, saying what to do."""
+    return [
+        f"{where}: {qualname} is defined in {'the driver script (__main__)' if module == '__main__' else 'a function'}, "
+        f"so this config reruns only in that process; to rerun it with `rayfed run`, move {qualname.rsplit('.', 1)[-1]} "
+        "into a module and list that module under imports."
+        for where, module, qualname in user_plugins(config) if not _importable(module, qualname)
+    ]
+
+
+def with_full_params(config: RunConfig, params: Sequence[Any]) -> RunConfig:
+    """``config`` with each method entry given by name or class holding every hyperparameter of its built method
+    (``params[i]``, its frozen dataclass, defaults included), so that the run's record names each value it used."""
+    methods = tuple(entry if _is_instance(entry.name) else entry.model_copy(update={"params": _plain(values)})
+                    for entry, values in zip(config.methods, params))
+    return config.model_copy(update={"methods": methods})
 
 
 def architecture_model_config(config: RunConfig, name: str) -> ModelConfig:
@@ -688,6 +783,12 @@ def load_config(
 
 
 def dump_config(config: RunConfig, path: str | os.PathLike) -> None:
+    """Write ``config`` as YAML; a plug-in that a rerun elsewhere cannot import gets a note (a comment on top, and a
+    logged warning) saying how to make the file rerunnable."""
     from rayfed.io import atomic_write_text
 
-    atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
+    notes = rerun_notes(config)
+    for note in notes:
+        log.warning("%s: %s", path, note)
+    comments = "".join(f"# note: {note}\n" for note in notes)
+    atomic_write_text(path, comments + yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -153,13 +153,9 @@ def resolve(kind: str, value: Any, field: str | None = None) -> Resolved:
     if not isinstance(value, str):
         return Resolved(value, name_of(kind, value))
     _load_builtins(kind)
-    registered = _ENTRIES[kind]
-    if value in registered:
-        return Resolved(registered[value].obj, value)
-    prefixes = [name for name in registered if name.endswith(":") and value.startswith(name)]
-    if prefixes:
-        longest = max(prefixes, key=len)
-        return Resolved(registered[longest].obj, value, value[len(longest):])
+    entry = _registered(kind, value)
+    if entry is not None:
+        return Resolved(entry.obj, value, value[len(entry.name):] if entry.prefix else None)
     allowed = names(kind)
     unknown = ConfigError(
         f"{field} = {value!r} is not known{suggest(value, allowed)}; allowed: {', '.join(allowed)}, "
@@ -173,6 +169,15 @@ def resolve(kind: str, value: Any, field: str | None = None) -> Resolved:
         if suggest(value, allowed):  # a misspelt registered name (sklearn:digit), not an import path
             raise unknown from None
         raise
+
+
+def _registered(kind: str, name: str) -> Entry | None:
+    """The entry answering ``name``: the one registered under it, else the longest prefix it starts with."""
+    registered = _ENTRIES[kind]
+    if name in registered:
+        return registered[name]
+    prefixes = [entry for entry in registered.values() if entry.prefix and name.startswith(entry.name)]
+    return max(prefixes, key=lambda entry: len(entry.name), default=None)
 
 
 def import_object(path: str, field: str) -> Any:
@@ -206,6 +211,23 @@ def name_of(kind: str, obj: Any) -> str:
     name = f"{getattr(owner, '__module__', '__main__')}:{qualname}"
     register(kind, name, obj)
     return name
+
+
+def defined_in(kind: str, value: Any) -> tuple[str, str] | None:
+    """Where the user's plug-in ``value`` (a registered name, or the object: an instance stands for its class) is
+    defined, as ``(module, qualified name)``; None for a built-in, and for a name this process has not registered
+    (an import path, which a config resolves by itself)."""
+    _check_kind(kind)
+    if isinstance(value, str):
+        entry = _registered(kind, value)
+        if entry is None or entry.builtin:
+            return None
+        value = entry.obj
+    owner = value if isinstance(value, type) or callable(value) else type(value)
+    module = str(getattr(owner, "__module__", None) or "__main__")
+    if module.startswith("rayfed."):
+        return None
+    return module, getattr(owner, "__qualname__", type(owner).__qualname__)
 
 
 def user_entries() -> list[Entry]:

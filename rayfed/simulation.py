@@ -32,7 +32,8 @@ from rayfed.actors.client import ClientActor, run_methods
 from rayfed.actors.driver import DriverActor
 from rayfed.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.architectures import ActorSlot, actor_slots, architecture_names, architecture_of
-from rayfed.config import RunConfig, architecture_model_config, dump_config, load_config, method_model_config
+from rayfed.config import (RunConfig, architecture_model_config, dump_config, load_config, method_model_config,
+                           with_full_params)
 from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import ConfigError
 from rayfed.executors import LocalExecutor, RayExecutor
@@ -138,6 +139,7 @@ class Simulation:
         self._federation_ref = None
         self.num_train = {cid: self.federation.sizes(cid)["num_train"] for cid in range(self.federation.num_clients)}
         self.methods = run_methods(self.config, self.federation)
+        self.config = with_full_params(self.config, [method.params for method in self.methods])
         if self.check_model:
             self._check_model()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -318,7 +320,7 @@ class Simulation:
         """Every state from the method's last checkpoint; without one, a fresh start through the method's
         stages before round 1 (a checkpoint at round 0 keeps a resumed run from running them again)."""
         label = self.config.methods[method_index].label
-        checkpoint = load_checkpoint(self._checkpoint_dir, label)
+        checkpoint = load_checkpoint(self._checkpoint_dir, label, self.config.to_dict())
         if checkpoint is None:
             self.log.restart_method(label, 0)
             counters = {"up_bytes": 0, "down_bytes": 0, "up_params": 0, "down_params": 0, "wall_time_s": 0.0}

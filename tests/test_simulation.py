@@ -9,8 +9,9 @@ import pytest
 import ray
 import yaml
 
-from rayfed.config import load_config
+from rayfed.config import load_config, with_full_params
 from rayfed.errors import ConfigError
+from rayfed.method import build_method
 from rayfed.simulation import Simulation
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -78,7 +79,8 @@ def test_run_writes_the_results_contract(tiny_run, tmp_path):
     assert [e["round"] for e in evals] == [2, 4] and evals[-1]["final"]
 
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    assert load_config(saved) == load_config(tiny_run)
+    given = load_config(tiny_run)  # config.yaml holds it with every method's hyperparameters, defaults included
+    assert load_config(saved) == with_full_params(given, [build_method(m, i).params for i, m in enumerate(given.methods)])
     report = (tmp_path / "report.md").read_text()
     assert "fedavg+post" in report and "ditto" in report
     assert (tmp_path / "curves.png").stat().st_size > 1000
