@@ -42,12 +42,13 @@ from torch import nn
 
 from rayfed import pqlora, seeding
 from rayfed.config import ModelConfig
+from rayfed.data.batches import num_rows
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
 from rayfed.models import Backbone, ClientModel, build_backbone, build_task_model
 from rayfed.registry import register_method
 from rayfed.tasks import Task
-from rayfed.training import ClientContext, Phase, PreFederation, Step
+from rayfed.training import ClientContext, Phase, PreFederation, Step, stacked_forward_batch
 
 LOCAL, GLOBAL = "local", "global"
 RELEVANCE_VARIANTS = ("rela", "equal", "frozen_current", "training_current")
@@ -328,11 +329,16 @@ class FedMosaic(Method):
         total = sum(next(iter(batch.values())).shape[0] for _, batch in step.parts)
 
         def run() -> torch.Tensor:
+            target = relevance_model if relevance_model is not None else model
+            stacked = stacked_forward_batch(target, step.parts)  # the tasks in one forward, where W_s allows
+            if stacked is None:
+                outputs = [task.kind.forward(target, batch) for task, batch in step.parts]
+            else:
+                outputs = step.parts[0][0].kind.forward(target, stacked).split([num_rows(b) for _, b in step.parts])
             losses = []
-            for task, batch in step.parts:
+            for (task, batch), output in zip(step.parts, outputs):
                 share = next(iter(batch.values())).shape[0] / total
-                target = relevance_model if relevance_model is not None else model
-                losses.append(share * task.kind.loss(task.kind.forward(target, batch), batch))
+                losses.append(share * task.kind.loss(output, batch))
             return sum(losses)
 
         if relevance_model is None:

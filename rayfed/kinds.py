@@ -332,7 +332,7 @@ class TextGeneration(TaskKind):
         logits = model(batch).float()
         targets = batch["labels"][:, 1:]
         nll = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, ignore_index=IGNORE,
-                                          reduction="none").sum(dim=1)
+                                          reduction="none").sum(dim=1).detach()
         generated = generate(model, batch, max_new_tokens=batch["target_ids"].shape[1]).tolist()
         if GENERATION_LENGTH in batch:  # a merged set: each row generates as many tokens as its own task allows
             generated = [row[:length] for row, length in zip(generated, batch[GENERATION_LENGTH].tolist())]

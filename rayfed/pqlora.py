@@ -70,14 +70,39 @@ def nearest_orthonormal_columns(matrix: torch.Tensor) -> torch.Tensor:
 
 
 class LayerGate(nn.Module):
-    """One learnable gate per decoder layer (Eq. 7): ``sigmoid(beta)`` weighs the second adapter, 1 - it the first."""
+    """One learnable gate per decoder layer (Eq. 7): ``sigmoid(beta)`` weighs the second adapter, 1 - it the first.
+
+    While its decoder layer runs (between :meth:`open` and :meth:`close`, the layer's forward hooks), the gate's
+    weight and each rank's column scales are computed once and shared by the layer's seven adapted linears."""
 
     def __init__(self) -> None:
         super().__init__()
         self.beta = nn.Parameter(torch.zeros(()))
+        self._open: dict[object, torch.Tensor] | None = None  # this forward's values, while the layer runs
 
     def weight(self) -> torch.Tensor:
-        return torch.sigmoid(self.beta)
+        if self._open is None:
+            return torch.sigmoid(self.beta)
+        if "g" not in self._open:
+            self._open["g"] = torch.sigmoid(self.beta)
+        return self._open["g"]
+
+    def column_scales(self, rank: int, scale: float) -> torch.Tensor:
+        """``scale * (1 - g, ..., 1 - g, g, ..., g)``: the weights of a two-adapter code's 2 ``rank`` columns."""
+        key = (rank, scale)
+        if self._open is not None and key in self._open:
+            return self._open[key]
+        g = self.weight()
+        scales = (torch.stack([1 - g, g]) * scale).repeat_interleave(rank)
+        if self._open is not None:
+            self._open[key] = scales
+        return scales
+
+    def open(self, *_: object) -> None:
+        self._open = {}
+
+    def close(self, *_: object) -> None:
+        self._open = None
 
 
 Mix = Mapping[str, float | torch.Tensor]
@@ -159,6 +184,8 @@ class AdaptedLinear(nn.Module):
         out = self.base(x)
         if not self.enabled:
             return out
+        if self.mix is None and self._gate and len(self.adapters) == 2:
+            return out + self._gated(x, self._gate[0])
         active = [(name, w) for name, w in self.weights().items() if not (isinstance(w, (int, float)) and w == 0)]
         if not active:
             return out
@@ -189,6 +216,22 @@ class AdaptedLinear(nn.Module):
             scale = torch.cat([w.expand(*shape[:-1], self.rank) if w.dim() else w.expand(*shape[:-1], self.rank)
                                for w in weights], dim=-1)
         return out + self.scale * nn.functional.linear(code * scale, b)
+
+
+    def _gated(self, x: torch.Tensor, gate: LayerGate) -> torch.Tensor:
+        """The two adapters mixed by the layer's gate: ``(1 - g) h_first + g h_second`` in as few products as the
+        weights allow (the gate's values are computed once per decoder layer)."""
+        first, second = self.adapters
+        if self.pq:  # B (lerp(P_1, P_2, g) A x + lerp(Q_1, Q_2, g))
+            g = gate.weight()
+            p = torch.lerp(self.adapter(first, "P"), self.adapter(second, "P"), g)
+            q = torch.lerp(self.adapter(first, "Q"), self.adapter(second, "Q"), g)
+            mixed = nn.functional.linear(nn.functional.linear(x, self.A.detach()), p, q)
+            return self.scale * nn.functional.linear(mixed, self.B.detach())
+        a = torch.cat([self.adapter(first, "A"), self.adapter(second, "A")])
+        b = torch.cat([self.adapter(first, "B"), self.adapter(second, "B")], dim=1)
+        code = nn.functional.linear(x, a) * gate.column_scales(self.rank, self.scale)
+        return nn.functional.linear(code, b)
 
 
 @dataclass(frozen=True)
@@ -230,6 +273,8 @@ def attach(root: nn.Module, *, rank: int, adapters: Sequence[str], pq_blocks: in
         if gate:
             layer_gate = LayerGate().to(next(layer.parameters()).device)
             setattr(layer, GATE, layer_gate)
+            layer.register_forward_pre_hook(layer_gate.open)
+            layer.register_forward_hook(layer_gate.close)
         for name, module in list(layer.named_modules()):
             leaf = name.rsplit(".", 1)[-1]
             if leaf not in targets or not isinstance(module, nn.Linear):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from torch import nn
 
 from rayfed import pqlora
 from rayfed.actors.client import ClientActor
@@ -120,6 +121,64 @@ def test_the_gated_pq_branch_mixes_local_and_global_and_trains_only_the_local_on
     out.sum().backward()
     assert layer.local_P.grad is not None and gate.beta.grad is not None
     assert layer.global_P.grad is None and layer.A.grad is None and layer.B.grad is None  # frozen, detached
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.q_proj, self.v_proj = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.v_proj(torch.tanh(self.q_proj(x)))
+
+
+class _Decoder(nn.Module):
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_the_gated_fast_path_equals_the_mix_of_each_adapter_forward_and_gradient():
+    """Layer 1 conventional LoRA, layer 2 PQ-LoRA, each gated: the fast path (the gate computed once per decoder layer,
+    PQ's P and Q lerped, the conventional code scaled per column) against the generic per-adapter mix."""
+    torch.manual_seed(0)
+    model = _Decoder(12, 2).double().requires_grad_(False)
+    pqlora.attach(model, rank=4, adapters=("local", "global"), pq_blocks=1, scale=2.0, pq_scale=0.5,
+                  frozen=("global",), gate=True, targets=("q_proj", "v_proj"))
+    model.double()
+    trained = {n: p for n, p in model.named_parameters() if "local_" in n or n.endswith("beta")}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "_" in name.rsplit(".", 1)[-1] or name.endswith("beta"):
+                param.normal_()
+    x = torch.randn(3, 5, 12, dtype=torch.float64)
+
+    def outputs_and_grads(generic: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        for layer in model.layers:
+            for module in (layer.q_proj, layer.v_proj):
+                g = torch.sigmoid(layer.adapter_gate.beta)
+                module.mix = {"local": 1 - g, "global": g} if generic else None
+        for param in trained.values():
+            param.requires_grad_(True)
+            param.grad = None
+        out = model(x)
+        (out ** 2).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in trained.items()}
+
+    fast, fast_grads = outputs_and_grads(generic=False)
+    again, again_grads = outputs_and_grads(generic=False)  # a second forward and backward with the same gate values
+    reference, reference_grads = outputs_and_grads(generic=True)
+    assert torch.equal(fast, again) and all(torch.equal(fast_grads[n], again_grads[n]) for n in fast_grads)
+    assert torch.allclose(fast, reference, rtol=1e-12, atol=1e-12)
+    assert fast_grads.keys() == reference_grads.keys() and any(n.endswith("local_P") for n in fast_grads)
+    for name, grad in fast_grads.items():
+        assert torch.allclose(grad, reference_grads[name], rtol=1e-10, atol=1e-12), name
+    assert all(layer.adapter_gate._open is None for layer in model.layers)  # nothing kept past the layer's forward
 
 
 def test_alignment_makes_a_orthonormal_brings_codes_closer_and_b_matches_canonical_coordinates():

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from rayfed import training
+from rayfed import kinds, training
 from rayfed.actors.client import ClientActor, _OnDevice
 from rayfed.benchmarks.overhead import Workload
 from rayfed.data.batches import ClientData, TaskData
@@ -324,3 +324,68 @@ def test_only_convolutions_over_non_overlapping_patches_become_matrix_products()
     assert not training.PatchMatmul.replaces(torch.nn.Conv2d(4, 8, kernel_size=4, stride=4, groups=2))
     assert not training.PatchMatmul.replaces(torch.nn.Conv2d(3, 8, kernel_size=4, stride=2))
     assert training.PatchMatmul.replaces(torch.nn.Conv2d(3, 8, kernel_size=(2, 4), stride=(2, 4)))
+
+
+def _two_text_tasks_host() -> tuple[ClientActor, dict[str, torch.Tensor]]:
+    """One client holding two text-generation tasks on the tiny LLaVA: colors answered with the color alone and counts
+    as "Answer: <count>" (targets of other lengths)."""
+    def task(name: str, question: str, answer_only: bool) -> dict:
+        return {"name": name, "source": "task-groups:vqa", "kind": "text_generation", "clients": [0],
+                "partition": {"name": "iid"}, "max_text_length": 28,
+                "options": {"group": 0, "num_samples": 20, "question_types": [question], "styles": ["noisy"],
+                            "answer_only": answer_only}}
+
+    config = {"name": "two-tasks", "seed": 3,
+              "data": {"tasks": [task("colors", "color", True), task("counts", "count", False)]},
+              "model": {"backbone": "tiny-pretrained:llava", "lora": {"rank": 4, "alpha": 8}},
+              "federation": {"rounds": 1, "clients_per_round": 1},
+              "train": {"local_steps": 2, "batch_size": 8, "eval_batch_size": 64}, "methods": ["fedavg"],
+              "placement": {"executor": "local"}}
+    host = ClientActor(config, [0])
+    return host, host.start_method(0)
+
+
+def test_a_clients_tasks_that_share_the_forward_train_stacked_with_the_losses_and_gradients_of_one_forward_each():
+    host, start = _two_text_tasks_host()
+    client = host._context(0, 0)
+    client.model.load_trainable(start)
+    named = {name: p for name, p in client.model.named_parameters() if name in start}
+    parts = client._micro_batch(next(client.batch_order(1, "train", None)))
+    assert len(parts) == 2 and training.stacked_forward_batch(client.model, parts) is not None
+    step = training.Step(client, parts, named, 0, 0, {})
+
+    def losses_and_grads(losses: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        for param in named.values():
+            param.grad = None
+        sum(losses).backward()
+        return [loss.detach() for loss in losses], {name: p.grad.clone() for name, p in named.items()}
+
+    stacked, stacked_grads = losses_and_grads(step.part_losses())
+    one_each, one_each_grads = losses_and_grads(step.part_losses([step.outputs(i) for i in range(len(parts))]))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(stacked, one_each))
+    for name, grad in one_each_grads.items():
+        assert torch.allclose(stacked_grads[name], grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_a_clients_text_generation_tasks_are_scored_in_one_pass_with_each_tasks_own_metrics(monkeypatch):
+    host, start = _two_text_tasks_host()
+    client = host._context(0, 0)
+    client.model.load_trainable(start)
+    client.model.eval()
+    one_each = {}
+    for part in client.data.parts:
+        task = client.tasks[part.task]
+        training.select_task(client.model, part.task)
+        with torch.no_grad():
+            one_each[task.name] = task.kind.summarize(*client._score(task, part.test))
+    widths = {part.test["target_ids"].shape[1] for part in client.data.parts}
+    assert len(widths) == 2  # the tasks' answers differ in length: the merged set pads them
+    calls = []
+    generate = kinds.generate
+    monkeypatch.setattr(kinds, "generate", lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs))
+    metrics = client.evaluate(start)
+    assert len(calls) == 1  # both test sets (fewer rows than eval_batch_size) in one batch of generations
+    for name, values in one_each.items():
+        for metric, value in values.items():
+            merged = metrics[f"{name}/local_{metric}"]
+            assert merged == pytest.approx(value, rel=1e-5) if metric == "perplexity" else merged == value, metric
