@@ -28,6 +28,7 @@ import math
 import re
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,30 +74,35 @@ class LayerGate(nn.Module):
     """One learnable gate per decoder layer (Eq. 7): ``sigmoid(beta)`` weighs the second adapter, 1 - it the first.
 
     While its decoder layer runs (between :meth:`open` and :meth:`close`, the layer's forward hooks), the gate's
-    weight and each rank's column scales are computed once and shared by the layer's seven adapted linears."""
+    weights are computed once and shared by the layer's seven adapted linears."""
 
     def __init__(self) -> None:
         super().__init__()
         self.beta = nn.Parameter(torch.zeros(()))
-        self._open: dict[object, torch.Tensor] | None = None  # this forward's values, while the layer runs
+        self._open: dict[object, Any] | None = None  # this forward's values, while the layer runs
 
     def weight(self) -> torch.Tensor:
-        if self._open is None:
-            return torch.sigmoid(self.beta)
-        if "g" not in self._open:
-            self._open["g"] = torch.sigmoid(self.beta)
-        return self._open["g"]
+        return self.weights()[1]
 
-    def column_scales(self, rank: int, scale: float) -> torch.Tensor:
-        """``scale * (1 - g, ..., 1 - g, g, ..., g)``: the weights of a two-adapter code's 2 ``rank`` columns."""
-        key = (rank, scale)
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(1 - g, g)``: the first adapter's weight and the second's."""
+        if self._open is not None and "weights" in self._open:
+            return self._open["weights"]
+        g = torch.sigmoid(self.beta)
+        weights = (1 - g, g)
+        if self._open is not None:
+            self._open["weights"] = weights
+        return weights
+
+    def column_weights(self, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """``(1 - g, ..., 1 - g, g, ..., g)`` in ``dtype``: the weights of a two-adapter code's 2 ``rank`` columns."""
+        key = (rank, dtype)
         if self._open is not None and key in self._open:
             return self._open[key]
-        g = self.weight()
-        scales = (torch.stack([1 - g, g]) * scale).repeat_interleave(rank)
+        columns = torch.stack([w.to(dtype) for w in self.weights()]).repeat_interleave(rank)
         if self._open is not None:
-            self._open[key] = scales
-        return scales
+            self._open[key] = columns
+        return columns
 
     def open(self, *_: object) -> None:
         self._open = {}
@@ -219,19 +225,20 @@ class AdaptedLinear(nn.Module):
 
 
     def _gated(self, x: torch.Tensor, gate: LayerGate) -> torch.Tensor:
-        """The two adapters mixed by the layer's gate: ``(1 - g) h_first + g h_second`` in as few products as the
-        weights allow (the gate's values are computed once per decoder layer)."""
+        """The two adapters mixed by the layer's gate, ``(1 - g) h_first + g h_second``: the generic mix's products
+        (the same numbers), with the gate's weights computed once per decoder layer."""
         first, second = self.adapters
-        if self.pq:  # B (lerp(P_1, P_2, g) A x + lerp(Q_1, Q_2, g))
-            g = gate.weight()
-            p = torch.lerp(self.adapter(first, "P"), self.adapter(second, "P"), g)
-            q = torch.lerp(self.adapter(first, "Q"), self.adapter(second, "Q"), g)
+        if self.pq:  # B ((w_1 P_1 + w_2 P_2) A x + w_1 Q_1 + w_2 Q_2)
+            w_first, w_second = gate.weights()
+            p = w_first * self.adapter(first, "P") + w_second * self.adapter(second, "P")
+            q = w_first * self.adapter(first, "Q") + w_second * self.adapter(second, "Q")
             mixed = nn.functional.linear(nn.functional.linear(x, self.A.detach()), p, q)
             return self.scale * nn.functional.linear(mixed, self.B.detach())
         a = torch.cat([self.adapter(first, "A"), self.adapter(second, "A")])
         b = torch.cat([self.adapter(first, "B"), self.adapter(second, "B")], dim=1)
-        code = nn.functional.linear(x, a) * gate.column_scales(self.rank, self.scale)
-        return nn.functional.linear(code, b)
+        code = nn.functional.linear(x, a)
+        code = code * gate.column_weights(self.rank, code.dtype)
+        return self.scale * nn.functional.linear(code, b)
 
 
 @dataclass(frozen=True)
