@@ -94,12 +94,13 @@ class LayerGate(nn.Module):
             self._open["weights"] = weights
         return weights
 
-    def column_weights(self, rank: int, dtype: torch.dtype) -> torch.Tensor:
-        """``(1 - g, ..., 1 - g, g, ..., g)`` in ``dtype``: the weights of a two-adapter code's 2 ``rank`` columns."""
-        key = (rank, dtype)
+    def column_scales(self, rank: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """``scale * (1 - g, ..., 1 - g, g, ..., g)`` in ``dtype``: the weights of a two-adapter code's 2 ``rank``
+        columns."""
+        key = (rank, scale, dtype)
         if self._open is not None and key in self._open:
             return self._open[key]
-        columns = torch.stack([w.to(dtype) for w in self.weights()]).repeat_interleave(rank)
+        columns = (torch.stack(self.weights()) * scale).repeat_interleave(rank).to(dtype)
         if self._open is not None:
             self._open[key] = columns
         return columns
@@ -225,20 +226,19 @@ class AdaptedLinear(nn.Module):
 
 
     def _gated(self, x: torch.Tensor, gate: LayerGate) -> torch.Tensor:
-        """The two adapters mixed by the layer's gate, ``(1 - g) h_first + g h_second``: the generic mix's products
-        (the same numbers), with the gate's weights computed once per decoder layer."""
+        """The two adapters mixed by the layer's gate, ``(1 - g) h_first + g h_second``, in fewer products than the
+        generic mix (the same numbers within round-off), with the gate's weights computed once per decoder layer."""
         first, second = self.adapters
-        if self.pq:  # B ((w_1 P_1 + w_2 P_2) A x + w_1 Q_1 + w_2 Q_2)
-            w_first, w_second = gate.weights()
-            p = w_first * self.adapter(first, "P") + w_second * self.adapter(second, "P")
-            q = w_first * self.adapter(first, "Q") + w_second * self.adapter(second, "Q")
+        if self.pq:  # B (lerp(P_1, P_2, g) A x + lerp(Q_1, Q_2, g))
+            g = gate.weight()
+            p = torch.lerp(self.adapter(first, "P"), self.adapter(second, "P"), g)
+            q = torch.lerp(self.adapter(first, "Q"), self.adapter(second, "Q"), g)
             mixed = nn.functional.linear(nn.functional.linear(x, self.A.detach()), p, q)
             return self.scale * nn.functional.linear(mixed, self.B.detach())
         a = torch.cat([self.adapter(first, "A"), self.adapter(second, "A")])
         b = torch.cat([self.adapter(first, "B"), self.adapter(second, "B")], dim=1)
         code = nn.functional.linear(x, a)
-        code = code * gate.column_weights(self.rank, code.dtype)
-        return self.scale * nn.functional.linear(code, b)
+        return nn.functional.linear(code * gate.column_scales(self.rank, self.scale, code.dtype), b)
 
 
 @dataclass(frozen=True)

@@ -144,8 +144,8 @@ class _Decoder(nn.Module):
 
 
 def test_the_gated_fast_path_equals_the_mix_of_each_adapter_forward_and_gradient():
-    """Layer 1 conventional LoRA, layer 2 PQ-LoRA, each gated: the fast path (the gate's weights computed once per
-    decoder layer) against the generic per-adapter mix."""
+    """Layer 1 conventional LoRA, layer 2 PQ-LoRA, each gated: the fast path (the gate computed once per decoder layer,
+    PQ's P and Q lerped, the conventional code's columns scaled) against the generic per-adapter mix."""
     torch.manual_seed(0)
     model = _Decoder(12, 2).double().requires_grad_(False)
     pqlora.attach(model, rank=4, adapters=("local", "global"), pq_blocks=1, scale=2.0, pq_scale=0.5,
@@ -174,13 +174,10 @@ def test_the_gated_fast_path_equals_the_mix_of_each_adapter_forward_and_gradient
     again, again_grads = outputs_and_grads(generic=False)  # a second forward and backward with the same gate values
     reference, reference_grads = outputs_and_grads(generic=True)
     assert torch.equal(fast, again) and all(torch.equal(fast_grads[n], again_grads[n]) for n in fast_grads)
-    assert torch.equal(fast, reference)  # the same products: the same numbers, not only within round-off
+    assert torch.allclose(fast, reference, rtol=1e-12, atol=1e-12)
     assert fast_grads.keys() == reference_grads.keys() and any(n.endswith("local_P") for n in fast_grads)
-    for name, grad in fast_grads.items():  # a gate's gradient sums its seven linears' parts in another order
-        if name.endswith("beta"):
-            assert torch.allclose(grad, reference_grads[name], rtol=1e-12, atol=0), name
-        else:
-            assert torch.equal(grad, reference_grads[name]), name
+    for name, grad in fast_grads.items():
+        assert torch.allclose(grad, reference_grads[name], rtol=1e-10, atol=1e-12), name
     assert all(layer.adapter_gate._open is None for layer in model.layers)  # nothing kept past the layer's forward
 
 
