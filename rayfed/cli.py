@@ -1,4 +1,4 @@
-"""The `rayfed` command: run a config, resume a run, list what is registered."""
+"""The `rayfed` command: run a config, resume a run, summarize a config's client data, list what is registered."""
 
 from __future__ import annotations
 
@@ -76,6 +76,25 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rayfed.data.summary import format_summary
+    from rayfed.simulation import Simulation
+
+    if not args.config:
+        raise ConfigError("rayfed data needs a CONFIG file.")
+    if args.rows < 1:
+        raise ConfigError(f"--rows = {args.rows} is invalid: it must be >= 1 (clients shown in the table).")
+    sim = Simulation(args.config, overrides=list(args.overrides), progress=False)
+    # Beside runs/<name>/ rather than in it: a run then still starts in runs/<name>/, not runs/<name>-2/.
+    png = Path(args.out) / "data.png" if args.out else Path("runs") / f"{sim.config.name}-data.png"
+    summary = sim.data_summary(png)
+    print(format_summary(summary, max_rows=args.rows))
+    print(f"plot: {png}")
+    return 0
+
+
 def _pretrain(args: argparse.Namespace) -> int:
     from rayfed import zoo
     from rayfed.errors import choice_error
@@ -110,10 +129,14 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_config_arguments(parser: argparse.ArgumentParser, out_help: str, resume_help: str, quiet_help: str) -> None:
+def _add_config_file_arguments(parser: argparse.ArgumentParser, out_help: str) -> None:
     parser.add_argument("config", nargs="?", help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the file")
     parser.add_argument("--out", help=out_help)
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser, out_help: str, resume_help: str, quiet_help: str) -> None:
+    _add_config_file_arguments(parser, out_help)
     parser.add_argument("--address", help="attach to a Ray cluster (default: $RAY_ADDRESS, else local Ray)")
     parser.add_argument("--resume", metavar="RUN_DIR", help=resume_help)
     parser.add_argument("--quiet", action="store_true", help=quiet_help)
@@ -151,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rounds a run, the first a warm-up (default: the workload's)")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
     bench.set_defaults(handler=_bench)
+
+    data = commands.add_parser("data", help="each client's train / test counts and label (or task) histogram, "
+                               "before a run: a table and a PNG")
+    _add_config_file_arguments(data, out_help="folder for data.png (default: the file runs/<name>-data.png)")
+    data.add_argument("--rows", type=int, default=40, help="clients shown in the table (all are in the PNG)")
+    data.set_defaults(handler=_data)
 
     pretrain = commands.add_parser("pretrain", help="build a family's tiny pretrained model, cached in $RAYFED_CACHE")
     pretrain.add_argument("family", help="a model family (docs/offline_models.md lists them) or 'all' (every family "

@@ -169,6 +169,16 @@ class Simulation:
         write_report(self.run_dir, summary, self.log.events)
         return summary
 
+    def data_summary(self, png: str | os.PathLike | None = None) -> dict[str, Any]:
+        """Each client's train / test sample counts and histogram over labels (or tasks), from the data config
+        alone (no Ray, no model); with ``png``, also a stacked bar per client saved there."""
+        from rayfed.data.summary import data_summary, plot_summary
+
+        summary = data_summary(build_federation(self.config.data, self.config.seed))
+        if png is not None:
+            plot_summary(summary, png)
+        return summary
+
     # Setup ------------------------------------------------------------------------------
     @property
     def _results_dir(self) -> Path:
