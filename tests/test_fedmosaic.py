@@ -13,7 +13,7 @@ import torch
 import transformers
 from torch import nn
 
-from rayfed import pqlora
+from rayfed import pqlora, training
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_slots
@@ -251,6 +251,34 @@ def _first_round(config):
              for arch, actor in actors.items()}
     driver.aggregate(*parts.values())
     return actors, driver, prepared, parts
+
+
+def test_the_relevance_gradient_of_a_step_holding_several_tasks_is_the_whole_batchs():
+    """W_s's gradient of a step whose batch holds two tasks is the share-weighted sum of each task's own gradient
+    (the hooked layer's last call alone held only the last task's rows)."""
+    config = load_config({
+        "name": "two-tasks", "seed": 2,
+        "data": {"tasks": [_task("colors", 0, 0, "color"), _task("counts", 0, 0, "count")]},
+        "model": {"backbone": "tiny-pretrained:llava", "lora": {"rank": 4, "alpha": 8}},
+        "federation": {"rounds": 1, "clients_per_round": 1},
+        "train": {"local_steps": 1, "batch_size": 8},
+        "methods": [{"name": "fedmosaic", "grad_interval": 1}],
+        "placement": {"executor": "local"},
+    })
+    host = ClientActor(config, [0])
+    start = host.start_method(0)
+    client = host._context(0, 0)
+    client.model.load_trainable({**start, **host.states[0]["personal"]})
+    named = {name: p for name, p in client.model.named_parameters() if p.requires_grad}
+    parts = client._micro_batch(next(client.batch_order(1, "train", None)))
+    assert len(parts) == 2
+
+    def gradient(step_parts) -> torch.Tensor:
+        return host.method._relevance_gradient(training.Step(client, step_parts, named, 0, 0, {}))
+
+    rows = [len(batch["input_ids"]) for _, batch in parts]
+    expected = sum(count / sum(rows) * gradient([part]) for count, part in zip(rows, parts))
+    assert torch.allclose(gradient(parts), expected, rtol=1e-4, atol=1e-7)
 
 
 @pytest.fixture(scope="module")
