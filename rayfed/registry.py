@@ -88,7 +88,9 @@ def register(kind: str, name: str, obj: T | None = None, *, help: str = "") -> T
 
     def add(target: T) -> T:
         text = help or _first_sentence(getattr(target, "__doc__", None) or "")
-        builtin = str(getattr(target, "__module__", "")).startswith("rayfed.")
+        # An object a user built from a built-in class (an instance) is the user's, not a built-in.
+        defined = isinstance(target, type) or callable(target)
+        builtin = defined and str(getattr(target, "__module__", "")).startswith("rayfed.")
         _ENTRIES[kind][name] = Entry(kind, name, target, builtin, text)
         return target
 

@@ -113,4 +113,4 @@ def test_python_m_rayfed_is_the_rayfed_command(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rayfed", "--help"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("usage: rayfed ") and "{run,tune,bench,pretrain,list}" in done.stdout
+    assert done.stdout.startswith("usage: rayfed ") and "{run,tune,bench,data,pretrain,list}" in done.stdout
