@@ -7,6 +7,7 @@ import ast
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from torch import nn
 
 import rayfed
@@ -253,6 +255,164 @@ def test_an_example_runs_and_packing_does_not_change_its_numbers(script, tmp_pat
         numbers.append(_results(cwd))
     assert numbers[0] == numbers[1]
 
+
+
+# The examples of docs/extending.md that a subprocess run would make slow, run here as a user runs them -------------
+def _run_script(script: str, overrides: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python examples/<script> <overrides>`` in folder ``cwd``, in this process (no new interpreter to start)."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", [script, *overrides])
+    runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
+
+
+def _evals(cwd: Path) -> list[dict]:
+    [metrics] = cwd.glob("runs/*/metrics.jsonl")
+    return [event for line in metrics.read_text().splitlines() if (event := json.loads(line))["event"] == "eval"]
+
+
+def test_the_scaffold_example_gives_the_same_numbers_at_any_packing(tmp_path, monkeypatch, capsys):
+    """Each client's control variate lives in its client state: one client per actor or all four on one actor, and
+    clients train again in round 2 from the c_i they kept. (Ray against in-process for a driver script's method:
+    test_an_example_runs_and_packing_does_not_change_its_numbers, which costs a minute per example.)"""
+    overrides = [*SHORT, "federation.clients_per_round=3", "methods=[scaffold]", "placement.executor=local"]
+    numbers = []
+    for packing in ("1", "4"):
+        cwd = tmp_path / packing
+        _run_script("scaffold.py", [*overrides, f"placement.clients_per_actor={packing}"], cwd, monkeypatch)
+        numbers.append(_results(cwd))
+    assert numbers[0] == numbers[1]
+    assert "scaffold: local_acc" in capsys.readouterr().out
+
+
+def test_scaffold_corrects_each_step_and_keeps_each_clients_option_ii_control_variate(tiny_run):
+    """One plain SGD step from x: y = x - lr (g_i(x) - c_i + c), and option II gives c_i+ = g_i(x), the gradient of
+    client i's own batch (from the same step without the correction: (x - y_plain) / lr); the server adds
+    sum_i (c_i+ - c_i) / N to c and averages the y_i, the same from each upload and from their pre-sum."""
+    from rayfed.actors.client import ClientActor
+    from rayfed.method import presum
+
+    example = runpy.run_path(str(ROOT / "examples" / "scaffold.py"))
+    lr, control = 0.1, example["CONTROL"]
+    tiny_run["train"] = {"local_steps": 1, "batch_size": 8, "lr": lr, "optimizer": "sgd"}
+    tiny_run["methods"] = [{"name": example["Scaffold"]}, "fedavg"]
+    actor = ClientActor(load_config(tiny_run), [0, 1])
+    x = actor.start_method(0)
+    scaffold = actor.methods[0]
+    generator = torch.Generator().manual_seed(0)
+
+    def noise() -> dict[str, torch.Tensor]:
+        return {n: 0.1 * torch.randn(v.shape, generator=generator) for n, v in x.items()}
+
+    c, c_i = noise(), {0: noise(), 1: noise()}
+    actor.set_states({cid: {**state, control: c_i[cid]} for cid, state in actor.get_states().items()})
+    server = {"global": x, control: c}
+    payload = scaffold.payload(server, 0)
+    uploads = {u.client_id: u for u in actor.train(0, [0, 1], {0: payload, 1: payload})}
+    kept = {cid: state[control] for cid, state in actor.get_states().items()}
+    actor.start_method(1)  # FedAvg: the same step (batch, seed) without the correction
+    plain = {u.client_id: u.tensors["shared"] for u in actor.train(0, [0, 1], {0: x, 1: x})}
+    for cid in (0, 1):
+        y = uploads[cid].tensors["shared"]
+        for n in x:
+            torch.testing.assert_close(y[n], plain[cid][n] - lr * (c[n] - c_i[cid][n]), rtol=0, atol=1e-6)
+            torch.testing.assert_close(kept[cid][n], (x[n] - plain[cid][n]) / lr, rtol=0, atol=2e-5)
+            torch.testing.assert_close(uploads[cid].tensors[control][n], kept[cid][n] - c_i[cid][n])
+    assert not torch.allclose(kept[0]["head.weight"], kept[1]["head.weight"], atol=1e-3)  # each client's own
+
+    each = scaffold.aggregate(server, [uploads[0], uploads[1]])
+    summed = scaffold.aggregate(server, [presum([uploads[0], uploads[1]])])
+    for slot in ("global", control):
+        for n in x:
+            assert torch.equal(each[slot][n], summed[slot][n])
+    for n in x:
+        delta = uploads[0].tensors[control][n] + uploads[1].tensors[control][n]
+        torch.testing.assert_close(each[control][n], c[n] + delta / 4)  # N = 4 clients, 2 of them this round
+        torch.testing.assert_close(each["global"][n], (uploads[0].tensors["shared"][n] + uploads[1].tensors["shared"][n]) / 2)
+
+
+def test_scaffold_refuses_local_steps_its_control_variates_do_not_describe(tiny_run):
+    from rayfed.actors.client import ClientActor
+
+    example = runpy.run_path(str(ROOT / "examples" / "scaffold.py"))
+    tiny_run["methods"] = [{"name": example["Scaffold"]}]  # tiny_run trains with adam
+    actor = ClientActor(load_config(tiny_run), [0])
+    x = actor.start_method(0)
+    payload = actor.method.payload(actor.method.init_server(x), 0)
+    with pytest.raises(ConfigError, match=r"train\.optimizer = 'adam' is not allowed with scaffold.*allowed: 'sgd'"):
+        actor.train(0, [0], {0: payload})
+
+
+def test_the_text_backbone_example_learns_its_topics(tmp_path, monkeypatch, capsys):
+    """Four topics (chance 1/4): after 4 rounds the tiny BERT's LoRA and head classify well above chance, and the
+    test loss is below the initial model's."""
+    _run_script("text_backbone.py", [*SHORT, "federation.rounds=4", "federation.eval_every=4", "methods=[fedavg]",
+                                     "federation.clients_per_round=4", "train.local_steps=10", "data.partition.name=iid",
+                                     "federation.eval_round_zero=true", "placement.executor=local"], tmp_path, monkeypatch)
+    first, last = _evals(tmp_path)
+    assert (first["round"], last["round"]) == (0, 4)
+    assert last["local_loss"] < first["local_loss"]
+    assert last["local_acc"] > 0.6
+    assert "fedavg: local_acc" in capsys.readouterr().out
+
+
+def test_the_text_backbone_example_tokenizes_to_its_declared_contract():
+    from rayfed.models import build_backbone
+
+    example = runpy.run_path(str(ROOT / "examples" / "text_backbone.py"))
+    backbone = build_backbone(load_config(example["CONFIG"]).model, 0)
+    assert backbone.modalities == frozenset({"text"}) and backbone.image_size is None
+    encoded = backbone.tokenizer(["goal today rain", "zebra"], padding="max_length", truncation=True,
+                                 max_length=backbone.max_text_length, return_tensors="pt")
+    assert encoded["input_ids"].shape == (2, backbone.max_text_length)
+    assert encoded["attention_mask"].sum(1).tolist() == [5, 3]  # [CLS] words [SEP]; an unknown word is [UNK]
+    batch = {**encoded, "labels": torch.tensor([0, 1])}  # the batch features see also holds the task's labels
+    assert backbone.features(backbone.encoder, batch).shape == (2, backbone.feature_dim)
+
+
+def test_the_custom_loss_example_trains_with_its_focal_loss(tiny_run):
+    """The loss a local update reports (its one step's, at x) is the focal loss of that batch, worked out here."""
+    from rayfed.actors.client import ClientActor
+
+    example = runpy.run_path(str(ROOT / "examples" / "custom_loss.py"))
+    tiny_run["data"]["kind"] = example["FocalClassification"](gamma=2.0)
+    tiny_run["train"] = {"local_steps": 1, "batch_size": 8, "lr": 0.01, "optimizer": "sgd"}
+    actor = ClientActor(load_config(tiny_run), [0])
+    x = actor.start_method(0)
+    [upload] = actor.train(0, [0], {0: x})
+    client = actor._context(0, 0)
+    client.model.load_trainable(x)
+    [(_, batch)] = client._micro_batch(next(client.batch_order(1, "train", None)))
+    with torch.no_grad():
+        p = client.model(batch).float().softmax(-1)[torch.arange(len(batch["labels"])), batch["labels"]]
+    assert upload.train_loss == pytest.approx(float((-(1 - p) ** 2 * p.log()).mean()), rel=1e-5)
+    assert upload.train_loss != pytest.approx(float(-p.log().mean()), rel=1e-3)  # not the cross-entropy
+
+
+def test_the_custom_loss_examples_calibration_error_adds_up_over_test_batches():
+    """local_ece from two test batches' sums: |mean confidence - accuracy| per confidence tenth, weighted by its share."""
+    example = runpy.run_path(str(ROOT / "examples" / "custom_loss.py"))
+    kind = example["FocalClassification"]()
+    logits = torch.tensor([[2.0, 0.0], [0.0, 0.1], [3.0, 0.0], [0.0, 4.0], [1.0, 0.9]])
+    labels = torch.tensor([0, 0, 1, 1, 0])
+    sums: dict[str, float] = {}
+    for rows in (slice(0, 2), slice(2, 5)):
+        for name, value in kind.score(lambda batch, rows=rows: logits[rows], {"labels": labels[rows]}).items():
+            sums[name] = sums.get(name, 0.0) + value
+    metrics = kind.summarize(sums, 5)
+    confidence, predicted = logits.softmax(-1).max(1)
+    correct = (predicted == labels).float()
+    bins = (confidence * 10).long()
+    expected = sum(abs(confidence[bins == b].sum() - correct[bins == b].sum()) for b in bins.unique()) / 5
+    assert metrics["ece"] == pytest.approx(float(expected))
+    assert metrics["acc"] == pytest.approx(0.6)
+
+
+def test_the_custom_loss_example_runs_and_reports_its_metrics(tmp_path, monkeypatch, capsys):
+    _run_script("custom_loss.py", [*SHORT, "placement.executor=local"], tmp_path, monkeypatch)
+    [last] = _evals(tmp_path)
+    assert {"local_acc", "local_focal", "local_ece"} <= set(last) and 0 <= last["local_ece"] <= 1
+    assert "local_ece = " in capsys.readouterr().out
 
 # Layering -------------------------------------------------------------------------------------------
 def test_the_driver_actor_and_every_method_import_without_the_model_libraries():
