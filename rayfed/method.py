@@ -470,8 +470,10 @@ def post_train_views(client: ClientContext, start: TensorDict, microbatches: int
     the same order; ``train``: :meth:`ClientContext.train`'s ``loss`` or ``phases`` (the method's own
     objective)."""
     steps = post_fl_steps(microbatches, client.train_config.grad_accum)
-    return {f"view:pt{'' if k == 1 else k}": client.train(start, steps=k * steps, lr=lr, purpose="post_train",
-                                                          **train).params for k in multiples}
+    # One call for every view: the longest holds the shorter ones (ClientContext.train's snapshot_steps).
+    trained = client.train(start, steps=max(multiples) * steps, lr=lr, purpose="post_train",
+                           snapshot_steps=[k * steps for k in multiples], **train)
+    return {f"view:pt{'' if k == 1 else k}": trained.snapshots[k * steps] for k in multiples}
 
 
 def stored_views(state: ClientState) -> dict[str, TensorDict]:

@@ -55,6 +55,7 @@ class TrainResult:
     loss: Loss  # mean training loss over the steps taken (the first phase's), left on the device
     task_losses: dict[int, Loss] = field(default_factory=dict)  # per task: mean loss over the micro-batches holding it
     optimizer_state: TensorDict | None = None  # with keep_optimizer_state: to pass back in a later call
+    snapshots: dict[int, TensorDict] = field(default_factory=dict)  # with snapshot_steps: params after those steps
 
 
 @dataclass(frozen=True)
@@ -256,22 +257,31 @@ class ClientContext:
         self, params: TensorDict, *, steps: int | None = None, purpose: str = "train",
         extra_loss: Penalty | None = None, lr: float | None = None, loss: LossFn | None = None,
         phases: Sequence[Phase] | None = None, optimizer_state: TensorDict | None = None,
-        keep_optimizer_state: bool = False,
+        keep_optimizer_state: bool = False, snapshot_steps: Sequence[int] = (),
     ) -> TrainResult:
         """Run ``steps`` optimizer steps from ``params``; batches and dropout seeded by (round, client, purpose).
 
         Without ``phases``: one phase over every parameter in ``params``, minimising ``loss`` (default: the
         task loss) plus ``extra_loss``, at ``lr`` (default: the config's, on its schedule). Under
         ``train.batch_clients`` (the actor sets ``lockstep``) such a plain update of a one-task client trains
-        stacked with other clients' (:mod:`rayfed.batching`)."""
+        stacked with other clients' (:mod:`rayfed.batching`).
+
+        ``snapshot_steps``: also the parameters after each of these steps (``TrainResult.snapshots``), bitwise
+        what a call of that many steps gives: batches, dropout and (unscheduled) learning rates do not depend on
+        the number of steps, so one call of ``2k`` steps holds the call of ``k``."""
         config = self.train_config
         steps = self.default_steps() if steps is None else steps
+        if any(not 0 < k <= steps for k in snapshot_steps):
+            raise ValueError(f"snapshot_steps {list(snapshot_steps)} must lie in 1..{steps}")
+        if snapshot_steps and config.schedule != "constant" and purpose == "train":
+            raise ValueError("snapshot_steps needs learning rates that do not depend on the number of steps")
         base_lr = lr or config.lr
         # One task, one micro-batch a step, a fresh optimizer: what a captured or a stacked step can run.
         simple = (len(self.data.parts) == 1 and config.grad_accum == 1 and optimizer_state is None
                   and not keep_optimizer_state)
         pool = self.arrived_rows()
-        if self.lockstep is not None and phases is None and loss is None and simple and (pool is None or len(pool)):
+        if (self.lockstep is not None and phases is None and loss is None and simple and not snapshot_steps
+                and (pool is None or len(pool))):
             return self.lockstep.train(self, params, steps, purpose, base_lr, extra_loss, pool)
         phases = list(phases) if phases is not None else [Phase(loss=loss, extra_loss=extra_loss)]
         self.model.load_trainable(params)
@@ -283,16 +293,26 @@ class ClientContext:
             # Before seeding: a first capture runs warm-up steps, which would draw dropout masks.
             graphed = _graphed_step(self.model, named, config, base_lr, self.data, self.tasks[self.task])
         torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
+        snapshots: dict[int, TensorDict] = {}
+
+        def snapshot(taken: int) -> None:
+            if taken in snapshot_steps:
+                snapshots[taken] = {n: p.detach().clone() for n, p in named.items()}
+
         if pool is not None and len(pool) == 0:  # nothing has arrived yet
-            return TrainResult({n: p.detach().clone() for n, p in named.items()}, float("nan"))
+            for taken in snapshot_steps:
+                snapshot(taken)
+            return TrainResult({n: p.detach().clone() for n, p in named.items()}, float("nan"), snapshots=snapshots)
         batches = self.batch_order(steps * config.grad_accum, purpose, pool)
         # Summed on the device: reading each step's loss would make the host wait for the GPU every step.
         total_loss = torch.zeros((), device=self.device)
         if graphed is not None:
             part = self.data.parts[0]
-            for indices in batches:
+            for taken, indices in enumerate(batches, start=1):
                 total_loss += graphed.step({k: v[indices] for k, v in part.train.items()})
-            return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1))
+                snapshot(taken)
+            return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1),
+                               snapshots=snapshots)
         optimizers = [self._optimizer(phase, named, base_lr) for phase in phases]
         if optimizer_state is not None:
             _load_optimizer_state(optimizers, phases, named, optimizer_state)
@@ -328,10 +348,11 @@ class ClientContext:
                 if config.grad_clip is not None:
                     nn.utils.clip_grad_norm_(trained, config.grad_clip)
                 optimizer.step()
+            snapshot(step + 1)
         task_losses = {task: task_sums[task] / task_counts[task] for task in task_sums}
         state = _optimizer_state(optimizers, named) if keep_optimizer_state else None
         return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1),
-                           task_losses, state)
+                           task_losses, state, snapshots)
 
     def batch_order(self, batches: int, purpose: str, pool: torch.Tensor | None) -> Iterator[torch.Tensor]:
         """The rows of each of ``batches`` micro-batches of a train call, seeded by (round, client, purpose), drawn

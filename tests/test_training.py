@@ -12,6 +12,7 @@ from rayfed.actors.client import ClientActor, _OnDevice
 from rayfed.benchmarks.overhead import Workload
 from rayfed.data.batches import ClientData, TaskData
 from rayfed.errors import ConfigError
+from rayfed.method import post_train_views
 
 WORKLOAD = Workload(num_clients=3, clients_per_round=3, local_steps=6, batch_size=8, samples_per_client=24)
 
@@ -269,6 +270,28 @@ def test_optimizer_state_is_kept_across_calls_when_asked():
     fresh = host._context(0, 1).train(first.params, steps=1)
     assert all(float(v) == 3.0 for k, v in resumed.optimizer_state.items() if k.endswith("/step"))
     assert any(not torch.equal(resumed.params[n], fresh.params[n]) for n in start)
+
+
+def test_the_parameters_after_k_steps_of_a_longer_call_are_bitwise_a_call_of_k_steps():
+    host, start = _tiny_host(grad_clip=1.0)
+
+    def dropped_out(step: training.Step) -> torch.Tensor:  # draws dropout masks: the seeded stream must line up
+        outputs = torch.nn.functional.dropout(step.outputs(), 0.5)
+        return step.task.kind.loss(outputs, step.batch)
+
+    long = host._context(0, 2).train(start, steps=6, purpose="post_train", loss=dropped_out, snapshot_steps=[2, 6])
+    assert sorted(long.snapshots) == [2, 6]
+    short = host._context(0, 2).train(start, steps=2, purpose="post_train", loss=dropped_out)
+    assert all(torch.equal(long.snapshots[2][n], short.params[n]) for n in start)
+    assert all(torch.equal(long.snapshots[6][n], long.params[n]) for n in start)
+    assert any(not torch.equal(long.snapshots[2][n], long.params[n]) for n in start)
+    views = post_train_views(host._context(0, 2), start, microbatches=3, lr=1e-3, multiples=(1, 2))
+    one_by_one = {k: host._context(0, 2).train(start, steps=k * 3, lr=1e-3, purpose="post_train").params
+                  for k in (1, 2)}
+    assert all(torch.equal(views["view:pt"][n], one_by_one[1][n]) for n in start)
+    assert all(torch.equal(views["view:pt2"][n], one_by_one[2][n]) for n in start)
+    with pytest.raises(ValueError, match="snapshot_steps"):
+        host._context(0, 2).train(start, steps=2, snapshot_steps=[3])
 
 
 def test_the_round_warmup_schedule_rises_linearly_over_rounds_then_stays():
