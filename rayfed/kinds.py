@@ -38,7 +38,8 @@ from rayfed.types import Batch
 
 if TYPE_CHECKING:
     from rayfed.data.sources import ArrayDataset
-    from rayfed.models import Backbone, ClientModel
+    from rayfed.models.backbone import Backbone
+    from rayfed.models.client import ClientModel
     from rayfed.tasks import Task
 
 IGNORE = -100  # label of positions no loss is taken on

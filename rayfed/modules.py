@@ -42,7 +42,7 @@ from rayfed.errors import ConfigError
 from rayfed.tasks import Task, task_key
 
 if TYPE_CHECKING:
-    from rayfed.models import Backbone
+    from rayfed.models.backbone import Backbone
 
 M = TypeVar("M", bound=nn.Module)
 

@@ -431,7 +431,7 @@ def test_every_feddat_config_loads_and_validates(path):
 
 
 def test_the_tune_config_sweeps_tau_and_the_kd_weights(tmp_path):
-    from rayfed.tune import _Sweep
+    from rayfed.tune.sweep import _Sweep
 
     sweep = _Sweep.build(load_config(CONFIGS.parent / "tune" / "feddat_kd.yaml"), tmp_path, None)
     assert {"methods.0.tau", "methods.0.alpha", "methods.0.beta"} <= set(sweep.spec.space)

@@ -320,7 +320,7 @@ def test_paper_and_offline_configs_validate_without_downloading(path):
 
 
 def test_alpha_sweep_validates(tmp_path):
-    from rayfed.tune import _Sweep
+    from rayfed.tune.sweep import _Sweep
 
     sweep = _Sweep.build(load_config("configs/tune/pfedmma_alpha.yaml"), tmp_path, None)
     assert sweep.spec.metric == "pfedmma/hm" and sweep.max_rounds == 20

@@ -436,14 +436,15 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(module: str, file: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules ``module`` imports, at any depth of its code, but under ``if TYPE_CHECKING``."""
+def _imports(module: str, file: Path, modules: dict[str, Path], typing: bool = True) -> set[str]:
+    """The package's modules ``module`` imports, at any depth of its code; under ``if TYPE_CHECKING`` too unless
+    ``typing`` is false."""
     tree = ast.parse(file.read_text())
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
                    for n in ast.walk(node)}
     targets = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if not typing and id(node) in typing_only:
             continue
         names = []
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -459,7 +460,27 @@ def _imports(module: str, file: Path, modules: dict[str, Path]) -> set[str]:
     return targets
 
 
+def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, frontier = set(), [start]
+    while frontier:
+        module = frontier.pop()
+        if module == goal:
+            return True
+        if module not in seen:
+            seen.add(module)
+            frontier.extend(graph[module])
+    return False
+
+
+# Work left for issue 36: imports under TYPE_CHECKING that still close a cycle. Task, TaskKind and ClientModel name
+# each other in their type hints; training's hint of batching.Lockstep names a module that imports training. Each
+# entry must still be a typing-only import in a cycle, so the list only shrinks.
+TYPING_CYCLES_LEFT = {("rayfed.kinds", "rayfed.tasks"), ("rayfed.kinds", "rayfed.models.client"),
+                      ("rayfed.training", "rayfed.batching")}
+
+
 def test_the_package_has_no_import_cycle_and_lower_layers_import_no_method_or_actor():
+    """Imports under ``if TYPE_CHECKING`` count: a type hint naming a module is a dependency on it."""
     modules = _modules()
     graph = {module: _imports(module, file, modules) for module, file in modules.items()}
     for module, targets in graph.items():
@@ -467,24 +488,26 @@ def test_the_package_has_no_import_cycle_and_lower_layers_import_no_method_or_ac
             assert not {t for t in targets if _in_layer(t, ("rayfed.methods", "rayfed.actors"))}, module
         if not _in_layer(module, ("rayfed.methods", "rayfed.benchmarks")):  # the engine never imports a method
             assert not {t for t in targets if _in_layer(t, ("rayfed.methods",))}, f"{module} imports a method"
-    # a cycle: a module reachable from itself
-    for start in graph:
-        seen, frontier = set(), list(graph[start])
-        while frontier:
-            module = frontier.pop()
-            assert module != start, f"import cycle through {start}"
-            if module not in seen:
-                seen.add(module)
-                frontier.extend(graph[module])
+    runtime = {module: _imports(module, file, modules, typing=False) for module, file in modules.items()}
+    for module, target in sorted(TYPING_CYCLES_LEFT):
+        assert target in graph[module] and target not in runtime[module], f"{module} -> {target} is no typing-only import"
+        assert _reaches(graph, target, module), f"{module} -> {target} closes no cycle now: drop it from the list"
+    pruned = {module: targets - {t for m, t in TYPING_CYCLES_LEFT if m == module} for module, targets in graph.items()}
+    for start in pruned:  # a cycle: a module reachable from itself
+        assert not any(_reaches(pruned, target, start) for target in pruned[start]), f"import cycle through {start}"
 
 
 def test_the_layering_check_finds_a_cycle(tmp_path):
-    """The check above is not vacuous: two modules importing each other form a cycle it reports."""
+    """The check above is not vacuous: two modules importing each other form a cycle it reports, also where one
+    import is a type hint's."""
     (tmp_path / "a.py").write_text("from rayfed.b import x\n")
     (tmp_path / "b.py").write_text("def f():\n    from rayfed.a import y\n")
-    modules = {"rayfed.a": tmp_path / "a.py", "rayfed.b": tmp_path / "b.py"}
-    assert _imports("rayfed.a", modules["rayfed.a"], modules) == {"rayfed.b"}
-    assert _imports("rayfed.b", modules["rayfed.b"], modules) == {"rayfed.a"}
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rayfed.a import z\n")
+    modules = {name: tmp_path / f"{name[-1]}.py" for name in ("rayfed.a", "rayfed.b", "rayfed.c")}
+    graph = {module: _imports(module, file, modules) for module, file in modules.items()}
+    assert graph == {"rayfed.a": {"rayfed.b"}, "rayfed.b": {"rayfed.a"}, "rayfed.c": {"rayfed.a"}}
+    assert _reaches(graph, "rayfed.b", "rayfed.a") and not _reaches(graph, "rayfed.a", "rayfed.c")
+    assert _imports("rayfed.c", modules["rayfed.c"], modules, typing=False) == set()
 
 
 def test_rayfed_exports_what_a_driver_script_needs():

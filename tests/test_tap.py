@@ -615,7 +615,9 @@ def test_tap_configs_are_valid(path):
 
 
 def test_the_margin_sweep_is_a_valid_asha_sweep():
-    from rayfed.tune import _checked_configs, _parse_spec, SearchSpace
+    from rayfed.tune import SearchSpace
+    from rayfed.tune.spec import _parse_spec
+    from rayfed.tune.sweep import _checked_configs
 
     raw = load_config(CONFIGS / "tune" / "tap_margins.yaml").to_dict()
     spec = _parse_spec(raw["tune"])

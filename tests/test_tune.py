@@ -19,7 +19,8 @@ from rayfed.cli import main
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.simulation import Simulation, init_local_ray
-from rayfed.tune import SearchSpace, TuneSpec, _Reporter, trial_resources, tune
+from rayfed.tune import SearchSpace, TuneSpec, trial_resources, tune
+from rayfed.tune.metric import _Reporter
 
 # The callbacks below run inside Tune's trial processes, which cannot import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -152,7 +153,7 @@ def test_a_metric_the_method_does_not_report_names_the_ones_it_does():
 
 def test_the_metric_names_runs_report_pass_the_check_before_trials():
     from rayfed.kinds import Classification
-    from rayfed.tune import _check_metric_name
+    from rayfed.tune.metric import _check_metric_name
 
     class Agreement(Classification):
         metrics = ("agreement",)

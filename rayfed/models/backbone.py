@@ -1,0 +1,80 @@
+"""A frozen pretrained model and what the engine needs to use it; building the one ``model.backbone`` names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from rayfed.config import ModelConfig
+from rayfed.errors import ConfigError
+from rayfed.models.features import output_features
+from rayfed.registry import resolve
+from rayfed.types import Batch
+
+IMAGE, TEXT = "image", "text"
+
+
+@dataclass
+class Backbone:
+    """A frozen pretrained model and what the engine needs to use it.
+
+    ``features(encoder, inputs)`` gives (batch, ``feature_dim``) features of a batch whose ``pixel_values``
+    are already resized and normalized; ``lm_logits`` (causal LMs only) next-token logits. Images arrive as
+    raw [0, 1] pixels and are resized to ``image_size`` and normalized with ``image_mean``/``image_std`` by
+    the client model; texts are tokenized by ``tokenizer`` to at most ``max_text_length`` tokens, after
+    ``image_prompt`` (LLaVA's image tokens) where there is an image.
+    """
+
+    encoder: nn.Module
+    feature_dim: int
+    image_size: int | None = None
+    num_channels: int = 3
+    features: Callable[[nn.Module, Batch], torch.Tensor] = output_features
+    modalities: frozenset[str] = frozenset({IMAGE})
+    lm_logits: Callable[[nn.Module, Batch], torch.Tensor] | None = None
+    tokenizer: Any = None
+    max_text_length: int = 32
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    lora_scope: str | None = None  # the submodule LoRA goes in (LLaVA: its language model), None: anywhere
+    image_mean: float | tuple[float, ...] = 0.5
+    image_std: float | tuple[float, ...] = 0.5
+    image_prompt: str = ""
+    name: str = field(default="", compare=False)
+    config_field: str = field(default="model.backbone", compare=False)  # the config field naming it, for errors
+
+    @property
+    def generates_text(self) -> bool:
+        return self.lm_logits is not None
+
+
+@dataclass(frozen=True)
+class BackboneRequest:
+    """What a backbone builder is asked for: the model config, the seed of random weights, and a prefix
+    builder's argument (``B`` for ``vit:B``)."""
+
+    config: ModelConfig
+    seed: int
+    argument: str | None = None
+    name: str = ""
+
+
+def build_backbone(config: ModelConfig, seed: int) -> Backbone:
+    """Build (or load) the backbone ``model.backbone`` names; random parts seeded by ``seed``; frozen."""
+    resolved = resolve("backbone", config.backbone)
+    torch.manual_seed(seed)
+    built = resolved.obj(BackboneRequest(config, seed, resolved.argument, resolved.name))
+    if isinstance(built, nn.Module):
+        raise ConfigError(
+            f"model.backbone = {resolved.name!r} returned a bare {type(built).__name__}; a backbone builder returns "
+            "rayfed.models.Backbone(encoder=..., feature_dim=..., image_size=...)."
+        )
+    if not isinstance(built, Backbone):
+        raise ConfigError(f"model.backbone = {resolved.name!r} returned a {type(built).__name__}, not a Backbone.")
+    built.name = built.name or resolved.name
+    built.encoder.requires_grad_(False)
+    built.encoder.eval()
+    return built

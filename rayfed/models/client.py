@@ -1,0 +1,123 @@
+"""A client model: the backbone, what a method trains, and one head per task."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from rayfed.models.backbone import Backbone
+from rayfed.modules import TASK_SELECTED_MODULES, TaskHeads
+from rayfed.tasks import Task, task_key
+from rayfed.types import Batch, TensorDict
+
+
+class TrainableModule(nn.Module):
+    """A model whose trainable parameters (``requires_grad``) are what a method's client state holds."""
+
+    def trainable_names(self) -> list[str]:
+        return [name for name, param in self.named_parameters() if param.requires_grad]
+
+    def trainable_params(self) -> TensorDict:
+        return {name: param.detach().clone() for name, param in self.named_parameters() if param.requires_grad}
+
+    @torch.no_grad()
+    def load_trainable(self, values: TensorDict) -> None:
+        params = dict(self.named_parameters())
+        for name, value in values.items():
+            params[name].copy_(value)
+
+    def shares_forward(self, task_indices: Sequence[int]) -> bool:
+        """Whether these tasks' batches run through one and the same forward, so that they may be stacked into
+        one batch (training a step's tasks together, scoring their test sets together)."""
+        return False
+
+    def task_tags(self) -> dict[str, frozenset[int]]:
+        """The tasks each parameter belongs to (:func:`rayfed.modules.tag_tasks`); untagged ones are shared."""
+        tags: dict[str, frozenset[int]] = {}
+        for prefix, module in self.named_modules():
+            tasks = getattr(module, "rayfed_tasks", None)
+            if tasks is not None:
+                for name, _ in module.named_parameters():
+                    tags[f"{prefix}.{name}" if prefix else name] = tasks
+        return tags
+
+
+class ClientModel(TrainableModule):
+    """Backbone (+ LoRA, adapters or prompts) and one head per task; ``forward(batch)`` is the active task's
+    kind's forward (a bare tensor is read as ``pixel_values``).
+
+    Images are raw (N, C, H, W) floats in [0, 1] at any size: the model resizes and normalizes them on its
+    own device, so clients keep only their small raw images in memory.
+    """
+
+    def __init__(self, backbone: Backbone, head: nn.Module, tasks: Sequence[Task]):
+        super().__init__()
+        self.encoder = backbone.encoder
+        self.head = head
+        self.backbone_features = backbone.features
+        self.backbone_lm_logits = backbone.lm_logits
+        self.image_size = backbone.image_size
+        self.num_channels = backbone.num_channels
+        self.image_mean, self.image_std = backbone.image_mean, backbone.image_std
+        self.tokenizer = backbone.tokenizer
+        self.task_kinds = {task.index: task.kind for task in tasks}
+        self.active_task = tasks[0].index
+
+    def select_task(self, index: int) -> None:
+        self.active_task = index
+
+    def shares_forward(self, task_indices: Sequence[int]) -> bool:
+        """Tasks of one kind share the forward when no part of the model is chosen by task: their heads have no
+        parameters (a causal LM's own head) and no module is kept per task."""
+        if len({type(self.task_kinds[index]) for index in task_indices}) > 1:
+            return False
+        for module in self.modules():
+            if isinstance(module, TaskHeads):
+                heads = [module[task_key(index)] for index in task_indices]
+                if any(type(head) is not nn.Identity for head in heads):
+                    return False
+            elif isinstance(module, TASK_SELECTED_MODULES):
+                return False
+        return True
+
+    @property
+    def generates_text(self) -> bool:
+        """Whether the backbone is a causal LM, whose LM head produces text-generation tasks' outputs."""
+        return self.backbone_lm_logits is not None
+
+    def pixels(self, images: torch.Tensor) -> torch.Tensor:
+        """Raw [0, 1] images -> the backbone's size and channels, normalized ((x - mean) / std)."""
+        if images.shape[1] != self.num_channels:
+            images = images.expand(-1, self.num_channels, -1, -1)
+        if self.image_size and images.shape[-2:] != (self.image_size, self.image_size):
+            images = nn.functional.interpolate(
+                images, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False
+            )
+        return (images - _per_channel(self.image_mean, images)) / _per_channel(self.image_std, images)
+
+    def inputs(self, batch: Batch) -> Batch:
+        """The batch with its images resized and normalized for the backbone."""
+        if "pixel_values" not in batch:
+            return batch
+        return {**batch, "pixel_values": self.pixels(batch["pixel_values"])}
+
+    def features(self, batch: Batch | torch.Tensor) -> torch.Tensor:
+        return self.backbone_features(self.encoder, self.inputs(_as_batch(batch)))
+
+    def lm_logits(self, batch: Batch) -> torch.Tensor:
+        return self.backbone_lm_logits(self.encoder, self.inputs(batch))
+
+    def forward(self, batch: Batch | torch.Tensor) -> torch.Tensor:
+        return self.task_kinds[self.active_task].forward(self, _as_batch(batch))
+
+
+def _as_batch(batch: Batch | torch.Tensor) -> Batch:
+    return {"pixel_values": batch} if isinstance(batch, torch.Tensor) else batch
+
+
+def _per_channel(value: float | tuple[float, ...], images: torch.Tensor) -> float | torch.Tensor:
+    if isinstance(value, (int, float)) or len(set(value)) == 1:
+        return value if isinstance(value, (int, float)) else value[0]  # a scalar: the same numbers as before
+    return torch.as_tensor(value, device=images.device, dtype=images.dtype).view(1, -1, 1, 1)

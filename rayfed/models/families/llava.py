@@ -1,0 +1,66 @@
+"""LLaVA-1.5: its paper-size configurations (on Llama-3.2 or Qwen2.5), its pretrained loader and its backbone."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from rayfed.lazy import DeferredModule
+from rayfed.models.backbone import IMAGE, TEXT, Backbone
+from rayfed.models.families.common import PaperModel, _image_normalization, _paper_size, _text_limit, _with_layers
+from rayfed.models.families.llm import LLAMA_SIZES, LLM_LORA_TARGETS, llama_config
+from rayfed.models.features import causal_lm_features, causal_lm_logits
+
+transformers = DeferredModule("transformers")
+
+
+def _paper_llava(language: str, layers: int | None) -> PaperModel:
+    """LLaVA-1.5 on a Llama-3.2 (``llama-1B``, ``llama-3B``) or Qwen2.5 (``qwen-0.5B``, ``-1.5B``, ``-3B``) language
+    model, the mixes of FedMosaic's Tab. 8 and 14; the language model keeps its vocabulary size, LLaVA's image token
+    takes a special id it already has (rayfed.zoo.paper)."""
+    from rayfed.zoo import paper
+
+    family, _, size = language.partition("-")
+    _paper_size("llava", language, [*(f"llama-{s}" for s in LLAMA_SIZES if s != "tiny"),
+                                    *(f"qwen-{s}" for s in paper.QWEN_2_5_SIZES)])
+    if family == "llama":
+        vocab = paper.LLAMA_3
+        text_config = llama_config(size, {"bos_token_id": vocab.special["bos_token"][1],
+                                          "eos_token_id": vocab.special["eos_token"][1]}, layers)
+    else:
+        vocab = paper.QWEN_2_5_VOCABULARY
+        eos = vocab.special["eos_token"][1]  # Qwen2.5's config.json: bos_token_id = eos_token_id = <|endoftext|>
+        text_config = transformers.Qwen2Config(**_with_layers(paper.QWEN_2_5_SIZES[size], layers), **paper.QWEN_2_5,
+                                               bos_token_id=eos, eos_token_id=eos)
+    vision_config = transformers.CLIPVisionConfig(**_with_layers(paper.CLIP_VIT_L_14_336, layers))
+    image_token, image_token_id = vocab.image
+    config = transformers.LlavaConfig(
+        vision_config=vision_config, text_config=text_config, image_token_id=image_token_id,
+        image_seq_length=(vision_config.image_size // vision_config.patch_size) ** 2,
+        tie_word_embeddings=text_config.tie_word_embeddings, **paper.LLAVA_1_5,
+    )  # fmt: skip
+    text = paper.tokenizer(vocab, text_config.max_position_embeddings)
+    processor = paper.llava_processor(text, image_token, vision_config.image_size, vision_config.patch_size)
+    return PaperModel(config, processor)
+
+def _hf_llava(name_or_path: str) -> Backbone:
+    processor = transformers.AutoProcessor.from_pretrained(name_or_path)
+    encoder = transformers.LlavaForConditionalGeneration.from_pretrained(name_or_path, dtype=torch.float32)
+    text_config = encoder.config.text_config
+    return _llava(encoder, processor.tokenizer, _image_normalization(name_or_path),
+                  _text_limit(processor.tokenizer, text_config.max_position_embeddings))
+
+
+def _llava(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any], max_text_length: int) -> Backbone:
+    """LoRA in the language model only; a text after an image reads its image tokens first."""
+    config, vision = encoder.config, encoder.config.vision_config
+    image_tokens = (vision.image_size // vision.patch_size) ** 2
+    image_token = tokenizer.convert_ids_to_tokens(config.image_token_id)
+    return Backbone(
+        encoder, config.text_config.hidden_size, vision.image_size, vision.num_channels, causal_lm_features,
+        frozenset({IMAGE, TEXT}), causal_lm_logits, tokenizer, max_text_length, LLM_LORA_TARGETS,
+        lora_scope="model.language_model", image_prompt=image_token * image_tokens, **normalization,
+    )  # fmt: skip
