@@ -46,6 +46,11 @@ class PerAdaParams:
             raise ValueError("kd_lr must be > 0")
 
 
+def personal_penalty(centre: TensorDict | None, mu: float):
+    """``mu * ||v - centre||^2`` (squared, not halved, as FedMosaic's code), or None."""
+    return proximal_penalty(centre, 2 * mu)
+
+
 @register_method("perada")
 class PerAda(Method):
     Params = PerAdaParams
@@ -62,8 +67,8 @@ class PerAda(Method):
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
         shared = client.train(payload)
-        # proximal_penalty is strength/2 ||.||^2: 2 mu gives mu ||v - w||^2. The same batches as the global update.
-        personal = client.train(state["personal_adapter"], extra_loss=proximal_penalty(payload, 2 * self.params.mu))
+        # The same batches as the global update.
+        personal = client.train(state["personal_adapter"], extra_loss=personal_penalty(payload, self.params.mu))
         return LocalResult({**state, "personal_adapter": personal.params}, {"shared": shared.params}, shared.loss,
                            weight=1.0)
 

@@ -141,6 +141,14 @@ def test_perada_keeps_the_personal_adapter_on_the_client_and_evaluates_it(perada
     assert actor.method.eval_params(state, payload) is personal  # evaluated with v, whatever the payload
 
 
+def test_perada_pulls_the_personal_adapter_by_mu_times_the_squared_distance_not_halved():
+    from rayfed.methods.perada import personal_penalty
+
+    centre = {"w": torch.tensor([1.0, -1.0])}
+    assert float(personal_penalty(centre, 0.5)({"w": torch.tensor([3.0, 0.0])})) == pytest.approx(0.5 * (4 + 1))
+    assert personal_penalty(centre, 0.0) is None
+
+
 # FedMKT --------------------------------------------------------------------------------------------------------------
 
 def test_fedmkt_takes_the_lowest_loss_teacher_per_sample_and_only_samples_it_beats_the_student_on():
@@ -207,9 +215,10 @@ def test_fedmkt_a_client_the_global_adapter_never_beats_receives_its_upload_back
 # All three -----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["takfl", "perada", "fedmkt"])
-def test_the_server_state_is_the_same_at_one_and_two_clients_per_actor(name):
-    one = _one_round({"name": name}, clients_per_actor=1)[1].get_state()
-    two = _one_round({"name": name}, clients_per_actor=2)[1].get_state()
+def test_the_server_state_is_the_same_at_one_and_two_clients_per_actor(name, request):
+    method = {"takfl": {"name": "takfl"}, "perada": {"name": "perada", "mu": 0.5}, "fedmkt": {"name": "fedmkt"}}[name]
+    one = _one_round(method, clients_per_actor=1)[1].get_state()
+    two = request.getfixturevalue(name)[1].get_state()  # the module's run, at two clients per actor
     assert one.keys() == two.keys()
     for slot in one:
         assert one[slot].keys() == two[slot].keys()
@@ -219,7 +228,7 @@ def test_the_server_state_is_the_same_at_one_and_two_clients_per_actor(name):
 def test_the_three_run_end_to_end_with_finite_metrics(tmp_path):
     config = _config({"name": "takfl"})
     config["methods"] = [{"name": name, "public_samples": 8} for name in ("takfl", "perada", "fedmkt")]
-    config["federation"] = {"rounds": 2, "clients_per_round": 4, "eval_every": 2}
+    config["federation"] = {"rounds": 1, "clients_per_round": 4, "eval_every": 1}
     summary = Simulation(config, out_dir=tmp_path, progress=False).run()
     for name in ("takfl", "perada", "fedmkt"):
         means = summary["methods"][name]["mean"]

@@ -100,6 +100,15 @@ def test_each_setting_with_its_own_sft_is_paired_with_it(tmp_path: Path, capsys:
     assert not [line for line in lines if "45.00" in line]  # never paired with the other setting's SFT
 
 
+def test_the_static_competitors_pair_with_static_sft_and_not_dynamic_sft() -> None:
+    from rayfed.benchmarks.fedmosaic_tables import paired_gaps
+
+    rows = [_tables_row("static", "local", 0.1), _tables_row("competitors_static", "takfl", 0.25),
+            _tables_row("dynamic", "local", 0.5), _tables_row("competitors", "takfl", 0.55)]
+    assert "| competitors_static:takfl | 1 | 15.00 | 15.00 | 15.00 | 15.00 |" in paired_gaps(rows, "local", "static")
+    assert "| competitors:takfl | 1 | 5.00 | 5.00 | 5.00 | 5.00 |" in paired_gaps(rows, "local", "dynamic")
+
+
 def test_a_result_line_records_the_overrides_of_offline_runs_set() -> None:
     from rayfed.benchmarks.offline_runs import _key
 
