@@ -30,7 +30,7 @@ from rayfed.modules import feature_shift, head_features, select_task
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.data.batches import to_device
 from rayfed.tasks import param_tasks, task_view
-from rayfed.training import ClientContext, OtherTask, PreFederation
+from rayfed.training import ClientContext, OtherTask, PreFederation, PublicPass
 from rayfed.transport import use_raw_tensor_transport
 from rayfed.types import ReadOnlyTensors, states_to
 
@@ -107,6 +107,7 @@ class ClientActor:
         # clients' local updates, so a benchmark can tell training from the rest of a round.
         self.round_times: list[dict[str, float]] = []
         self._stats: dict[str, float] = {}
+        self._public: tuple | None = None  # data.public's task and columns, encoded at the first public pass
 
     def start_method(self, method_index: int) -> TensorDict:
         """Build the method's client model and every hosted client's initial state; return the initial shared
@@ -139,6 +140,21 @@ class ClientActor:
         stage = PreFederation(self.architecture, self.model, {n: v.to(self.device) for n, v in self.initial_params.items()},
                               public, public_task, self.config.train, self.device, self.config.seed)
         return {name: value.detach().cpu() for name, value in self.method.pre_federation(stage).items()}
+
+    def public_pass(self, method_index: int, round_idx: int, index: int, request: TensorDict) -> TensorDict:
+        """The method's public pass ``index`` after round ``round_idx`` on this actor's architecture (see
+        ``Method.public_passes``); the public data is encoded once per actor."""
+        if self._public is None:
+            self._public = (None, {}) if self.config.data.public is None else encode_public(
+                self.config.data.public, self.config.seed, self.backbone)
+        public_task, public = self._public
+        stage = PublicPass(self.architecture, self.model, public, public_task, self.config.train, self.device,
+                           self.config.seed, round_idx)
+        request = {name: value.to(self.device) for name, value in request.items()}
+        with raised_in(f"{type(self.method).__name__}.public_pass {index} on {self.architecture or 'the model'} "
+                       f"after round {round_idx + 1}"):
+            result = self.method.public_pass(stage, index, request)
+        return {name: value.detach().cpu() for name, value in result.items()}
 
     def task_tags(self) -> dict[str, frozenset[int]]:
         """The tasks each parameter of the method's model belongs to (untagged ones are shared by all)."""

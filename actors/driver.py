@@ -61,6 +61,19 @@ class DriverActor:
         self.server = self.method.before_federation(self.server, dict(zip(architectures, prepared)))
         self._check_server(self.server, "before_federation")
 
+    def public_request(self, index: int, architecture: str) -> TensorDict:
+        """What the method's public pass ``index`` sends to ``architecture``'s actor (see ``Method.public_passes``)."""
+        with raised_in(f"{type(self.method).__name__}.public_request"):
+            return self.method.public_request(self.server, index, architecture)
+
+    def after_public_pass(self, index: int, architectures: list[str], *results: TensorDict) -> None:
+        """The server state after the method's public pass ``index``, given each architecture's result (in the
+        order of ``architectures``)."""
+        with raised_in(f"{type(self.method).__name__}.after_public_pass"):
+            server = self.method.after_public_pass(self.server, index, dict(zip(architectures, results)))
+        self._check_server(server, f"after_public_pass {index}")
+        self.server = server
+
     def payloads(self, client_ids: list[int], count_bytes: bool = True) -> dict[int, TensorDict | None]:
         """What each client receives: the method's payload, restricted to the client's architecture and its
         tasks' view, under the client's own parameter names (read-only: the actor copies it to where it trains)."""

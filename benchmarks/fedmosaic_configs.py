@@ -98,6 +98,7 @@ def mosaic(label: str, **params: Any) -> dict[str, Any]:
 MAIN = ["local", "fedavg", mosaic("vanilla", pq=False, relevance="equal"), mosaic("pq_lora", relevance="equal"),
         mosaic("fedmosaic")]
 BASELINES = ["ditto", "fedsim", "feddpa", "feddat_lora"]
+COMPETITORS = ["takfl", "perada", "fedmkt"]  # the distillation baselines of Tab. 2 / 3, on data.public's first 80 rows
 RELA_VARIANTS = [mosaic("equal", relevance="equal"), mosaic("training_current", relevance="training_current"),
                  mosaic("frozen_current", relevance="frozen_current"), mosaic("fedmosaic")]
 ALIGNMENT = [mosaic("random_basis", align=False), mosaic("fedmosaic")]
@@ -109,6 +110,9 @@ HEADER = {
     "offline_async": "PFL-Dynamic, asynchronous (Tab. 40): each client's task windows from (5,5,5,5), (3,7,3,7), (7,3,7,3)",
     "offline_baselines": "the other baselines of Tab. 2 that need no public-data distillation (Fed-ET: within an "
                          "architecture): Ditto, FedSim, FedDPA, FedDAT-style dual adapters",
+    "offline_competitors": "the public-data distillation baselines of Tab. 2 (TAKFL, PerAda, FedMKT) on PFL-Dynamic",
+    "offline_competitors_static": "the public-data distillation baselines of Tab. 3 (TAKFL, PerAda, FedMKT) on "
+                                  "PFL-Static",
     "offline_rela_variants": "Tab. 30: RELA's weights from equal weights, the trained model's current gradient, the "
                              "frozen W_s's current gradient, the decayed frozen gradient (RELA)",
     "offline_alignment": "Tab. 32: the aligned PQ basis against each architecture's random orthonormal one",
@@ -121,6 +125,8 @@ def offline_configs() -> dict[str, dict[str, Any]]:
         "offline_static": offline("fedmosaic-offline-static", MAIN, {"mode": "static"}),
         "offline_async": offline("fedmosaic-offline-async", MAIN, {"mode": "asynchronous"}),
         "offline_baselines": offline("fedmosaic-offline-baselines", BASELINES),
+        "offline_competitors": offline("fedmosaic-offline-competitors", COMPETITORS),
+        "offline_competitors_static": offline("fedmosaic-offline-competitors-static", COMPETITORS, {"mode": "static"}),
         "offline_rela_variants": offline("fedmosaic-offline-rela", RELA_VARIANTS),
         "offline_alignment": offline("fedmosaic-offline-alignment", ALIGNMENT),
     }

@@ -25,9 +25,13 @@ DYNAMIC_PAPER = {"local": (65.79, 57.62, 47.66, 46.67), "fedavg": (66.11, 57.86,
          "feddpa": (63.34, 55.74, 47.61, 46.64), "feddat_lora": (58.47, 54.38, 48.91, 47.78),
          "vanilla": (66.10, 57.87, 47.63, 46.62), "pq_lora": (66.99, 58.39, 51.33, 48.78),
          "fedmosaic": (67.86, 59.83, 51.16, 49.36), "training_current": (67.16, 59.38, None, None),
-         "frozen_current": (67.24, 59.45, None, None)}
+         "frozen_current": (67.24, 59.45, None, None), "takfl": (64.54, 56.19, 47.38, 46.47),
+         "perada": (59.75, 54.48, 47.30, 46.72), "fedmkt": (61.38, 55.45, 47.50, 46.68)}
+STATIC_PAPER = {"local": (68.50, 63.84, 47.91, 47.56), "fedmosaic": (70.10, 64.64, 51.57, 50.42),
+                "takfl": (67.28, 62.42, 47.55, 47.51), "perada": (63.67, 59.03, 48.13, 47.60),
+                "fedmkt": (65.81, 60.37, 47.19, 46.44)}
 PAPER = {"dynamic": DYNAMIC_PAPER, "baselines": DYNAMIC_PAPER, "rela_variants": DYNAMIC_PAPER,
-         "static": {"local": (68.50, 63.84, 47.91, 47.56), "fedmosaic": (70.10, 64.64, 51.57, 50.42)}}
+         "competitors": DYNAMIC_PAPER, "static": STATIC_PAPER, "competitors_static": STATIC_PAPER}
 
 
 def load(paths: list[str]) -> list[dict[str, Any]]:
@@ -85,9 +89,10 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# Settings whose configs are offline_dynamic's with other methods (tests/test_offline_runs.py checks it): the same
-# clients, data and rounds, so their methods pair by seed with offline_dynamic's.
-SAME_CLIENTS = ("dynamic", "baselines", "rela_variants", "alignment")
+# Settings whose configs are offline_dynamic's (offline_static's) with other methods (tests/test_offline_runs.py
+# checks it): the same clients, data and rounds, so their methods pair by seed with that setting's.
+SAME_CLIENTS = ("dynamic", "baselines", "rela_variants", "alignment", "competitors")
+SAME_CLIENTS_STATIC = ("static", "competitors_static")
 
 
 def paired_gaps(rows: list[dict[str, Any]], reference: str, setting: str = "dynamic") -> str:
@@ -97,7 +102,7 @@ def paired_gaps(rows: list[dict[str, Any]], reference: str, setting: str = "dyna
     for row in rows:
         by_seed[key(row)][row["seed"]] = row
     base = by_seed.get(f"{setting}:{reference}", {})
-    settings = SAME_CLIENTS if setting == "dynamic" else (setting,)
+    settings = {"dynamic": SAME_CLIENTS, "static": SAME_CLIENTS_STATIC}.get(setting, (setting,))
     lines = [f"| method - {setting}:{reference} | seeds | Self A_last | Self A_AUC | Others A_last | Others A_AUC |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name in sorted(by_seed):

@@ -49,6 +49,9 @@ PLANS: dict[str, list[Entry]] = {
                   for label in ("local", "fedavg", "vanilla", "pq_lora", "fedmosaic")],
     "fedmosaic-baselines": [("fedmosaic/offline_baselines", label, {})
                             for label in ("ditto", "fedsim", "feddpa", "feddat_lora")],
+    "fedmosaic-competitors": [(f"fedmosaic/offline_{setting}", label, {})
+                              for setting in ("competitors", "competitors_static")
+                              for label in ("takfl", "perada", "fedmkt")],
     "fedmosaic-rela": [("fedmosaic/offline_rela_variants", label, {})
                        for label in ("training_current", "frozen_current")],
     "fedmosaic-tau": _sweep("fedmosaic", "tau", [0.02, 0.1, 2.0, 10.0]),

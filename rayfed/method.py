@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from rayfed.config import ModelConfig
     from rayfed.models import Backbone
     from rayfed.tasks import Task
-    from rayfed.training import ClientContext, PreFederation
+    from rayfed.training import ClientContext, PreFederation, PublicPass
 
 __all__ = ["ClientState", "LocalResult", "Method", "MethodOutputError", "NoParams", "NonFiniteError", "PartialSum",
            "ServerState", "TensorDict", "Upload", "check_tensors", "largest_magnitudes", "nonfinite_names",
@@ -281,6 +281,11 @@ class Method:
     ``weighted_mean``), which actors may then pre-sum as uploads come (:func:`presum`); a method that needs
     every client's own upload (per-client weights, counts of uploads, relevance between clients) sets False.
     Declared by each method, never inferred."""
+    public_passes: ClassVar[int] = 0
+    """How many server-side passes on public data follow each round's :meth:`aggregate` (e.g. distillation
+    between architectures): pass p asks :meth:`public_request` for each architecture's request, runs
+    :meth:`public_pass` on one actor of that architecture (its model, the public data), and hands what every
+    architecture returned to :meth:`after_public_pass`. Declared, never inferred."""
     batchable_updates: ClassVar[bool] = True
     """Whether, with ``train.batch_clients``, the plain training calls of :meth:`local_update` may run together
     with other clients' (:mod:`rayfed.batching`): a hook that changes the model's own settings (an adapter mix, an
@@ -376,6 +381,19 @@ class Method:
             return server
         # A tensor nobody uploaded this round keeps its value.
         return {**server, "global": {**server["global"], **weighted_mean(with_shared, "shared")}}
+
+    def public_request(self, server: ServerState, index: int, architecture: str) -> TensorDict:
+        """What public pass ``index`` of a round sends to ``architecture``'s actor (server names). Default: nothing."""
+        return {}
+
+    def public_pass(self, stage: PublicPass, index: int, request: TensorDict) -> TensorDict:
+        """Public pass ``index`` on an actor of ``stage.architecture``, given :meth:`public_request`'s tensors;
+        what it returns goes to :meth:`after_public_pass`. Default: nothing."""
+        return {}
+
+    def after_public_pass(self, server: ServerState, index: int, results: dict[str, TensorDict]) -> ServerState:
+        """The server state after public pass ``index``, given each architecture's :meth:`public_pass` result."""
+        return server
 
     def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
         """What client ``client_id`` receives from the server (None = nothing)."""

@@ -389,6 +389,8 @@ class Simulation:
                                         for host in sorted({self.host_of[cid] for cid in guests[actor_index]})]
             stats = self.executor.get(self.driver.aggregate.remote(*upload_refs))
             self.executor.get(hosts_to_update)
+            if "nonfinite" not in stats:
+                self._public_passes(method_index, round_idx)
             rounds_done = round_idx + 1
             if "nonfinite" in stats:
                 self._nonfinite(entry.label, f"in round {rounds_done}", stats["nonfinite"])
@@ -414,6 +416,18 @@ class Simulation:
         final = self._finish(method_index, counters)
         bar.set_postfix({k: f"{v:.3f}" for k, v in final.items() if k.endswith("acc")})
         bar.close()
+
+    def _public_passes(self, method_index: int, round_idx: int) -> None:
+        """The method's server-side passes on public data after a round's aggregation (``Method.public_passes``):
+        each on the first actor of every architecture, with the driver's request for it."""
+        first: dict[str, Any] = {}
+        for actor, slot in zip(self.actors, self.slots):
+            first.setdefault(slot.architecture, actor)
+        names = list(first)
+        for index in range(self.methods[method_index].public_passes):
+            results = [first[name].public_pass.remote(method_index, round_idx, index,
+                                                      self.driver.public_request.remote(index, name)) for name in names]
+            self.executor.get(self.driver.after_public_pass.remote(index, names, *results))
 
     def _assign(self, client_ids: list[int]) -> dict[int, list[int]]:
         """Which actor trains which of the round's clients: their hosts, or (``placement.balance_rounds``) the

@@ -165,6 +165,120 @@ class PreFederation:
             yield {name: column[indices].to(self.device) for name, column in self.public.items()}
 
 
+@dataclass
+class PublicPass:
+    """What a method's server-side pass on public data sees on an actor of one architecture (after a round's
+    aggregation, :attr:`~rayfed.method.Method.public_passes`): the architecture's model (any trainable values may be
+    loaded into it; each client's update loads its own again), the run's public data (``data.public``, a
+    text-generation task) encoded for this backbone, and seeded trainers. Outputs and losses are taken at the answer
+    positions (label != ignore after the causal shift), teacher-forced on the reference answer, in eval mode."""
+
+    architecture: str
+    model: nn.Module
+    public: Columns
+    public_task: Task | None
+    train_config: TrainConfig
+    device: torch.device
+    seed: int
+    round_idx: int
+
+    def rows(self, count: int) -> torch.Tensor:
+        """The first ``count`` public rows (one sentence when there are fewer, or no public data)."""
+        from rayfed.errors import ConfigError
+
+        available = num_rows(self.public) if self.public else 0
+        if available < count:
+            raise ConfigError(f"data.public has {available} rows, but the method distils on {count} public samples; "
+                              "set data.public (a text-generation source) with at least that many.")
+        return torch.arange(count)
+
+    def _batch(self, rows: torch.Tensor) -> Batch:
+        return {name: column[rows].to(self.device) for name, column in self.public.items()}
+
+    def _answer_logits(self, batch: Batch) -> torch.Tensor:
+        """The model's logits at the batch's answer positions, row by row: [answer tokens, vocabulary]."""
+        logits = self.public_task.kind.forward(self.model, batch)
+        return logits[:, :-1][answer_mask(batch)].float()
+
+    def answers(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference answer's tokens at the answer positions of ``rows`` ([answer tokens]) and the row of each."""
+        batch = {name: self.public[name][rows] for name in ("labels",)}
+        mask = answer_mask(batch)
+        row_of = rows.unsqueeze(1).expand_as(mask)[mask]
+        return batch["labels"][:, 1:][mask], row_of
+
+    @torch.no_grad()
+    def answer_logits(self, params: TensorDict, rows: torch.Tensor) -> torch.Tensor:
+        """The logits of the model with ``params`` at the answer positions of ``rows`` (eval mode, no dropout),
+        [answer tokens, vocabulary], on the CPU."""
+        self.model.load_trainable(params)
+        self.model.eval()
+        size = self.train_config.eval_batch_size
+        parts = []
+        for first in range(0, len(rows), size):
+            with mixed_precision(self.device):
+                parts.append(self._answer_logits(self._batch(rows[first:first + size])).cpu())
+        return torch.cat(parts)
+
+    def train(self, params: TensorDict, loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+              rows: torch.Tensor, targets: torch.Tensor, *, epochs: int, batch_size: int, lr: float,
+              purpose: str) -> TensorDict:
+        """``params`` trained by AdamW (weight decay 0) at ``lr``, ``epochs`` passes over ``rows`` in seeded
+        batches of ``batch_size``, minimising ``loss(student answer logits, their targets, the answer tokens)``;
+        ``targets``: one row per answer token of ``rows`` in the order :meth:`answers` gives them. The seeds depend
+        on the round, the architecture and ``purpose``. Empty ``rows``: no step at all."""
+        params = {name: value.to(self.device) for name, value in params.items()}
+        if not len(rows):
+            return {name: value.detach().clone() for name, value in params.items()}
+        self.model.load_trainable(params)
+        named = {name: p for name, p in self.model.named_parameters() if name in params}
+        self.model.train()
+        answers, row_of = self.answers(rows)
+        tokens_of = {int(row): (row_of == row).nonzero().flatten() for row in rows}
+        torch.manual_seed(seeding.torch_seed(self.seed, self.round_idx, seeding.SERVER,
+                                             f"{purpose}:{self.architecture}:dropout"))
+        generator = seeding.torch_generator(self.seed, self.round_idx, seeding.SERVER, f"{purpose}:{self.architecture}")
+        optimizer = torch.optim.AdamW(list(named.values()), lr=lr, weight_decay=0.0)
+        for _ in range(epochs):
+            order = rows[torch.randperm(len(rows), generator=generator)]
+            for first in range(0, len(order), batch_size):
+                chosen = order[first:first + batch_size]
+                tokens = torch.cat([tokens_of[int(row)] for row in chosen])
+                optimizer.zero_grad(set_to_none=True)
+                with mixed_precision(self.device):
+                    value = loss(self._answer_logits(self._batch(chosen)), targets[tokens].to(self.device),
+                                 answers[tokens].to(self.device))
+                value.backward()
+                optimizer.step()
+        return {name: p.detach().clone() for name, p in named.items()}
+
+
+def answer_mask(batch: Batch) -> torch.Tensor:
+    """Where a text batch's logits predict an answer token (label != ignore after the causal shift)."""
+    from rayfed.kinds import IGNORE
+
+    return batch["labels"][:, 1:] != IGNORE
+
+
+def same_answers(results: dict[str, TensorDict], method: str) -> None:
+    """One sentence unless every architecture's public pass saw the same answer tokens (``answers``) and gave
+    logits over the same vocabulary (``vocabulary``): distillation between them needs one tokenizer."""
+    from rayfed.errors import ConfigError
+
+    first, *others = results
+    for other in others:
+        if not (torch.equal(results[first]["answers"], results[other]["answers"])
+                and int(results[first]["vocabulary"]) == int(results[other]["vocabulary"])):
+            raise ConfigError(f"methods ({method}) distils between architectures {first!r} and {other!r} at the answer "
+                              "tokens of data.public, which they tokenize differently; give them one tokenizer.")
+
+
+def token_losses(logits: torch.Tensor, answers: torch.Tensor, row_of: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Each of ``rows``' mean cross-entropy over its answer tokens, from answer-position ``logits``."""
+    per_token = nn.functional.cross_entropy(logits.float(), answers, reduction="none")
+    return torch.stack([per_token[row_of == row].mean() for row in rows])
+
+
 def stacked_forward_batch(model: nn.Module, parts: Sequence[tuple[Task, Batch]]) -> Batch | None:
     """The parts' forward inputs (:attr:`~rayfed.kinds.TaskKind.forward_inputs`) stacked into one batch, when the
     model runs all their tasks through one forward (``shares_forward``) and the inputs agree past the rows; else

@@ -50,7 +50,7 @@ def test_others_are_grouped_by_the_other_tasks_group_and_architecture() -> None:
 def test_the_settings_paired_with_offline_dynamic_differ_from_it_only_in_their_methods() -> None:
     import yaml
 
-    from rayfed.benchmarks.fedmosaic_tables import SAME_CLIENTS
+    from rayfed.benchmarks.fedmosaic_tables import SAME_CLIENTS, SAME_CLIENTS_STATIC
     from rayfed.benchmarks.offline_runs import CONFIGS
 
     def without_methods(setting: str) -> dict:
@@ -60,6 +60,8 @@ def test_the_settings_paired_with_offline_dynamic_differ_from_it_only_in_their_m
     reference = without_methods("dynamic")
     assert [setting for setting in SAME_CLIENTS if without_methods(setting) != reference] == []
     assert without_methods("static") != reference  # the check can tell a different benchmark apart
+    static = without_methods("static")
+    assert [setting for setting in SAME_CLIENTS_STATIC if without_methods(setting) != static] == []
 
 
 def _tables_row(setting: str, label: str, value: float = 0.3, extra: dict | None = None) -> dict:
@@ -73,9 +75,11 @@ def test_each_settings_rows_stand_next_to_that_settings_paper_numbers() -> None:
 
     row = _tables_row
     lines = {line.split(" |")[0].lstrip("| "): line for line in results_table(
-        [row("dynamic", "fedmosaic"), row("static", "fedmosaic"), row("alignment", "random_basis")]).splitlines()}
+        [row("dynamic", "fedmosaic"), row("static", "fedmosaic"), row("alignment", "random_basis"),
+         row("competitors_static", "takfl")]).splitlines()}
     assert lines["dynamic:fedmosaic"].endswith("| 67.86 / 59.83 / 51.16 / 49.36 |")  # Tab. 2
     assert lines["static:fedmosaic"].endswith("| 70.10 / 64.64 / 51.57 / 50.42 |")  # Tab. 3
+    assert lines["competitors_static:takfl"].endswith("| 67.28 / 62.42 / 47.55 / 47.51 |")  # Tab. 3
     assert lines["alignment:random_basis"].endswith("|  |")  # Tab. 32 is another setting's; no column
 
 
@@ -94,6 +98,15 @@ def test_each_setting_with_its_own_sft_is_paired_with_it(tmp_path: Path, capsys:
     assert "| async:fedmosaic | 1 | 30.00 | 30.00 | 30.00 | 30.00 |" in lines
     assert "| dynamic{local_steps=30}:fedmosaic | 1 | 5.00 | 5.00 | 5.00 | 5.00 |" in lines
     assert not [line for line in lines if "45.00" in line]  # never paired with the other setting's SFT
+
+
+def test_the_static_competitors_pair_with_static_sft_and_not_dynamic_sft() -> None:
+    from rayfed.benchmarks.fedmosaic_tables import paired_gaps
+
+    rows = [_tables_row("static", "local", 0.1), _tables_row("competitors_static", "takfl", 0.25),
+            _tables_row("dynamic", "local", 0.5), _tables_row("competitors", "takfl", 0.55)]
+    assert "| competitors_static:takfl | 1 | 15.00 | 15.00 | 15.00 | 15.00 |" in paired_gaps(rows, "local", "static")
+    assert "| competitors:takfl | 1 | 5.00 | 5.00 | 5.00 | 5.00 |" in paired_gaps(rows, "local", "dynamic")
 
 
 def test_a_result_line_records_the_overrides_of_offline_runs_set() -> None:

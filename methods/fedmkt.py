@@ -1,0 +1,178 @@
+"""FedMKT (Fan et al., COLING 2025): mutual token-level knowledge transfer between a larger model and the clients'
+smaller ones, as FedMosaic ported it to clients of several architectures.
+
+Spec: ``fedmosaic-competitors.md`` §3; ``docs/fedmosaic.md`` describes this implementation. Every client keeps
+its own adapter theta_i across rounds, trains it, uploads it and is evaluated with it (before the server's
+step, as FedMosaic evaluates). There is no server LLM: each architecture k has a server-side global adapter g_k
+(the initial adapter at first, never averaged). After a round, on the first ``public_samples`` public rows (labeled:
+teacher-forced on their answers, losses = mean cross-entropy over the answer tokens, teachers in eval mode):
+
+1. g_k learns from the clients: for each row x, the client j*(x) of lowest loss among all the round's clients of
+   every architecture is the teacher; g_k trains one epoch on the rows where j* beats g_k (``keep_self_best``:
+   every row, g_k's own logits where it is best) with soft cross-entropy toward softmax(z_{j*}) (T = 1), plus
+   ``kd_alpha`` times the answers' cross-entropy.
+2. The clients learn from g_k: each client i of k trains theta_i one epoch on the rows where the new g_k beats it,
+   toward softmax(z_{g_k}); the result is client i's payload, from which its next round starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rayfed.architectures import prefixed, unprefixed
+from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.registry import register_method
+from rayfed.training import ClientContext, PublicPass, same_answers, token_losses
+
+GLOBAL = "global"
+
+
+@dataclass(frozen=True)
+class FedMKTParams:
+    public_samples: int = 80
+    kd_epochs: int = 1
+    kd_batch_size: int = 4
+    kd_lr: float | None = None  # default: train.lr
+    kd_alpha: float = 0.0  # weight of the answers' cross-entropy (FedMosaic 0; FATE-LLM 0.9)
+    keep_self_best: bool = False  # FATE-LLM: rows where the model itself is best distil toward its own logits
+
+    def __post_init__(self) -> None:
+        for field in ("public_samples", "kd_epochs", "kd_batch_size"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1")
+        if self.kd_lr is not None and not self.kd_lr > 0:
+            raise ValueError("kd_lr must be > 0")
+        if not 0 <= self.kd_alpha <= 1:
+            raise ValueError("kd_alpha must be in [0, 1]")
+
+
+def lowest_loss(losses: torch.Tensor, own: torch.Tensor, keep_self_best: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (column of ``losses``, one row per candidate teacher): the candidate of lowest loss (the first on a
+    tie) and whether the row is trained on: where that loss is below the student's ``own`` (every row with
+    ``keep_self_best``, the student's own outputs then the target where it is best)."""
+    best_loss, best = losses.min(dim=0)
+    trains = torch.ones_like(own, dtype=torch.bool) if keep_self_best else best_loss < own
+    return best, trains
+
+
+def soft_cross_entropy(student: torch.Tensor, target: torch.Tensor, answers: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``alpha * CE(answers) + (1 - alpha) * mean_tokens <softmax(target), -log softmax(student)>``."""
+    soft = -(torch.softmax(target.float(), -1) * torch.log_softmax(student.float(), -1)).sum(-1).mean()
+    if not alpha:
+        return soft
+    return alpha * nn.functional.cross_entropy(student.float(), answers) + (1 - alpha) * soft
+
+
+@register_method("fedmkt")
+class FedMKT(Method):
+    Params = FedMKTParams
+    presums_uploads = False  # every client's own adapter is a candidate teacher
+    public_passes = 2  # every adapter's losses and logits; then each architecture's two distillations
+
+    def __init__(self, params: FedMKTParams | None = None):
+        super().__init__(params)
+        self._uploads: dict[int, TensorDict] = {}
+        self._outputs: dict[str, TensorDict] = {}
+
+    def init_client(self, initial: TensorDict) -> ClientState:
+        return {"personal": dict(initial)}
+
+    def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
+        result = client.train(payload or state["personal"])
+        return LocalResult({**state, "personal": result.params}, {"shared": result.params}, result.loss, weight=1.0)
+
+    def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
+        return state["personal"]
+
+    def init_server(self, initial_shared: TensorDict) -> ServerState:
+        return {"global": dict(initial_shared), "clients": {}}
+
+    def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
+        self._uploads = {u.client_id: u.tensors["shared"] for u in uploads if u.tensors.get("shared")}
+        return server
+
+    def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
+        return unprefixed(server["clients"], f"client:{client_id}") or None
+
+    def _clients(self, architecture: str) -> list[int]:
+        return [cid for cid in sorted(self._uploads) if self.architecture_of[cid] == architecture]
+
+    def public_request(self, server: ServerState, index: int, architecture: str) -> TensorDict:
+        request = prefixed(unprefixed(server["global"], architecture), GLOBAL)
+        for cid in self._clients(architecture):
+            request.update(prefixed(unprefixed(self._uploads[cid], architecture), f"client:{cid}"))
+        if index == 0:
+            return request
+        outputs = self._outputs
+        candidates = sorted(self._uploads)
+        losses = torch.stack([outputs[self.architecture_of[c]][f"loss:{c}"] for c in candidates])
+        own = outputs[architecture][f"loss:{GLOBAL}"]
+        best, trains = lowest_loss(losses, own, self.params.keep_self_best)
+        keep_own = trains & (losses.min(dim=0).values >= own)  # with keep_self_best: g_k itself is best there
+        row_of = outputs[architecture]["row_of"]
+        target = outputs[architecture][f"logits:{GLOBAL}"].clone()
+        for position, cid in enumerate(candidates):
+            tokens = (best[row_of] == position) & ~keep_own[row_of]
+            target[tokens] = outputs[self.architecture_of[cid]][f"logits:{cid}"][tokens]
+        request.update({"trains": trains.float(), "target": target})
+        for cid in self._clients(architecture):
+            request[f"loss:{cid}"] = outputs[architecture][f"loss:{cid}"]
+            if self.params.keep_self_best:
+                request[f"logits:{cid}"] = outputs[architecture][f"logits:{cid}"]
+        return request
+
+    def public_pass(self, stage: PublicPass, index: int, request: TensorDict) -> TensorDict:
+        rows = stage.rows(self.params.public_samples)
+        answers, row_of = stage.answers(rows)
+        keys = [GLOBAL] + sorted({n.split("/", 1)[0] for n in request if n.startswith("client:")})
+        if index == 0:
+            result: TensorDict = {"answers": answers, "row_of": row_of}
+            for key in keys:
+                logits = stage.answer_logits(unprefixed(request, key), rows)
+                result[f"logits:{key.removeprefix('client:')}"] = logits
+                result[f"loss:{key.removeprefix('client:')}"] = token_losses(logits, answers.to(logits.device),
+                                                                             row_of, rows)
+            result["vocabulary"] = torch.tensor(result[f"logits:{GLOBAL}"].shape[-1])
+            return result
+        p = self.params
+
+        def loss(student, target, answer_tokens):
+            return soft_cross_entropy(student, target, answer_tokens, p.kd_alpha)
+
+        def distil(params: TensorDict, trains: torch.Tensor, target: torch.Tensor, purpose: str) -> TensorDict:
+            tokens = trains[row_of]
+            return stage.train(params, loss, rows[trains], target[tokens], epochs=p.kd_epochs,
+                               batch_size=p.kd_batch_size, lr=p.kd_lr or stage.train_config.lr, purpose=purpose)
+
+        new_global = distil(unprefixed(request, GLOBAL), request["trains"].bool().cpu(), request["target"].cpu(),
+                            "fedmkt:global")
+        global_logits = stage.answer_logits(new_global, rows)
+        global_loss = token_losses(global_logits, answers, row_of, rows)
+        result = prefixed(new_global, GLOBAL)
+        for key in keys[1:]:
+            cid = key.removeprefix("client:")
+            own_loss = request[f"loss:{cid}"].cpu()
+            _, trains = lowest_loss(global_loss.unsqueeze(0), own_loss, p.keep_self_best)
+            target = global_logits
+            if p.keep_self_best:  # the client's own logits where it beats g_k
+                own_best = (global_loss >= own_loss)[row_of]
+                target = torch.where(own_best.unsqueeze(1), request[f"logits:{cid}"].cpu(), global_logits)
+            result.update(prefixed(distil(unprefixed(request, key), trains, target, f"fedmkt:{key}"), key))
+        return result
+
+    def after_public_pass(self, server: ServerState, index: int, results: dict[str, TensorDict]) -> ServerState:
+        if index == 0:
+            same_answers(results, "fedmkt")
+            self._outputs = results
+            return server
+        new_global, clients = dict(server["global"]), dict(server["clients"])
+        for arch, result in results.items():
+            new_global.update(prefixed(unprefixed(result, GLOBAL), arch))
+            for cid in self._clients(arch):
+                clients.update(prefixed(prefixed(unprefixed(result, f"client:{cid}"), arch), f"client:{cid}"))
+        self._uploads, self._outputs = {}, {}
+        return {**server, "global": new_global, "clients": clients}

@@ -1,0 +1,119 @@
+"""PerAda (Xie et al., CVPR 2024): personalized adapters with a proximal pull, and a global adapter refined on the
+server by ensemble distillation.
+
+Spec: ``fedmosaic-competitors.md`` §2; ``docs/fedmosaic.md`` describes this implementation. A client trains the
+global adapter w_i it receives (cross-entropy) and uploads it, then trains its personal adapter v_i with
+cross-entropy + ``mu * ||v_i - w||^2`` toward the received w (squared, not halved, as FedMosaic's code) on the same
+batches; v_i never leaves the client and is what it is evaluated with. The server averages the w_i within each
+architecture, then distils each architecture's average toward the mean logits of *all* the round's clients'
+w_j, of every architecture (1/N each), on the first ``public_samples`` public rows (``KL_T``, no T^2, answer
+positions, teacher-forced, teachers in eval mode); every client of that architecture receives the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rayfed.architectures import prefixed, unprefixed
+from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.registry import register_method
+from rayfed.training import ClientContext, PublicPass, distillation_loss, proximal_penalty, same_answers
+
+AVERAGE, TEACHER = "average", "teacher"
+
+
+@dataclass(frozen=True)
+class PerAdaParams:
+    mu: float = 1e-3  # the proximal weight (FedMosaic's run; PerAda's paper: 0.1 to 1, see P-e on its scale)
+    temperature: float = 2.0  # T of the server's KL (no T^2 factor)
+    public_samples: int = 80
+    kd_epochs: int = 1
+    kd_batch_size: int = 4
+    kd_lr: float | None = None  # default: train.lr
+
+    def __post_init__(self) -> None:
+        if self.mu < 0:
+            raise ValueError("mu must be >= 0")
+        if not self.temperature > 0:
+            raise ValueError("temperature must be > 0")
+        for field in ("public_samples", "kd_epochs", "kd_batch_size"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1")
+        if self.kd_lr is not None and not self.kd_lr > 0:
+            raise ValueError("kd_lr must be > 0")
+
+
+def personal_penalty(centre: TensorDict | None, mu: float):
+    """``mu * ||v - centre||^2`` (squared, not halved, as FedMosaic's code), or None."""
+    return proximal_penalty(centre, 2 * mu)
+
+
+@register_method("perada")
+class PerAda(Method):
+    Params = PerAdaParams
+    presums_uploads = False  # every client's own adapter is a teacher
+    public_passes = 2  # the teachers' logits per architecture; then each architecture's distillation
+
+    def __init__(self, params: PerAdaParams | None = None):
+        super().__init__(params)
+        self._uploads: dict[int, TensorDict] = {}
+        self._teacher: torch.Tensor | None = None
+
+    def init_client(self, initial: TensorDict) -> ClientState:
+        return {"personal": {}, "personal_adapter": dict(initial)}
+
+    def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
+        shared = client.train(payload)
+        # The same batches as the global update.
+        personal = client.train(state["personal_adapter"], extra_loss=personal_penalty(payload, self.params.mu))
+        return LocalResult({**state, "personal_adapter": personal.params}, {"shared": shared.params}, shared.loss,
+                           weight=1.0)
+
+    def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
+        return state["personal_adapter"]
+
+    def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
+        self._uploads = {u.client_id: u.tensors["shared"] for u in uploads if u.tensors.get("shared")}
+        return super().aggregate(server, uploads)
+
+    def public_request(self, server: ServerState, index: int, architecture: str) -> TensorDict:
+        if index == 0:
+            request: TensorDict = {}
+            for cid in sorted(self._uploads):
+                if self.architecture_of[cid] == architecture:
+                    request.update(prefixed(unprefixed(self._uploads[cid], architecture), f"client:{cid}"))
+            return request
+        return {**prefixed(unprefixed(server["global"], architecture), AVERAGE), TEACHER: self._teacher}
+
+    def public_pass(self, stage: PublicPass, index: int, request: TensorDict) -> TensorDict:
+        rows = stage.rows(self.params.public_samples)
+        if index == 0:
+            clients = sorted({name.split("/", 1)[0] for name in request})
+            logits = [stage.answer_logits(unprefixed(request, c), rows).double() for c in clients]
+            total = torch.stack(logits).sum(0) if logits else torch.zeros(())
+            answers, _ = stage.answers(rows)
+            return {"teacher_sum": total, "answers": answers, "vocabulary": torch.tensor(total.shape[-1] if logits else 0)}
+        t = self.params.temperature
+
+        def loss(student, target, _answers):
+            return distillation_loss(student, target, t) / t**2
+
+        distilled = stage.train(unprefixed(request, AVERAGE), loss, rows, request[TEACHER], epochs=self.params.kd_epochs,
+                                batch_size=self.params.kd_batch_size, lr=self.params.kd_lr or stage.train_config.lr,
+                                purpose="perada")
+        return prefixed(distilled, "distilled")
+
+    def after_public_pass(self, server: ServerState, index: int, results: dict[str, TensorDict]) -> ServerState:
+        if index == 0:
+            same_answers({arch: r for arch, r in results.items() if int(r["vocabulary"])}, "perada")
+            # The teacher: the mean of all the round's clients' logits, 1/N each, whatever their architecture.
+            self._teacher = (sum(r["teacher_sum"] for r in results.values()) / len(self._uploads)).float()
+            return server
+        new_global = dict(server["global"])
+        for arch, result in results.items():
+            new_global.update(prefixed(unprefixed(result, "distilled"), arch))
+        self._uploads, self._teacher = {}, None
+        return {**server, "global": new_global}
