@@ -23,6 +23,7 @@ from rayfed.config import RunConfig, architecture_model_config, build_config, me
 from rayfed.data.clients import Federation, build_federation, encode_public
 from rayfed.errors import raised_in
 from rayfed.batching import Lockstep
+from rayfed.compute import counted_flops
 from rayfed.method import (ClientState, LocalResult, Method, PartialSum, TensorDict, TensorSpecs, Upload, build_method,
                            check_tensors, largest_magnitudes, nonfinite_names, tensor_bytes, tensor_specs)
 from rayfed.models import build_backbone
@@ -100,6 +101,7 @@ class ClientActor:
                                                                               data_device))
                                for task in sorted(held)}
         self.method: Method | None = None
+        self.train_config = self.config.train  # the started method's (start_method: its local steps)
         self.states: dict[int, ClientState] = {}
         self.others: dict[int, list[OtherTask]] = {}
         self.guest_states: dict[int, ClientState] = {}  # guests' new states, until their hosts take them
@@ -109,11 +111,13 @@ class ClientActor:
         self._stats: dict[str, float] = {}
         self._public: tuple | None = None  # data.public's task and columns, encoded at the first public pass
 
-    def start_method(self, method_index: int) -> TensorDict:
+    def start_method(self, method_index: int, local_steps: int | None = None) -> TensorDict:
         """Build the method's client model and every hosted client's initial state; return the initial shared
-        parameters."""
+        parameters. ``local_steps``: the method's steps per local update (default ``train.local_steps``)."""
         entry = self.config.methods[method_index]
         self.method = self.methods[method_index]
+        train = self.config.train
+        self.train_config = train if local_steps is None else train.model_copy(update={"local_steps": local_steps})
         self.label = entry.label
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
         model_config = method_model_config(self.model_config, entry, method_index)
@@ -190,8 +194,19 @@ class ClientActor:
         select_task(self.model, self.tasks_of[client_id][0])
         return ClientContext(
             client_id, round_idx, self.config.seed, self.data[client_id], self.model,
-            self.config.train, self.device, self.eval_sets, self.tasks, self.stream, self.others.get(client_id, ()),
+            self.train_config, self.device, self.eval_sets, self.tasks, self.stream, self.others.get(client_id, ()),
         )
+
+    def local_update_flops(self, client_id: int, payloads: Payloads) -> float:
+        """The FLOPs of ``client_id``'s round-1 local update with ``payloads`` (:func:`rayfed.compute.counted_flops`);
+        its state stays as it was."""
+        state, train = self.states[client_id], self.train_config
+        # Eager: the counter does not see the work of a replayed CUDA graph or of compiled code.
+        self.train_config = train.model_copy(update={"cuda_graphs": False, "compile": False})
+        try:
+            return counted_flops(lambda: self.train(0, [client_id], payloads))
+        finally:
+            self.states[client_id], self.train_config = state, train
 
     def train(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> list[Upload]:
         uploads = list(self._local_updates(round_idx, client_ids, payloads))

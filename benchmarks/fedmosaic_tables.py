@@ -50,10 +50,19 @@ def _short(overrides: dict[str, Any]) -> str:
 
 
 def setting_of(row: dict[str, Any]) -> str:
-    """The config's setting (``dynamic``, ``static``, ...), with offline_runs' ``--set`` overrides in braces: rows run
-    with other ``--set`` values are another setting, paired with their own SFT."""
-    extra = _short(row.get("set", {}))
+    """The config's setting (``dynamic``, ``static``, ...), with offline_runs' ``--set`` overrides and
+    ``--compute-match`` reference in braces: rows run with other values are another setting, paired with their own
+    SFT."""
+    matched = {"matched": row["compute_match_reference"]} if "compute_match_reference" in row else {}
+    extra = _short({**row.get("set", {}), **matched})
     return _stem(row).removeprefix("offline_") + (f"{{{extra}}}" if extra else "")
+
+
+def _paper_setting(row: dict[str, Any]) -> str | None:
+    """The paper's setting a row reproduces (the paper's runs are compute matched), or None (overrides, --set)."""
+    if row["overrides"] or row.get("set"):
+        return None
+    return _stem(row).removeprefix("offline_")
 
 
 def key(row: dict[str, Any]) -> str:
@@ -82,8 +91,7 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     for name in sorted(grouped):
         group = grouped[name]
         cells = [_fmt([_value(r, m, s) for r in group]) for m, s in METRICS]
-        # A setting with --set overrides is no key of PAPER, so it gets no paper column.
-        paper = PAPER.get(setting_of(group[0]), {}).get(group[0]["label"]) if not group[0]["overrides"] else None
+        paper = PAPER.get(_paper_setting(group[0]) or "", {}).get(group[0]["label"])
         paper_cell = " / ".join("—" if v is None else f"{v:.2f}" for v in paper) if paper else ""
         lines.append(f"| {name} | {len(group)} | {' | '.join(cells)} | {paper_cell} |")
     return "\n".join(lines)
@@ -102,7 +110,9 @@ def paired_gaps(rows: list[dict[str, Any]], reference: str, setting: str = "dyna
     for row in rows:
         by_seed[key(row)][row["seed"]] = row
     base = by_seed.get(f"{setting}:{reference}", {})
-    settings = {"dynamic": SAME_CLIENTS, "static": SAME_CLIENTS_STATIC}.get(setting, (setting,))
+    base_setting, brace, extra = setting.partition("{")  # the same --set / compute matching over the same clients pair too
+    same_clients = {"dynamic": SAME_CLIENTS, "static": SAME_CLIENTS_STATIC}.get(base_setting)
+    settings = tuple(same + brace + extra for same in same_clients) if same_clients else (setting,)
     lines = [f"| method - {setting}:{reference} | seeds | Self A_last | Self A_AUC | Others A_last | Others A_AUC |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name in sorted(by_seed):
@@ -111,6 +121,22 @@ def paired_gaps(rows: list[dict[str, Any]], reference: str, setting: str = "dyna
         seeds = sorted(set(by_seed[name]) & set(base))
         cells = [_fmt([_value(by_seed[name][s], m, st) - _value(base[s], m, st) for s in seeds]) for m, st in METRICS]
         lines.append(f"| {name} | {len(seeds)} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def compute_matching(rows: list[dict[str, Any]]) -> str:
+    """Per compute-matched setting:method (offline_runs --compute-match): its local update's cost ratio to the
+    reference and the local steps it trained (the same for every seed unless the data shapes differ)."""
+    grouped: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if "compute_match" in row:
+            grouped[key(row)].append(row["compute_match"])
+    lines = ["| setting:method | reference | cost ratio C | local steps |", "| --- | --- | ---: | ---: |"]
+    for name in sorted(grouped):
+        measured = grouped[name]
+        steps = sorted({m["local_steps"] for m in measured})
+        lines.append(f"| {name} | {measured[0]['reference']} | {statistics.mean(m['cost_ratio'] for m in measured):.3f}"
+                     f" | {', '.join(map(str, steps))} |")
     return "\n".join(lines)
 
 
@@ -169,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = sorted({key(row).split(":")[0] for row in rows if row["label"] == "local" and not row["overrides"]})
     for setting in settings:
         print(f"\n## Seed-paired gaps to SFT ({setting})\n\n" + paired_gaps(rows, "local", setting))
+    if any("compute_match" in row for row in rows):
+        print("\n## Compute matching\n\n" + compute_matching(rows))
     print("\n## RELA weights by task group\n\n" + block_structure(rows))
     print("\n## Communication\n\n" + communication(rows))
 

@@ -4,12 +4,16 @@ overrides, seed) in ``<out>/results.jsonl``; ``benchmarks/<paper>_tables.py`` ma
     python -m rayfed.benchmarks.offline_runs --plan fedmosaic --seeds 0 1 2 --jobs 12 --out runs/fedmosaic
     python -m rayfed.benchmarks.offline_runs --plan feddat-domain feddat-scene --seeds 0 1 2 3 4 --jobs 60 --out runs/feddat
     python -m rayfed.benchmarks.offline_runs --plan tap-flava-quick --labels TAP --seeds 3 4 5 --out runs/tap
+    python -m rayfed.benchmarks.offline_runs --plan fedmosaic fedmosaic-baselines --compute-match local --out runs/fm-cm
 
 Every job is one method of one ``configs/<paper>/`` file at one seed, run in-process (``placement.executor:
 local``: the same numbers as on Ray actors, and as the method run beside the config's others, since every random
 stream derives from the seed, round, client and purpose alone) with ``--threads`` CPU threads (default 1);
 ``--device auto`` puts them on the GPU when there is one. A plan names (config, method label, overrides) entries;
-see :data:`PLANS`.
+see :data:`PLANS`. ``--compute-match LABEL``: each job first measures its method's local update against method
+``LABEL``'s (``train.compute_match``, :mod:`rayfed.compute`; ``LABEL``'s entry from the job's config, else from the
+first planned config holding it) and trains ``round(train.local_steps / C)`` steps; its line records the
+measurement under ``compute_match``.
 """
 
 from __future__ import annotations
@@ -84,6 +88,29 @@ def job_config(stem: str, label: str, overrides: dict[str, Any], seed: int, extr
     return config
 
 
+def _method_entry(stems: list[str], label: str) -> str | dict[str, Any]:
+    """The entry of the method labelled ``label`` in the first of ``stems``' configs holding one."""
+    for stem in stems:
+        for method in yaml.safe_load((CONFIGS / f"{stem}.yaml").read_text())["methods"]:
+            if _label(method) == label:
+                return method
+    raise ValueError(f"--compute-match {label}: no config of the plans ({', '.join(stems)}) has a method labelled "
+                     f"{label!r}")
+
+
+def compute_matched(config: dict[str, Any], reference: str, stems: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``config`` (one method) with the local steps that compute matching to method ``reference`` gives it, and
+    what was measured: ``{"reference", "flops", "cost_ratio", "local_steps"}``."""
+    from rayfed.simulation import Simulation
+
+    label, train = _label(config["methods"][0]), config.get("train", {})
+    measured = {**config, "train": {**train, "compute_match": {"reference": reference}}}
+    if label != reference:
+        measured["methods"] = [*config["methods"], _method_entry(stems, reference)]
+    costs = Simulation(measured, progress=False).compute_costs()[label]
+    return {**config, "train": {**train, "local_steps": costs["local_steps"]}}, {"reference": reference, **costs}
+
+
 def _relevance(run_dir: Path, label: str) -> dict[str, Any]:
     from rayfed.checkpoint import load_checkpoint
 
@@ -115,7 +142,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     label = job["label"]
     config = job_config(job["config"], label, job["overrides"], job["seed"], job["extra"])
     run_dir = Path(job["run_dir"])
+    matched = {}
     try:
+        if job["compute_match"] is not None:
+            config, matched = compute_matched(config, job["compute_match"], [job["config"], *job["stems"]])
         summary = Simulation(config, out_dir=run_dir, progress=False).run()
     except Exception:  # noqa: BLE001 - one failed job must not stop the others
         return {**_key(job), "error": traceback.format_exc()[-2000:]}
@@ -126,13 +156,16 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     return {**_key(job), "stream": method.get("stream", {}), "mean": method["mean"], "clients": method["clients"],
             "curves": curves, "comm_bytes": summary["comm_bytes"][label],
             "comm_params": summary["comm_params"][label], "wall_s": round(time.time() - started, 1),
-            "device": "cuda" if torch.cuda.is_available() else "cpu", **_relevance(run_dir, label)}
+            "device": "cuda" if torch.cuda.is_available() else "cpu", **_relevance(run_dir, label),
+            **({"compute_match": matched} if matched else {})}
 
 
 def _key(job: dict[str, Any]) -> dict[str, Any]:
-    """What tells a job's line apart: plan, config, method, the plan's overrides, ``--set``'s and the seed."""
+    """What tells a job's line apart: plan, config, method, the plan's overrides, ``--set``'s, the seed and the
+    compute matching reference (when set)."""
+    matching = {"compute_match_reference": job["compute_match"]} if job.get("compute_match") is not None else {}
     return {"plan": job["plan"], "config": job["config"], "label": job["label"], "overrides": job["overrides"],
-            "set": job["extra"], "seed": job["seed"]}
+            "set": job["extra"], "seed": job["seed"], **matching}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,11 +181,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--runs", default=None, help="where the jobs' run folders go (default: <out>/runs)")
     parser.add_argument("--set", nargs="*", default=[], help="dotted overrides for every job (key=YAML value)")
+    parser.add_argument("--compute-match", default=None, metavar="LABEL",
+                        help="local steps per method matched to method LABEL's compute (train.compute_match)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = Path(args.runs) if args.runs else out / "runs"
     extra = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    stems = list(dict.fromkeys(stem for plan in args.plan for stem, _, _ in PLANS[plan]))
     jobs = []
     for plan in args.plan:
         for seed in args.seeds:
@@ -161,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 name = f"{plan}-{index}-{label}-s{seed}"
                 jobs.append({"plan": plan, "config": stem, "label": label, "overrides": overrides, "seed": seed,
-                             "extra": extra, "device": args.device, "threads": args.threads, "run_dir": str(runs / name)})
+                             "extra": extra, "device": args.device, "threads": args.threads, "run_dir": str(runs / name),
+                             "compute_match": args.compute_match, "stems": stems})
     with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool, \
             (out / "results.jsonl").open("a") as results:
         for result in pool.imap_unordered(run_job, jobs):

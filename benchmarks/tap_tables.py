@@ -40,7 +40,7 @@ AVERAGES: tuple[tuple[str, str, str], ...] = (  # (column, task key, metric)
     ("Avg MET", "text_generation", "meteor"),
 )
 VIEWS = (("", ""), ("fedavg", "FedAvg"), ("pt", "FedAvg+PT"), ("pt2", "FedAvg+2P"), ("stage1", "TAP before stage 2"),
-         ("nokd", "TAP No-KD"), ("kdalt", "TAP, Table 21 KD weights"), ("global", "global"), ("adapted", "adapted"))
+         ("nokd", "TAP No-KD"), ("kdalt", "TAP, alt_kd_weights"), ("global", "global"), ("adapted", "adapted"))
 
 
 def _client_tasks(config: dict[str, Any]) -> dict[int, list[str]]:

@@ -17,7 +17,8 @@ round), a personalized model X of the same architecture over the same frozen wei
 
 X is what TAP is evaluated with (the plain metric names); one run also reports, as ``<metric>@<view>``:
 ``fedavg`` (the received W), ``pt`` and ``pt2`` (W post-trained P and 2P micro-batches), ``stage1`` (X before
-stage 2), ``nokd`` (X post-trained with beta = 0) and ``kdalt`` (X distilled with ``alt_kd_weights``). Per-round
+stage 2), ``nokd`` (X post-trained with beta = 0) and ``kdalt`` (X distilled with ``alt_kd_weights``). The KD
+weights beta default to Table 21's (``kd_weights: paper``); ``code`` names the authors' code's vector. Per-round
 replacement counts go into the round events (``client_stats``: ``replaced/<task>``, ``seen/<task>``). With
 ``personalize: false`` there is no X (FedAvg alone, the same W trajectory bit for bit); with ``federated:
 false`` nothing is communicated either (the Local baseline in the same model).
@@ -47,8 +48,9 @@ from rayfed.training import IMAGE_KD, ClientContext, Step, TrainResult, kd_term,
 HISTORIES = ("weighted", "plain")
 # Per task key, in the order of TASK_KEYS: image-cls, image-gen, text-cls, text-gen.
 PAPER_MARGINS_FLAVA = (0.01, 0.005, 0.005, 0.01)  # Table 22
-CODE_KD_WEIGHTS = (2e-3, 2e-3, 1.0, 2e-3)  # run_train.sh: 2e-3, text classification x 500
 PAPER_KD_WEIGHTS = (2e-3, 2e-3, 2e-3, 1.0)  # Table 21 as extracted: text generation 1
+CODE_KD_WEIGHTS = (2e-3, 2e-3, 1.0, 2e-3)  # the authors' code: 2e-3, text classification x 500 (spec §9.3)
+KD_WEIGHT_PRESETS = {"paper": PAPER_KD_WEIGHTS, "code": CODE_KD_WEIGHTS}
 
 
 def _per_key(values: Sequence[float], name: str) -> None:
@@ -58,11 +60,22 @@ def _per_key(values: Sequence[float], name: str) -> None:
         raise ValueError(f"{name} must be >= 0")
 
 
+def kd_weight_vector(weights: str | Sequence[float], name: str = "kd_weights") -> tuple[float, ...]:
+    """beta_o per task key: a preset's (``paper``: Table 21, ``code``: the authors' code) or the given values."""
+    if isinstance(weights, str):
+        if weights not in KD_WEIGHT_PRESETS:
+            raise ValueError(f"{name} must be {' or '.join(KD_WEIGHT_PRESETS)} (Table 21's or the authors' code's "
+                             f"vector) or {len(TASK_KEYS)} numbers >= 0, one per task key ({', '.join(TASK_KEYS)})")
+        return KD_WEIGHT_PRESETS[weights]
+    _per_key(weights, name)
+    return tuple(weights)
+
+
 @dataclass(frozen=True)
 class TAPParams:
     margins: tuple[float, ...] = PAPER_MARGINS_FLAVA  # m_o per task key (image-cls, image-gen, text-cls, text-gen)
-    kd_weights: tuple[float, ...] = CODE_KD_WEIGHTS  # beta_o per task key (spec §9.3: the code's)
-    alt_kd_weights: tuple[float, ...] | None = None  # a second distilled X (view kdalt), e.g. PAPER_KD_WEIGHTS
+    kd_weights: str | tuple[float, ...] = "paper"  # beta_o per task key, or a preset of KD_WEIGHT_PRESETS
+    alt_kd_weights: str | tuple[float, ...] | None = None  # a second distilled X (view kdalt), e.g. "code"
     kd_temperature: float = 1.0  # tau
     image_kd: str = "softmax"  # image generation's KD: softmax over the width axis (code) or mse (§9.4)
     history: str = "weighted"  # a task's loss history: lambda-weighted mean over micro-batches (code) or plain
@@ -77,9 +90,9 @@ class TAPParams:
 
     def __post_init__(self) -> None:
         _per_key(self.margins, "margins")
-        _per_key(self.kd_weights, "kd_weights")
+        kd_weight_vector(self.kd_weights, "kd_weights")
         if self.alt_kd_weights is not None:
-            _per_key(self.alt_kd_weights, "alt_kd_weights")
+            kd_weight_vector(self.alt_kd_weights, "alt_kd_weights")
         if not self.kd_temperature > 0:
             raise ValueError("kd_temperature must be > 0")
         if self.image_kd not in IMAGE_KD:
@@ -245,16 +258,20 @@ class TAP(Method):
         teacher = state["view:pt"]
         if not self.params.personalize:
             return state
-        p = self.params
         x = state["x"]
         state["view:stage1"] = x
-        if p.no_kd:
-            state["view:nokd"] = post_train(x, steps, Distillation(None, p.kd_weights, p.kd_temperature, p.image_kd))
-        if p.alt_kd_weights is not None:
-            state["view:kdalt"] = post_train(x, steps, Distillation(teacher, p.alt_kd_weights, p.kd_temperature,
-                                                                    p.image_kd))
-        state["x"] = post_train(x, steps, Distillation(teacher, p.kd_weights, p.kd_temperature, p.image_kd))
+        if self.params.no_kd:
+            state["view:nokd"] = post_train(x, steps, self.distillation(None))
+        if self.params.alt_kd_weights is not None:
+            state["view:kdalt"] = post_train(x, steps, self.distillation(teacher, self.params.alt_kd_weights))
+        state["x"] = post_train(x, steps, self.distillation(teacher))
         return state
+
+    def distillation(self, teacher: TensorDict | None, weights: str | Sequence[float] | None = None) -> Distillation:
+        """Stage 2's student loss with ``teacher`` (None: no KD) and KD weights ``weights`` (default ``kd_weights``)."""
+        p = self.params
+        return Distillation(teacher, kd_weight_vector(p.kd_weights if weights is None else weights), p.kd_temperature,
+                            p.image_kd)
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
         w = self._w(state, payload)

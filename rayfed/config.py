@@ -359,6 +359,14 @@ class FederationConfig(_Section):
     )
 
 
+class ComputeMatch(_Section):
+    """Local steps per method from a measured cost: every method gets ``round(train.local_steps / C)`` steps, C its
+    local update's FLOPs over the reference method's (:mod:`rayfed.compute`)."""
+
+    reference: str = Field(description="the label of the method whose local update costs 1 and keeps train.local_steps")
+    client: int = Field(0, ge=0, description="the client whose round-1 local update is measured for every method")
+
+
 class TrainConfig(_Section):
     local_steps: int | None = Field(10, gt=0, description="optimizer steps per local update")
     local_epochs: int | None = Field(None, gt=0)
@@ -391,6 +399,10 @@ class TrainConfig(_Section):
         1, ge=1, description="train up to this many of an actor's sampled clients in one forward and backward "
         "(torch.func.vmap over their stacked parameters and batches) when their updates are plain (the task loss, "
         "optionally a penalty) and train the same tensors; 1: each client's steps alone"
+    )
+    compute_match: ComputeMatch | None = Field(
+        None, description="scale each method's local steps so that its local update costs what the reference "
+        "method's does (FLOPs measured on one client's update before the run; reported in summary.json)"
     )
 
     @model_validator(mode="after")
@@ -555,6 +567,16 @@ class RunConfig(_Section):
                 raise ValueError(f"methods: the label {label!r} is used twice; give each entry a distinct `label`")
         for index, entry in enumerate(self.methods):
             method_model_config(self.model, entry, index)
+        match = self.train.compute_match
+        if match is not None and self.train.local_steps is None:
+            raise ValueError("train.compute_match scales train.local_steps, so it needs train.local_steps, not "
+                             "train.local_epochs")
+        if match is not None and match.reference not in labels:
+            raise ValueError(f"train.compute_match.reference = {match.reference!r} is not a method label of this run; "
+                             f"allowed: {', '.join(labels)}")
+        if match is not None and match.client >= self.data.num_clients:
+            raise ValueError(f"train.compute_match.client = {match.client} is not a client of this run; allowed: "
+                             f"0..{self.data.num_clients - 1}")
         self._check_architectures()
         return self
 

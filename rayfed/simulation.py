@@ -31,6 +31,7 @@ from rayfed import registry
 from rayfed.actors.client import ClientActor, run_methods
 from rayfed.actors.driver import DriverActor
 from rayfed.checkpoint import load_checkpoint, save_checkpoint
+from rayfed.compute import matched_steps
 from rayfed.architectures import ActorSlot, actor_slots, architecture_names, architecture_of
 from rayfed.config import (RunConfig, architecture_model_config, dump_config, load_config, method_model_config,
                            with_full_params)
@@ -135,11 +136,7 @@ class Simulation:
     def run(self) -> dict[str, Any]:
         """Run every method, write the results contract into ``run_dir``, return the summary."""
         started = time.perf_counter()
-        self.federation = build_federation(self.config.data, self.config.seed)
-        self._federation_ref = None
-        self.num_train = {cid: self.federation.sizes(cid)["num_train"] for cid in range(self.federation.num_clients)}
-        self.methods = run_methods(self.config, self.federation)
-        self.config = with_full_params(self.config, [method.params for method in self.methods])
+        self._build_run()
         if self.check_model:
             self._check_model()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -147,13 +144,9 @@ class Simulation:
         previous = MetricsLog.read(self.run_dir / "metrics.jsonl") if self._resuming else []
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", previous)
         self._warned_nonfinite: set[str] = set()
-        local = self.config.placement.executor == "local"
-        self.executor = LocalExecutor() if local else RayExecutor()
-        owns_ray = not local and init_ray(self.config)
-        self.slots = actor_slots(self.config)
+        owns_ray = self._start_executor()
         try:
-            if not local:
-                self._check_resources()
+            self.compute_match = self._match_compute()
             for index, entry in enumerate(self.config.methods):
                 if self._resuming and (self._results_dir / f"{entry.label}.json").is_file():
                     continue
@@ -168,6 +161,20 @@ class Simulation:
 
         write_report(self.run_dir, summary, self.log.events)
         return summary
+
+    def compute_costs(self) -> dict[str, dict[str, float]]:
+        """``train.compute_match``'s measurement alone (nothing is trained past it, nothing written): per method
+        label its local update's ``flops``, ``cost_ratio`` to the reference and ``local_steps``."""
+        if self.config.train.compute_match is None:
+            raise ConfigError("train.compute_match is not set, so there is no reference to measure costs against; "
+                              "set train.compute_match.reference to a method label.")
+        self._build_run()
+        owns_ray = self._start_executor()
+        try:
+            return self._match_compute()
+        finally:
+            if owns_ray:
+                ray.shutdown()
 
     def data_summary(self, png: str | os.PathLike | None = None) -> dict[str, Any]:
         """Each client's train / test sample counts and histogram over labels (or tasks), from the data config
@@ -187,6 +194,29 @@ class Simulation:
     @property
     def _checkpoint_dir(self) -> Path:
         return self.run_dir / "checkpoints"
+
+    def _build_run(self) -> None:
+        """The clients' data and the methods, built once here; the config records every hyperparameter."""
+        self.federation = build_federation(self.config.data, self.config.seed)
+        self._federation_ref = None
+        self.num_train = {cid: self.federation.sizes(cid)["num_train"] for cid in range(self.federation.num_clients)}
+        self.methods = run_methods(self.config, self.federation)
+        self.config = with_full_params(self.config, [method.params for method in self.methods])
+
+    def _start_executor(self) -> bool:
+        """The executor and the actor slots (fitted to the Ray cluster); whether this run started Ray."""
+        local = self.config.placement.executor == "local"
+        self.executor = LocalExecutor() if local else RayExecutor()
+        owns_ray = not local and init_ray(self.config)
+        self.slots = actor_slots(self.config)
+        if not local:
+            try:
+                self._check_resources()
+            except Exception:
+                if owns_ray:
+                    ray.shutdown()
+                raise
+        return owns_ray
 
     def _check_model(self) -> None:
         """Fail here, with one sentence, rather than inside an actor: build every architecture's backbone and
@@ -284,12 +314,12 @@ class Simulation:
         options = _placed({"num_cpus": placement.driver_cpus}, bundle_index=0)
         self.driver = executor.actor(DriverActor, options, config, methods, plugins)
 
-    def _start_method(self, method_index: int) -> None:
+    def _start_method(self, method_index: int, local_steps: int | None = None) -> None:
         """Fresh client state on every actor and the method's initial server state on the DriverActor: one
-        initial state per architecture, from its first actor."""
+        initial state per architecture, from its first actor. ``local_steps``: the method's (compute matching)."""
         if not self.actors:
             self._start_actors()
-        initial = [actor.start_method.remote(method_index) for actor in self.actors]
+        initial = [actor.start_method.remote(method_index, local_steps) for actor in self.actors]
         first = {}
         for actor_index, slot in enumerate(self.slots):
             first.setdefault(slot.architecture, actor_index)
@@ -297,6 +327,25 @@ class Simulation:
         tags = [self.actors[first[name]].task_tags.remote() for name in names]
         start = self.driver.start_method.remote(method_index, names, *(initial[first[n]] for n in names), *tags)
         self.executor.get([*initial, start])
+
+    def _match_compute(self) -> dict[str, dict[str, float]]:
+        """``train.compute_match``: per method label its local update's FLOPs, cost ratio to the reference and local
+        steps (:mod:`rayfed.compute`), from each method's round-1 update of the measured client with
+        ``train.local_steps`` steps, on actors started for the measurement alone; ``{}`` without the option."""
+        match, train = self.config.train.compute_match, self.config.train
+        if match is None:
+            return {}
+        flops = {}
+        try:
+            for index, entry in enumerate(self.config.methods):
+                self._start_method(index)
+                self._before_federation(index)
+                payloads = self.driver.payloads.remote([match.client])
+                flops[entry.label] = self.executor.get(
+                    self.actors[self.host_of[match.client]].local_update_flops.remote(match.client, payloads))
+        finally:
+            self._stop_actors()
+        return matched_steps(flops, match.reference, train.local_steps)
 
     def _stop_actors(self) -> None:
         for actor in [*self.actors, self.driver]:
@@ -307,10 +356,11 @@ class Simulation:
     # The round loop ---------------------------------------------------------------------
     def _run_method(self, method_index: int) -> None:
         entry = self.config.methods[method_index]
+        local_steps = self.compute_match[entry.label]["local_steps"] if self.compute_match else None
         failures = 0
         while True:
             try:
-                self._start_method(method_index)
+                self._start_method(method_index, local_steps)
                 start_round, counters = self._restore(method_index)
                 self._rounds(method_index, start_round, counters)
                 return
@@ -334,14 +384,16 @@ class Simulation:
         if checkpoint is None:
             self.log.restart_method(label, 0)
             counters = {"up_bytes": 0, "down_bytes": 0, "up_params": 0, "down_params": 0, "wall_time_s": 0.0}
-            self._before_federation(method_index, counters)
+            self._before_federation(method_index)
+            if self.methods[method_index].pre_federation_stage and self.config.federation.checkpoint_every:
+                self._checkpoint(label, 0, counters)
             return 0, counters
         self.executor.get([actor.set_states.remote(checkpoint.clients) for actor in self.actors]
                           + [self.driver.set_state.remote(checkpoint.server)])
         self.log.restart_method(label, checkpoint.round)
         return checkpoint.round, dict(checkpoint.meta["counters"])
 
-    def _before_federation(self, method_index: int, counters: dict[str, float]) -> None:
+    def _before_federation(self, method_index: int) -> None:
         """The method's pre-federation stage, if it declares one: once per architecture, on that architecture's
         first actor (its model, the public data, the round-0 parameters); then the server-side stage."""
         method = self.methods[method_index]
@@ -352,8 +404,6 @@ class Simulation:
         names = list(first)
         prepared = [first[name].pre_federation.remote(method_index) for name in names]
         self.executor.get(self.driver.before_federation.remote(names, *prepared))
-        if method.pre_federation_stage and self.config.federation.checkpoint_every:
-            self._checkpoint(self.config.methods[method_index].label, 0, counters)
 
     def _rounds(self, method_index: int, start_round: int, counters: dict[str, float]) -> None:
         config, entry = self.config, self.config.methods[method_index]
@@ -547,6 +597,7 @@ class Simulation:
             "comm_params": comm_params,  # "up" is the paper's T x M x P cost in parameters
             "target_acc": target,
             "rounds_to_target": rounds,
+            **({"compute_match": self.compute_match} if self.compute_match else {}),
         }
 
 

@@ -115,3 +115,44 @@ def test_a_result_line_records_the_overrides_of_offline_runs_set() -> None:
     job = {"plan": "fedmosaic", "config": "fedmosaic/offline_dynamic", "label": "local", "overrides": {}, "seed": 1,
            "extra": {"train.local_steps": 30}}
     assert _key(job)["set"] == {"train.local_steps": 30}
+
+
+def test_a_compute_matched_job_trains_the_steps_its_measured_cost_gives_it() -> None:
+    import copy
+
+    from conftest import TINY_RUN
+
+    from rayfed.benchmarks.offline_runs import compute_matched
+
+    config = copy.deepcopy(TINY_RUN)
+    config["train"]["local_steps"] = 4
+    config["methods"] = ["ditto"]  # two trainings of train.local_steps steps each: twice FedAvg's FLOPs
+    config["placement"] = {"executor": "local", "clients_per_actor": 2}
+    matched_config, measured = compute_matched(config, "fedavg", ["fedmosaic/offline_dynamic"])
+    assert measured["reference"] == "fedavg" and measured["cost_ratio"] == pytest.approx(2.0, rel=0.02)
+    assert measured["local_steps"] == matched_config["train"]["local_steps"] == 2
+    assert config["train"]["local_steps"] == 4 and matched_config["methods"] == ["ditto"]
+    with pytest.raises(ValueError, match="--compute-match nope: no config of the plans"):
+        compute_matched(config, "nope", ["fedmosaic/offline_dynamic"])
+
+
+def test_compute_matched_rows_are_their_own_setting_with_the_papers_numbers_and_a_cost_table() -> None:
+    from rayfed.benchmarks.fedmosaic_tables import compute_matching, paired_gaps, results_table
+
+    matched = []
+    for label, value, ratio, steps in (("local", 0.1, 1.0, 10), ("fedmosaic", 0.3, 1.16, 9)):
+        row = {**_tables_row("dynamic", label, value), "compute_match_reference": "local",
+               "compute_match": {"reference": "local", "flops": 1.0, "cost_ratio": ratio, "local_steps": steps}}
+        matched.append(row)
+    baseline = {**_tables_row("baselines", "ditto", 0.2), "compute_match_reference": "local",
+                "compute_match": {"reference": "local", "flops": 2.0, "cost_ratio": 2.0, "local_steps": 5}}
+    rows = [*matched, baseline, _tables_row("dynamic", "local", 0.9)]
+    lines = {line.split(" |")[0].lstrip("| "): line for line in results_table(rows).splitlines()}
+    assert lines["dynamic{matched=local}:fedmosaic"].endswith("| 67.86 / 59.83 / 51.16 / 49.36 |")
+    gaps = paired_gaps(rows, "local", "dynamic{matched=local}")
+    assert "| dynamic{matched=local}:fedmosaic | 1 | 20.00 |" in gaps  # paired with the matched SFT, not 0.9's
+    assert "| baselines{matched=local}:ditto | 1 | 10.00 |" in gaps
+    assert compute_matching(rows).splitlines()[2:] == [
+        "| baselines{matched=local}:ditto | local | 2.000 | 5 |",
+        "| dynamic{matched=local}:fedmosaic | local | 1.160 | 9 |",
+        "| dynamic{matched=local}:local | local | 1.000 | 10 |"]

@@ -17,7 +17,7 @@ from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
-from rayfed.method import Upload
+from rayfed.method import Upload, build_method
 from rayfed.modules import AdaptedMLP, set_adapter_mix
 from rayfed.mome import Expert, MoMEModel, task_key
 from rayfed.tasks import sample_round, task_view
@@ -315,6 +315,32 @@ def test_stage_two_reports_every_view_and_beta_zero_is_exactly_the_no_kd_run(act
     assert {"local_token_f1", "local_token_f1@fedavg", "local_token_f1@pt", "local_token_f1@pt2",
             "local_token_f1@stage1", "local_token_f1@nokd", "local_token_f1@kdalt", "local_meteor"} <= set(metrics[2])
     assert {"view:pt", "view:pt2", "view:stage1", "view:nokd", "view:kdalt"} <= set(state)
+
+
+@pytest.mark.parametrize("params, expected", [({}, (2e-3, 2e-3, 2e-3, 1.0)), ({"kd_weights": "code"}, (2e-3, 2e-3, 1.0, 2e-3))],
+                         ids=["default-table-21", "code"])
+def test_stage_two_weighs_each_task_keys_kd_term_by_table_21_by_default_or_by_the_codes_vector(actor, monkeypatch,
+                                                                                               params, expected):
+    """The weight stage 2's loss puts on each task key's KD term: its gradient with respect to the term."""
+    tap = __import__("rayfed.methods.tap", fromlist=["Distillation"])
+    method, driver = _start(actor, post_fl_microbatches=1, two_p=False, no_kd=False, **params)
+    terms = []
+
+    def unit_term(self, key, student, teacher):
+        leaf = torch.ones((), requires_grad=True)
+        terms.append((key, leaf))
+        return leaf
+
+    monkeypatch.setattr(tap.Distillation, "term", unit_term)
+    for cid in (0, 1, 2):  # image classification; text classification + image generation; text generation
+        method.after_federation(actor._context(cid, 0), actor.states[cid], driver.payloads([cid], False)[cid])
+    applied: dict[str, list[float]] = {}
+    for key, leaf in terms:
+        applied.setdefault(key, []).append(leaf.grad.item())
+    assert set(applied) == {"image_classification", "image_generation", "text_classification", "text_generation"}
+    for key, beta in zip(("image_classification", "image_generation", "text_classification", "text_generation"),
+                         expected):
+        assert applied[key] == pytest.approx([beta] * len(applied[key])), key
 
 
 def test_distillation_is_tau_squared_kl_and_the_teacher_draws_no_dropout(actor):
@@ -671,6 +697,11 @@ def test_tap_hyperparameters_are_validated():
     params = method_class("tap").Params
     with pytest.raises(ValueError, match="margins needs 4 values"):
         params(margins=(0.1,))
+    with pytest.raises(ValueError, match="kd_weights must be paper or code .* or 4 numbers"):
+        params(kd_weights="table21")
+    with pytest.raises(ConfigError, match=r"methods\[0\] \(tap\)\.alt_kd_weights = 'cod' is invalid: alt_kd_weights must be "
+                       "paper or code"):
+        build_method(load_config(_run(alt_kd_weights="cod")).methods[0], 0)
     with pytest.raises(ValueError, match="mome has no option 'rank'"):
         params(mome={"rank": 4})
     assert task_view({"heads.task_0.w": 1, "shared_proj.w": 2}, [1], {"heads.task_0.w": frozenset({0})}) == \
