@@ -22,6 +22,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import time
 import traceback
 from pathlib import Path
@@ -144,9 +145,16 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     run_dir = Path(job["run_dir"])
     matched = {}
     try:
-        if job["compute_match"] is not None:
-            config, matched = compute_matched(config, job["compute_match"], [job["config"], *job["stems"]])
-        summary = Simulation(config, out_dir=run_dir, progress=False).run()
+        if job["resume"] and any((run_dir / "checkpoints").glob("*")):
+            summary = Simulation.resume(run_dir, progress=False).run()
+        else:
+            if job["resume"] and run_dir.exists():  # a job stopped before its first checkpoint starts afresh
+                shutil.rmtree(run_dir)
+            if job["compute_match"] is not None:
+                config, matched = compute_matched(config, job["compute_match"], [job["config"], *job["stems"]])
+            if job["checkpoint_every"] is not None:  # how often a job keeps its state: not part of its numbers
+                config.setdefault("federation", {})["checkpoint_every"] = job["checkpoint_every"]
+            summary = Simulation(config, out_dir=run_dir, progress=False).run()
     except Exception:  # noqa: BLE001 - one failed job must not stop the others
         return {**_key(job), "error": traceback.format_exc()[-2000:]}
     method = summary["methods"][label]
@@ -181,6 +189,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--runs", default=None, help="where the jobs' run folders go (default: <out>/runs)")
     parser.add_argument("--set", nargs="*", default=[], help="dotted overrides for every job (key=YAML value)")
+    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="ROUNDS",
+                        help="keep each job's state every ROUNDS rounds, so that --resume can continue it")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue each job from its run folder's last checkpoint (a job without one starts "
+                             "afresh); with the same --plan, --seeds, --set and --runs as the first call")
     parser.add_argument("--compute-match", default=None, metavar="LABEL",
                         help="local steps per method matched to method LABEL's compute (train.compute_match)")
     args = parser.parse_args(argv)
@@ -198,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                 name = f"{plan}-{index}-{label}-s{seed}"
                 jobs.append({"plan": plan, "config": stem, "label": label, "overrides": overrides, "seed": seed,
                              "extra": extra, "device": args.device, "threads": args.threads, "run_dir": str(runs / name),
-                             "compute_match": args.compute_match, "stems": stems})
+                             "compute_match": args.compute_match, "stems": stems,
+                             "checkpoint_every": args.checkpoint_every, "resume": args.resume})
     with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool, \
             (out / "results.jsonl").open("a") as results:
         for result in pool.imap_unordered(run_job, jobs):

@@ -156,3 +156,33 @@ def test_compute_matched_rows_are_their_own_setting_with_the_papers_numbers_and_
         "| baselines{matched=local}:ditto | local | 2.000 | 5 |",
         "| dynamic{matched=local}:fedmosaic | local | 1.160 | 9 |",
         "| dynamic{matched=local}:local | local | 1.000 | 10 |"]
+
+
+def test_a_resumed_job_continues_from_its_checkpoint_and_a_job_without_one_starts_afresh(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import copy
+
+    from conftest import TINY_RUN
+
+    from rayfed.benchmarks import offline_runs
+
+    def tiny(stem, label, overrides, seed, extra):
+        config = copy.deepcopy(TINY_RUN)
+        config.update(seed=seed, placement={"executor": "local", "clients_per_actor": 2})
+        return config
+
+    monkeypatch.setattr(offline_runs, "job_config", tiny)
+    job = {"plan": "p", "config": "c", "label": "fedavg", "overrides": {}, "seed": 3, "extra": {}, "device": "cpu",
+           "threads": 1, "compute_match": None, "stems": [], "checkpoint_every": 3, "resume": False}
+    first = offline_runs.run_job({**job, "run_dir": str(tmp_path / "first")})
+    assert "error" not in first, first.get("error")
+    interrupted = tmp_path / "interrupted"
+    offline_runs.run_job({**job, "run_dir": str(interrupted)})
+    kept = sorted(path.name for path in (interrupted / "checkpoints" / "fedavg").iterdir() if path.is_dir())
+    assert kept == ["round_3"]  # checkpoint_every: as if the job had stopped in round 4
+    resumed = offline_runs.run_job({**job, "run_dir": str(interrupted), "resume": True})
+    assert resumed["mean"] == first["mean"] and resumed["curves"][-1] == first["curves"][-1]
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "metrics.jsonl").write_text("")  # stopped before any checkpoint: starts afresh
+    assert offline_runs.run_job({**job, "run_dir": str(stale), "resume": True})["mean"] == first["mean"]
