@@ -32,6 +32,7 @@ from torch import nn
 from rayfed import seeding
 from rayfed.config import StreamConfig, TrainConfig
 from rayfed.data.batches import ClientData, Columns, EvalSet, TaskData, num_rows
+from rayfed.errors import ConfigError
 from rayfed.metrics import with_derived
 from rayfed.modules import select_task
 from rayfed.streams import seen_round, training_pool
@@ -184,8 +185,6 @@ class PublicPass:
 
     def rows(self, count: int) -> torch.Tensor:
         """The first ``count`` public rows (one sentence when there are fewer, or no public data)."""
-        from rayfed.errors import ConfigError
-
         available = num_rows(self.public) if self.public else 0
         if available < count:
             raise ConfigError(f"data.public has {available} rows, but the method distils on {count} public samples; "
@@ -263,7 +262,6 @@ def answer_mask(batch: Batch) -> torch.Tensor:
 def same_answers(results: dict[str, TensorDict], method: str) -> None:
     """One sentence unless every architecture's public pass saw the same answer tokens (``answers``) and gave
     logits over the same vocabulary (``vocabulary``): distillation between them needs one tokenizer."""
-    from rayfed.errors import ConfigError
 
     first, *others = results
     for other in others:

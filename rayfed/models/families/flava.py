@@ -27,6 +27,7 @@ def _paper_flava(size: str, layers: int | None) -> PaperModel:
     text = paper.tokenizer(paper.BERT_UNCASED, config.text_config.max_position_embeddings)
     return PaperModel(config, paper.flava_processor(text, config.image_config.image_size))
 
+
 def _hf_flava(name_or_path: str) -> Backbone:
     from rayfed.zoo.tokenizers import load_tokenizer
 

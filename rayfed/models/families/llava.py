@@ -46,6 +46,7 @@ def _paper_llava(language: str, layers: int | None) -> PaperModel:
     processor = paper.llava_processor(text, image_token, vision_config.image_size, vision_config.patch_size)
     return PaperModel(config, processor)
 
+
 def _hf_llava(name_or_path: str) -> Backbone:
     processor = transformers.AutoProcessor.from_pretrained(name_or_path)
     encoder = transformers.LlavaForConditionalGeneration.from_pretrained(name_or_path, dtype=torch.float32)

@@ -68,6 +68,7 @@ def _random_llama(request: BackboneRequest) -> Backbone:
         encoder = transformers.AutoModelForCausalLM.from_config(config, dtype=_llm_dtype())
     return _causal_lm(encoder, word_tokenizer(append_eos=False, model_max_length=config.max_position_embeddings))
 
+
 def _hf_causal_lm(name_or_path: str) -> Backbone:
     from rayfed.zoo.tokenizers import load_tokenizer
 

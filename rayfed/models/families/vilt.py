@@ -27,6 +27,7 @@ def _paper_vilt(size: str, layers: int | None) -> PaperModel:
     text = paper.tokenizer(paper.BERT_UNCASED, config.max_position_embeddings)
     return PaperModel(config, paper.vilt_processor(text, config.image_size))
 
+
 def _hf_vilt(name_or_path: str) -> Backbone:
     from rayfed.zoo.tokenizers import load_tokenizer
 
