@@ -8,6 +8,11 @@ import sys
 
 from rayfed.errors import ConfigError
 
+# `rayfed bench --workload`: benchmarks/overhead.py's WORKLOADS and benchmarks/method_bench.py's METHOD_WORKLOADS
+# (named here so that the parser imports neither)
+GENERIC_WORKLOADS = ("cpu", "gpu", "llm", "llm-cpu")
+SEED_METHOD_WORKLOADS = ("tap", "feddat", "fedmosaic", "pfedmma", "fedyolo")
+
 
 def _run(args: argparse.Namespace) -> int:
     from rayfed.simulation import Simulation
@@ -65,8 +70,15 @@ def _bench(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
+    from rayfed.benchmarks.method_bench import METHOD_WORKLOADS, run_method_bench
     from rayfed.benchmarks.overhead import run_bench, workload_named
 
+    if args.workload in METHOD_WORKLOADS:
+        run_method_bench(args.workload, Path(args.out), rounds=args.rounds, smoke=args.smoke,
+                         overrides=tuple(args.overrides), reference=not args.no_reference)
+        print((Path(args.out) / "bench.md").read_text())
+        print(f"results: {args.out}/bench.json, {args.out}/bench.md")
+        return 0
     workload = workload_named(args.workload)
     workload = dataclasses.replace(workload, compile=args.compile or workload.compile, batch_clients=args.batch_clients,
                                    rounds=args.rounds or workload.rounds)
@@ -159,10 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.set_defaults(handler=_tune)
 
     bench = commands.add_parser("bench", help="time a fixed FL workload against a plain PyTorch loop")
-    bench.add_argument("--workload", choices=["cpu", "gpu", "llm", "llm-cpu"], default="cpu",
+    bench.add_argument("--workload", choices=[*GENERIC_WORKLOADS, *SEED_METHOD_WORKLOADS], default="cpu",
                        help="cpu: a tiny ViT smoke size; gpu: open_clip ViT-B/16 + LoRA, 100 clients, 16 per round; "
                        "llm: a Llama-3.2-1B-shaped model + LoRA r16, text generation on 512-token sequences, "
-                       "20 clients, 4 per round; llm-cpu: the same on a tiny Llama")
+                       "20 clients, 4 per round; llm-cpu: the same on a tiny Llama; "
+                       f"{'|'.join(SEED_METHOD_WORKLOADS)}: that paper's method at its paper's model size (its paper "
+                       "config's offline twin) against the same method's code in one plain process")
     bench.add_argument("--actors-per-gpu", type=int, nargs="+", default=[1, 2, 4], help="packings to sweep")
     bench.add_argument("--repeats", type=int, default=1,
                        help="run the sweep this many times; each packing's median overhead ratio is reported")
@@ -172,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train.batch_clients for rayfed's actors (the ideal loop trains one client at a time)")
     bench.add_argument("--rounds", type=int, choices=range(2, 1001), metavar="{2..1000}",
                        help="rounds a run, the first a warm-up (default: the workload's)")
+    bench.add_argument("--smoke", action="store_true",
+                       help="a seed method's workload on its tiny offline config instead of the paper-size twin")
+    bench.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                       help="a seed method's workload: config overrides, as rayfed run --set")
+    bench.add_argument("--no-reference", action="store_true",
+                       help="a seed method's workload: skip the plain LoRA FedAvg run its TFLOP/s is compared with")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
     bench.set_defaults(handler=_bench)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rayfed.benchmarks import flower_side
+from rayfed.benchmarks.method_bench import METHOD_WORKLOADS
 from rayfed.benchmarks.overhead import (
     LLM_CPU_WORKLOAD, LLM_WORKLOAD, WORKLOADS, IdealLoop, Workload, median_ratios, round_breakdown, run_bench,
     workload_named,
@@ -165,7 +166,9 @@ def test_every_bench_workload_trains_whole_batches_of_its_batch_size(name):
 def test_the_bench_workloads_are_the_same_for_the_cli_and_the_flower_side_by_side():
     bench = build_parser()._subparsers._group_actions[0].choices["bench"]
     [workload_option] = [a for a in bench._actions if a.dest == "workload"]
-    assert list(workload_option.choices) == list(flower_side.WORKLOADS) == list(WORKLOADS)
+    generic = [name for name in workload_option.choices if name not in METHOD_WORKLOADS]
+    assert generic == list(flower_side.WORKLOADS) == list(WORKLOADS)
+    assert [name for name in workload_option.choices if name in METHOD_WORKLOADS] == list(METHOD_WORKLOADS)
     with pytest.raises(ConfigError, match=r"--workload = 'llm-gpu' is not known \(did you mean 'llm-cpu'\?\); "
                                           r"allowed: cpu, gpu, llm, llm-cpu\."):
         workload_named("llm-gpu")

@@ -1,0 +1,297 @@
+"""`rayfed bench --workload tap|feddat|fedmosaic|pfedmma|fedyolo`: a seed paper's method at its paper's model size
+(the paper config's offline twin: randomly initialised backbones of the paper's sizes on synthetic data of the
+paper's shapes, docs/offline_models.md), each of rayfed's rounds paired with the same round of the ideal.
+
+The ideal runs the same method's code in one plain process: the run's DriverActor and one ClientActor per
+architecture as plain objects (no Ray, no actors of their own, no guests), each round's payloads, the round's
+clients' local updates, the aggregation and the method's public passes called one after another, as a
+hand-written single-GPU script of the method would. Each of its rounds runs right after rayfed's same round
+(the hosts drift by tens of percent within minutes). overhead ratio = rayfed's s/round / the ideal's.
+
+The breakdown of a round names where the time goes: the clients' local updates (the ideal's, and the busiest of
+rayfed's actors), the method's server hooks (payloads, aggregation, public passes: RELA's weights, alignment,
+distillation on public data) and rayfed's time around its actors; the evaluation of every client (rayfed's
+end-of-run evaluation, the ideal's one evaluation); the host syncs of one local update (CUDA only); peak GPU memory
+of one client's update and of each actor. TFLOP/s is a local update's FLOPs (torch's counter: matrix products and
+attention, KD teachers included) times the round's updates, over the ideal's client time; next to it, the same
+rate of a plain LoRA FedAvg step on the same backbone and batch (``--reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from rayfed.actors.client import ClientActor, RoundUploads, run_methods
+from rayfed.actors.driver import DriverActor
+from rayfed.architectures import actor_slots, architecture_of
+from rayfed.compute import counted_flops
+from rayfed.config import RunConfig, load_config
+from rayfed.data.clients import build_federation
+from rayfed.errors import ConfigError, choice_error
+from rayfed.io import atomic_write_json, atomic_write_text
+from rayfed.report import format_table
+from rayfed.simulation import Simulation, import_plugin_modules
+from rayfed.system import plan_round
+from rayfed.tasks import sample_round
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class MethodWorkload:
+    """A seed method's bench: method ``label`` of ``config`` (its paper config's offline twin, a path from the
+    repository's root); ``smoke_config`` / ``smoke_label``: the same method on its tiny offline config, a size a
+    CPU runs in seconds (``--smoke``)."""
+
+    config: str
+    label: str
+    smoke_config: str
+    smoke_label: str
+    rounds: int = 3
+
+
+METHOD_WORKLOADS: dict[str, MethodWorkload] = {
+    "tap": MethodWorkload("configs/tap/paper_flava_offline.yaml", "TAP", "configs/tap/offline_flava_quick.yaml", "TAP"),
+    "feddat": MethodWorkload("configs/feddat/paper_domain_offline.yaml", "FedDAT", "configs/feddat/offline_domain.yaml",
+                             "FedDAT"),
+    "fedmosaic": MethodWorkload("configs/fedmosaic/paper_drake_static_offline.yaml", "fedmosaic",
+                                "configs/fedmosaic/offline_static.yaml", "fedmosaic"),
+    "pfedmma": MethodWorkload("configs/pfedmma/cifar100_offline.yaml", "pfedmma", "configs/pfedmma/offline.yaml",
+                              "pfedmma"),
+    "fedyolo": MethodWorkload("configs/fedyolo/paper_cifar100_B_mild_offline.yaml", "fedyolo",
+                              "configs/fedyolo/offline_multitask.yaml", "fedyolo"),
+}
+
+
+def workload_config(workload: MethodWorkload, rounds: int, smoke: bool = False,
+                    overrides: tuple[str, ...] = ()) -> RunConfig:
+    """The workload's method alone, ``rounds`` rounds, evaluated once at the end, no checkpoints; then
+    ``overrides`` (``key=value``, as ``rayfed run --set``)."""
+    path = REPO / (workload.smoke_config if smoke else workload.config)
+    label = workload.smoke_label if smoke else workload.label
+    if not path.is_file():
+        raise ConfigError(f"the bench's config {str(path)!r} does not exist; run the bench from a checkout of the "
+                          "repository (pip install -e .).")
+    methods = yaml.safe_load(path.read_text())["methods"]
+    chosen = [m for m in methods if (m if isinstance(m, str) else m.get("label", m["name"])) == label]
+    if not chosen:
+        raise ConfigError(f"{path}: no method is labelled {label!r}.")
+    return load_config(path, [f"federation.rounds={rounds}", f"federation.eval_every={rounds + 1}",
+                              "federation.checkpoint_every=0", f"methods={json.dumps(chosen)}", *overrides])
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(work: Callable[[], Any]) -> tuple[Any, float]:
+    _sync()
+    started = time.perf_counter()
+    result = work()
+    _sync()
+    return result, time.perf_counter() - started
+
+
+class MethodLoop:
+    """The ideal: the run's method in this process, one ClientActor per architecture hosting all its clients."""
+
+    def __init__(self, config: RunConfig):
+        import_plugin_modules(config)
+        self.config = config
+        federation = build_federation(config.data, config.seed)
+        methods = run_methods(config, federation)
+        self.method = methods[0]
+        self.architecture_of = architecture_of(config)
+        one_actor = config.model_copy(update={"placement": config.placement.model_copy(
+            update={"clients_per_actor": config.data.num_clients})})
+        self.hosts = {slot.architecture: ClientActor(config, slot.client_ids, methods, (), slot.architecture, federation)
+                      for slot in actor_slots(one_actor)}
+        self.driver = DriverActor(config, methods)
+        names = list(self.hosts)
+        initial = [host.start_method(0) for host in self.hosts.values()]
+        self.driver.start_method(0, names, *initial, *(host.task_tags() for host in self.hosts.values()))
+        if self.method.pre_federation_stage:
+            self.driver.before_federation(names, *(host.pre_federation(0) for host in self.hosts.values()))
+        self.num_train = {cid: federation.sizes(cid)["num_train"] for cid in range(federation.num_clients)}
+
+    def round_clients(self, round_idx: int) -> dict[str, list[int]]:
+        """The clients rayfed's round ``round_idx`` trains, per architecture."""
+        sampled = self.method.participants(round_idx, sample_round(self.config, round_idx), self.config.data.num_clients)
+        plan = plan_round(self.config, round_idx, sampled, self.num_train)
+        self._weight_scale = plan.weight_scale
+        return {name: [cid for cid in plan.participants if self.architecture_of[cid] == name] for name in self.hosts}
+
+    def run_round(self, round_idx: int) -> dict[str, float]:
+        """Round ``round_idx`` of the method; seconds of its parts and of the whole."""
+        clients = {name: cids for name, cids in self.round_clients(round_idx).items() if cids}
+        payloads, payload_s = _timed(lambda: {name: self.driver.payloads(cids) for name, cids in clients.items()})
+        parts, update_s = _timed(lambda: [
+            self.hosts[name].train_round(round_idx, cids, payloads[name], {c: self._weight_scale[c] for c in cids})
+            for name, cids in clients.items()])
+        _, aggregate_s = _timed(lambda: self.driver.aggregate(*parts))
+        _, public_s = _timed(lambda: self._public_passes(round_idx))
+        server_s = payload_s + aggregate_s + public_s
+        return {"clients": sorted(c for cids in clients.values() for c in cids),
+                "round_s": update_s + server_s, "update_s": update_s, "server_s": server_s, "payload_s": payload_s,
+                "aggregate_s": aggregate_s, "public_pass_s": public_s}
+
+    def _public_passes(self, round_idx: int) -> None:
+        names = list(self.hosts)
+        for index in range(self.method.public_passes):
+            results = [self.hosts[name].public_pass(0, round_idx, index, self.driver.public_request(index, name))
+                       for name in names]
+            self.driver.after_public_pass(index, names, *results)
+
+    def evaluation_s(self, round_idx: int) -> float:
+        """Seconds to evaluate every client once, as after round ``round_idx``."""
+        return _timed(lambda: [host.evaluate(round_idx, self.driver.payloads(host.client_ids, False))
+                               for host in self.hosts.values()])[1]
+
+    def update_profile(self, round_idx: int) -> dict[str, Any]:
+        """One client's local update (the first of the round's first architecture): its FLOPs, the host syncs
+        it makes (CUDA: torch's sync debug mode, one warning a sync), its peak GPU memory above what was held."""
+        name, cids = next((n, c) for n, c in self.round_clients(round_idx).items() if c)
+        host, cid = self.hosts[name], cids[0]
+        payloads = self.driver.payloads([cid], False)
+        state = host.states[cid]
+        flops = host.local_update_flops(cid, payloads)
+        syncs = peak = None
+        if host.device.type == "cuda":
+            torch.cuda.synchronize()
+            held = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    host.train(round_idx, [cid], payloads)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            syncs = sum("synchronizing" in str(w.message) for w in caught)
+            peak = torch.cuda.max_memory_allocated() - held
+        host.states[cid] = state
+        return {"architecture": name, "flops": flops, "host_syncs": syncs, "peak_gpu_bytes": peak,
+                "local_steps": host.train_config.local_steps}
+
+
+def measure(config: RunConfig, out_dir: Path) -> dict[str, Any]:
+    """rayfed's run of ``config`` (one method), each round paired with the ideal's same round."""
+    ideal = MethodLoop(config)
+    profile = ideal.update_profile(0)
+    ideal_rounds: list[dict[str, float]] = []
+    usage: list[dict[str, Any]] = []
+    round_times: list[list[dict[str, float]]] = []
+    rounds = config.federation.rounds
+    last_round_end = 0.0
+
+    def after_round(sim: Simulation, label: str, rounds_done: int) -> None:
+        nonlocal last_round_end
+        if rounds_done == rounds:
+            usage.extend(sim.executor.get([actor.resource_usage.remote() for actor in sim.actors]))
+            round_times.extend(sim.executor.get([actor.get_round_times.remote() for actor in sim.actors]))
+        ideal_rounds.append(ideal.run_round(rounds_done - 1))
+        last_round_end = time.perf_counter()
+
+    run_dir = out_dir / "run"
+    summary = Simulation(config, out_dir=run_dir, callbacks=[after_round], progress=False, check_model=False).run()
+    end_of_run = time.perf_counter() - last_round_end  # the final evaluation (and post-FL stage), results written
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    walls = [e["wall_s"] for e in events if e["event"] == "round"]
+    updates = [max((t["update_s"] for times in round_times for t in times if t["round"] == r), default=0.0)
+               for r in range(rounds)]
+    label = config.methods[0].label
+    clients_per_round = statistics.mean(len(e["participants"]) for e in events if e["event"] == "round")
+    ideal_evaluation = ideal.evaluation_s(rounds)
+    timed = slice(1, None) if rounds > 1 else slice(None)  # the first round warms up both
+    mean_round, ideal_round = statistics.mean(walls[timed]), statistics.mean(r["round_s"] for r in ideal_rounds[timed])
+    ideal_update = statistics.mean(r["update_s"] for r in ideal_rounds[timed])
+    flops_per_round = profile["flops"] * clients_per_round
+    return {
+        "label": label, "rounds": rounds, "clients_per_round": clients_per_round, "round_s": walls,
+        "participants": [e["participants"] for e in events if e["event"] == "round"],
+        "ideal_rounds": ideal_rounds, "mean_round_s": mean_round, "mean_ideal_round_s": ideal_round,
+        "overhead_ratio": mean_round / ideal_round,
+        "mean_update_s": statistics.mean(updates[timed]), "mean_ideal_update_s": ideal_update,
+        "mean_ideal_server_s": statistics.mean(r["server_s"] for r in ideal_rounds[timed]),
+        "mean_ideal_public_pass_s": statistics.mean(r["public_pass_s"] for r in ideal_rounds[timed]),
+        "end_of_run_s": end_of_run, "ideal_evaluation_s": ideal_evaluation,
+        "update_profile": profile, "tflops_per_s": flops_per_round / ideal_update / 1e12,
+        "rayfed_tflops_per_s": flops_per_round / mean_round / 1e12,
+        "peak_gpu_mib_per_actor": max((u["gpu_peak_bytes"] for u in usage), default=0) / 2**20,
+        "peak_host_mib_per_actor": max((u["rss_bytes"] for u in usage), default=0) / 2**20,
+        "metrics": {k: v for k, v in summary["methods"][label]["mean"].items() if "/" not in k},
+    }
+
+
+def reference_config(config: RunConfig) -> RunConfig:
+    """A plain LoRA FedAvg run on ``config``'s clients, backbone and batch (every architecture's own backbone)."""
+    lora = config.model.lora.model_dump() if config.model.lora is not None else {"rank": 16, "alpha": 32}
+    return load_config(config, ["methods=[fedavg]", "model.module=lora", f"model.lora={json.dumps(lora)}"])
+
+
+def run_method_bench(workload: str | MethodWorkload, out_dir: Path, rounds: int | None = None, smoke: bool = False,
+                     overrides: tuple[str, ...] = (), reference: bool = True) -> dict[str, Any]:
+    """The bench of ``workload`` (or the one :data:`METHOD_WORKLOADS` names), with the plain LoRA FedAvg reference's
+    step rate beside it when ``reference``; writes ``bench.json`` and ``bench.md`` into ``out_dir``."""
+    if isinstance(workload, str):
+        if workload not in METHOD_WORKLOADS:
+            raise choice_error("--workload", workload, METHOD_WORKLOADS)
+        name, workload = workload, METHOD_WORKLOADS[workload]
+    else:
+        name = workload.label
+    config = workload_config(workload, rounds or workload.rounds, smoke, overrides)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "workload": {"name": name, **asdict(workload), "smoke": smoke, "overrides": list(overrides)},
+        "machine": {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                    "torch": torch.__version__},
+    }
+    with tempfile.TemporaryDirectory(prefix=f"rayfed-bench-{name}-") as scratch:
+        results["method"] = measure(config, Path(scratch))
+        atomic_write_json(out_dir / "bench.json", results)
+        if reference:
+            results["reference"] = measure(reference_config(config), Path(scratch) / "reference")
+            results["tflops_ratio"] = results["method"]["tflops_per_s"] / results["reference"]["tflops_per_s"]
+    atomic_write_json(out_dir / "bench.json", results)
+    atomic_write_text(out_dir / "bench.md", markdown(results))
+    return results
+
+
+ROW_KEYS = ("mean_round_s", "mean_ideal_round_s", "overhead_ratio", "mean_update_s", "mean_ideal_update_s",
+            "mean_ideal_server_s", "mean_ideal_public_pass_s", "end_of_run_s", "ideal_evaluation_s", "tflops_per_s")
+
+
+def markdown(results: dict[str, Any]) -> str:
+    rows = []
+    for role in ("method", "reference"):
+        if role in results:
+            run = results[role]
+            profile = run["update_profile"]
+            syncs = profile["host_syncs"]
+            rows.append([run["label"] if role == "method" else "LoRA FedAvg", *(f"{run[k]:.3g}" for k in ROW_KEYS),
+                         "-" if syncs is None else str(syncs),
+                         "-" if profile["peak_gpu_bytes"] is None else f"{profile['peak_gpu_bytes'] / 2**20:.0f}",
+                         f"{run['peak_gpu_mib_per_actor']:.0f}"])
+    header = ["method", "s/round", "ideal s/round", "overhead", "updates s (busiest actor)", "ideal updates s",
+              "ideal server hooks s", "ideal public passes s", "end of run s", "ideal evaluation s", "TFLOP/s",
+              "host syncs/update", "peak GPU MiB/client", "peak GPU MiB/actor"]
+    workload, machine = results["workload"], results["machine"]
+    ratio = results.get("tflops_ratio")
+    return (f"Workload `{workload['name']}`: {workload['smoke_config' if workload['smoke'] else 'config']}"
+            f"{' ' + ' '.join(workload['overrides']) if workload['overrides'] else ''}\n\n"
+            f"Machine: {machine['gpu'] or 'CPU only'}, torch {machine['torch']}\n\n" + format_table(rows, header)
+            + ("" if ratio is None else f"\nTFLOP/s of the method's local updates / a plain LoRA FedAvg step's: "
+               f"{ratio:.2f}\n"))

@@ -1,0 +1,56 @@
+"""`rayfed bench --workload <seed paper>`: a method's rounds paired with the same method in one plain process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rayfed.benchmarks.method_bench import (
+    METHOD_WORKLOADS, MethodWorkload, reference_config, run_method_bench, workload_config,
+)
+from rayfed.errors import ConfigError
+
+QUICK = MethodWorkload("configs/quickstart.yaml", "ditto", "configs/quickstart.yaml", "ditto")
+
+
+def test_the_ideal_trains_rayfeds_clients_each_round_and_the_table_holds_both_runs(tmp_path):
+    results = run_method_bench(QUICK, tmp_path, rounds=2, overrides=(
+        "placement.executor=local", "data.num_clients=8", "federation.clients_per_round=4", "train.local_steps=4"))
+    method, reference = results["method"], results["reference"]
+    for run in (method, reference):
+        assert [r["clients"] for r in run["ideal_rounds"]] == run["participants"]
+        assert all(len(clients) == 4 for clients in run["participants"])
+        assert run["update_profile"]["flops"] > 0 and run["ideal_evaluation_s"] > 0
+    # Ditto trains its personal model beside the global one: more FLOPs an update than LoRA FedAvg's
+    assert method["update_profile"]["flops"] > reference["update_profile"]["flops"]
+    assert results["tflops_ratio"] == pytest.approx(method["tflops_per_s"] / reference["tflops_per_s"])
+    assert method["label"] == "ditto" and reference["label"] == "fedavg"
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["method"]["participants"] == method["participants"]
+    table = (tmp_path / "bench.md").read_text()
+    assert "| ditto |" in table and "| LoRA FedAvg |" in table and "a plain LoRA FedAvg step's" in table
+
+
+def test_the_reference_is_lora_fedavg_on_the_same_backbone_and_batch():
+    config = workload_config(QUICK, rounds=2)
+    reference = reference_config(config)
+    assert [m.name for m in reference.methods] == ["fedavg"] and reference.model.module == "lora"
+    assert reference.model.backbone == config.model.backbone and reference.model.lora == config.model.lora
+    assert reference.train.batch_size == config.train.batch_size
+    assert [m.label for m in config.methods] == ["ditto"] and config.federation.eval_every == 3
+
+
+@pytest.mark.parametrize("name", sorted(METHOD_WORKLOADS))
+def test_every_seed_method_workload_validates_at_paper_size_and_smoke_size(name):
+    workload = METHOD_WORKLOADS[name]
+    for smoke, label in ((False, workload.label), (True, workload.smoke_label)):
+        config = workload_config(workload, rounds=2, smoke=smoke)
+        assert [m.label for m in config.methods] == [label] and config.federation.rounds == 2
+
+
+def test_an_unknown_workload_and_a_missing_label_say_what_is_allowed(tmp_path):
+    with pytest.raises(ConfigError, match=r"--workload = 'fedmosiac' is not known \(did you mean 'fedmosaic'\?\)"):
+        run_method_bench("fedmosiac", tmp_path)
+    with pytest.raises(ConfigError, match=r"no method is labelled 'nope'"):
+        workload_config(MethodWorkload("configs/quickstart.yaml", "nope", "configs/quickstart.yaml", "nope"), 2)
