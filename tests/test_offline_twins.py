@@ -13,21 +13,13 @@ import yaml
 
 from rayfed.benchmarks import offline_twins
 from rayfed.config import DataConfig, RunConfig, load_config
+from rayfed.registry import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The paper's backbone -> its offline twin's: the same architecture at the same size, randomly initialised.
-OFFLINE_BACKBONE = {
-    "hf:facebook/flava-full": "flava:full",
-    "hf:dandelin/vilt-b32-mlm": "vilt:B32",
-    "hf:thkim0305/llama3.2_1B_vl": "llava:llama-1B",
-    "hf:thkim0305/llama3.2_3B_vl": "llava:llama-3B",
-    "hf:WinKawaks/vit-tiny-patch16-224": "vit:T",
-    "hf:WinKawaks/vit-small-patch16-224": "vit:S",
-    "hf:google/vit-base-patch16-224-in21k": "vit:B",
-    "hf:google/vit-large-patch16-224-in21k": "vit:L",
-    "open_clip:ViT-B-16": "open_clip:ViT-B-16",  # without model.pretrained: open_clip's own random init
-}
+# The paper's backbone -> its offline twin's: the same architecture at the same size, randomly initialised (their
+# shapes are checked against the published models in test_paper_backbones.py and test_fedyolo.py).
+OFFLINE_BACKBONE = offline_twins.BACKBONES
 # The classes of the papers' image-classification datasets (specs: fedyolo.md §1, pfedmma.md §6, tap.md §7).
 PAPER_CLASSES = {
     "hf:uoft-cs/cifar100": 100, "hf:uoft-cs/cifar10": 10, "hf:flwrlabs/celeba": 2, "hf:flwrlabs/femnist": 62,
@@ -58,6 +50,12 @@ def _twin(paper: Path) -> Path:
 
 def _name(path: Path) -> str:
     return path.relative_to(ROOT / "configs").as_posix()
+
+
+def test_the_twins_backbones_are_registered_offline_builders_not_hub_names():
+    hub = resolve("backbone", "hf:any/model").obj
+    for name in OFFLINE_BACKBONE.values():
+        assert resolve("backbone", name).obj is not hub and not name.startswith("tiny"), name
 
 
 def test_every_paper_config_has_a_twin_and_the_generator_knows_every_paper_config():
