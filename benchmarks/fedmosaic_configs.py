@@ -1,6 +1,7 @@
 """Write ``configs/fedmosaic/*.yaml`` and ``configs/tune/fedmosaic_tau_blocks.yaml``: FedMosaic's offline
 benchmark (spec ``fedmosaic.md`` §10) and the paper's DRAKE / HFLB settings with real models by name (§7).
-Run ``python -m rayfed.benchmarks.fedmosaic_configs`` after changing a setting here; tests load every file.
+Run ``python -m rayfed.benchmarks.fedmosaic_configs`` after changing a setting here (then ``python -m
+rayfed.benchmarks.offline_twins`` for the paper settings' offline twins); tests load every file.
 
 Offline benchmark (DRAKE's shape, reduced): 10 clients, 4 on the small tiny LLaVA (8 layers x 48) and 6 on the
 large one (16 x 64), as DRAKE's 4 x 1B + 6 x 3B (Tab. 8); three task groups of 3 / 3 / 4 clients as Tab. 37

@@ -1,6 +1,7 @@
 """Write ``configs/fedyolo/paper_*.yaml``: the scale & modularity study's experiments, one YAML each
 (seed ``003_040d52d311c5f3b8.txt``, spec ``fedyolo.md`` §2, §3, §6). Run ``python -m
-rayfed.benchmarks.fedyolo_paper_configs`` after changing a setting here; tests load every file.
+rayfed.benchmarks.fedyolo_paper_configs`` after changing a setting here, then ``python -m
+rayfed.benchmarks.offline_twins`` for their offline twins; tests load every file.
 
 Every file runs unchanged with a network (HF datasets and ViT weights by name) and GPUs:
 ``rayfed run configs/fedyolo/paper_cifar100_B_mild.yaml --seed 0`` (the paper uses 5 seeds).

@@ -425,7 +425,7 @@ def test_every_feddat_config_loads_and_validates(path):
     config = load_config(path)
     labels = [m.label for m in config.methods]
     assert "FedDAT" in labels
-    if path.name.startswith("paper_"):
+    if path.name.startswith("paper_") and not path.stem.endswith("_offline"):  # twins: tests/test_offline_twins.py
         assert config.model.backbone == "hf:dandelin/vilt-b32-mlm" and config.model.adapter.dim == 48
         assert config.federation.rounds == 20 and config.train.batch_size == 32
 

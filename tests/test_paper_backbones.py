@@ -163,3 +163,14 @@ def test_the_offline_twin_of_drake_static_is_the_paper_config_on_paper_size_mode
         build_method(ours, 0, num_clients=10, architecture_of=["llama1b"] * 4 + ["llama3b"] * 6)
     # the 576 image tokens, <|begin_of_text|>, a question of the offline tasks and its answer fit every text
     assert {task.max_text_length for task in twin.data.tasks} == {576 + 10}
+
+
+def test_pfedmmas_clip_vit_b_16_builds_offline_at_its_published_size_without_pretrained_weights():
+    """The twins' open_clip:ViT-B-16 (no model.pretrained) is open_clip's own model, randomly initialised: both towers
+    at CLIP ViT-B/16's published size and its real BPE tokenizer, nothing downloaded."""
+    import open_clip
+
+    model = open_clip.create_model("ViT-B-16", pretrained=None, device="meta")
+    assert _count(model) == 149_620_737 and _count(model.visual) == 86_192_640
+    assert (model.token_embedding.weight.shape, model.text_projection.shape) == ((49408, 512), (512, 512))
+    assert open_clip.get_tokenizer("ViT-B-16")(["a photo of a class_3."]).shape == (1, 77)
