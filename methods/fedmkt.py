@@ -12,7 +12,12 @@ teacher-forced on their answers, losses = mean cross-entropy over the answer tok
    every row, g_k's own logits where it is best) with soft cross-entropy toward softmax(z_{j*}) (T = 1), plus
    ``kd_alpha`` times the answers' cross-entropy.
 2. The clients learn from g_k: each client i of k trains theta_i one epoch on the rows where the new g_k beats it,
-   toward softmax(z_{g_k}); the result is client i's payload, from which its next round starts.
+   toward softmax(z_{g_k}); the result is client i's payload, from which its next round starts. The clients of k
+   take these steps together (``PublicPass.train_each``).
+
+With ``top_k`` every teacher's logits are cut to each token's k largest (the cut travels between the actors and the
+driver: values and token ids) and a student learns toward the teacher's softmax renormalised over those k tokens;
+the losses that pick the teachers are always over the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from torch import nn
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
 from rayfed.registry import register_method
-from rayfed.training import ClientContext, PublicPass, same_answers, token_losses
+from rayfed.training import ClientContext, PublicJob, PublicPass, same_answers, token_losses
 
 GLOBAL = "global"
+IDS = ":ids"  # beside a top-k cut of logits: the token ids of its values
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class FedMKTParams:
     kd_lr: float | None = None  # default: train.lr
     kd_alpha: float = 0.0  # weight of the answers' cross-entropy (FedMosaic 0; FATE-LLM 0.9)
     keep_self_best: bool = False  # FATE-LLM: rows where the model itself is best distil toward its own logits
+    top_k: int | None = None  # a teacher's k largest logits per token (the original: 128); None: the whole vocabulary
 
     def __post_init__(self) -> None:
         for field in ("public_samples", "kd_epochs", "kd_batch_size"):
@@ -48,6 +55,8 @@ class FedMKTParams:
             raise ValueError("kd_lr must be > 0")
         if not 0 <= self.kd_alpha <= 1:
             raise ValueError("kd_alpha must be in [0, 1]")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError("top_k must be >= 1 or null (the whole vocabulary)")
 
 
 def lowest_loss(losses: torch.Tensor, own: torch.Tensor, keep_self_best: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +74,25 @@ def soft_cross_entropy(student: torch.Tensor, target: torch.Tensor, answers: tor
     if not alpha:
         return soft
     return alpha * nn.functional.cross_entropy(student.float(), answers) + (1 - alpha) * soft
+
+
+def cut_logits(logits: torch.Tensor, top_k: int | None, name: str) -> TensorDict:
+    """A teacher's answer-position logits as they travel, under ``name``: all of them (``top_k`` None), or each
+    token's ``top_k`` largest and, under ``name + IDS``, their token ids."""
+    if top_k is None:
+        return {name: logits}
+    values, ids = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+    return {name: values, name + IDS: ids}
+
+
+def full_logits(entries: TensorDict, name: str, vocabulary: int) -> torch.Tensor:
+    """The logits ``name`` of :func:`cut_logits` over the whole vocabulary: -inf off a top-k cut's tokens, so that
+    the softmax toward which a student learns is the teacher's, renormalised over its k most likely tokens."""
+    values, ids = entries[name], entries.get(name + IDS)
+    if ids is None:
+        return values
+    full = torch.full((len(values), vocabulary), -torch.inf, dtype=values.dtype, device=values.device)
+    return full.scatter_(1, ids, values)
 
 
 @register_method("fedmkt")
@@ -114,15 +142,18 @@ class FedMKT(Method):
         best, trains = lowest_loss(losses, own, self.params.keep_self_best)
         keep_own = trains & (losses.min(dim=0).values >= own)  # with keep_self_best: g_k itself is best there
         row_of = outputs[architecture]["row_of"]
-        target = outputs[architecture][f"logits:{GLOBAL}"].clone()
+        cut = ("", IDS) if f"logits:{GLOBAL}{IDS}" in outputs[architecture] else ("",)
+        target = {part: outputs[architecture][f"logits:{GLOBAL}{part}"].clone() for part in cut}
         for position, cid in enumerate(candidates):
             tokens = (best[row_of] == position) & ~keep_own[row_of]
-            target[tokens] = outputs[self.architecture_of[cid]][f"logits:{cid}"][tokens]
-        request.update({"trains": trains.float(), "target": target})
+            for part in cut:
+                target[part][tokens] = outputs[self.architecture_of[cid]][f"logits:{cid}{part}"][tokens]
+        request.update({"trains": trains.float(), "vocabulary": outputs[architecture]["vocabulary"]})
+        request.update({f"target{part}": value for part, value in target.items()})
         for cid in self._clients(architecture):
             request[f"loss:{cid}"] = outputs[architecture][f"loss:{cid}"]
             if self.params.keep_self_best:
-                request[f"logits:{cid}"] = outputs[architecture][f"logits:{cid}"]
+                request.update({f"logits:{cid}{part}": outputs[architecture][f"logits:{cid}{part}"] for part in cut})
         return request
 
     def public_pass(self, stage: PublicPass, index: int, request: TensorDict) -> TensorDict:
@@ -133,35 +164,42 @@ class FedMKT(Method):
             result: TensorDict = {"answers": answers, "row_of": row_of}
             for key in keys:
                 logits = stage.answer_logits(unprefixed(request, key), rows)
-                result[f"logits:{key.removeprefix('client:')}"] = logits
-                result[f"loss:{key.removeprefix('client:')}"] = token_losses(logits, answers.to(logits.device),
-                                                                             row_of, rows)
-            result["vocabulary"] = torch.tensor(result[f"logits:{GLOBAL}"].shape[-1])
+                name = key.removeprefix("client:")
+                result.update(cut_logits(logits, self.params.top_k, f"logits:{name}"))
+                result[f"loss:{name}"] = token_losses(logits, answers.to(logits.device), row_of, rows)
+                result["vocabulary"] = torch.tensor(logits.shape[-1])
             return result
         p = self.params
 
         def loss(student, target, answer_tokens):
             return soft_cross_entropy(student, target, answer_tokens, p.kd_alpha)
 
-        def distil(params: TensorDict, trains: torch.Tensor, target: torch.Tensor, purpose: str) -> TensorDict:
-            tokens = trains[row_of]
-            return stage.train(params, loss, rows[trains], target[tokens], epochs=p.kd_epochs,
-                               batch_size=p.kd_batch_size, lr=p.kd_lr or stage.train_config.lr, purpose=purpose)
+        kd = {"epochs": p.kd_epochs, "batch_size": p.kd_batch_size, "lr": p.kd_lr or stage.train_config.lr}
 
-        new_global = distil(unprefixed(request, GLOBAL), request["trains"].bool().cpu(), request["target"].cpu(),
-                            "fedmkt:global")
+        def job(params: TensorDict, trains: torch.Tensor, target: torch.Tensor, purpose: str) -> PublicJob:
+            return PublicJob(params, rows[trains], target[trains[row_of]], purpose)
+
+        vocabulary = int(request["vocabulary"])
+        [new_global] = stage.train_each([job(unprefixed(request, GLOBAL), request["trains"].bool().cpu(),
+                                             full_logits(request, "target", vocabulary).cpu(), "fedmkt:global")],
+                                        loss, **kd)
         global_logits = stage.answer_logits(new_global, rows)
         global_loss = token_losses(global_logits, answers, row_of, rows)
-        result = prefixed(new_global, GLOBAL)
+        global_target = full_logits(cut_logits(global_logits, p.top_k, GLOBAL), GLOBAL, vocabulary)
+        jobs = []
         for key in keys[1:]:
             cid = key.removeprefix("client:")
             own_loss = request[f"loss:{cid}"].cpu()
             _, trains = lowest_loss(global_loss.unsqueeze(0), own_loss, p.keep_self_best)
-            target = global_logits
+            target = global_target
             if p.keep_self_best:  # the client's own logits where it beats g_k
                 own_best = (global_loss >= own_loss)[row_of]
-                target = torch.where(own_best.unsqueeze(1), request[f"logits:{cid}"].cpu(), global_logits)
-            result.update(prefixed(distil(unprefixed(request, key), trains, target, f"fedmkt:{key}"), key))
+                own_logits = full_logits(request, f"logits:{cid}", vocabulary).cpu()
+                target = torch.where(own_best.unsqueeze(1), own_logits, global_target)
+            jobs.append(job(unprefixed(request, key), trains, target, f"fedmkt:{key}"))
+        result = prefixed(new_global, GLOBAL)
+        for key, trained in zip(keys[1:], stage.train_each(jobs, loss, **kd)):  # the clients of k take steps together
+            result.update(prefixed(trained, key))
         return result
 
     def after_public_pass(self, server: ServerState, index: int, results: dict[str, TensorDict]) -> ServerState:

@@ -33,6 +33,7 @@ from rayfed import seeding
 from rayfed.config import StreamConfig, TrainConfig
 from rayfed.data.batches import ClientData, Columns, EvalSet, TaskData, num_rows
 from rayfed.errors import ConfigError
+from rayfed.lora_groups import groupable, grouped_lora
 from rayfed.metrics import with_derived
 from rayfed.modules import select_task
 from rayfed.streams import seen_round, training_pool
@@ -219,9 +220,8 @@ class PublicPass:
                 parts.append(self._answer_logits(self._batch(rows[first:first + size])).cpu())
         return torch.cat(parts)
 
-    def train(self, params: TensorDict, loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-              rows: torch.Tensor, targets: torch.Tensor, *, epochs: int, batch_size: int, lr: float,
-              purpose: str) -> TensorDict:
+    def train(self, params: TensorDict, loss: PublicLoss, rows: torch.Tensor, targets: torch.Tensor, *, epochs: int,
+              batch_size: int, lr: float, purpose: str) -> TensorDict:
         """``params`` trained by AdamW (weight decay 0) at ``lr``, ``epochs`` passes over ``rows`` in seeded
         batches of ``batch_size``, minimising ``loss(student answer logits, their targets, the answer tokens)``;
         ``targets``: one row per answer token of ``rows`` in the order :meth:`answers` gives them. The seeds depend
@@ -229,27 +229,94 @@ class PublicPass:
         params = {name: value.to(self.device) for name, value in params.items()}
         if not len(rows):
             return {name: value.detach().clone() for name, value in params.items()}
+        run = _PublicRun(self, PublicJob(params, rows, targets, purpose), epochs, batch_size)
         self.model.load_trainable(params)
         named = {name: p for name, p in self.model.named_parameters() if name in params}
         self.model.train()
-        answers, row_of = self.answers(rows)
-        tokens_of = {int(row): (row_of == row).nonzero().flatten() for row in rows}
-        torch.manual_seed(seeding.torch_seed(self.seed, self.round_idx, seeding.SERVER,
-                                             f"{purpose}:{self.architecture}:dropout"))
-        generator = seeding.torch_generator(self.seed, self.round_idx, seeding.SERVER, f"{purpose}:{self.architecture}")
+        torch.manual_seed(run.dropout_seed)
         optimizer = torch.optim.AdamW(list(named.values()), lr=lr, weight_decay=0.0)
-        for _ in range(epochs):
-            order = rows[torch.randperm(len(rows), generator=generator)]
-            for first in range(0, len(order), batch_size):
-                chosen = order[first:first + batch_size]
-                tokens = torch.cat([tokens_of[int(row)] for row in chosen])
-                optimizer.zero_grad(set_to_none=True)
-                with mixed_precision(self.device):
-                    value = loss(self._answer_logits(self._batch(chosen)), targets[tokens].to(self.device),
-                                 answers[tokens].to(self.device))
-                value.backward()
-                optimizer.step()
+        for chosen in run.batches:
+            optimizer.zero_grad(set_to_none=True)
+            with mixed_precision(self.device):
+                value = run.loss(loss, self._answer_logits(self._batch(chosen)), chosen)
+            value.backward()
+            optimizer.step()
         return {name: p.detach().clone() for name, p in named.items()}
+
+    def train_each(self, jobs: Sequence[PublicJob], loss: PublicLoss, *, epochs: int, batch_size: int,
+                   lr: float) -> list[TensorDict]:
+        """:meth:`train` of every job (its own values, rows, targets and seeds). When the values are LoRA factors
+        and the model has no active dropout (:func:`rayfed.lora_groups.groupable`), the jobs still running take
+        each step together, one forward and backward over all their batches, each adapter on its own rows (a job's
+        last, smaller batch padded with copies of its first row that no loss sees), each with its own optimizer state:
+        the numbers of one job at a time up to the order of floating-point sums, in about one job's steps."""
+        running = [job for job in jobs if len(job.rows)]
+        if len(running) < 2 or not groupable(self.model, list(running[0].params)):
+            return [self.train(job.params, loss, job.rows, job.targets, epochs=epochs, batch_size=batch_size, lr=lr,
+                               purpose=job.purpose) for job in jobs]
+        live = dict(self.model.named_parameters())
+        values = [{name: value.to(device=self.device, dtype=live[name].dtype).clone().requires_grad_(True)
+                   for name, value in job.params.items()} for job in jobs]
+        runs = {index: _PublicRun(self, job, epochs, batch_size) for index, job in enumerate(jobs) if len(job.rows)}
+        # One optimizer over every job's tensors: a job's tensors keep their own state and step only when it does
+        # (a tensor without a gradient is skipped), in one multi-tensor update a step.
+        optimizer = torch.optim.AdamW([value for index in runs for value in values[index].values()], lr=lr,
+                                      weight_decay=0.0, foreach=True)
+        self.model.train()
+        torch.manual_seed(runs[max(runs)].dropout_seed)  # the global stream as training one job at a time leaves it
+        for step in range(max(len(run.batches) for run in runs.values())):
+            stepping = [index for index, run in runs.items() if step < len(run.batches)]
+            chosen = [runs[index].batches[step] for index in stepping]
+            size = max(len(rows) for rows in chosen)
+            batch = self._batch(torch.cat([torch.cat([rows, rows[:1].repeat(size - len(rows))]) for rows in chosen]))
+            optimizer.zero_grad(set_to_none=True)
+            with mixed_precision(self.device):
+                with grouped_lora(self.model, [values[index] for index in stepping]):
+                    logits = self.public_task.kind.forward(self.model, batch)[:, :-1]
+                mask = answer_mask(batch)
+                total = sum(runs[index].loss(loss, logits[group][mask[group]].float(), rows)
+                            for index, rows, group in zip(stepping, chosen,
+                                                          (slice(g * size, g * size + len(rows))
+                                                           for g, rows in enumerate(chosen))))
+            total.backward()
+            optimizer.step()
+        return [{name: value.detach().clone() for name, value in job_values.items()} for job_values in values]
+
+
+PublicLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PublicJob:
+    """One adapter's training on public rows (:meth:`PublicPass.train_each`): its values, the rows it trains on,
+    their targets (one per answer token of ``rows``, in the order :meth:`PublicPass.answers` gives them) and the
+    purpose its seeds depend on."""
+
+    params: TensorDict
+    rows: torch.Tensor
+    targets: torch.Tensor
+    purpose: str
+
+
+class _PublicRun:
+    """A :class:`PublicJob`'s seeded batches of rows (epoch after epoch), its answer tokens and its loss on a batch."""
+
+    def __init__(self, stage: PublicPass, job: PublicJob, epochs: int, batch_size: int):
+        self.job, self.device = job, stage.device
+        self.answers, row_of = stage.answers(job.rows)
+        self.tokens_of = {int(row): (row_of == row).nonzero().flatten() for row in job.rows}
+        seed_name = f"{job.purpose}:{stage.architecture}"
+        self.dropout_seed = seeding.torch_seed(stage.seed, stage.round_idx, seeding.SERVER, f"{seed_name}:dropout")
+        generator = seeding.torch_generator(stage.seed, stage.round_idx, seeding.SERVER, seed_name)
+        self.batches: list[torch.Tensor] = []
+        for _ in range(epochs):
+            order = job.rows[torch.randperm(len(job.rows), generator=generator)]
+            self.batches += [order[first:first + batch_size] for first in range(0, len(order), batch_size)]
+
+    def loss(self, loss: PublicLoss, student: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """``loss`` at the answer-position logits ``student`` of the batch of rows ``chosen``."""
+        tokens = torch.cat([self.tokens_of[int(row)] for row in chosen])
+        return loss(student, self.job.targets[tokens].to(self.device), self.answers[tokens].to(self.device))
 
 
 def answer_mask(batch: Batch) -> torch.Tensor:

@@ -14,10 +14,11 @@ from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_slots, unprefixed
 from rayfed.config import load_config
-from rayfed.methods.fedmkt import lowest_loss, soft_cross_entropy
+from rayfed import training
+from rayfed.methods.fedmkt import cut_logits, full_logits, lowest_loss, soft_cross_entropy
 from rayfed.methods.takfl import merged
 from rayfed.simulation import Simulation
-from rayfed.training import PublicPass
+from rayfed.training import PublicJob, PublicPass
 
 from test_fedmosaic import HETERO
 
@@ -210,6 +211,72 @@ def test_fedmkt_a_client_the_global_adapter_never_beats_receives_its_upload_back
     result = first["small"].public_pass(0, 0, 1, request)
     sent = unprefixed(result, "client:0")
     assert all(torch.equal(sent[n], uploads[0]["shared"][n]) for n in sent)
+
+
+def test_fedmkt_a_cut_keeps_each_tokens_k_largest_logits_and_the_teachers_distribution_over_them():
+    logits = torch.randn(6, 11, generator=torch.Generator().manual_seed(0))
+    cut = cut_logits(logits, 3, "t")
+    assert cut["t"].shape == (6, 3) and torch.equal(cut["t"], logits.topk(3).values)
+    restored = torch.softmax(full_logits(cut, "t", 11), -1)
+    kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.topk(3).indices, True)
+    assert torch.equal(restored > 0, kept)  # mass on the k largest only, renormalised among them
+    teacher = torch.softmax(logits, -1)
+    assert torch.allclose(restored[kept].view(6, 3), (teacher * kept).div(( teacher * kept).sum(-1, keepdim=True))[kept].view(6, 3))
+    assert torch.equal(full_logits(cut_logits(logits, 11, "t"), "t", 11), logits)  # k = vocabulary: nothing lost
+    assert cut_logits(logits, None, "t") == {"t": logits}
+
+
+def test_fedmkt_with_top_k_sends_the_teachers_k_largest_logits_and_trains_toward_them(fedmkt):
+    _, full_driver, _, _, _, full_results = fedmkt
+    _, driver, _, _, requests, results = _one_round({"name": "fedmkt", "top_k": 3})
+    losses = torch.stack([results[0]["small" if c < 2 else "large"][f"loss:{c}"] for c in range(4)])
+    for arch in ("small", "large"):
+        outputs, full = results[0][arch], full_results[0][arch]
+        for name in ("global", *(str(c) for c in range(4) if (c < 2) == (arch == "small"))):
+            top = full[f"logits:{name}"].topk(3)  # the same logits before the cut: same seed, same local training
+            assert torch.equal(outputs[f"logits:{name}"], top.values) and torch.equal(outputs[f"logits:{name}:ids"],
+                                                                                       top.indices)
+            assert torch.equal(outputs[f"loss:{name}"], full[f"loss:{name}"])  # the losses of every logit
+        best, _ = lowest_loss(losses, outputs["loss:global"], False)
+        for token, row in enumerate(outputs["row_of"].tolist()):
+            teacher = int(best[row])
+            source = results[0]["small" if teacher < 2 else "large"]
+            for part in ("", ":ids"):
+                assert torch.equal(requests[1][arch][f"target{part}"][token], source[f"logits:{teacher}{part}"][token])
+    cut_state, full_state = driver.get_state(), full_driver.get_state()
+    assert not all(torch.equal(cut_state["global"][n], v) for n, v in full_state["global"].items())
+
+
+def test_grouped_public_training_gives_each_adapter_its_own_update(fedmkt, monkeypatch):
+    first, _, _, _, requests, _ = fedmkt
+    actor = first["large"]
+    stage = PublicPass(actor.architecture, actor.model, actor._public[1], actor._public[0], actor.config.train,
+                       actor.device, actor.config.seed, 0)
+    vocabulary = int(fedmkt[5][0]["large"]["vocabulary"])
+    generator = torch.Generator().manual_seed(1)
+    jobs = []
+    for key, rows in (("client:2", [0, 1, 2, 3, 4, 5, 6]), ("global", [1, 3, 5]), ("client:3", []),
+                      ("client:3", [2, 4, 6, 7, 0])):  # batches of 4 + 3, 3, none, 4 + 1 (a padded last batch)
+        rows = torch.tensor(rows, dtype=torch.long)
+        targets = torch.randn(len(stage.answers(rows)[0]), vocabulary, generator=generator)
+        jobs.append(PublicJob(unprefixed(requests[0]["large"], key), rows, targets, f"test:{len(jobs)}"))
+
+    def loss(student, target, answers):
+        return soft_cross_entropy(student, target, answers, 0.5)
+
+    grouped_calls = []
+    grouped_lora = training.grouped_lora
+    monkeypatch.setattr(training, "grouped_lora", lambda model, adapters: grouped_calls.append(len(adapters)) or
+                        grouped_lora(model, adapters))
+    together = stage.train_each(jobs, loss, epochs=2, batch_size=4, lr=0.01)
+    assert grouped_calls == [3, 3, 2, 2]  # per step, the jobs still running: one forward for all of them
+    alone = [stage.train(job.params, loss, job.rows, job.targets, epochs=2, batch_size=4, lr=0.01, purpose=job.purpose)
+             for job in jobs]
+    for job, grouped, single in zip(jobs, together, alone):
+        for name, value in single.items():
+            scale = float((value - job.params[name]).norm()) or 1.0
+            assert float((grouped[name] - value).norm()) < 1e-3 * scale, name  # Adam amplifies round-off
+        assert all(torch.equal(grouped[n], job.params[n]) for n in grouped) == (not len(job.rows))
 
 
 # All three -----------------------------------------------------------------------------------------------------------
