@@ -380,9 +380,10 @@ class FedMosaic(Method):
                     pooled.setdefault(key, []).append(pqlora.mean_pool(values, batch["attention_mask"]).cpu())
         prepared: TensorDict = {}
         for key, module in pq_modules.items():
-            prepared[f"h/{key}"] = torch.cat(pooled[key])
+            # float32 as A and B are: a GPU's forward (bf16 weights, autocast) pools bf16 features
+            prepared[f"h/{key}"] = torch.cat(pooled[key]).float()
             if outputs:
-                prepared[f"y/{key}"] = torch.cat(pooled[key + ":out"])
+                prepared[f"y/{key}"] = torch.cat(pooled[key + ":out"]).float()
             prepared[f"A/{key}"] = module.A.detach().cpu()
             prepared[f"B/{key}"] = module.B.detach().cpu()
         frozen = sum(p.numel() for p in model.encoder.parameters() if not p.requires_grad)

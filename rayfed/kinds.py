@@ -290,8 +290,8 @@ class TextGeneration(TaskKind):
         prompts = _prompts(dataset, indices, backbone)
         targets = [str(t) for t in dataset.target[indices]]
         prompt_tokens = [tokenizer(p)["input_ids"] for p in prompts]
-        target_tokens = [tokenizer(" " + t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                         for t in targets]
+        end = end_of_text_id(tokenizer)
+        target_tokens = [tokenizer(" " + t, add_special_tokens=False)["input_ids"] + [end] for t in targets]
         longest_target = max(len(t) for t in target_tokens)
         pad = tokenizer.pad_token_id
         rows = len(prompts)
@@ -397,6 +397,16 @@ def causal_from_target_logits(target_logits: torch.Tensor, batch: Batch) -> torc
     return aligned
 
 
+def end_of_text_id(tokenizer: Any) -> int:
+    """The token that ends a target text: the tokenizer's end-of-sequence token, or, for a BERT-style tokenizer
+    that has none (ViLT's, FLAVA's), its separator token."""
+    end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    if end is None:
+        raise ConfigError(f"the backbone's tokenizer ({type(tokenizer).__name__}) has neither an end-of-sequence nor "
+                          "a separator token, so a generated text cannot end; give it an eos_token.")
+    return end
+
+
 @torch.no_grad()
 def generate(model: ClientModel, batch: Batch, max_new_tokens: int) -> torch.Tensor:
     """Greedy continuations (batch, new tokens) of the left-padded ``prompt_ids``, stopping at end-of-text; a
@@ -409,7 +419,7 @@ def generate(model: ClientModel, batch: Batch, max_new_tokens: int) -> torch.Ten
         inputs["pixel_values"] = model.pixels(batch["pixel_values"])
     output = model.encoder.generate(
         **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=end_of_text_id(tokenizer),
     )
     return output[:, batch["prompt_ids"].shape[1]:]
 

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from rayfed.errors import ConfigError
-from rayfed.kinds import IGNORE, causal_from_target_logits
+from rayfed.kinds import IGNORE, causal_from_target_logits, end_of_text_id
 from rayfed.lazy import DeferredModule
 from rayfed.models import Backbone, TrainableModule
 from rayfed.modules import AdaptedMLP, adapter_set, select_task, tag_tasks
@@ -633,7 +633,7 @@ class MoMEModel(TrainableModule):
     def generate_text(self, batch: Batch, max_new_tokens: int) -> torch.Tensor:
         """The argmax token at every position, cut after the first end-of-text (pad after it)."""
         tokens = self(batch, raw=True).argmax(dim=-1)
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad, eos = self.tokenizer.pad_token_id, end_of_text_id(self.tokenizer)
         ended = (tokens == eos).long().cumsum(dim=1) - (tokens == eos).long() > 0
         tokens = tokens.masked_fill(ended, pad)
         if tokens.shape[1] < max_new_tokens:

@@ -537,3 +537,15 @@ def test_client_and_server_state_survive_a_checkpoint_and_replay_the_same_round(
     for slot, values in server.items():
         assert all(torch.equal(v, replayed_server[slot][n]) for n, v in values.items()), slot
     assert server["relevance"]["history"].shape == (2, 4, 4)
+
+
+def test_the_alignment_features_are_float32_when_the_backbone_runs_in_bfloat16():
+    """On a GPU the forward runs in bf16; the pooled public features must reach the alignment in float32, the
+    dtype of the A and B they are multiplied with."""
+    config = load_config(HETERO)
+    actor = ClientActor(config, [0, 1], architecture="small")
+    actor.start_method(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as a GPU's steps run
+        prepared = actor.pre_federation(0)
+    features = {name: value for name, value in prepared.items() if name.startswith(("h/", "y/"))}
+    assert features and {value.dtype for value in features.values()} == {torch.float32}

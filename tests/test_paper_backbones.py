@@ -174,3 +174,25 @@ def test_pfedmmas_clip_vit_b_16_builds_offline_at_its_published_size_without_pre
     assert _count(model) == 149_620_737 and _count(model.visual) == 86_192_640
     assert (model.token_embedding.weight.shape, model.text_projection.shape) == ((49408, 512), (512, 512))
     assert open_clip.get_tokenizer("ViT-B-16")(["a photo of a class_3."]).shape == (1, 77)
+
+
+def test_text_targets_end_with_the_separator_where_a_bert_tokenizer_has_no_end_of_sequence_token():
+    from rayfed.data.sources.dataset import ArrayDataset
+    from rayfed.kinds import TextGeneration, end_of_text_id
+
+    backbone = paper_backbone("vilt:B32", layers=1)  # ViLT's (BERT's) tokenizer: [SEP], no eos token
+    tokenizer = backbone.tokenizer
+    assert tokenizer.eos_token_id is None and end_of_text_id(tokenizer) == tokenizer.sep_token_id
+    dataset = ArrayDataset(text=np.array(["what color is it", "what shape"]), target=np.array(["red", "a circle"]))
+    columns = TextGeneration().encode(dataset, np.arange(2), backbone)
+    ends = [row[row != tokenizer.pad_token_id][-1] for row in columns["target_ids"]]
+    assert ends == [tokenizer.sep_token_id] * 2
+
+
+def test_a_tokenizer_with_neither_end_token_is_one_sentence():
+    from types import SimpleNamespace
+
+    from rayfed.kinds import end_of_text_id
+
+    with pytest.raises(ConfigError, match=r"has neither an end-of-sequence nor a separator token"):
+        end_of_text_id(SimpleNamespace(eos_token_id=None, sep_token_id=None))
