@@ -8,8 +8,10 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
@@ -45,6 +47,21 @@ def ray_local():
     init_local_ray(num_cpus=4, object_store_memory=5 * 10**8)
     yield
     ray.shutdown()
+
+
+@contextlib.contextmanager
+def ray_paused() -> Iterator[None]:
+    """No Ray inside (for code that starts its own); a Ray running before is shut down, then started again."""
+    paused = ray.cluster_resources() if ray.is_initialized() else None
+    if paused is not None:
+        ray.shutdown()
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if paused is not None:
+            init_local_ray(num_cpus=int(paused["CPU"]), num_gpus=int(paused.get("GPU", 0)),
+                           object_store_memory=int(paused["object_store_memory"]))
 
 
 def load_data(source, seed: int = 0, *, synthetic: dict | None = None, group_column: str | None = None, **fields):

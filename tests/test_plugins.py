@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import runpy
 import subprocess
@@ -212,23 +211,25 @@ def test_a_task_kind_plug_in_scores_with_its_own_loss_and_metric(tiny_run):
     assert set(actor.evaluate(0, {0: shared})[0]) == {"local_top2"}
 
 
-# The examples: each runs as a user runs it, and gives the same numbers on a Ray actor and in its own process ---
+# The examples: each runs as a user runs it, and gives the same numbers on a Ray actor and in the driver's process ---
 SHORT = ["federation.rounds=2", "federation.eval_every=2", "data.num_clients=4", "federation.clients_per_round=2",
          "placement.cpus_per_actor=0.25"]
 EXAMPLES = {
     "custom_method.py": SHORT,
     "custom_data.py": [*SHORT, "methods=[fedavg]"],
     "custom_backbone.py": [*SHORT, "methods=[fedavg]"],
-    "tune_custom_method.py": [*SHORT, "tune.space={methods.0.momentum: {grid: [0.0, 0.9]}}"],
 }
 
 
-def _run_example(script: str, overrides: list[str], cwd: Path) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), *overrides], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+def _run_script(script: str, overrides: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python examples/<script> <overrides>`` in folder ``cwd``, in this process (no new interpreter to start): the
+    script is ``__main__``, and its folder leads ``sys.path`` and is ``sys.argv[0]``'s, which a Ray started by the
+    script passes on to its workers."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "examples" / script), *overrides])
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
 
 
 def _results(cwd: Path) -> dict:
@@ -242,30 +243,38 @@ def _results(cwd: Path) -> dict:
     return out
 
 
-@pytest.mark.parametrize("script", sorted(EXAMPLES))
-def test_an_example_runs_and_packing_does_not_change_its_numbers(script, tmp_path):
-    """On one Ray actor hosting all 4 clients, and on 2 actors of 2 clients in the script's own process: the
-    plug-ins reach a Ray worker, and neither the executor nor the packing changes the numbers."""
+def _numbers_on_ray_and_in_process(script: str, overrides: list[str], tmp_path: Path, monkeypatch, capsys) -> list:
+    """The script's numbers on one Ray actor hosting all 4 clients, then on 2 actors of 2 clients in its process."""
     numbers = []
     for placement in ("clients_per_actor=4", "clients_per_actor=2 placement.executor=local"):
         cwd = tmp_path / placement.split()[-1]
-        cwd.mkdir()
-        printed = _run_example(script, [*EXAMPLES[script], *f"placement.{placement}".split()], cwd)
-        assert "local_acc" in printed
+        _run_script(script, [*overrides, *f"placement.{placement}".split()], cwd, monkeypatch)
+        assert "local_acc" in capsys.readouterr().out
         numbers.append(_results(cwd))
+    return numbers
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("script", sorted(EXAMPLES))
+def test_an_example_runs_and_packing_does_not_change_its_numbers(script, tmp_path, monkeypatch, capsys):
+    """The script finds the session's Ray running: the plug-ins of its ``__main__`` reach a Ray worker, and neither
+    the executor nor the packing changes the numbers."""
+    numbers = _numbers_on_ray_and_in_process(script, EXAMPLES[script], tmp_path, monkeypatch, capsys)
     assert numbers[0] == numbers[1]
 
 
+def test_the_tune_example_runs_and_packing_does_not_change_its_numbers(tmp_path, monkeypatch, capsys):
+    """The sweep starts its own Ray, as a user's run does (the session's is paused meanwhile), whose trials import
+    the method's module from the script's folder; neither the executor nor the packing changes the numbers."""
+    from conftest import ray_paused
 
-# The examples of docs/extending.md that a subprocess run would make slow, run here as a user runs them -------------
-def _run_script(script: str, overrides: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``python examples/<script> <overrides>`` in folder ``cwd``, in this process (no new interpreter to start)."""
-    cwd.mkdir(parents=True, exist_ok=True)
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", [script, *overrides])
-    runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
+    overrides = [*SHORT, "tune.space={methods.0.momentum: {grid: [0.0, 0.9]}}"]
+    with ray_paused():
+        numbers = _numbers_on_ray_and_in_process("tune_custom_method.py", overrides, tmp_path, monkeypatch, capsys)
+    assert numbers[0] == numbers[1]
 
 
+# More examples of docs/extending.md, run in this process --------------------------------------------------------
 def _evals(cwd: Path) -> list[dict]:
     [metrics] = cwd.glob("runs/*/metrics.jsonl")
     return [event for line in metrics.read_text().splitlines() if (event := json.loads(line))["event"] == "eval"]
@@ -274,7 +283,7 @@ def _evals(cwd: Path) -> list[dict]:
 def test_the_scaffold_example_gives_the_same_numbers_at_any_packing(tmp_path, monkeypatch, capsys):
     """Each client's control variate lives in its client state: one client per actor or all four on one actor, and
     clients train again in round 2 from the c_i they kept. (Ray against in-process for a driver script's method:
-    test_an_example_runs_and_packing_does_not_change_its_numbers, which costs a minute per example.)"""
+    test_an_example_runs_and_packing_does_not_change_its_numbers.)"""
     overrides = [*SHORT, "federation.clients_per_round=3", "methods=[scaffold]", "placement.executor=local"]
     numbers = []
     for packing in ("1", "4"):

@@ -59,8 +59,8 @@ LOCAL_RAY_PROBE = textwrap.dedent("""
         raise Seen  # the rest of the run shows nothing new
 
 
-    try:
-        Simulation(config, out_dir=out_dir, callbacks=[inspect], progress=False).run()
+    try:  # without the model check in this process, which starts no Ray and imports the model libraries (~12 s)
+        Simulation(config, out_dir=out_dir, callbacks=[inspect], progress=False, check_model=False).run()
     except Seen:
         pass
 """)

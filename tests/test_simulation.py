@@ -88,14 +88,19 @@ def test_run_writes_the_results_contract(tiny_run, tmp_path):
 
 
 def test_packing_does_not_change_results(reference, tmp_path):
-    one_per_actor = _run(_merge(reference["config"], {"placement": {"clients_per_actor": 1}}), tmp_path / "a")
+    """Ray actors of 2 clients (the reference) or of all 4, and one client per actor in this process (four more Ray
+    actors would each start a worker and build a model for what the in-process actors compute the same way)."""
+    one_per_actor = _run(_merge(reference["config"], {"placement": {"clients_per_actor": 1, "executor": "local"}}),
+                         tmp_path / "a")
     all_in_one = _run(_merge(reference["config"], {"placement": {"clients_per_actor": 4}}), tmp_path / "b")
     assert _results(one_per_actor) == _results(reference["summary"])
     assert _results(all_in_one) == _results(reference["summary"])
 
 
 def test_balanced_rounds_move_clients_between_actors_without_changing_a_number(reference, tmp_path):
-    pinned = _run(_merge(reference["config"], {"placement": {"balance_rounds": False}}), tmp_path / "pinned")
+    """The reference moves clients between its Ray actors; the pinned run's numbers come from this process."""
+    pinned = _run(_merge(reference["config"], {"placement": {"balance_rounds": False, "executor": "local"}}),
+                  tmp_path / "pinned")
     assert _results(pinned) == _results(reference["summary"])
 
 
@@ -221,13 +226,14 @@ MULTIMODAL = {
 
 
 def test_a_multimodal_text_generation_run_keeps_packing_and_resume_invariance(tmp_path):
-    """Image + question -> answer text on the tiny LLaVA: the same numbers with 1, 2 or 4 clients per actor, and
-    after an interruption and --resume (those two in this process: Ray's part is tested on the tiny ViT above)."""
+    """Image + question -> answer text on the tiny LLaVA: the same numbers on Ray actors of 2 clients as with 1 or 4
+    clients per actor and after an interruption and --resume (those in this process: Ray's part of packing and
+    resume is tested on the tiny ViT above)."""
     reference = _run(MULTIMODAL, tmp_path / "ref")
     fedavg = reference["methods"]["fedavg"]
     assert set(fedavg["mean"]) >= {"local_token_f1", "local_exact_match", "local_meteor", "local_perplexity"}
     in_process = _merge(MULTIMODAL, IN_PROCESS)
-    packed = _run(_merge(MULTIMODAL, {"placement": {"clients_per_actor": 1}}), tmp_path / "p1")
+    packed = _run(_merge(in_process, {"placement": {"clients_per_actor": 1}}), tmp_path / "p1")
     assert _results(packed) == _results(reference)
     packed = _run(_merge(in_process, {"placement": {"clients_per_actor": 4}}), tmp_path / "p4")
     assert _results(packed) == _results(reference)

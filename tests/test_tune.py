@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 import yaml
-from conftest import TINY_RUN
+from conftest import TINY_RUN, ray_paused
 from ray import cloudpickle
 
 from rayfed.cli import main
@@ -40,15 +40,9 @@ def _sweep(space: dict, **tune_fields) -> dict:
 @pytest.fixture(scope="module")
 def ray_fake_gpu():
     """Local Ray with one fake GPU, for this module; a Ray another module started is paused meanwhile."""
-    paused = ray.cluster_resources() if ray.is_initialized() else None
-    if paused is not None:
-        ray.shutdown()
-    init_local_ray(num_cpus=4, num_gpus=1, object_store_memory=5 * 10**8)
-    yield
-    ray.shutdown()
-    if paused is not None:
-        init_local_ray(num_cpus=int(paused["CPU"]), num_gpus=int(paused.get("GPU", 0)),
-                       object_store_memory=int(paused["object_store_memory"]))
+    with ray_paused():
+        init_local_ray(num_cpus=4, num_gpus=1, object_store_memory=5 * 10**8)
+        yield
 
 
 def _read_table(tune_dir) -> list[dict]:
