@@ -713,8 +713,13 @@ def sample_batches(federation: Federation, backbone: Any, rows: int = 2) -> list
 
 
 def import_plugin_modules(config: RunConfig) -> None:
-    """Import the config's ``imports`` (modules whose decorators register plug-ins)."""
+    """Import the config's ``imports`` (modules whose decorators register plug-ins), but not a module whose plug-ins
+    came registered with the run: a Tune trial or an actor gets the driver's by value, and its process may not be
+    able to import the driver script's folder by name."""
+    shipped = {getattr(entry.obj, "__module__", None) for entry in registry.user_entries()}
     for module in config.imports:
+        if module in shipped:
+            continue
         try:
             importlib.import_module(module)
         except ImportError as err:

@@ -539,3 +539,20 @@ def test_every_built_in_method_and_its_hyperparameters_import_from_rayfed_method
             assert getattr(rayfed.methods, cls.Params.__name__) is cls.Params
     assert set(rayfed.methods.__all__) == {name for cls in built_in for name in (cls.__name__, cls.Params.__name__)
                                            if name != NoParams.__name__}
+
+
+def test_a_trial_whose_plugins_came_registered_does_not_import_their_module_by_name(monkeypatch):
+    """A Tune trial gets the driver's plug-ins by value, from a script whose folder its process may not see: the
+    config's ``imports:`` entry for that module is then already satisfied; an unknown module still fails."""
+    from rayfed.simulation import import_plugin_modules
+
+    shipped = type("Shipped", (ScaledAverage,), {"__module__": "a_driver_script_folder_module"})
+    monkeypatch.setitem(registry._ENTRIES["method"], "shipped-average",
+                        registry.Entry("method", "shipped-average", shipped, builtin=False))
+    config = load_config({"name": "t", "data": {"source": "synthetic"}, "methods": ["shipped-average"],
+                          "imports": ["a_driver_script_folder_module"]})
+    import_plugin_modules(config)
+    unknown = load_config({"name": "t", "data": {"source": "synthetic"}, "methods": ["fedavg"],
+                           "imports": ["a_module_nobody_registered"]})
+    with pytest.raises(ConfigError, match=r"imports: module 'a_module_nobody_registered' cannot be imported"):
+        import_plugin_modules(unknown)
