@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from rayfed import text_metrics
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.config import load_config
@@ -139,6 +140,30 @@ def test_the_shared_decoders_serve_every_task_of_their_kind_and_paths_follow_the
     assert raw.shape == (3, 8, len(model.tokenizer))  # parallel decoder: text_positions logits at once
     generated = model.generate_text(batch, 5)
     assert generated.shape == (3, 5)
+
+
+def test_text_generation_is_scored_from_one_forward_of_the_parallel_decoder(actor):
+    _start(actor)
+    model = actor.model
+    model.eval()
+    model.select_task(3)
+    batch = {k: v[:5] for k, v in actor.data[2].parts[0].test.items()}
+    kind = actor.tasks[3].kind
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    with torch.no_grad():
+        rows = kind.score_rows(model, batch)
+        assert len(forwards) == 1
+        logits = model(batch).float()
+        generated = model.generate_text(batch, batch["target_ids"].shape[1])
+    hook.remove()
+    model.train()
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], ignore_index=-100,
+                                            reduction="none").sum(dim=1)
+    predictions = model.tokenizer.batch_decode(generated.tolist(), skip_special_tokens=True)
+    references = model.tokenizer.batch_decode(batch["target_ids"], skip_special_tokens=True)
+    assert torch.equal(rows["nll"], nll.double())
+    assert rows["token_f1"].tolist() == [text_metrics.token_f1(p, r) for p, r in zip(predictions, references)]
 
 
 # Stage 1 ----------------------------------------------------------------------------------------------------
