@@ -368,6 +368,22 @@ def test_stage_two_weighs_each_task_keys_kd_term_by_table_21_by_default_or_by_th
         assert applied[key] == pytest.approx([beta] * len(applied[key])), key
 
 
+def test_the_two_distillations_of_stage_two_run_the_teachers_forward_once_and_train_as_each_alone(actor):
+    method, driver = _start(actor, post_fl_microbatches=2, two_p=False, no_kd=False, alt_kd_weights="code")
+    _rounds(actor, driver, 1, [[1]])
+    payload = driver.payloads([1], False)[1]
+    model = actor.model
+    teacher_forwards = []
+    hook = model.register_forward_hook(lambda module, *_: teacher_forwards.append(1) if not module.training else None)
+    state = method.after_federation(actor._context(1, 1), actor.states[1], payload)
+    hook.remove()
+    assert len(teacher_forwards) == 2 * 2  # two steps of two tasks (text classification, image generation)
+    for view, weights in (("kdalt", "code"), ("", None)):
+        alone = actor._context(1, 1).train(state["view:stage1"], steps=2, lr=method.params.post_lr, purpose="post_train",
+                                           loss=method.distillation(state["view:pt"], weights)).params
+        assert _equal(alone, state[f"view:{view}"] if view else state["x"]), view
+
+
 def test_distillation_is_tau_squared_kl_and_the_teacher_draws_no_dropout(actor):
     method, _ = _start(actor)
     tap = __import__("rayfed.methods.tap", fromlist=["Distillation"])
