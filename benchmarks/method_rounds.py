@@ -8,7 +8,9 @@ methods ("The seed methods' offline configs").
 The run evaluates only at its end (``federation.eval_every`` past the last round), so each round's time is its
 training and aggregation; the evaluation is the end-of-run evaluation of every client (with a method's post-FL
 stage, when it has one). The first round also holds the actors' start-up and any pre-federation stage, so the
-steady round is the median of the others.
+steady round is the median of the others. With ``placement.executor=local`` everything runs in this process, and its
+CPU seconds (``round_cpu_seconds``, ``evaluation_cpu_s``) are less moved than wall seconds by other work on a shared
+machine.
 
 ``--public-passes`` (a method with server-side passes on public data: TAKFL, PerAda, FedMKT) runs the actors in
 this process (``placement.executor=local``, one after the other) and splits each round into the clients' training
@@ -42,14 +44,21 @@ def time_method(config: Path, label: str, rounds: int, overrides: list[str], out
     if not chosen:
         raise SystemExit(f"--label {label!r} is not a method label of {config}")
     ends: list[float] = []
-    simulation = Simulation(str(config), out_dir=str(out_dir), callbacks=[lambda *_: ends.append(time.perf_counter())],
+    cpu_ends: list[float] = []  # the process's CPU seconds (all its threads), less moved by other work on the machine
+
+    def round_end(*_: Any) -> None:
+        ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
+
+    simulation = Simulation(str(config), out_dir=str(out_dir), callbacks=[round_end],
                             overrides=[f"federation.rounds={rounds}", f"federation.eval_every={rounds + 1}",
                                        f"federation.checkpoint_every={rounds + 1}", f"methods={json.dumps(chosen)}",
                                        *overrides])
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     summary = simulation.run()
-    end = time.perf_counter()
+    end, cpu_end = time.perf_counter(), time.process_time()
     round_seconds = [b - a for a, b in zip([start, *ends], ends)]
+    round_cpu_seconds = [b - a for a, b in zip([cpu_start, *cpu_ends], cpu_ends)]
     mean = summary["methods"][label]["mean"]
     return {
         "config": str(config), "label": label, "rounds": rounds, "overrides": overrides,
@@ -57,6 +66,9 @@ def time_method(config: Path, label: str, rounds: int, overrides: list[str], out
         "steady_round_s": statistics.median(round_seconds[1:] or round_seconds),
         "evaluation_s": end - ends[-1],
         "total_s": end - start,
+        "round_cpu_seconds": round_cpu_seconds,
+        "steady_round_cpu_s": statistics.median(round_cpu_seconds[1:] or round_cpu_seconds),
+        "evaluation_cpu_s": cpu_end - cpu_ends[-1],
         "metrics": {name: value for name, value in mean.items() if "/" not in name},
     }
 

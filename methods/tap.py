@@ -40,6 +40,7 @@ from rayfed.data.sources import ArrayDataset, SourceRequest
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_fl_steps, post_train_views, stored_views
 from rayfed.models import Backbone
+from rayfed.modules import select_task
 from rayfed.mome import TASK_KEYS, MoMEModel, MoMEOptions, build_mome_model, task_key, task_outputs
 from rayfed.registry import register_method, register_source
 from rayfed.tasks import Task
@@ -157,27 +158,46 @@ class LossHistory:
 class Distillation:
     """The post-FL student loss (Eq. 6): ``sum_o lambda_o l_o + sum_o beta_o tau^2 KL(p_T || p_S)`` with the
     teacher frozen in eval mode (it draws no dropout); a task whose beta is 0 skips the teacher, so beta = 0
-    everywhere is exactly the task loss."""
+    everywhere is exactly the task loss. ``targets``: the teacher's outputs by (call, part), shared by the
+    distillations of one teacher on the same batches, which then run its forward once."""
 
-    def __init__(self, teacher: TensorDict | None, weights: Sequence[float], temperature: float, image_kd: str):
+    def __init__(self, teacher: TensorDict | None, weights: Sequence[float], temperature: float, image_kd: str,
+                 targets: dict[tuple[int, int], torch.Tensor] | None = None):
         self.teacher, self.weights, self.temperature, self.image_kd = teacher, weights, temperature, image_kd
+        self.targets = {} if targets is None else targets
+        self.calls = 0
 
     def __call__(self, step: Step) -> torch.Tensor:
         model = step.model
+        targets = self._targets(step)  # before the student's forwards: the teacher draws no random numbers
         losses, distilled = [], []
-        for task, batch in step.parts:
-            key = task_key(task)
+        for part, (task, batch) in enumerate(step.parts):
             raw, outputs = task_outputs(model, task, batch)
             losses.append(task.kind.loss(outputs, batch))
-            beta = self.weights[TASK_KEYS.index(key)]
-            if self.teacher is not None and beta:
-                model.eval()
-                with torch.no_grad():
-                    target = torch.func.functional_call(model, self.teacher, (batch,), {"raw": True}, strict=False)
-                model.train()
-                distilled.append(beta * self.term(key, raw, target))
+            if part in targets:
+                distilled.append(self.weights[TASK_KEYS.index(task_key(task))] * self.term(task_key(task), raw,
+                                                                                              targets[part]))
+        self.calls += 1
         loss = step.task_loss(losses)
         return loss + sum(distilled) if distilled else loss
+
+    def _targets(self, step: Step) -> dict[int, torch.Tensor]:
+        """The teacher's outputs on each part whose task key has a KD weight, by part."""
+        if self.teacher is None:
+            return {}
+        parts = [part for part, (task, _) in enumerate(step.parts) if self.weights[TASK_KEYS.index(task_key(task))]]
+        missing = [part for part in parts if (self.calls, part) not in self.targets]
+        if missing:
+            model = step.model
+            model.eval()
+            with torch.no_grad():
+                for part in missing:
+                    task, batch = step.parts[part]
+                    select_task(model, task.index)
+                    self.targets[self.calls, part] = torch.func.functional_call(model, self.teacher, (batch,),
+                                                                                {"raw": True}, strict=False)
+            model.train()
+        return {part: self.targets[self.calls, part] for part in parts}
 
     def term(self, key: str, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
         return kd_term(key, student, teacher, self.temperature, self.image_kd)
@@ -262,16 +282,19 @@ class TAP(Method):
         state["view:stage1"] = x
         if self.params.no_kd:
             state["view:nokd"] = post_train(x, steps, self.distillation(None))
+        targets: dict[tuple[int, int], torch.Tensor] = {}  # the same batches: the teacher's outputs once
         if self.params.alt_kd_weights is not None:
-            state["view:kdalt"] = post_train(x, steps, self.distillation(teacher, self.params.alt_kd_weights))
-        state["x"] = post_train(x, steps, self.distillation(teacher))
+            state["view:kdalt"] = post_train(x, steps, self.distillation(teacher, self.params.alt_kd_weights, targets))
+        state["x"] = post_train(x, steps, self.distillation(teacher, targets=targets))
         return state
 
-    def distillation(self, teacher: TensorDict | None, weights: str | Sequence[float] | None = None) -> Distillation:
-        """Stage 2's student loss with ``teacher`` (None: no KD) and KD weights ``weights`` (default ``kd_weights``)."""
+    def distillation(self, teacher: TensorDict | None, weights: str | Sequence[float] | None = None,
+                     targets: dict[tuple[int, int], torch.Tensor] | None = None) -> Distillation:
+        """Stage 2's student loss with ``teacher`` (None: no KD) and KD weights ``weights`` (default ``kd_weights``),
+        sharing the teacher's outputs ``targets`` with other distillations on the same batches."""
         p = self.params
         return Distillation(teacher, kd_weight_vector(p.kd_weights if weights is None else weights), p.kd_temperature,
-                            p.image_kd)
+                            p.image_kd, targets)
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
         w = self._w(state, payload)

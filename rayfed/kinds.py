@@ -330,11 +330,12 @@ class TextGeneration(TaskKind):
         return {name: float(values.sum()) for name, values in self.score_rows(model, batch).items()}
 
     def score_rows(self, model: ClientModel, batch: Batch) -> dict[str, torch.Tensor]:
-        logits = model(batch).float()
+        logits, generated = logits_and_generations(model, batch, max_new_tokens=batch["target_ids"].shape[1])
+        logits = logits.float()
         targets = batch["labels"][:, 1:]
         nll = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, ignore_index=IGNORE,
                                           reduction="none").sum(dim=1).detach()
-        generated = generate(model, batch, max_new_tokens=batch["target_ids"].shape[1]).tolist()
+        generated = generated.tolist()
         if GENERATION_LENGTH in batch:  # a merged set: each row generates as many tokens as its own task allows
             generated = [row[:length] for row, length in zip(generated, batch[GENERATION_LENGTH].tolist())]
         tokenizer = model.tokenizer
@@ -388,13 +389,23 @@ def causal_from_target_logits(target_logits: torch.Tensor, batch: Batch) -> torc
     """Logits that predict the target tokens at their own positions (batch, target tokens, vocabulary; a
     parallel decoder's) placed where a causal LM predicts them: position p holds the prediction of
     ``input_ids[p + 1]``, so :meth:`TextGeneration.loss` and ``score`` take either model's outputs."""
-    labels = batch["labels"]
-    rows, length = labels.shape
-    aligned = target_logits.new_zeros(rows, length, target_logits.shape[-1])
-    for row in range(rows):
-        positions = torch.nonzero(labels[row] != IGNORE).flatten() - 1  # predicted one position earlier
-        aligned[row, positions] = target_logits[row, : len(positions)]
-    return aligned
+    targets = batch["labels"] != IGNORE
+    # Position p - 1 predicts the target token at p (a target at p = 0 is predicted at the last position); the
+    # target token at p is its row's target number rank[p].
+    predicts = targets.roll(-1, dims=1)
+    rank = (targets.cumsum(dim=1) - 1).clamp(min=0).roll(-1, dims=1)
+    placed = target_logits.gather(1, rank.unsqueeze(-1).expand(-1, -1, target_logits.shape[-1]))
+    return placed.masked_fill(~predicts.unsqueeze(-1), 0)
+
+
+@torch.no_grad()
+def logits_and_generations(model: ClientModel, batch: Batch, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's outputs on the test ``batch`` (what :meth:`TextGeneration.loss` reads) and its greedy generations
+    (:func:`generate`); a model that gets both from one forward (a parallel decoder) provides
+    ``logits_and_generations(batch, max_new_tokens)``."""
+    if hasattr(model, "logits_and_generations"):
+        return model.logits_and_generations(batch, max_new_tokens)
+    return model(batch), generate(model, batch, max_new_tokens)
 
 
 def end_of_text_id(tokenizer: Any) -> int:

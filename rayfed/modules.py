@@ -166,14 +166,39 @@ class TaskHeads(nn.ModuleDict):
 TASK_SELECTED_MODULES = (_TaskSelected, AdaptedOutput)  # modules that may keep a copy per task, besides TaskHeads
 
 
+# Counts module registrations anywhere in the process (attribute, add_module, ModuleDict / ModuleList items), so
+# that a model's lists of modules (modules_of_type) are walked again only after a model may have changed.
+_registrations = 0
+
+
+def _count_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    global _registrations
+    _registrations += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+
+
+def modules_of_type(model: nn.Module, types: tuple[type, ...]) -> list[nn.Module]:
+    """``model``'s modules (itself included) that are instances of ``types``, in module order. The list is kept on
+    the model and made again only after a module has been registered somewhere: a large model's walk (thousands of
+    modules) would otherwise run at every task or adapter switch, several times a training step."""
+    lists = model.__dict__.get("_rayfed_module_lists")
+    if lists is None or lists[0] != _registrations:
+        lists = (_registrations, {})
+        model.__dict__["_rayfed_module_lists"] = lists
+    if types not in lists[1]:
+        lists[1][types] = [module for module in model.modules() if isinstance(module, types)]
+    return lists[1][types]
+
+
 def select_task(model: nn.Module, task_index: int) -> None:
     """Make every per-task part of ``model`` use task ``task_index``'s copies (heads, modules, a text
     classifier's label space)."""
     if hasattr(model, "select_task"):
         model.select_task(task_index)
-    for module in model.modules():
-        if isinstance(module, (*TASK_SELECTED_MODULES, TaskHeads)):
-            module.active_task = task_index
+    for module in modules_of_type(model, (*TASK_SELECTED_MODULES, TaskHeads)):
+        module.active_task = task_index
 
 
 def transformer_blocks(encoder: nn.Module) -> nn.ModuleList:
@@ -275,9 +300,8 @@ def add_adapter_set(
 def set_adapter_mix(model: nn.Module, mix: Mapping[str, float] | None) -> None:
     """Make every adapter site of ``model`` output ``h + sum_k mix[k] * A_k(h)`` over its named adapters
     (:func:`add_adapter_set`); None: the single default adapter, ``h + A(h)``."""
-    for module in model.modules():
-        if isinstance(module, (AdaptedOutput, AdaptedMLP)):
-            module.mix = None if mix is None else dict(mix)
+    for module in modules_of_type(model, (AdaptedOutput, AdaptedMLP)):
+        module.mix = None if mix is None else dict(mix)
 
 
 def add_bias_tuning(encoder: nn.Module) -> int:

@@ -632,7 +632,16 @@ class MoMEModel(TrainableModule):
     @torch.no_grad()
     def generate_text(self, batch: Batch, max_new_tokens: int) -> torch.Tensor:
         """The argmax token at every position, cut after the first end-of-text (pad after it)."""
-        tokens = self(batch, raw=True).argmax(dim=-1)
+        return self._decoded(self(batch, raw=True), max_new_tokens)
+
+    @torch.no_grad()
+    def logits_and_generations(self, batch: Batch, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(batch)`` and ``generate_text(batch, max_new_tokens)`` from one forward."""
+        raw = self(batch, raw=True)
+        return self.aligned(raw, batch), self._decoded(raw, max_new_tokens)
+
+    def _decoded(self, raw: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        tokens = raw.argmax(dim=-1)
         pad, eos = self.tokenizer.pad_token_id, end_of_text_id(self.tokenizer)
         ended = (tokens == eos).long().cumsum(dim=1) - (tokens == eos).long() > 0
         tokens = tokens.masked_fill(ended, pad)

@@ -20,7 +20,8 @@ from conftest import method_class
 from rayfed.methods.feddyn import FedDyn, FedDynParams
 from rayfed.methods.fedyolo import FedYoloParams
 from rayfed.models import VIT_SIZES, build_backbone, build_client_model, build_task_model
-from rayfed.modules import representation_shift, select_task
+from rayfed.modules import (TASK_SELECTED_MODULES, AdaptedMLP, TaskHeads, representation_shift, select_task,
+                             transformer_blocks)
 from rayfed.simulation import rounds_to_target
 from rayfed.tasks import Task, sample_round, task_of_name, task_view
 
@@ -269,6 +270,26 @@ def test_per_task_modules_switch_with_the_selected_task():
     assert not torch.allclose(features0, model.features(images))
     single = build_task_model(backbone, config, tasks[:1], 0, lambda block: True)
     assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in single.named_parameters())
+
+
+def test_task_switches_walk_the_model_once_and_again_after_a_module_is_added(monkeypatch):
+    config = ModelConfig(backbone="tiny:vit", image_size=8, module="adapter")
+    tasks = [Task(0, "a", ("x", "y")), Task(1, "b", ("x", "y", "z"))]
+    model = build_task_model(build_backbone(config, 0), config, tasks, 0, lambda block: True)
+    walks = []
+    walk = type(model).modules
+    monkeypatch.setattr(type(model), "modules", lambda self: walks.append(1) or walk(self))
+    for task in (0, 1, 0, 1):
+        select_task(model, task)
+    assert len(walks) == 1
+    sites = [m for m in walk(model) if isinstance(m, (*TASK_SELECTED_MODULES, TaskHeads))]
+    assert sites and all(m.active_task == 1 for m in sites)
+    block = transformer_blocks(model.encoder)[0]
+    block.mlp = AdaptedMLP(block.mlp.mlp, block.mlp.adapters)  # a new site, registered as an attribute
+    select_task(model, 0)
+    assert len(walks) == 2 and block.mlp.active_task == 0
+    select_task(model, 1)
+    assert len(walks) == 2 and block.mlp.active_task == 1
 
 
 def test_stratified_sampling_draws_every_task_from_its_own_stream(tiny_run):

@@ -241,3 +241,25 @@ def test_a_parallel_decoders_target_logits_score_like_a_causal_lms():
     expected = torch.nn.functional.cross_entropy(
         torch.cat([target_logits[0, :2], target_logits[1, :3]]), torch.cat([target_ids[0, :2], target_ids[1, :3]]))
     assert TextGeneration().loss(aligned, {"labels": labels}) == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_target_logits_are_placed_row_by_row_where_the_targets_are_predicted_and_gradients_flow_back():
+    from rayfed.kinds import causal_from_target_logits
+
+    # A target at position 0 (predicted at the last position, as a causal LM's shift wraps), a row without targets.
+    labels = torch.tensor([[IGNORE, IGNORE, 3, 4, IGNORE, IGNORE], [2, IGNORE, 1, 2, 5, IGNORE],
+                           [IGNORE] * 6, [IGNORE, 6, 6, 6, 6, 6]])
+    target_logits = torch.randn(4, 5, 7, dtype=torch.float64, requires_grad=True)
+    expected = torch.zeros(4, 6, 7, dtype=torch.float64)
+    for row in range(4):
+        positions = torch.nonzero(labels[row] != IGNORE).flatten() - 1
+        expected[row, positions] = target_logits[row, :len(positions)].detach()
+    aligned = causal_from_target_logits(target_logits, {"labels": labels})
+    assert torch.equal(aligned, expected)
+    weights = torch.randn_like(expected)
+    (aligned * weights).sum().backward()
+    gradient = torch.zeros_like(target_logits)
+    for row in range(4):
+        positions = torch.nonzero(labels[row] != IGNORE).flatten() - 1
+        gradient[row, :len(positions)] = weights[row, positions]
+    assert torch.equal(target_logits.grad, gradient)

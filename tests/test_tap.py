@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from rayfed import text_metrics
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.config import load_config
@@ -139,6 +140,30 @@ def test_the_shared_decoders_serve_every_task_of_their_kind_and_paths_follow_the
     assert raw.shape == (3, 8, len(model.tokenizer))  # parallel decoder: text_positions logits at once
     generated = model.generate_text(batch, 5)
     assert generated.shape == (3, 5)
+
+
+def test_text_generation_is_scored_from_one_forward_of_the_parallel_decoder(actor):
+    _start(actor)
+    model = actor.model
+    model.eval()
+    model.select_task(3)
+    batch = {k: v[:5] for k, v in actor.data[2].parts[0].test.items()}
+    kind = actor.tasks[3].kind
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    with torch.no_grad():
+        rows = kind.score_rows(model, batch)
+        assert len(forwards) == 1
+        logits = model(batch).float()
+        generated = model.generate_text(batch, batch["target_ids"].shape[1])
+    hook.remove()
+    model.train()
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], ignore_index=-100,
+                                            reduction="none").sum(dim=1)
+    predictions = model.tokenizer.batch_decode(generated.tolist(), skip_special_tokens=True)
+    references = model.tokenizer.batch_decode(batch["target_ids"], skip_special_tokens=True)
+    assert torch.equal(rows["nll"], nll.double())
+    assert rows["token_f1"].tolist() == [text_metrics.token_f1(p, r) for p, r in zip(predictions, references)]
 
 
 # Stage 1 ----------------------------------------------------------------------------------------------------
@@ -341,6 +366,22 @@ def test_stage_two_weighs_each_task_keys_kd_term_by_table_21_by_default_or_by_th
     for key, beta in zip(("image_classification", "image_generation", "text_classification", "text_generation"),
                          expected):
         assert applied[key] == pytest.approx([beta] * len(applied[key])), key
+
+
+def test_the_two_distillations_of_stage_two_run_the_teachers_forward_once_and_train_as_each_alone(actor):
+    method, driver = _start(actor, post_fl_microbatches=2, two_p=False, no_kd=False, alt_kd_weights="code")
+    _rounds(actor, driver, 1, [[1]])
+    payload = driver.payloads([1], False)[1]
+    model = actor.model
+    teacher_forwards = []
+    hook = model.register_forward_hook(lambda module, *_: teacher_forwards.append(1) if not module.training else None)
+    state = method.after_federation(actor._context(1, 1), actor.states[1], payload)
+    hook.remove()
+    assert len(teacher_forwards) == 2 * 2  # two steps of two tasks (text classification, image generation)
+    for view, weights in (("kdalt", "code"), ("", None)):
+        alone = actor._context(1, 1).train(state["view:stage1"], steps=2, lr=method.params.post_lr, purpose="post_train",
+                                           loss=method.distillation(state["view:pt"], weights)).params
+        assert _equal(alone, state[f"view:{view}"] if view else state["x"]), view
 
 
 def test_distillation_is_tau_squared_kl_and_the_teacher_draws_no_dropout(actor):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rayfed.models.backbone import Backbone
-from rayfed.modules import TASK_SELECTED_MODULES, TaskHeads
+from rayfed.modules import TASK_SELECTED_MODULES, TaskHeads, modules_of_type
 from rayfed.tasks import Task, task_key
 from rayfed.types import Batch, TensorDict
 
@@ -73,12 +73,10 @@ class ClientModel(TrainableModule):
         parameters (a causal LM's own head) and no module is kept per task."""
         if len({type(self.task_kinds[index]) for index in task_indices}) > 1:
             return False
-        for module in self.modules():
-            if isinstance(module, TaskHeads):
-                heads = [module[task_key(index)] for index in task_indices]
-                if any(type(head) is not nn.Identity for head in heads):
-                    return False
-            elif isinstance(module, TASK_SELECTED_MODULES):
+        for module in modules_of_type(self, (TaskHeads, *TASK_SELECTED_MODULES)):
+            if not isinstance(module, TaskHeads):
+                return False
+            if any(type(module[task_key(index)]) is not nn.Identity for index in task_indices):
                 return False
         return True
 
