@@ -32,6 +32,7 @@ from torch import nn
 
 from rayfed import text_metrics
 from rayfed.data.batches import Columns
+from rayfed.decoders import ImageDecoder
 from rayfed.errors import ConfigError
 from rayfed.registry import register_task_kind
 from rayfed.types import Batch
@@ -436,29 +437,6 @@ def generate(model: ClientModel, batch: Batch, max_new_tokens: int) -> torch.Ten
 
 
 # Reconstruction --------------------------------------------------------------------------------------
-class ImageDecoder(nn.Module):
-    """Features -> an image: a linear layer to a 64-channel map at 1/8 of the size, three transposed
-    convolutions doubling it (ReLU between, none after), like TAP's image-generation head."""
-
-    def __init__(self, feature_dim: int, shape: tuple[int, int, int]):
-        super().__init__()
-        channels, height, width = shape
-        self.shape = shape
-        self.start = (max(height // 8, 1), max(width // 8, 1))
-        self.project = nn.Linear(feature_dim, 64 * self.start[0] * self.start[1])
-        self.upsample = nn.Sequential(
-            nn.ConvTranspose2d(64, 32, 4, stride=2, padding=1), nn.ReLU(),
-            nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1), nn.ReLU(),
-            nn.ConvTranspose2d(16, channels, 4, stride=2, padding=1),
-        )
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        images = self.upsample(self.project(features).view(len(features), 64, *self.start))
-        if images.shape[-2:] != self.shape[1:]:
-            images = nn.functional.interpolate(images, size=self.shape[1:], mode="bilinear", align_corners=False)
-        return images
-
-
 @register_task_kind("reconstruction")
 class Reconstruction(TaskKind):
     """An image -> the same image (raw [0, 1] pixels), through a decoder head: mean squared error."""
