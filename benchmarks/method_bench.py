@@ -32,10 +32,10 @@ from typing import Any
 import torch
 import yaml
 
-from rayfed.actors.client import ClientActor, RoundUploads, run_methods
+from rayfed.actors.client import ClientActor, run_methods
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_slots, architecture_of
-from rayfed.compute import counted_flops
+from rayfed.benchmarks.overhead import synchronize
 from rayfed.config import RunConfig, load_config
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError, choice_error
@@ -46,6 +46,7 @@ from rayfed.system import plan_round
 from rayfed.tasks import sample_round
 
 REPO = Path(__file__).resolve().parents[1]
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the actors of this process train
 
 
 @dataclass(frozen=True)
@@ -91,16 +92,11 @@ def workload_config(workload: MethodWorkload, rounds: int, smoke: bool = False,
                               "federation.checkpoint_every=0", f"methods={json.dumps(chosen)}", *overrides])
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _timed(work: Callable[[], Any]) -> tuple[Any, float]:
-    _sync()
+    synchronize(DEVICE)
     started = time.perf_counter()
     result = work()
-    _sync()
+    synchronize(DEVICE)
     return result, time.perf_counter() - started
 
 

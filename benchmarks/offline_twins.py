@@ -124,7 +124,7 @@ def pfedmma_data(data: dict[str, Any]) -> dict[str, Any]:
     return image_classification(data)
 
 
-# TAP (spec tap.md §7): each archetype's dataset -> the synthetic task of the same kind (docs/offline_models.md).
+# TAP (docs/tap.md): each archetype's dataset -> the synthetic task of the same kind (docs/offline_models.md).
 TAP_TEXT = {
     "tap:ag_news": {"source": "multimodal:topics", "options": {"num_samples": 3600}},  # 4 topics, as AG News' 4
     "tap:vqav2": {"source": "multimodal:vqa", "options": {"num_samples": 1800, "image_size": 64}},  # tap:'s 64 px
@@ -150,7 +150,7 @@ def tap_data(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "tasks": [tap_task(task) for task in data["tasks"]]}
 
 
-# FedDAT (spec feddat.md §4): one client per dataset, about 2,500 train + 500 test samples; the synthetic VQA of
+# FedDAT (docs/feddat.md): one client per dataset, about 2,500 train + 500 test samples; the synthetic VQA of
 # each client differs as the paper's benchmark does: render style and wording (Domain), question type (Function),
 # render style (Scene). Its answers: the 20 of multimodal:vqa (the paper: each client's 100 most frequent).
 FEDDAT_SAMPLES = 3000
@@ -177,7 +177,7 @@ def feddat_scene(index: int) -> dict[str, Any]:
     return {"styles": [FEDDAT_STYLES[index % len(FEDDAT_STYLES)]], "question_types": ["color"]}
 
 
-# FedMosaic (spec fedmosaic.md §7, §10): the offline benchmark's tasks (benchmarks/fedmosaic_configs.py) per client
+# FedMosaic (docs/fedmosaic.md): the offline benchmark's tasks (benchmarks/fedmosaic_configs.py) per client
 # at 1,250 samples each, D_p's 5,000 public samples; texts hold LLaVA-1.5's 576 image tokens.
 MOSAIC_SAMPLES_PER_TASK = 1250
 MOSAIC_TEXT_LENGTH = 576 + 10  # the image tokens, <|begin_of_text|>, a question and its one-word answer

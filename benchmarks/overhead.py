@@ -224,11 +224,11 @@ class IdealLoop:
     def run_round(self, round_idx: int) -> float:
         """Seconds for round ``round_idx``'s sampled clients, each trained from the same shared parameters."""
         sampled = sample_round(self.config, round_idx)  # the clients rayfed's round trains
-        _sync(self.host.device)
+        synchronize(self.host.device)
         started = time.perf_counter()
         for cid in sampled:
             self.host._context(cid, round_idx).train(self.shared)
-        _sync(self.host.device)
+        synchronize(self.host.device)
         return time.perf_counter() - started
 
 
@@ -328,7 +328,8 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op on the CPU): timings then cover the work itself."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -329,7 +329,6 @@ def answer_mask(batch: Batch) -> torch.Tensor:
 def same_answers(results: dict[str, TensorDict], method: str) -> None:
     """One sentence unless every architecture's public pass saw the same answer tokens (``answers``) and gave
     logits over the same vocabulary (``vocabulary``): distillation between them needs one tokenizer."""
-
     first, *others = results
     for other in others:
         if not (torch.equal(results[first]["answers"], results[other]["answers"])

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The paper's backbone -> its offline twin's: the same architecture at the same size, randomly initialised (their
 # shapes are checked against the published models in test_paper_backbones.py and test_fedyolo.py).
 OFFLINE_BACKBONE = offline_twins.BACKBONES
-# The classes of the papers' image-classification datasets (specs: fedyolo.md §1, pfedmma.md §6, tap.md §7).
+# The classes of the papers' image-classification datasets (docs/fedyolo.md, docs/pfedmma.md, docs/tap.md).
 PAPER_CLASSES = {
     "hf:uoft-cs/cifar100": 100, "hf:uoft-cs/cifar10": 10, "hf:flwrlabs/celeba": 2, "hf:flwrlabs/femnist": 62,
     "hf:zh-plus/tiny-imagenet": 200, "hf:flwrlabs/caltech101": 100, "hf:tanganke/dtd": 47,
