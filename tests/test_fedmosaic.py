@@ -18,6 +18,7 @@ from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_slots
 from rayfed.checkpoint import load_checkpoint, save_checkpoint
+from rayfed.compute import counted_flops
 from rayfed.config import ModelConfig, load_config
 from rayfed.data.task_groups import answer_maps
 from rayfed.errors import ConfigError
@@ -433,6 +434,12 @@ def test_the_mask_is_one_for_all_clients_and_the_upload_is_w_s_gradient_on_the_t
     layer.zero_grad()
     layer(x).pow(2).sum().backward()
     assert torch.allclose(gradient, layer.weight.grad, atol=1e-5)
+    # and inside a model, under compute matching's FLOP counter, whose hooks see every module's inputs
+    model = torch.nn.Sequential(layer, torch.nn.Linear(5, 2))
+    plain = linear_weight_gradient(lambda: model(x).pow(2).sum(), layer)
+    counted = []
+    flops = counted_flops(lambda: counted.append(linear_weight_gradient(lambda: model(x).pow(2).sum(), layer)))
+    assert flops > 0 and torch.equal(counted[0], plain)
 
 
 def test_the_local_adapter_is_never_overwritten_by_an_aggregate(federation):
