@@ -4,6 +4,7 @@ overrides, seed) in ``<out>/results.jsonl``; ``benchmarks/<paper>_tables.py`` ma
     python -m rayfed.benchmarks.offline_runs --plan fedmosaic --seeds 0 1 2 --jobs 12 --out runs/fedmosaic
     python -m rayfed.benchmarks.offline_runs --plan feddat-domain feddat-scene --seeds 0 1 2 3 4 --jobs 60 --out runs/feddat
     python -m rayfed.benchmarks.offline_runs --plan tap-flava-quick --labels TAP --seeds 3 4 5 --out runs/tap
+    python -m rayfed.benchmarks.offline_runs --plan fedmosaic-competitors --configs fedmosaic/offline_competitors_static --labels fedmkt --out runs/fm
     python -m rayfed.benchmarks.offline_runs --plan fedmosaic fedmosaic-baselines --compute-match local --out runs/fm-cm
 
 Every job is one method of one ``configs/<paper>/`` file at one seed, run in-process (``placement.executor:
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
                              "about 100x slower than on a CPU core each)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per job")
     parser.add_argument("--labels", nargs="*", default=None, help="only these method labels of the plans")
+    parser.add_argument("--configs", nargs="*", default=None, metavar="CONFIG",
+                        help="only these configs of the plans (paths under configs/ without .yaml)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--runs", default=None, help="where the jobs' run folders go (default: <out>/runs)")
     parser.add_argument("--set", nargs="*", default=[], help="dotted overrides for every job (key=YAML value)")
@@ -197,16 +200,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compute-match", default=None, metavar="LABEL",
                         help="local steps per method matched to method LABEL's compute (train.compute_match)")
     args = parser.parse_args(argv)
+    stems = list(dict.fromkeys(stem for plan in args.plan for stem, _, _ in PLANS[plan]))
+    unknown = sorted(set(args.configs or ()) - set(stems))
+    if unknown:
+        parser.error(f"--configs {' '.join(unknown)}: not a config of the plans; choose from {', '.join(stems)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = Path(args.runs) if args.runs else out / "runs"
     extra = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
-    stems = list(dict.fromkeys(stem for plan in args.plan for stem, _, _ in PLANS[plan]))
     jobs = []
     for plan in args.plan:
         for seed in args.seeds:
             for index, (stem, label, overrides) in enumerate(PLANS[plan]):
-                if args.labels is not None and label not in args.labels:
+                if (args.labels is not None and label not in args.labels) or \
+                        (args.configs is not None and stem not in args.configs):
                     continue
                 name = f"{plan}-{index}-{label}-s{seed}"
                 jobs.append({"plan": plan, "config": stem, "label": label, "overrides": overrides, "seed": seed,

@@ -187,3 +187,13 @@ def test_a_resumed_job_continues_from_its_checkpoint_and_a_job_without_one_start
     stale.mkdir()
     (stale / "metrics.jsonl").write_text("")  # stopped before any checkpoint: starts afresh
     assert offline_runs.run_job({**job, "run_dir": str(stale), "resume": True})["mean"] == first["mean"]
+
+
+def test_configs_outside_the_plans_are_refused_naming_the_plans_configs(capsys, tmp_path) -> None:
+    from rayfed.benchmarks.offline_runs import main
+
+    with pytest.raises(SystemExit):
+        main(["--plan", "fedmosaic-competitors", "--configs", "fedmosaic/offline_dynamc", "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+    assert ("--configs fedmosaic/offline_dynamc: not a config of the plans; choose from fedmosaic/offline_competitors, "
+            "fedmosaic/offline_competitors_static") in capsys.readouterr().err
