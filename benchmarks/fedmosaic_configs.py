@@ -1,5 +1,6 @@
 """Write ``configs/fedmosaic/*.yaml`` and ``configs/tune/fedmosaic_tau_blocks.yaml``: FedMosaic's offline
-benchmark (spec ``fedmosaic.md`` §10) and the paper's DRAKE / HFLB settings with real models by name (§7).
+benchmark (docs/fedmosaic.md#the-offline-benchmark) and the paper's DRAKE / HFLB settings with real models by name
+(docs/fedmosaic.md#the-papers-settings).
 Run ``python -m rayfed.benchmarks.fedmosaic_configs`` after changing a setting here (then ``python -m
 rayfed.benchmarks.offline_twins`` for the paper settings' offline twins); tests load every file.
 
@@ -105,8 +106,8 @@ RELA_VARIANTS = [mosaic("equal", relevance="equal"), mosaic("training_current", 
 ALIGNMENT = [mosaic("random_basis", align=False), mosaic("fedmosaic")]
 
 HEADER = {
-    "offline_dynamic": "PFL-Dynamic offline (spec fedmosaic.md §10): SFT, FedAvg within an architecture and Tab. 7's "
-                       "ablation (Vanilla, + PQ-LoRA, FedMosaic)",
+    "offline_dynamic": "PFL-Dynamic offline (docs/fedmosaic.md#the-offline-benchmark): SFT, FedAvg within an architecture "
+                       "and Tab. 7's ablation (Vanilla, + PQ-LoRA, FedMosaic)",
     "offline_static": "PFL-Static offline: the same clients with their 4 tasks mixed into one stream from round 0",
     "offline_async": "PFL-Dynamic, asynchronous (Tab. 40): each client's task windows from (5,5,5,5), (3,7,3,7), (7,3,7,3)",
     "offline_baselines": "the other baselines of Tab. 2 that need no public-data distillation (Fed-ET: within an "

@@ -1,4 +1,4 @@
-"""FedMosaic's costs as the paper reports them (Tab. 15, A.8-A.9; spec fedmosaic.md §8): memory and compute of a
+"""FedMosaic's costs as the paper reports them (Tab. 15, A.8-A.9; docs/fedmosaic.md#costs): memory and compute of a
 client's local update relative to SFT's, the one-time alignment, and the overhead of a round with 100 and 1,000
 simulated clients on four actors (two per architecture), against SFT (local training alone) and FedAvg.
 

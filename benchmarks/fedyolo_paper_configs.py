@@ -1,6 +1,6 @@
 """Write ``configs/fedyolo/paper_*.yaml``: the scale & modularity study's experiments, one YAML each
-(seed ``003_040d52d311c5f3b8.txt``, spec ``fedyolo.md`` §2, §3, §6). Run ``python -m
-rayfed.benchmarks.fedyolo_paper_configs`` after changing a setting here, then ``python -m
+(*Augmenting Federated Learning with Pretrained Transformers*, arXiv 2307.04905; docs/fedyolo.md#reproducing-the-paper).
+Run ``python -m rayfed.benchmarks.fedyolo_paper_configs`` after changing a setting here, then ``python -m
 rayfed.benchmarks.offline_twins`` for their offline twins; tests load every file.
 
 Every file runs unchanged with a network (HF datasets and ViT weights by name) and GPUs:
@@ -39,7 +39,7 @@ FEMNIST = {"source": "hf:flwrlabs/femnist", "split": "train", "image_column": "i
            "partition": {"name": "natural", "column": "writer_id", "min_samples": 2, "max_group_size": 120}}
 
 
-# CIFAR-100's global accuracy (Fig 6, 9L; spec §2): 20 samples per class that no client holds.
+# CIFAR-100's global accuracy (Fig 6, 9L; docs/fedyolo.md#data): 20 samples per class that no client holds.
 GLOBAL_TEST_SAMPLES = 2000
 
 

@@ -4,7 +4,7 @@
 config run with different seeds. Per method: final mean local accuracy (and per task in multi-task
 runs), uplink parameters per round and in total (the paper's T x M x P), the full/method uplink
 ratio, rounds to 95% of fedavg-full's best accuracy, the uplink parameters sent until then (the
-paper's cost at the target, spec §5) and fedavg-full's over the method's, and the representation
+paper's cost at the target) and fedavg-full's over the method's, and the representation
 shift when measured. With a global test set (``data.partition.global_test_samples``), the forgetting
 ratio of every method ``X`` run next to ``X+local``.
 """
@@ -26,8 +26,8 @@ def _mean_std(values: list[float], scale: float = 1.0) -> str:
 
 
 def _rounds_to_target(events: list[dict], summary: dict) -> tuple[float | None, dict[str, int | None]]:
-    """From the run's metrics events, with the spec's target (§2 Metrics): 95% of the best mean local
-    accuracy of the run's ``fedavg-full`` method, when the config sets none and the run has that method."""
+    """From the run's metrics events, with the study's target (docs/fedyolo.md#engine-metrics): 95% of the best mean
+    local accuracy of the run's ``fedavg-full`` method, when the config sets none and the run has that method."""
     post_trained = {m["label"] for m in summary["config"]["methods"] if m["post_train_steps"]}
     target = summary["config"]["federation"]["target_acc"]
     full = [e["local_acc"] for e in events if e.get("event") == "eval" and e["method"] == "fedavg-full"]
@@ -94,8 +94,8 @@ def tables(run_dirs: list[Path]) -> str:
 
 
 def _forgetting(summaries: list[dict], labels: list[str]) -> list[str]:
-    """Spec §2's forgetting ratio (Acc_X - Acc_X+local) / Acc_X, both global accuracies (every client's model
-    on the global test set, averaged), for each X run next to X+local."""
+    """The study's forgetting ratio (Acc_X - Acc_X+local) / Acc_X (docs/fedyolo.md#data), both global accuracies
+    (every client's model on the global test set, averaged), for each X run next to X+local."""
     rows = []
     for label in labels:
         local = f"{label}+local"

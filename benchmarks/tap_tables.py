@@ -1,4 +1,4 @@
-"""TAP's result tables (seed 000_a0f3b72231afa875.txt, Tables 1-6, 8-10; spec tap.md §7-§8) from rayfed runs.
+"""TAP's result tables (arXiv 2509.26524, Tables 1-6 and 8-10; docs/tap.md#data-and-metrics) from rayfed runs.
 
 ``python -m rayfed.benchmarks.tap_tables RUN_DIR [RUN_DIR ...]``: the run directories of one config at several
 seeds (configs/tap/*). Every row is a method, or one of TAP's views (``TAP@pt`` = FedAvg + Post-train, ...), and

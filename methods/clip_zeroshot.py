@@ -1,7 +1,7 @@
 """CLIP zero-shot: the frozen model with the prompt "a photo of a {class}.", evaluated only.
 
-The reference point of pFedMMA's tables (seed 004_3730b893423d9134.txt; spec ``pfedmma.md`` §5). No
-client trains and nothing is communicated.
+The reference point of the tables of *pFedMMA: Personalized Federated Fine-Tuning with Multi-Modal Adapter for
+Vision-Language Models* (docs/pfedmma.md#baselines). No client trains and nothing is communicated.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """FedDAT-style dual-adapter teacher with LoRA adapters, on any backbone with decoder layers (LLaVA, Llama, Qwen).
 
-FedDAT (Chen et al., AAAI 2024; seed ``002_bdadac652323d572.txt``) as the FedMosaic paper runs it as a baseline
-(seed ``001_341533e252d11d6f.txt`` §5; spec ``fedmosaic.md`` §6 [interp]), with its adapters as conventional LoRA on
-every linear layer (:mod:`rayfed.pqlora`) instead of bottleneck adapters (:mod:`rayfed.methods.feddat`, which
-targets ViLT-style encoders). Three adapters per layer: ``shared`` (trained, uploaded, averaged within an
-architecture), ``frozen`` (the shared adapter received this round) and ``local`` (kept). Each batch takes two
-steps: ``CE(z_s) + kd KD(z_s, z_DAT)`` on the shared adapter, then ``CE(z_DAT) + kd KD(z_DAT, z_s)`` on the local
-one, with the dual-adapter teacher ``z_DAT`` from ``W x + (B_f A_f x + B_l A_l x) / 2``; KD = tau^2 KL at tau = 3,
-its weight ramped up as ``kd exp(-5 (1 - t / t_r)^2)`` over the first quarter of the rounds. Clients are
-evaluated with the shared adapter (FedDAT's own choice); ``@dat`` reports the teacher.
+FedDAT (Chen et al., AAAI 2024, arXiv 2308.12305) as FedMosaic's paper, *Not All Clients Are Equal: Collaborative Model
+Personalization on Heterogeneous Multi-Modal Clients*, runs it as a baseline (docs/fedmosaic.md#ablations-baselines; the
+paper gives no details, this is our reading), with its adapters as conventional LoRA on every linear layer
+(:mod:`rayfed.pqlora`) instead of bottleneck adapters (:mod:`rayfed.methods.feddat`, which targets ViLT-style encoders).
+Three adapters per layer: ``shared`` (trained, uploaded, averaged within an architecture), ``frozen`` (the shared
+adapter received this round) and ``local`` (kept). Each batch takes two steps: ``CE(z_s) + kd KD(z_s, z_DAT)`` on the
+shared adapter, then ``CE(z_DAT) + kd KD(z_DAT, z_s)`` on the local one, with the dual-adapter teacher ``z_DAT`` from
+``W x + (B_f A_f x + B_l A_l x) / 2``; KD = tau^2 KL at tau = 3, its weight ramped up as ``kd exp(-5 (1 - t / t_r)^2)``
+over the first quarter of the rounds. Clients are evaluated with the shared adapter (FedDAT's own choice); ``@dat``
+reports the teacher.
 """
 
 from __future__ import annotations

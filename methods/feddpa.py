@@ -1,12 +1,13 @@
 """FedDPA (Yang et al., NeurIPS 2024, dual-personalizing adapter): a global LoRA adapter trained by FedAvg and a
 local one trained with the global frozen, mixed at inference with instance-wise weights.
 
-A baseline of FedMosaic's paper (seed ``001_341533e252d11d6f.txt`` §5; spec ``fedmosaic.md`` §6 [interp]). Each
-round a client (1) trains the received global adapter alone (``W x + s B_g A_g x``) and uploads it (averaged
-within an architecture, sample-weighted), then (2) trains its local adapter with that global one frozen, on
-``W x + s ((1 - w) B_g A_g x + w B_l A_l x)`` with ``w = local_weight``. At inference ``w`` is per instance: the
-cosine similarity (clipped to [0, 1]) between the instance's representation (its first decoder layer's input,
-averaged over tokens) and the mean representation of the client's training samples, kept in its state.
+A baseline of FedMosaic's paper, *Not All Clients Are Equal: Collaborative Model Personalization on Heterogeneous
+Multi-Modal Clients* (docs/fedmosaic.md#ablations-baselines; the paper gives no details, this is our reading). Each
+round a client (1) trains the received global adapter alone (``W x + s B_g A_g x``) and uploads it (averaged within an
+architecture, sample-weighted), then (2) trains its local adapter with that global one frozen, on ``W x + s ((1 - w) B_g
+A_g x + w B_l A_l x)`` with ``w = local_weight``. At inference ``w`` is per instance: the cosine similarity (clipped to
+[0, 1]) between the instance's representation (its first decoder layer's input, averaged over tokens) and the mean
+representation of the client's training samples, kept in its state.
 """
 
 from __future__ import annotations

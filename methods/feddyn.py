@@ -1,6 +1,7 @@
 """FedDyn (Acar et al., ICLR 2021): FedAvg with dynamic regularisation, a client and a server correction.
 
-A baseline of the scale & modularity study (seed ``003_040d52d311c5f3b8.txt``, spec ``fedyolo.md`` §2).
+A baseline of the scale & modularity study of *Augmenting Federated Learning with Pretrained Transformers*
+(arXiv 2307.04905; docs/fedyolo.md#methods).
 
 Client m keeps a gradient state g_m (zero at first) and minimises
 ``F_m(w) - <g_m, w> + alpha/2 ||w - w_t||^2`` from the server's w_t, then sets

@@ -1,7 +1,8 @@
 """FedMKT (Fan et al., COLING 2025): mutual token-level knowledge transfer between a larger model and the clients'
 smaller ones, as FedMosaic ported it to clients of several architectures.
 
-Spec: ``fedmosaic-competitors.md`` §3; ``docs/fedmosaic.md`` describes this implementation. Every client keeps
+*FedMKT: Federated Mutual Knowledge Transfer for Large and Small Language Models* (arXiv 2406.02224);
+docs/fedmosaic.md#the-distillation-baselines-takfl-perada-fedmkt describes this implementation. Every client keeps
 its own adapter theta_i across rounds, trains it, uploads it and is evaluated with it (before the server's
 step, as FedMosaic evaluates). There is no server LLM: each architecture k has a server-side global adapter g_k
 (the initial adapter at first, never averaged). After a round, on the first ``public_samples`` public rows (labeled:

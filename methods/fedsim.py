@@ -2,10 +2,10 @@
 every linear layer, trained together; only the shared one is averaged (sample-weighted, within an architecture)
 and replaced every round.
 
-A baseline of FedMosaic's paper (seed ``001_341533e252d11d6f.txt`` §5; spec ``fedmosaic.md`` §6 [interp]). The
-layer's output is ``W x + s (B_p A_p x + B_s A_s x)`` (:mod:`rayfed.pqlora`, conventional LoRA, no gate); both
-adapters take one optimizer step per batch (simultaneous update) and the shared one starts each round from the
-received average.
+A baseline of FedMosaic's paper, *Not All Clients Are Equal: Collaborative Model Personalization on Heterogeneous
+Multi-Modal Clients* (docs/fedmosaic.md#ablations-baselines; the paper gives no details, this is our reading). The
+layer's output is ``W x + s (B_p A_p x + B_s A_s x)`` (:mod:`rayfed.pqlora`, conventional LoRA, no gate); both adapters
+take one optimizer step per batch (simultaneous update) and the shared one starts each round from the received average.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """FedYolo ("You Only Load Once"): one frozen backbone, per-task modules and heads, optionally shared modules.
 
-Seed ``003_040d52d311c5f3b8.txt`` (§4, Algorithm 1), spec ``fedyolo.md`` §3.
+*Augmenting Federated Learning with Pretrained Transformers* (arXiv 2307.04905), Sec. 4 and Algorithm 1;
+docs/fedyolo.md#fedyolo-and-multi-task-runs.
 
 One frozen pretrained backbone, loaded once per client; every task has its own modules and head,
 and the modules of some blocks may be shared by all tasks:
@@ -13,7 +14,7 @@ A client trains, uploads and receives only its task's view (the engine filters b
 are averaged over that task's sampled clients (kept unchanged when none was sampled) and shared
 modules over every sampled client.
 
-``private_uploads`` is the paper's privacy variant (§3): every client uploads every task's dedicated
+``private_uploads`` is the paper's privacy variant: every client uploads every task's dedicated
 slots, zeros but its own, and a vector of K per-task sample counts (its own n_m, zeros elsewhere), so
 that under secure aggregation the server learns the sums but not which task a client belongs to;
 task k's slots become sum(u_k) / sum(c_k). The resulting parameters are those of the default; only

@@ -1,7 +1,8 @@
 """PerAda (Xie et al., CVPR 2024): personalized adapters with a proximal pull, and a global adapter refined on the
 server by ensemble distillation.
 
-Spec: ``fedmosaic-competitors.md`` §2; ``docs/fedmosaic.md`` describes this implementation. A client trains the
+*PerAda: Parameter-Efficient Federated Learning Personalization with Generalization Guarantees* (arXiv 2302.06637);
+docs/fedmosaic.md#the-distillation-baselines-takfl-perada-fedmkt describes this implementation. A client trains the
 global adapter w_i it receives (cross-entropy) and uploads it, then trains its personal adapter v_i with
 cross-entropy + ``mu * ||v_i - w||^2`` toward the received w (squared, not halved, as FedMosaic's code) on the same
 batches; v_i never leaves the client and is what it is evaluated with. The server averages the w_i within each

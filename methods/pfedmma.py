@@ -1,12 +1,12 @@
 """pFedMMA: personalized federated learning with multi-modal adapters on CLIP.
 
-Seed paper 004_3730b893423d9134.txt; spec ``pfedmma.md`` §2-§3. Every block from ``first_layer`` to the
-last, in both towers, gets a parallel adapter (:mod:`rayfed.mma`): local down/up projections per tower
-and one r x r projection shared by both towers. Only the shared projections are communicated; the server
-takes their sample-count weighted mean over the round's participants and every client (participant or
-not) is evaluated with the new global value. Round 0 trains all clients (``first_round_all``).
+*pFedMMA: Personalized Federated Fine-Tuning with Multi-Modal Adapter for Vision-Language Models*;
+docs/pfedmma.md#the-method. Every block from ``first_layer`` to the last, in both towers, gets a parallel adapter
+(:mod:`rayfed.mma`): local down/up projections per tower and one r x r projection shared by both towers. Only the shared
+projections are communicated; the server takes their sample-count weighted mean over the round's participants and every
+client (participant or not) is evaluated with the new global value. Round 0 trains all clients (``first_round_all``).
 
-``variant`` selects the spec's ablations: ``all_global`` (Baseline 1: every adapter tensor is FedAvg'd),
+``variant`` selects the paper's ablations: ``all_global`` (Baseline 1: every adapter tensor is FedAvg'd),
 ``shared_personal`` (Baseline 2: down/up global, shared personal), the untied ``vision_only`` /
 ``text_only`` / ``both`` (one r x r per tower; FedAvg the image one, the text one, or both), and
 ``local_only`` (E.2: nothing is communicated).

@@ -1,6 +1,7 @@
 """PromptFL: federated CoOp, learnable context vectors shared by all classes and all clients.
 
-Baseline of pFedMMA (seed 004_3730b893423d9134.txt; spec ``pfedmma.md`` §5). The class prompt is
+A baseline of *pFedMMA: Personalized Federated Fine-Tuning with Multi-Modal Adapter for Vision-Language Models*
+(docs/pfedmma.md#baselines). The class prompt is
 "[SOS] ctx_1 .. ctx_n {class name}. [EOS]": ``n_ctx`` vectors, N(0, ctx_std^2), take the place of the
 first ``n_ctx`` word embeddings; only they are trained, and they are FedAvg'd (sample-count weighted).
 """

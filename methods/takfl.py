@@ -1,14 +1,15 @@
 """TAKFL (Morafah et al., NeurIPS 2024): task-arithmetic knowledge integration across architectures.
 
-Spec: ``fedmosaic-competitors.md`` §1; ``docs/fedmosaic.md`` describes this implementation. Clients train the
+*Towards Diverse Device Heterogeneous Federated Learning via Task Arithmetic Knowledge Integration* (arXiv 2409.18461);
+docs/fedmosaic.md#the-distillation-baselines-takfl-perada-fedmkt describes this implementation. Clients train the
 received adapter of their architecture and upload it; the server averages the uploads within each architecture
-(theta_k). After the round, for every student architecture k and every teacher architecture t (k included) it
-distils, from theta_k each time, the mean logits of t's uploads on the first ``public_samples`` public rows
-(``T^2 KL_T``, answer positions, teacher-forced, teachers in eval mode) plus ``self_weight`` times a
-``T_s^2 KL_{T_s}`` pull toward theta_k's own outputs; each run gives a task vector tau_kt = phi_kt - theta_k, and
-every client of k receives theta_k + sum_t lambda_kt tau_kt (uniform lambda = 1/K, as FedMosaic ran it, or a
-fixed matrix, rows and columns in the config's order of architectures). ``compat_zero_tau`` skips the
-distillation (FedMosaic's code, whose task vectors are all zero: FedAvg within an architecture).
+(theta_k). After the round, for every student architecture k and every teacher architecture t (k included) it distils,
+from theta_k each time, the mean logits of t's uploads on the first ``public_samples`` public rows (``T^2 KL_T``, answer
+positions, teacher-forced, teachers in eval mode) plus ``self_weight`` times a ``T_s^2 KL_{T_s}`` pull toward theta_k's
+own outputs; each run gives a task vector tau_kt = phi_kt - theta_k, and every client of k receives theta_k + sum_t
+lambda_kt tau_kt (uniform lambda = 1/K, as FedMosaic ran it, or a fixed matrix, rows and columns in the config's order
+of architectures). ``compat_zero_tau`` skips the distillation (FedMosaic's code, whose task vectors are all zero: FedAvg
+within an architecture).
 """
 
 from __future__ import annotations

@@ -39,9 +39,8 @@ from rayfed.types import Batch
 
 if TYPE_CHECKING:
     from rayfed.data.sources import ArrayDataset
+    from rayfed.kind_protocols import HeadTask, TaskModel
     from rayfed.models.backbone import Backbone
-    from rayfed.models.client import ClientModel
-    from rayfed.tasks import Task
 
 IGNORE = -100  # label of positions no loss is taken on
 
@@ -73,22 +72,22 @@ class TaskKind:
         """The samples ``indices`` of ``dataset`` as named tensors for ``backbone``."""
         raise NotImplementedError
 
-    def build_head(self, backbone: Backbone, task: Task) -> nn.Module | None:
+    def build_head(self, backbone: Backbone, task: HeadTask) -> nn.Module | None:
         """What the default client model adds for this task over the backbone's features (None: nothing)."""
         return None
 
-    def forward(self, model: ClientModel, batch: Batch) -> torch.Tensor:
+    def forward(self, model: TaskModel, batch: Batch) -> torch.Tensor:
         """The model's outputs on ``batch``, which :meth:`loss` scores."""
         return model.head(model.features(batch))
 
     def loss(self, outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
 
-    def score(self, model: ClientModel, batch: Batch) -> dict[str, float]:
+    def score(self, model: TaskModel, batch: Batch) -> dict[str, float]:
         """Sums over the test ``batch`` (under ``torch.no_grad``) that :meth:`summarize` turns into metrics."""
         raise NotImplementedError
 
-    def score_rows(self, model: ClientModel, batch: Batch) -> dict[str, torch.Tensor]:
+    def score_rows(self, model: TaskModel, batch: Batch) -> dict[str, torch.Tensor]:
         """:meth:`score`'s values row by row (each a float64 tensor over the batch's rows), for a kind that scores
         several tasks' test sets in one pass (:meth:`merge_columns`)."""
         raise NotImplementedError
@@ -180,13 +179,13 @@ class Classification(TaskKind):
         columns["labels"] = torch.as_tensor(dataset.labels, dtype=torch.long)[indices]
         return columns
 
-    def build_head(self, backbone: Backbone, task: Task) -> nn.Module:
+    def build_head(self, backbone: Backbone, task: HeadTask) -> nn.Module:
         return nn.Linear(backbone.feature_dim, task.num_classes)
 
     def loss(self, outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
         return nn.functional.cross_entropy(outputs, batch["labels"])
 
-    def score(self, model: ClientModel, batch: Batch) -> dict[str, float]:
+    def score(self, model: TaskModel, batch: Batch) -> dict[str, float]:
         logits = model(batch).float()
         labels = batch["labels"]
         return {"correct": (logits.argmax(dim=1) == labels).sum().item(),
@@ -229,10 +228,10 @@ class MultipleChoice(Classification):
         columns["labels"] = torch.as_tensor(dataset.labels, dtype=torch.long)[indices]
         return columns
 
-    def build_head(self, backbone: Backbone, task: Task) -> nn.Module | None:
+    def build_head(self, backbone: Backbone, task: HeadTask) -> nn.Module | None:
         return None if backbone.generates_text else nn.Linear(backbone.feature_dim, 1)
 
-    def forward(self, model: ClientModel, batch: Batch) -> torch.Tensor:
+    def forward(self, model: TaskModel, batch: Batch) -> torch.Tensor:
         size, choices, length = batch["input_ids"].shape
         flat = {"input_ids": batch["input_ids"].reshape(-1, length),
                 "attention_mask": batch["attention_mask"].reshape(-1, length)}
@@ -320,17 +319,17 @@ class TextGeneration(TaskKind):
         return {**_images(dataset, indices), "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
                 "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "target_ids": target_ids}
 
-    def forward(self, model: ClientModel, batch: Batch) -> torch.Tensor:
+    def forward(self, model: TaskModel, batch: Batch) -> torch.Tensor:
         return model.lm_logits({k: batch[k] for k in self.forward_inputs if k in batch})
 
     def loss(self, outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
         return nn.functional.cross_entropy(outputs[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
                                            ignore_index=IGNORE)
 
-    def score(self, model: ClientModel, batch: Batch) -> dict[str, float]:
+    def score(self, model: TaskModel, batch: Batch) -> dict[str, float]:
         return {name: float(values.sum()) for name, values in self.score_rows(model, batch).items()}
 
-    def score_rows(self, model: ClientModel, batch: Batch) -> dict[str, torch.Tensor]:
+    def score_rows(self, model: TaskModel, batch: Batch) -> dict[str, torch.Tensor]:
         logits, generated = logits_and_generations(model, batch, max_new_tokens=batch["target_ids"].shape[1])
         logits = logits.float()
         targets = batch["labels"][:, 1:]
@@ -400,7 +399,7 @@ def causal_from_target_logits(target_logits: torch.Tensor, batch: Batch) -> torc
 
 
 @torch.no_grad()
-def logits_and_generations(model: ClientModel, batch: Batch, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def logits_and_generations(model: TaskModel, batch: Batch, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's outputs on the test ``batch`` (what :meth:`TextGeneration.loss` reads) and its greedy generations
     (:func:`generate`); a model that gets both from one forward (a parallel decoder) provides
     ``logits_and_generations(batch, max_new_tokens)``."""
@@ -420,7 +419,7 @@ def end_of_text_id(tokenizer: Any) -> int:
 
 
 @torch.no_grad()
-def generate(model: ClientModel, batch: Batch, max_new_tokens: int) -> torch.Tensor:
+def generate(model: TaskModel, batch: Batch, max_new_tokens: int) -> torch.Tensor:
     """Greedy continuations (batch, new tokens) of the left-padded ``prompt_ids``, stopping at end-of-text; a
     model that decodes otherwise (a parallel decoder) provides ``generate_text(batch, max_new_tokens)``."""
     if hasattr(model, "generate_text"):
@@ -462,13 +461,13 @@ class Reconstruction(TaskKind):
     def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
         return {"pixel_values": image_tensor(dataset.images[indices])}
 
-    def build_head(self, backbone: Backbone, task: Task) -> nn.Module:
+    def build_head(self, backbone: Backbone, task: HeadTask) -> nn.Module:
         return ImageDecoder(backbone.feature_dim, task.image_shape)
 
     def loss(self, outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
         return nn.functional.mse_loss(outputs.float(), batch.get("target_pixels", batch["pixel_values"]))
 
-    def score(self, model: ClientModel, batch: Batch) -> dict[str, float]:
+    def score(self, model: TaskModel, batch: Batch) -> dict[str, float]:
         outputs = model(batch).float()
         target = batch.get("target_pixels", batch["pixel_values"])
         return {"mse": ((outputs - target) ** 2).flatten(1).mean(dim=1).sum().item()}

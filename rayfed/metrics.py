@@ -1,7 +1,7 @@
 """Metrics computed from other metrics, per client and over client means.
 
 A derived metric of the client means is computed from the means of its parts, not averaged over
-clients: pFedMMA's ``hm`` (seed 004_3730b893423d9134.txt; spec ``pfedmma.md`` §6) is the harmonic mean
+clients: pFedMMA's ``hm`` (docs/pfedmma.md#data-and-metrics) is the harmonic mean
 of the client-averaged ``local_acc``, ``base_acc`` and ``novel_acc``.
 """
 

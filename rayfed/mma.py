@@ -1,4 +1,5 @@
-"""pFedMMA's multi-modal adapter (seed 004_3730b893423d9134.txt, Eq. 2; spec ``pfedmma.md`` §2).
+"""pFedMMA's multi-modal adapter (*pFedMMA: Personalized Federated Fine-Tuning with Multi-Modal Adapter for
+Vision-Language Models*, Eq. 2; docs/pfedmma.md#the-method).
 
 For every adapted block j (1-based, ``first_layer``..L) of both CLIP towers::
 
@@ -7,7 +8,7 @@ For every adapted block j (1-based, ``first_layer``..L) of both CLIP towers::
     A_j^(o)(u) = W_up^(o) relu(W_shared relu(W_down^(o) u))     o in {image, text}
 
 The down- and up-projections are per tower; ``W_shared`` (r x r) is one module used by both towers
-(``tied``), or one per tower when untied (the spec's Table 6 variants). The gradient-scale layer GS is
+(``tied``), or one per tower when untied (the paper's Table 6 variants). The gradient-scale layer GS is
 the identity forward and scales the gradient by its factor backward: adapter weights get 1/alpha times
 their true gradient while the gradient flowing into z stays exact.
 """

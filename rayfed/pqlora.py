@@ -1,6 +1,7 @@
 """PQ-LoRA and named, mixed low-rank adapters on a model's linear layers (FedMosaic's module).
 
-Seed paper ``001_341533e252d11d6f.txt`` §4.2 (Eq. 5-8, 18-23); spec ``fedmosaic.md`` §3. Every adapted linear
+From *Not All Clients Are Equal: Collaborative Model Personalization on Heterogeneous Multi-Modal Clients* (Sec. 4.2,
+Eq. 5-8 and 18-23; docs/fedmosaic.md#pq-lora-and-the-dual-adapter). Every adapted linear
 layer ``W_p`` of a transformer's decoder layers becomes an :class:`AdaptedLinear` holding one or more named
 adapters (FedMosaic: ``local`` and ``global``; FedSim: ``personal`` and ``shared``; ...), each either
 
@@ -374,7 +375,7 @@ __all__ = [
 ]
 
 
-# Cross-model alignment of the PQ basis (spec §3.3; Alg. 2-4) ----------------------------------------------------
+# Cross-model alignment of the PQ basis (Alg. 2-4; docs/fedmosaic.md#cross-model-alignment) ---------------------
 def align_rows(inputs: torch.Tensor, targets: torch.Tensor, start: torch.Tensor, *, ortho_weight: float, epochs: int,
                lr: float, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
     """Train ``A`` (r x d, from ``start``) so that ``inputs @ A^T`` (n x d -> n x r) matches ``targets`` (n x r): Adam

@@ -24,7 +24,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -42,7 +42,6 @@ from rayfed.types import Batch, Loss, TensorDict
 
 if TYPE_CHECKING:
     from rayfed.kinds import TaskKind
-    from rayfed.batching import Lockstep
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +57,14 @@ class TrainResult:
     task_losses: dict[int, Loss] = field(default_factory=dict)  # per task: mean loss over the micro-batches holding it
     optimizer_state: TensorDict | None = None  # with keep_optimizer_state: to pass back in a later call
     snapshots: dict[int, TensorDict] = field(default_factory=dict)  # with snapshot_steps: params after those steps
+
+
+class StackedTrainer(Protocol):
+    """What ``ClientContext.lockstep`` is (:class:`rayfed.batching.Lockstep`, which builds on this module): it
+    trains a plain update of one client stacked with other clients' and returns its result."""
+
+    def train(self, client: ClientContext, params: TensorDict, steps: int, purpose: str, lr: float,
+              extra_loss: Penalty | None, pool: torch.Tensor | None) -> TrainResult: ...
 
 
 @dataclass(frozen=True)
@@ -417,7 +424,7 @@ class ClientContext:
         self.tasks = list(tasks)  # the run's tasks, by index
         self.stream = stream  # data arrive over rounds: train on what has arrived, score the tasks seen so far
         self.others = others  # in a stream: other clients' tasks, to score this client's model on
-        self.lockstep: Lockstep | None = None  # train.batch_clients: plain updates train with other clients'
+        self.lockstep: StackedTrainer | None = None  # train.batch_clients: plain updates train with other clients'
 
     @property
     def task(self) -> int:

@@ -1,4 +1,4 @@
-"""FedDAT (spec feddat.md): the dual-adapter teacher, mutual distillation, what is sent and kept, the PEFT
+"""FedDAT (docs/feddat.md): the dual-adapter teacher, mutual distillation, what is sent and kept, the PEFT
 baselines' modules and counts, the heterogeneity generators and the configs."""
 
 from __future__ import annotations

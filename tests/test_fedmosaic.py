@@ -1,4 +1,4 @@
-"""FedMosaic (spec fedmosaic.md): PQ-LoRA's placement, counts and exact averaging, the cross-model alignment, RELA's
+"""FedMosaic (docs/fedmosaic.md): PQ-LoRA's placement, counts and exact averaging, the cross-model alignment, RELA's
 shared mask, gradients and weights, per-client global adapters that never overwrite the local one, and the
 offline benchmark's configs."""
 
@@ -54,7 +54,7 @@ def _role_counts(model: torch.nn.Module) -> dict[str, int]:
 
 def test_lora_counts_and_the_pq_saving_on_llama_3_2_as_the_paper_reports_them():
     small, large = _meta_llama("1B"), _meta_llama("3B")
-    # the 1B model's last down_proj: the gradient RELA shares (spec §2.1), d = 8192 x 2048
+    # the 1B model's last down_proj: the gradient RELA shares (docs/fedmosaic.md#rela), d = 8192 x 2048
     assert small.model.layers[-1].mlp.down_proj.weight.numel() == 16_777_216
     conventional = pqlora.attach(large, rank=128, adapters=("local",))
     assert conventional.pq_layers == () and _role_counts(large)["LoRA"] == 194_510_848  # r = 128, 7 linears x 28
@@ -296,7 +296,7 @@ def test_the_aligned_basis_reaches_each_client_once_orthonormal_and_only_p_q_cro
     for name, value in aligned.items():
         eye = torch.eye(4)
         assert torch.allclose(value @ value.T if name.endswith(".A") else value.T @ value, eye, atol=1e-5) or (
-            name.endswith(".B"))  # the CCA basis is not orthonormal by construction (spec §9.8)
+            name.endswith(".B"))  # CCA's basis is not orthonormal by construction: docs/fedmosaic.md#cross-model-alignment
         if name.endswith(".A"):
             assert torch.allclose(value @ value.T, eye, atol=1e-5)
     state = actors["large"].states[2]["personal"]

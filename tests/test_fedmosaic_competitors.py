@@ -1,6 +1,6 @@
-"""TAKFL, PerAda and FedMKT (spec fedmosaic-competitors.md) on two architectures of tiny LLaVAs: each one's defining
-rule on a hand-made case, the server's public passes, what is communicated, and the same numbers whatever the
-packing of clients into actors."""
+"""TAKFL, PerAda and FedMKT (docs/fedmosaic.md#the-distillation-baselines-takfl-perada-fedmkt) on two architectures
+of tiny LLaVAs: each one's defining rule on a hand-made case, the server's public passes, what is communicated, and the
+same numbers whatever the packing of clients into actors."""
 
 from __future__ import annotations
 

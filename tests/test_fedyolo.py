@@ -1,4 +1,4 @@
-"""The scale & modularity study and FedYolo (spec fedyolo.md): module shapes and counts, frozen
+"""The scale & modularity study and FedYolo (docs/fedyolo.md): module shapes and counts, frozen
 parameters, zero-initialised modules, per-task views and aggregation, FedDyn, partitions, metrics."""
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ TABLE3 = {
     "B": {"full": 85_875_556, "adapter": 233_668, "lora": 371_812, "vpt": 150_628, "head": 76_900},
     "L": {"full": 303_404_132, "adapter": 417_984, "lora": 888_932, "vpt": 299_108, "head": 102_500},
 }
-PAPER_RATIOS = {"T": 94.7, "S": 185.6, "B": 367.5, "L": 725.9}  # full / adapter per round, spec §5
+# Full / adapter uplink per round (docs/fedyolo.md#parameter-counts).
+PAPER_RATIOS = {"T": 94.7, "S": 185.6, "B": 367.5, "L": 725.9}
 STUDY_LORA = {"rank": 8, "alpha": 8, "targets": ["q_proj", "v_proj"]}
 
 
@@ -194,7 +195,7 @@ def test_fedyolo_task0_trajectory_is_bitwise_identical_with_other_tasks_present(
 
 
 def test_private_uploads_send_every_tasks_slots_and_give_the_same_parameters(tiny_run):
-    """Spec §3's privacy variant: zeros but one's own task, plus per-task counts; the aggregate is unchanged."""
+    """FedYolo's privacy variant: zeros but one's own task, plus per-task counts; the aggregate is unchanged."""
     tasks = [_task("a", 4, 0), _task("b", 3, 7)]
     private = {"name": "fedyolo", "sharing": "half", "private_uploads": True}
     default = _trajectory(_multitask_run(copy.deepcopy(tiny_run), tasks, [{"name": "fedyolo", "sharing": "half"}]))
@@ -354,7 +355,8 @@ def test_every_client_of_a_classes_per_client_partition_has_c_classes_and_100_tr
 
 
 def test_a_global_test_set_holds_samples_no_client_holds_and_gives_global_acc(tiny_run):
-    """The study's global accuracy (spec §2 Metrics): the same set for every client, outside every client's data."""
+    """The study's global accuracy (docs/fedyolo.md#data): the same set for every client, outside every client's
+    data."""
     run = copy.deepcopy(tiny_run)
     run["data"].update(partition={"name": "shards", "classes_per_client": 2, "samples_per_client": 10,
                                   "test_samples_per_client": 4, "global_test_samples": 30})  # fmt: skip

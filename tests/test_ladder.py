@@ -1,4 +1,5 @@
-"""FedYolo's offline scale ladder (spec fedyolo.md §8): part-texture data and the pretrained ViT sizes."""
+"""FedYolo's offline scale ladder (docs/fedyolo.md#offline-results-on-the-scale-ladder): part-texture data and the
+pretrained ViT sizes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from conftest import load_data
 from rayfed.models import build_backbone, build_client_model
 from rayfed.zoo import cache, vit_ladder
 
-SPEC_SIZES = {  # spec §8: d, blocks, heads, MLP width
+LADDER_SIZES = {  # d, blocks, heads, MLP width
     "t": (48, 3, 3, 192),
     "s": (96, 4, 3, 384),
     "b": (192, 6, 6, 768),
@@ -74,9 +75,9 @@ def test_parts_source_and_its_errors() -> None:
 
 
 @pytest.mark.parametrize("size", "tsb")
-def test_ladder_sizes_and_one_budget_follow_the_spec(size: str) -> None:
+def test_ladder_sizes_and_one_budget_are_the_documented_ones(size: str) -> None:
     recipe = zoo.recipe(f"vit-ladder-{size}")
-    d, blocks, heads, mlp = SPEC_SIZES[size]
+    d, blocks, heads, mlp = LADDER_SIZES[size]
     assert recipe["model"] == {"hidden_size": d, "num_hidden_layers": blocks, "num_attention_heads": heads,
                                "intermediate_size": mlp, "image_size": 32, "patch_size": 4}  # fmt: skip
     assert recipe["train"] == zoo.recipe("vit-ladder-t")["train"] and recipe["data"] == zoo.recipe("vit-ladder-t")["data"]
@@ -84,7 +85,7 @@ def test_ladder_sizes_and_one_budget_follow_the_spec(size: str) -> None:
 
 
 def test_shipped_sizes_load_without_a_build_and_pass_the_gate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """T' and S' ship with rayfed; upstream and linear-probe accuracy grow with size (the spec's gate)."""
+    """T' and S' ship with rayfed; upstream and linear-probe accuracy grow with size (our gate, docs/fedyolo.md#offline-results-on-the-scale-ladder)."""
     monkeypatch.setenv("RAYFED_CACHE", str(tmp_path))
     monkeypatch.setattr(cache, "_build", lambda *args: pytest.fail("built a shipped model"))
     manifests = []

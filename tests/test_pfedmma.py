@@ -1,4 +1,4 @@
-"""pFedMMA, PromptFL and CLIP zero-shot (spec pfedmma.md): adapter structure and counts, gradient scale,
+"""pFedMMA, PromptFL and CLIP zero-shot (docs/pfedmma.md): adapter structure and counts, gradient scale,
 communication, base/novel label spaces and metrics."""
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def _weights(params: dict[str, torch.Tensor], biases: bool) -> int:
 
 
 def test_vit_b16_adapter_counts_match_the_paper(vit_b16):
-    """Spec §2: per block 2r(d_v + d_t) + r^2 = 82,944 weights; l=10 -> m=3 blocks."""
+    """The paper's count (docs/pfedmma.md#parameter-counts): per block 2r(d_v + d_t) + r^2 = 82,944 weights; l=10 ->
+    m=3 blocks."""
     method, model = vit_b16
     trainable = model.trainable_params()
     assert all(name.startswith("adapter.") for name in trainable)

@@ -469,23 +469,28 @@ def _imports(module: str, file: Path, modules: dict[str, Path], typing: bool = T
     return targets
 
 
-def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
-    seen, frontier = set(), [start]
-    while frontier:
-        module = frontier.pop()
-        if module == goal:
-            return True
-        if module not in seen:
-            seen.add(module)
-            frontier.extend(graph[module])
-    return False
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A path of imports from a module back to itself (its first module repeated at the end), or None."""
+    done: set[str] = set()
+    path: list[str] = []
 
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for target in sorted(graph[module]):
+            if found := visit(target):
+                return found
+        path.pop()
+        done.add(module)
+        return None
 
-# Work left for issue 36: imports under TYPE_CHECKING that still close a cycle. Task, TaskKind and ClientModel name
-# each other in their type hints; training's hint of batching.Lockstep names a module that imports training. Each
-# entry must still be a typing-only import in a cycle, so the list only shrinks.
-TYPING_CYCLES_LEFT = {("rayfed.kinds", "rayfed.tasks"), ("rayfed.kinds", "rayfed.models.client"),
-                      ("rayfed.training", "rayfed.batching")}
+    for module in sorted(graph):
+        if found := visit(module):
+            return found
+    return None
 
 
 def test_the_package_has_no_import_cycle_and_lower_layers_import_no_method_or_actor():
@@ -497,26 +502,27 @@ def test_the_package_has_no_import_cycle_and_lower_layers_import_no_method_or_ac
             assert not {t for t in targets if _in_layer(t, ("rayfed.methods", "rayfed.actors"))}, module
         if not _in_layer(module, ("rayfed.methods", "rayfed.benchmarks")):  # the engine never imports a method
             assert not {t for t in targets if _in_layer(t, ("rayfed.methods",))}, f"{module} imports a method"
-    runtime = {module: _imports(module, file, modules, typing=False) for module, file in modules.items()}
-    for module, target in sorted(TYPING_CYCLES_LEFT):
-        assert target in graph[module] and target not in runtime[module], f"{module} -> {target} is no typing-only import"
-        assert _reaches(graph, target, module), f"{module} -> {target} closes no cycle now: drop it from the list"
-    pruned = {module: targets - {t for m, t in TYPING_CYCLES_LEFT if m == module} for module, targets in graph.items()}
-    for start in pruned:  # a cycle: a module reachable from itself
-        assert not any(_reaches(pruned, target, start) for target in pruned[start]), f"import cycle through {start}"
+    cycle = _cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 
 def test_the_layering_check_finds_a_cycle(tmp_path):
-    """The check above is not vacuous: two modules importing each other form a cycle it reports, also where one
-    import is a type hint's."""
-    (tmp_path / "a.py").write_text("from rayfed.b import x\n")
-    (tmp_path / "b.py").write_text("def f():\n    from rayfed.a import y\n")
-    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rayfed.a import z\n")
-    modules = {name: tmp_path / f"{name[-1]}.py" for name in ("rayfed.a", "rayfed.b", "rayfed.c")}
+    """The check above is not vacuous: it reports two modules importing each other (one inside a function), and a
+    cycle closed by an import under ``if TYPE_CHECKING``, which the runtime imports alone would not show."""
+    files = {"a": "from rayfed.b import x\n", "b": "def f():\n    from rayfed.a import y\n",
+             "c": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rayfed.d import z\n",
+             "d": "import rayfed.c\n", "e": "from rayfed.d import w\n"}
+    for name, text in files.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    modules = {f"rayfed.{name}": tmp_path / f"{name}.py" for name in files}
     graph = {module: _imports(module, file, modules) for module, file in modules.items()}
-    assert graph == {"rayfed.a": {"rayfed.b"}, "rayfed.b": {"rayfed.a"}, "rayfed.c": {"rayfed.a"}}
-    assert _reaches(graph, "rayfed.b", "rayfed.a") and not _reaches(graph, "rayfed.a", "rayfed.c")
-    assert _imports("rayfed.c", modules["rayfed.c"], modules, typing=False) == set()
+    assert graph == {"rayfed.a": {"rayfed.b"}, "rayfed.b": {"rayfed.a"}, "rayfed.c": {"rayfed.d"},
+                     "rayfed.d": {"rayfed.c"}, "rayfed.e": {"rayfed.d"}}
+    assert _cycle(graph) == ["rayfed.a", "rayfed.b", "rayfed.a"]
+    typed = {module: graph[module] for module in ("rayfed.c", "rayfed.d", "rayfed.e")}
+    assert _cycle(typed) == ["rayfed.c", "rayfed.d", "rayfed.c"]
+    runtime = {module: _imports(module, modules[module], modules, typing=False) for module in typed}
+    assert runtime["rayfed.c"] == set() and _cycle(runtime) is None
 
 
 def test_rayfed_exports_what_a_driver_script_needs():

@@ -1,4 +1,4 @@
-"""TAP (spec tap.md): the modular MoTE/MoME model and what each client holds, the two stages (replacement,
+"""TAP (docs/tap.md): the modular MoTE/MoME model and what each client holds, the two stages (replacement,
 distillation), what is sent, the aggregation, the baselines (Local, Per-FedAvg, DisentAFL, FedDAT in TAP's model)
 and the configs."""
 
@@ -495,7 +495,7 @@ def test_perfedavg_runs_on_the_modular_model_and_personalizes_after_the_last_rou
     assert set(state["view:adapted"]) == set(payload) and not _equal(state["view:adapted"], payload)
 
 
-# FedDAT in TAP's model (spec §6) ----------------------------------------------------------------------------
+# FedDAT in TAP's model (docs/tap.md#baselines) -------------------------------------------------------------
 FEDDAT = {"alpha": 2e-3, "beta": 2e-3, "tau": 1.0, "kd_schedule": "constant", "objective_scale": 1.0,
           "aggregation": "samples", "evaluate": "dat", "post_fl_microbatches": 2, "post_lr": 1e-3,
           "mome": {"text_positions": 8, "adapter_dim": 4}}

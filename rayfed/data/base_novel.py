@@ -1,4 +1,5 @@
-"""Base-to-novel federated splits (pFedMMA, seed 004_3730b893423d9134.txt; spec ``pfedmma.md`` §6).
+"""Base-to-novel federated splits of pFedMMA (*pFedMMA: Personalized Federated Fine-Tuning with Multi-Modal Adapter for
+Vision-Language Models*; docs/pfedmma.md#data-and-metrics).
 
 The classes, sorted by label id, are cut in two: the first ceil(C/2) are *base* classes, the rest
 *novel*; each half is relabelled 0..k-1 and is one task (label space) of the run. The base classes

@@ -303,10 +303,10 @@ def _require_alpha(alpha: float | None, method: str) -> None:
 def _labeldir(
     indices: np.ndarray, labels: np.ndarray, num_clients: int, alpha: float, min_samples: int, rng: np.random.Generator
 ) -> list[np.ndarray]:
-    """The "noniid-labeldir" split of ``indices`` (spec pfedmma.md §6): per class, proportions ~ Dir(alpha),
-    zeroed for clients already holding >= len(indices) / num_clients samples and renormalized; the whole
-    draw is repeated until every client has ``min_samples``. Train and test are cut afterwards per client
-    and per class, so a client's test set has its train set's label proportions."""
+    """The "noniid-labeldir" split of ``indices`` (pFedMMA's, docs/pfedmma.md#data-and-metrics): per class, proportions
+    ~ Dir(alpha), zeroed for clients already holding >= len(indices) / num_clients samples and renormalized; the whole
+    draw is repeated until every client has ``min_samples``. Train and test are cut afterwards per client and per class,
+    so a client's test set has its train set's label proportions."""
     cap = len(indices) / num_clients
     classes = np.unique(labels[indices])
     for _ in range(_DIRICHLET_ATTEMPTS):

@@ -1,5 +1,6 @@
-"""Part-texture images: the synthetic upstream and downstream tasks of the FedYolo scale study
-(spec ``fedyolo.md`` §8), in which pretraining transfers.
+"""Part-texture images: the synthetic upstream and downstream tasks of our offline version of the scale study of
+*Augmenting Federated Learning with Pretrained Transformers* (arXiv 2307.04905)
+(docs/fedyolo.md#offline-results-on-the-scale-ladder), in which pretraining transfers.
 
 A fixed *world* (seeded by ``world``, not by the run's seed) holds a bank of small textured parts and
 the classes built from them. A class is a spatial layout, ``PARTS_PER_CLASS`` (cell, part) pairs on a

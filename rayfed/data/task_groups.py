@@ -1,4 +1,5 @@
-"""Task groups with conflicting answer maps (FedMosaic's offline benchmark; spec ``fedmosaic.md`` §10).
+"""Task groups with conflicting answer maps (FedMosaic's offline benchmark,
+docs/fedmosaic.md#the-offline-benchmark).
 
 ``task-groups:vqa`` is the synthetic VQA task (:mod:`rayfed.data.multimodal`) whose answers pass through a
 permutation of their own group: ``options.group`` g of ``options.groups`` G. Within each answer category (colours,
@@ -6,8 +7,8 @@ shapes, counts) every group's map shifts the answers by a different non-zero ste
 (``options.map_seed``, fixed by the benchmark rather than the run's seed), so no two groups give an image the same
 answer: clients of one group share a rule, and averaging across groups interferes. The other options are
 ``multimodal:vqa``'s (``num_samples``, ``classes``, ``styles``, ``question_types``, ``image_size``);
-``answer_only`` (default true) makes the target the answer word alone (``"blue"``, one token, as the spec's
-single label token), else ``"Answer: blue"``.
+``answer_only`` (default true) makes the target the answer word alone (``"blue"``, one token: one label token, as the
+offline benchmark asks; docs/fedmosaic.md#the-offline-benchmark), else ``"Answer: blue"``.
 """
 
 from __future__ import annotations

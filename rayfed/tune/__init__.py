@@ -26,9 +26,9 @@ search space or a fixed value. Every path and every representative value (each g
 value, the bounds and midpoint of a range) is checked against the config schema before any
 trial starts, and bad entries are reported in one sentence naming ``tune.space.<path>``.
 
-Any field a method's ``Params`` dataclass declares is ``methods.<index>.<name>``, so the paper
-sweeps are one YAML each once the methods exist (``methods/tap.py``, ``methods/fedmosaic.py``;
-the hyperparameter names below are the specs' and must match those dataclasses):
+Any field a method's ``Params`` dataclass declares is ``methods.<index>.<name>``, so a paper's sweep is one
+YAML (the fields below are those of ``TAPParams``, ``FedMosaicParams`` and ``PFedMMAParams``; the full sweeps are
+``configs/tune/tap_margins.yaml``, ``fedmosaic_tau_blocks.yaml`` and ``pfedmma_alpha.yaml``):
 
 TAP (per-task replacement margins and the KD temperature)::
 
@@ -45,7 +45,7 @@ FedMosaic (RELA temperature tau and the number of PQ-LoRA blocks N_B)::
 
     methods: [{name: fedmosaic, tau: 0.5, blocks: 4}]
     tune:
-      metric: fedmosaic/others_acc
+      metric: fedmosaic/others_token_f1
       search: grid
       space:
         methods.0.tau: {grid: [0.02, 0.1, 0.25, 0.5, 1.0, 2.0, 10.0]}

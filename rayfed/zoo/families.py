@@ -43,7 +43,8 @@ FAMILIES: dict[str, Family] = {
         ),
         *(
             Family(
-                f"vit-ladder-{size}", f"HF ViT at FedYolo's ViT-{size.upper()} rung of the scale ladder (spec fedyolo.md §8)",
+                f"vit-ladder-{size}", f"HF ViT at FedYolo's ViT-{size.upper()} rung of the scale ladder "
+                "(docs/fedyolo.md#offline-results-on-the-scale-ladder)",
                 "supervised classification of 256 part-texture layouts (rayfed.data.parts)",
                 vit_ladder.recipe(size), vit_ladder.build, vit_ladder.evaluate, vit_ladder.load, needs_gpu=True,
             )

@@ -35,7 +35,7 @@ RECIPE: dict[str, Any] = {
     "train": {"steps": 300, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.1},
     "data": {"train_samples": 4096, "eval_samples": 1024},
 }
-# pFedMMA's offline backbone (spec pfedmma.md §9): 12 blocks per tower like ViT-B/16, so the paper's
+# pFedMMA's offline backbone (docs/pfedmma.md#offline-results): 12 blocks per tower like ViT-B/16, so the paper's
 # first adapted layers (l = 10, l = 5) carry over, and pretraining sees all 64 classes (as real CLIP has
 # seen the novel concepts) in every render style but "noisy"; federated fine-tuning then runs on the
 # held-out "noisy" style (hue jitter and pixel noise).

@@ -1,5 +1,5 @@
-"""A ladder of ViTs of growing size, pretrained on the part-texture upstream task (spec ``fedyolo.md``
-§8): FedYolo's scale study offline.
+"""A ladder of ViTs of growing size, pretrained on the part-texture upstream task: FedYolo's scale study offline
+(docs/fedyolo.md#offline-results-on-the-scale-ladder).
 
 Every size sees the same images for the same number of steps, so only the size differs. The larger
 sizes take minutes on a GPU and hours on a CPU, so their built folders ship with rayfed
@@ -24,7 +24,7 @@ from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
 
 transformers = DeferredModule("transformers")
 
-# d, blocks, heads, MLP width (spec §8: T', S', B'); 32 px images in 4-px patches (65 tokens).
+# d, blocks, heads, MLP width (T', S', B'); 32 px images in 4-px patches (65 tokens).
 SIZES: dict[str, dict[str, int]] = {
     "t": {"hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 3, "intermediate_size": 192},
     "s": {"hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 3, "intermediate_size": 384},
