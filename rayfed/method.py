@@ -268,8 +268,7 @@ class Method:
     """Base class: FedAvg semantics over the parameters :meth:`is_shared` selects.
 
     Subclasses set ``Params`` (a frozen dataclass whose defaults are the paper's values and
-    whose ``__post_init__`` validates them) and override the hooks that differ. A ``Params`` class
-    attribute ``removed_hyperparameters`` maps a hyperparameter it no longer takes to what a config sets instead.
+    whose ``__post_init__`` validates them) and override the hooks that differ.
     """
 
     Params: ClassVar[type] = NoParams
@@ -305,10 +304,8 @@ class Method:
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         """The client model this method trains over a private copy of ``backbone``.
 
-        Default: the one ``model.client`` chooses (:mod:`rayfed.models.client_plugin`); unset, the config's
-        module (LoRA, adapter, prompts, full or none) shared by all tasks, and a linear head per task (one
-        ``head`` when there is one task). Initial values must depend on ``seed`` only, so every actor builds
-        the same model.
+        Default: the one ``model.client`` chooses (:mod:`rayfed.models.client_plugin`; unset: ``model.module`` and
+        a head per task). Initial values must depend on ``seed`` only, so every actor builds the same model.
         """
         from rayfed.models import client_model
 
@@ -445,12 +442,11 @@ def _validated_params(params_cls: type, values: dict[str, Any], label: str) -> A
 
     fields = dataclasses.fields(params_cls)
     allowed = [f.name for f in fields]
-    removed = getattr(params_cls, "removed_hyperparameters", {})
     for key in values:
-        if key in removed:
-            raise ConfigError(f"{label}.{key} was removed; {removed[key]}.")
-        if key not in allowed:
-            hint = f"allowed: {', '.join(allowed)}" if allowed else "it takes no hyperparameters"
+        if key not in allowed:  # a Params class's removed_hyperparameters: {name: what to set instead}
+            removed = getattr(params_cls, "removed_hyperparameters", {}).get(key)
+            hint = f"it was removed: {removed}" if removed else f"allowed: {', '.join(allowed)}" if allowed else \
+                "it takes no hyperparameters"
             raise ConfigError(f"{label} has no hyperparameter {key!r}{suggest(key, allowed)}; {hint}.")
     try:
         hints = typing.get_type_hints(params_cls)

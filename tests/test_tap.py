@@ -519,8 +519,9 @@ def test_a_method_that_needs_taps_model_says_to_choose_it_when_the_config_does_n
 @pytest.mark.parametrize("name", ["tap", "feddat", "perfedavg", "disentafl"])
 def test_the_removed_mome_hyperparameter_says_what_to_set_instead(name):
     entry = load_config({**_run(), "methods": [{"name": name, "mome": {"text_positions": 8}}]}).methods[0]
-    with pytest.raises(ConfigError, match=rf"^methods\[0\] \({name}\)\.mome was removed; set model.client: mome "
-                                          r"(and move these|with these) options .*model.client_options[^.]*\.$"):
+    with pytest.raises(ConfigError, match=rf"^methods\[0\] \({name}\) has no hyperparameter 'mome'; it was removed: "
+                                          r"set model.client: mome (and move these|with these) options .*"
+                                          r"model.client_options[^.]*\.$"):
         build_method(entry, 0)
 
 
