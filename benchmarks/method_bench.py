@@ -238,9 +238,11 @@ def measure(config: RunConfig, out_dir: Path) -> dict[str, Any]:
 
 
 def reference_config(config: RunConfig) -> RunConfig:
-    """A plain LoRA FedAvg run on ``config``'s clients, backbone and batch (every architecture's own backbone)."""
+    """A plain LoRA FedAvg run on ``config``'s clients, backbone and batch (every architecture's own backbone), in the
+    engine's model whatever ``model.client`` the workload trains."""
     lora = config.model.lora.model_dump() if config.model.lora is not None else {"rank": 16, "alpha": 32}
-    return load_config(config, ["methods=[fedavg]", "model.module=lora", f"model.lora={json.dumps(lora)}"])
+    return load_config(config, ["methods=[fedavg]", "model.module=lora", f"model.lora={json.dumps(lora)}",
+                                "model.client=null", "model.client_options={}"])
 
 
 def run_method_bench(workload: str | MethodWorkload, out_dir: Path, rounds: int | None = None, smoke: bool = False,

@@ -9,15 +9,15 @@ micro-batch of a single modality and task has no pairs and no such loss. Aggrega
 (component-wise, |D_i|-weighted). With ``post_fl_microbatches`` P > 0, ``@pt`` and ``@pt2`` report the model
 post-trained P and 2P micro-batches, orthogonality loss included (the code's "DisentAFL + Post-train").
 
-The model is TAP's (:mod:`rayfed.mome`, options in ``mome``); any model works that collects
+The model is TAP's (``model.client: mome``, :mod:`rayfed.mome`); any client model works that collects
 ``((modality, task key), latent)`` pairs in ``collected_latents`` while that attribute is a list.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
 from rayfed.models import Backbone
-from rayfed.mome import MoMEOptions, build_mome_model
+from rayfed.mome import MOVED_TO_CLIENT_MODEL
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Step
@@ -50,7 +50,7 @@ class DisentAFLParams:
     ortho_weight: float = 0.5  # Table 21
     post_fl_microbatches: int = 0  # P of the "+ Post-train" views (0: none)
     post_lr: float = 1e-4
-    mome: dict[str, Any] = field(default_factory=dict)  # TAP's modular model's options
+    removed_hyperparameters: ClassVar[dict[str, str]] = MOVED_TO_CLIENT_MODEL
 
     def __post_init__(self) -> None:
         if self.ortho_weight < 0:
@@ -59,7 +59,6 @@ class DisentAFLParams:
             raise ValueError("post_fl_microbatches must be >= 0")
         if not self.post_lr > 0:
             raise ValueError("post_lr must be > 0")
-        MoMEOptions.parse(self.mome, "mome")
 
 
 @register_method("disentafl")
@@ -67,14 +66,15 @@ class DisentAFL(Method):
     Params = DisentAFLParams
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
-        return build_mome_model(backbone, tasks, self.params.mome, seed)
+        model = super().build_model(backbone, config, tasks, seed)
+        if not hasattr(model, "collected_latents"):
+            raise ConfigError(f"methods (disentafl) needs a model that collects its modality-task latents, not "
+                              f"model.client = {config.client!r}; set model.client: mome (TAP's modular model).")
+        return model
 
     def loss(self, step: Step) -> torch.Tensor:
         """The task loss plus the orthogonality loss of the micro-batch's latents."""
         model = step.model
-        if not hasattr(model, "collected_latents"):
-            raise ConfigError("disentafl needs a model that collects its modality-task latents "
-                              "(rayfed.mome.MoMEModel).")
         model.collected_latents = []
         try:
             loss = step.task_loss(step.part_losses())

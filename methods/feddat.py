@@ -18,15 +18,17 @@ the paper's baselines (§5), the config's ``model.module`` alone (adapter, lora,
 with CE, with the same local heads and uniform mean; ``federated: false`` keeps everything local (clf-L,
 Adapter-L, full-L).
 
-With ``mome`` set, FedDAT is TAP's baseline (seed ``000_a0f3b72231afa875.txt`` §5; spec ``tap.md`` §6 [R]) in
-TAP's modular model (:mod:`rayfed.mome`, ``backbone_module: adapter``): no LoRA in the MoTE / MoME backbone, the
-three adapters (``Linear D -> b, ReLU, Linear b -> D``, residual; b = ``mome.adapter_dim``) after every expert's
-FFN, and the FL-engaged model is every trainable block but A_c (A_s, heads, encoders' LoRA and projections,
+The three adapters sit wherever the client model places adapter sets (:class:`rayfed.models.AdapterSets`): the
+default model at ``model.adapter``'s sites (``model.module: adapter``), and TAP's modular model (``model.client:
+mome``, :mod:`rayfed.mome`) after every expert's FFN (``backbone_module: adapter``: no LoRA in the MoTE / MoME
+backbone; ``Linear D -> b, ReLU, Linear b -> D``, residual, b = ``model.client_options.adapter_dim``). The latter
+is TAP's baseline (seed ``000_a0f3b72231afa875.txt`` §5; spec ``tap.md`` §6 [R]), with ``uploads: all_but_local``
+(the FL-engaged model is every trainable block but A_c: A_s, heads, encoders' LoRA and projections,
 ``shared_proj``), averaged component-wise like TAP's FedAvg (with ``aggregation: samples``). A client holding
-several tasks takes each objective as ``sum_o lambda_o (CE_o + w KD_o)``; KD compares the decoders' own outputs
-as TAP's distillation does (:func:`rayfed.methods.tap.kd_term`: class logits, the text decoder's logits at every
-position, an image's width axis or with ``image_kd: mse`` the two images' squared error). ``evaluate: dat``
-reports the DAT under the plain metric names (TAP's FedDAT row) and A_s as ``@shared``.
+several tasks takes each objective as ``sum_o lambda_o (CE_o + w KD_o)``; KD compares the outputs the model's
+decoders produce themselves (:meth:`rayfed.models.TrainableModule.raw_and_scored`: class logits, the text
+decoder's logits at every position, an image's width axis, or with ``image_kd: mse`` the two images' squared
+error). ``evaluate: dat`` reports the DAT under the plain metric names (TAP's FedDAT row) and A_s as ``@shared``.
 
 ``post_fl_microbatches`` P > 0 adds the "+ Post-train" views ``@pt`` and ``@pt2``: P and 2P more micro-batches of
 FedDAT's own two-step training at ``post_lr`` from the last round's model (Â_s the last global A_s), evaluated
@@ -36,22 +38,20 @@ as the plain view.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from rayfed.config import ModelConfig
-from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
-from rayfed.models import Backbone, attach_adapter_set, build_task_model
+from rayfed.models import AdapterSets, Backbone, client_model
 from rayfed.modules import set_adapter_mix
-from rayfed.mome import MoMEOptions, build_mome_model, task_key, task_outputs
 from rayfed.registry import register_method
 from rayfed.tasks import Task
-from rayfed.training import IMAGE_KD, ClientContext, Phase, Step, distillation_loss, kd_term
+from rayfed.training import IMAGE_KD, ClientContext, Phase, Step, kd_term
 
 SHARED, FROZEN, LOCAL = ".adapters.shared.", ".adapters.frozen.", ".adapters.local."
 VARIANTS = ("feddat", "no_frozen", "no_local", "no_mkd", "peft")
@@ -65,6 +65,7 @@ STUDENT = {"shared": 1.0}
 VIEWS = {"feddat": ("shared", "local", "dat"), "no_mkd": ("shared", "local", "dat"), "no_frozen": ("shared", "local"),
          "no_local": ("shared",), "peft": ("shared",)}
 EVALUATED = ("shared", "dat")
+UPLOADS = ("shared_adapters", "all_but_local")
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,13 @@ class FedDATParams:
     evaluate: str = "shared"  # the view under the plain metric names: shared (A_s, the paper's) or dat (TAP's row)
     post_fl_microbatches: int = 0  # P of the "+ Post-train" views pt and pt2 (0: none)
     post_lr: float = 1e-4
-    mome: dict[str, Any] | None = None  # None: the HF backbone's layers; a mapping: TAP's modular model's options
-    image_kd: str = "softmax"  # with mome: image generation's KD, softmax over the width axis (TAP's) or mse
+    image_kd: str = "softmax"  # image reconstruction's KD: softmax over the width axis (TAP's) or mse
+    # what a client sends: A_s (§3: heads and A_c stay local) or every trained tensor but A_c (TAP's FedDAT row)
+    uploads: str = "shared_adapters"
+    removed_hyperparameters: ClassVar[dict[str, str]] = {
+        "mome": "set model.client: mome with these options under model.client_options, and uploads: all_but_local "
+                "for TAP's FedDAT row"
+    }
 
     def __post_init__(self) -> None:
         if not self.tau > 0:
@@ -113,16 +119,8 @@ class FedDATParams:
             raise ValueError("post_lr must be > 0")
         if self.image_kd not in IMAGE_KD:
             raise ValueError(f"image_kd must be one of {', '.join(IMAGE_KD)}")
-        if self.mome is not None:
-            if self.variant == "peft":
-                raise ValueError("variant peft has no mome model; TAP's FedAvg is tap's @fedavg view")
-            if mome_options(self.mome).backbone_module != "adapter":
-                raise ValueError("mome.backbone_module must be adapter for feddat (it trains the expert adapters)")
-
-
-def mome_options(mome: Mapping[str, Any]) -> MoMEOptions:
-    """FedDAT's modular model: ``mome``'s options, the backbone's module the expert adapters unless it says."""
-    return MoMEOptions.parse({"backbone_module": "adapter", **mome}, "mome")
+        if self.uploads not in UPLOADS:
+            raise ValueError(f"uploads must be one of {', '.join(UPLOADS)}")
 
 
 @register_method("feddat")
@@ -131,24 +129,16 @@ class FedDAT(Method):
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         variant = self.params.variant
-        if self.params.mome is not None:
-            return build_mome_model(backbone, tasks, mome_options(self.params.mome), seed, ADAPTERS[variant],
-                                    frozen_adapters=("frozen",))
         if variant == "peft":
-            return build_task_model(backbone, config, tasks, seed)
-        if config.module != "adapter":
-            raise ConfigError(f"methods (feddat) trains adapters, but model.module = {config.module!r}; set "
-                              "model.module = 'adapter' (or variant: peft for a baseline on another module).")
-        model = build_task_model(backbone, config.model_copy(update={"module": "head"}), tasks, seed)
-        attach_adapter_set(model, config, ADAPTERS[self.params.variant], seed, frozen=("frozen",))
-        return model
+            return super().build_model(backbone, config, tasks, seed)
+        return client_model(backbone, config, tasks, seed, AdapterSets(ADAPTERS[variant], ("frozen",), "feddat"))
 
     def is_shared(self, name: str) -> bool:
         if not self.params.federated:
             return False
         if self.params.variant == "peft":
             return not name.startswith("head.") and name != "head"
-        if self.params.mome is not None:  # TAP's FL model: everything but A_c (Â_s is never trained)
+        if self.params.uploads == "all_but_local":  # Â_s is never trained, so never sent
             return LOCAL not in name
         return SHARED in name
 
@@ -220,15 +210,12 @@ class FedDAT(Method):
 
     def _outputs(self, step: Step, part: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What distillation compares and what the task's kind scores, on ``step.parts[part]``."""
-        if self.params.mome is None:
-            outputs = step.outputs(part)
-            return outputs, outputs
-        return task_outputs(step.model, *step.parts[part])
+        return step.raw_and_scored(part)
 
     def _kd(self, task: Task, student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torch.Tensor:
-        if self.params.mome is None:
-            return distillation_loss(student, teacher, tau)
-        return kd_term(task_key(task), student, teacher, tau, self.params.image_kd)
+        # kd_term's key: only an image reconstruction's KD (image_kd) differs from the softmax KL
+        key = "image_generation" if task.kind.name == "reconstruction" else task.kind.name
+        return kd_term(key, student, teacher, tau, self.params.image_kd)
 
     def after_federation(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> ClientState:
         microbatches = self.params.post_fl_microbatches

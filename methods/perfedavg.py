@@ -11,23 +11,21 @@ after the last round, with the global model adapted by one plain gradient step (
 ``local_<metric>@global`` is the global model itself, and with ``post_fl_microbatches`` P > 0 also ``@pt`` and
 ``@pt2``: the global model post-trained P and 2P micro-batches at ``post_lr`` ("Per-FedAvg + Post-train").
 
-Generic over any model: the engine's default one, or TAP's modular model with ``mome`` set.
+Generic over any model: the engine's default one, or the one ``model.client`` chooses (TAP's: ``mome``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from rayfed.config import ModelConfig
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
-from rayfed.models import Backbone
 from rayfed.modules import select_task
-from rayfed.mome import MoMEOptions, build_mome_model
+from rayfed.mome import MOVED_TO_CLIENT_MODEL
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Step, scheduled_lr
@@ -39,7 +37,7 @@ class PerFedAvgParams:
     inner_lr: float | None = None  # alpha; None: the configured lr on its schedule
     post_fl_microbatches: int = 0  # P of the "+ Post-train" views (0: none)
     post_lr: float = 1e-4
-    mome: dict[str, Any] | None = None  # None: the engine's default model; a mapping: TAP's modular model
+    removed_hyperparameters: ClassVar[dict[str, str]] = MOVED_TO_CLIENT_MODEL
 
     def __post_init__(self) -> None:
         if self.inner_lr is not None and not self.inner_lr > 0:
@@ -48,8 +46,6 @@ class PerFedAvgParams:
             raise ValueError("post_fl_microbatches must be >= 0")
         if not self.post_lr > 0:
             raise ValueError("post_lr must be > 0")
-        if self.mome is not None:
-            MoMEOptions.parse(self.mome, "mome")
 
 
 def _halves(batch: Batch) -> tuple[Batch, Batch]:
@@ -82,11 +78,6 @@ def inner_step(step: Step, parts: Sequence[tuple[Task, Batch]], alpha: float) ->
 @register_method("perfedavg")
 class PerFedAvg(Method):
     Params = PerFedAvgParams
-
-    def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
-        if self.params.mome is None:
-            return super().build_model(backbone, config, tasks, seed)
-        return build_mome_model(backbone, tasks, self.params.mome, seed)
 
     def _alpha(self, client: ClientContext) -> float:
         if self.params.inner_lr is not None:

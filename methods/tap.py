@@ -1,7 +1,7 @@
 """TAP: two-stage adaptive personalization of a multi-modal, multi-task mixture-of-experts model.
 
 Seed paper ``000_a0f3b72231afa875.txt`` (§3-§4, Algorithm 1, Tables 21-22); spec ``tap.md`` §3-§5 and §9. The
-model is TAP's modular one (:mod:`rayfed.mome`): every trainable block is shared and aggregated component-wise
+model is TAP's modular one (:mod:`rayfed.mome`, chosen by ``model.client: mome``): every trainable block is shared and aggregated component-wise
 (each tensor over the round's clients that hold it, weighted by |D_i|: the engine's default aggregation over
 task-tagged parameters). Each client keeps, next to the FL-engaged model W (the server's blocks, received every
 round), a personalized model X of the same architecture over the same frozen weights, never sent:
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_fl_steps, post_train_views, stored_views
 from rayfed.models import Backbone
 from rayfed.modules import select_task
-from rayfed.mome import TASK_KEYS, MoMEModel, MoMEOptions, build_mome_model, task_key, task_outputs
+from rayfed.mome import MOVED_TO_CLIENT_MODEL, TASK_KEYS, MoMEModel, task_key, task_outputs
 from rayfed.registry import register_method, register_source
 from rayfed.tasks import Task
 from rayfed.training import IMAGE_KD, ClientContext, Step, TrainResult, kd_term, scheduled_lr
@@ -87,7 +87,7 @@ class TAPParams:
     swap_batches: bool = True  # after a replacement, X trains on other batches than W this round [C]
     personalize: bool = True  # False: no X, FedAvg alone
     federated: bool = True  # False: nothing is communicated (Local)
-    mome: dict[str, Any] = field(default_factory=dict)  # the modular model's options (rayfed.mome.MoMEOptions)
+    removed_hyperparameters: ClassVar[dict[str, str]] = MOVED_TO_CLIENT_MODEL
 
     def __post_init__(self) -> None:
         _per_key(self.margins, "margins")
@@ -104,7 +104,6 @@ class TAPParams:
             raise ValueError("post_fl_microbatches must be >= 0")
         if not self.post_lr > 0:
             raise ValueError("post_lr must be > 0")
-        MoMEOptions.parse(self.mome, "mome")
 
     def margin(self, key: str) -> float:
         return self.margins[TASK_KEYS.index(key)]
@@ -208,7 +207,11 @@ class TAP(Method):
     Params = TAPParams
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
-        return build_mome_model(backbone, tasks, self.params.mome, seed)
+        model = super().build_model(backbone, config, tasks, seed)
+        if not isinstance(model, MoMEModel):
+            raise ConfigError(f"methods (tap) trains TAP's modular model, not model.client = {config.client!r}; set "
+                              "model.client: mome, its options under model.client_options.")
+        return model
 
     def is_shared(self, name: str) -> bool:
         return self.params.federated

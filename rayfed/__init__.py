@@ -2,7 +2,7 @@
 
 What a driver script needs is importable from here: ``Simulation``, the config, the plug-in decorators
 (``register_method``, ``register_source``, ``register_partitioner``, ``register_backbone``,
-``register_task_kind``) and the types plug-ins are written against (``Method``, ``Backbone``,
+``register_client_model``, ``register_task_kind``) and the types plug-ins are written against (``Method``, ``Backbone``,
 ``TaskKind``, ...). See ``docs/extending.md``.
 """
 
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rayfed.registry import (
     register,
     register_backbone,
+    register_client_model,
     register_method,
     register_partitioner,
     register_source,
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from rayfed.data.sources import ArrayDataset, SourceRequest
     from rayfed.kinds import TaskKind
     from rayfed.method import LocalResult, Method, Upload
-    from rayfed.models import Backbone, BackboneRequest
+    from rayfed.models import Backbone, BackboneRequest, ClientModelRequest, TrainableModule
     from rayfed.simulation import Simulation
     from rayfed.training import ClientContext, Phase, Step
 
@@ -35,15 +36,16 @@ if TYPE_CHECKING:
 _LAZY = {
     "Simulation": "rayfed.simulation", "RunConfig": "rayfed.config", "load_config": "rayfed.config",
     "Method": "rayfed.method", "LocalResult": "rayfed.method", "Upload": "rayfed.method",
-    "Backbone": "rayfed.models", "BackboneRequest": "rayfed.models", "TaskKind": "rayfed.kinds",
+    "Backbone": "rayfed.models", "BackboneRequest": "rayfed.models", "ClientModelRequest": "rayfed.models",
+    "TrainableModule": "rayfed.models", "TaskKind": "rayfed.kinds",
     "ArrayDataset": "rayfed.data.sources", "SourceRequest": "rayfed.data.sources",
     "PartitionRequest": "rayfed.data.partition", "ClientContext": "rayfed.training", "Phase": "rayfed.training",
     "Step": "rayfed.training",
 }  # fmt: skip
 
 __all__ = [
-    *_LAZY, "__version__", "register", "register_backbone", "register_method", "register_partitioner",
-    "register_source", "register_task_kind",
+    *_LAZY, "__version__", "register", "register_backbone", "register_client_model", "register_method",
+    "register_partitioner", "register_source", "register_task_kind",
 ]
 
 

@@ -132,7 +132,7 @@ def _list(args: argparse.Namespace) -> int:
         except ImportError as err:
             raise ConfigError(f"--import {module!r}: the module cannot be imported ({err}).") from None
     shown = {"method": "method", "source": "dataset", "partitioner": "partitioner", "backbone": "backbone",
-             "task_kind": "task_kind"}
+             "client_model": "client_model", "task_kind": "task_kind"}
     for kind, title in shown.items():
         for entry in registry.entries(kind):
             name = entry.name + ("<...>" if entry.prefix else "")
@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument("--jobs", type=int, default=1, help="families built at once, one process and core each")
     pretrain.set_defaults(handler=_pretrain)
 
-    listing = commands.add_parser("list", help="registered methods, datasets, partitioners, backbones and task kinds")
+    listing = commands.add_parser(
+        "list", help="registered methods, datasets, partitioners, backbones, client models and task kinds")
     listing.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                          help="import MODULE first (its @rayfed.register_* plug-ins are listed, marked with it)")
     listing.set_defaults(handler=_list)

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, SerializationInfo, SerializerFunctionWrapHandler,
-                      model_serializer, model_validator)
+                      ValidationInfo, field_validator, model_serializer, model_validator)
 from pydantic_core import to_jsonable_python
 
 from rayfed import registry
@@ -71,6 +71,7 @@ def _plain(params: Any) -> dict[str, Any]:
 SourceName = _plugin("source")
 PartitionerName = _plugin("partitioner")
 BackboneName = _plugin("backbone")
+ClientModelName = _plugin("client_model", optional=True)
 TaskKindName = _plugin("task_kind", optional=True)
 MethodName = _plugin("method", recorded=_class_of)  # a built method: its class (its params: MethodEntry)
 
@@ -311,7 +312,8 @@ class VptConfig(_Section):
 
 
 MODULES = ("head", "lora", "adapter", "vpt", "full", "bias", "prompt")
-MODULE_FIELDS = ("module", "lora", "adapter", "vpt", "prompt", "head")  # what a method entry's `model` may override
+# what a method entry's `model` may override
+MODULE_FIELDS = ("module", "lora", "adapter", "vpt", "prompt", "head", "client", "client_options")
 
 
 class ModelConfig(_Section):
@@ -330,6 +332,20 @@ class ModelConfig(_Section):
         "Linear(2d, C) (ViLT's VQA head, FedDAT's)"
     )
     image_size: int | None = Field(None, gt=0, description="input size; default: the backbone's own")
+    client: ClientModelName = Field(
+        None, description="the model a method trains over the backbone: a registered client model (mome: TAP's "
+        "modular model), a 'package.module:Name' builder or the builder itself; unset: the backbone with "
+        "model.module and a head per task"
+    )
+    client_options: dict[str, Any] = Field({}, description="model.client's options, which it checks")
+
+    @field_validator("client_options")
+    @classmethod
+    def _options_of_a_client(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if options and info.data.get("client") is None:
+            raise ValueError("it needs model.client, the client model these are options of (the default model's "
+                             "settings are model.module, lora, adapter, vpt, prompt and head)")
+        return options
 
     @model_validator(mode="after")
     def _resolve_module(self) -> ModelConfig:
@@ -669,8 +685,7 @@ def architecture_model_config(config: RunConfig, name: str) -> ModelConfig:
         return config.model
     group = config.architectures[name]
     raw = {**config.model.model_dump(), **group.model, "backbone": group.backbone}
-    if "module" not in group.model and "lora" in group.model:
-        raw["module"] = None
+    _reset_implied(raw, group.model)
     try:
         return ModelConfig.model_validate(raw)
     except pydantic.ValidationError as err:
@@ -690,14 +705,22 @@ def method_model_config(model: ModelConfig, entry: MethodEntry, index: int = 0) 
                 f"allowed: {', '.join(MODULE_FIELDS)} (the backbone is one per run)"
             )
     raw = model.model_dump(mode="json")
-    if "module" not in entry.model and "lora" in entry.model:
-        raw["module"] = None
+    _reset_implied(raw, entry.model)
     try:
         return ModelConfig.model_validate({**raw, **entry.model})
     except pydantic.ValidationError as err:
         first = err.errors()[0]
         path = ".".join(str(p) for p in first["loc"])
         raise ValueError(f"methods[{index}].model.{path} is invalid: {_clean_msg(first['msg'])}") from None
+
+
+def _reset_implied(raw: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Overrides of a model config: ``lora`` alone lets ``module`` follow it again, and another ``client`` starts
+    from no options."""
+    if "module" not in overrides and "lora" in overrides:
+        raw["module"] = None
+    if "client_options" not in overrides and "client" in overrides:
+        raw["client_options"] = {}
 
 
 def _clean_msg(msg: str) -> str:

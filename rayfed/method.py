@@ -304,13 +304,12 @@ class Method:
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         """The client model this method trains over a private copy of ``backbone``.
 
-        Default: the config's module (LoRA, adapter, prompts, full or none) shared by all tasks, and
-        a linear head per task (one ``head`` when there is one task). Initial values must depend on
-        ``seed`` only, so every actor builds the same model.
+        Default: the one ``model.client`` chooses (:mod:`rayfed.models.client_plugin`; unset: ``model.module`` and
+        a head per task). Initial values must depend on ``seed`` only, so every actor builds the same model.
         """
-        from rayfed.models import build_task_model
+        from rayfed.models import client_model
 
-        return build_task_model(backbone, config, tasks, seed)
+        return client_model(backbone, config, tasks, seed)
 
     def participants(self, round_idx: int, sampled: list[int], num_clients: int) -> list[int]:
         """The clients that train in round ``round_idx``, given the engine's seeded sample. Default: the sample."""
@@ -444,8 +443,10 @@ def _validated_params(params_cls: type, values: dict[str, Any], label: str) -> A
     fields = dataclasses.fields(params_cls)
     allowed = [f.name for f in fields]
     for key in values:
-        if key not in allowed:
-            hint = f"allowed: {', '.join(allowed)}" if allowed else "it takes no hyperparameters"
+        if key not in allowed:  # a Params class's removed_hyperparameters: {name: what to set instead}
+            removed = getattr(params_cls, "removed_hyperparameters", {}).get(key)
+            hint = f"it was removed: {removed}" if removed else f"allowed: {', '.join(allowed)}" if allowed else \
+                "it takes no hyperparameters"
             raise ConfigError(f"{label} has no hyperparameter {key!r}{suggest(key, allowed)}; {hint}.")
     try:
         hints = typing.get_type_hints(params_cls)

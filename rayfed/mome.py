@@ -44,11 +44,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from rayfed.errors import ConfigError
+from rayfed.errors import ConfigError, suggest
 from rayfed.kinds import IGNORE, causal_from_target_logits, end_of_text_id
 from rayfed.lazy import DeferredModule
-from rayfed.models import Backbone, TrainableModule
+from rayfed.models import Backbone, ClientModelRequest, TrainableModule
+from rayfed.models.client_plugin import OPTIONS_FIELD
 from rayfed.modules import AdaptedMLP, adapter_set, select_task, tag_tasks
+from rayfed.registry import register_client_model
 from rayfed.tasks import Task, task_key as run_task_key
 from rayfed.types import Batch
 
@@ -91,25 +93,29 @@ class MoMEOptions:
         for name in ("layers", "encoder_rank", "attention_rank", "expert_rank", "adapter_dim"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"mome.{name} must be >= 1")
+                raise ValueError(f"{name} must be >= 1")
         if not 0 <= self.lora_dropout < 1:
-            raise ValueError("mome.lora_dropout must be in [0, 1)")
+            raise ValueError("lora_dropout must be in [0, 1)")
         if self.text_positions < 1:
-            raise ValueError("mome.text_positions must be >= 1")
+            raise ValueError("text_positions must be >= 1")
         if self.input_adaptor not in ADAPTOR_INITS:
-            raise ValueError(f"mome.input_adaptor must be one of {', '.join(ADAPTOR_INITS)}")
+            raise ValueError(f"input_adaptor must be one of {', '.join(ADAPTOR_INITS)}")
         if self.backbone_module not in BACKBONE_MODULES:
-            raise ValueError(f"mome.backbone_module must be one of {', '.join(BACKBONE_MODULES)}")
+            raise ValueError(f"backbone_module must be one of {', '.join(BACKBONE_MODULES)}")
 
     @classmethod
-    def parse(cls, values: Mapping[str, Any] | None, where: str) -> MoMEOptions:
-        """The options of a method's ``mome`` mapping; one sentence naming the key when one is wrong."""
+    def parse(cls, values: Mapping[str, Any] | None, where: str = OPTIONS_FIELD) -> MoMEOptions:
+        """The options of the mapping at config field ``where``; one sentence naming the key when one is wrong."""
         values = dict(values or {})
         allowed = [f.name for f in dataclasses.fields(cls)]
         unknown = [key for key in values if key not in allowed]
         if unknown:
-            raise ValueError(f"{where} has no option {unknown[0]!r}; allowed: {', '.join(allowed)}")
-        return cls(**values)
+            raise ConfigError(f"{where} has no option {unknown[0]!r}{suggest(unknown[0], allowed)}; allowed: "
+                              f"{', '.join(allowed)}.")
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{where}.{str(err).rstrip('.')}.") from None
 
 
 def family_of(backbone: Backbone) -> str:
@@ -462,7 +468,7 @@ class MoMEModel(TrainableModule):
         domains = dict(options.domains or {})
         unknown = [name for name in domains if name not in {t.name for t in tasks}]
         if unknown:
-            raise ConfigError(f"mome.domains names task {unknown[0]!r}, which the run does not have.")
+            raise ConfigError(f"{OPTIONS_FIELD}.domains names task {unknown[0]!r}, which the run does not have.")
         self.domain = {task.index: _key(domains.get(task.name, task.name)) for task in tasks}
         self.active_task = tasks[0].index
         self.collected_latents: list[tuple[tuple[str, str], torch.Tensor]] | None = None  # DisentAFL's, when a list
@@ -626,8 +632,15 @@ class MoMEModel(TrainableModule):
         longest = int((batch["labels"] != IGNORE).sum(dim=1).max())
         if longest > raw.shape[1]:
             raise ConfigError(f"a target of {longest} tokens is longer than the text decoder's "
-                              f"mome.text_positions = {raw.shape[1]}; raise mome.text_positions.")
+                              f"{OPTIONS_FIELD}.text_positions = {raw.shape[1]}; raise it.")
         return causal_from_target_logits(raw, batch)
+
+    def raw_and_scored(self, batch: Batch, forward: Callable[..., torch.Tensor] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's own outputs (what distillation compares; text generation: the logits of every output
+        position) and what the active task's kind scores, from one forward."""
+        raw = (forward or self)(batch, raw=True)
+        return raw, self.aligned(raw, batch) if self.keys[self.active_task] == "text_generation" else raw
 
     @torch.no_grad()
     def generate_text(self, batch: Batch, max_new_tokens: int) -> torch.Tensor:
@@ -678,19 +691,36 @@ def build_mome_model(backbone: Backbone, tasks: Sequence[Task], options: MoMEOpt
     ``backbone_module: adapter``, each expert's adapter set is ``adapters`` (``shared`` among them: the one its
     forward uses unless a mixture is set), ``frozen_adapters`` not trainable."""
     if not isinstance(options, MoMEOptions):
-        options = MoMEOptions.parse(options, "mome")
+        options = MoMEOptions.parse(options)
     if options.backbone_module == "adapter" and "shared" not in adapters:
         raise ConfigError(f"the expert adapters {list(adapters)} lack 'shared', the one an expert's forward uses.")
     return MoMEModel(backbone, tasks, options, seed, adapters, frozen_adapters)
 
 
-__all__ = ["FAMILIES", "MODALITIES", "TASK_KEYS", "MoMEModel", "MoMEOptions", "build_mome_model", "family_of",
-           "head_key", "task_key", "task_modalities"]
+@register_client_model("mome")
+def mome_client_model(request: ClientModelRequest) -> MoMEModel:
+    """TAP's modular multi-modal, multi-task model over a FLAVA or ViLT backbone (options: :class:`MoMEOptions`);
+    a method's adapter sets go after every expert's FFN (``backbone_module: adapter``, the default then)."""
+    sets = request.adapter_sets
+    if sets is None:
+        return build_mome_model(request.backbone, request.tasks, request.options, request.seed)
+    options = MoMEOptions.parse({"backbone_module": "adapter", **request.options})
+    if options.backbone_module != "adapter":
+        raise ConfigError(f"{OPTIONS_FIELD}.backbone_module must be adapter for methods ({sets.method}), which trains "
+                          "adapter sets after the experts.")
+    return build_mome_model(request.backbone, request.tasks, options, request.seed, sets.names, sets.frozen)
+
+
+# What a method's Params says of its former ``mome`` hyperparameter (its ``removed_hyperparameters``).
+MOVED_TO_CLIENT_MODEL = {"mome": "set model.client: mome and move these options to model.client_options (a method "
+                                 "entry's own model: mapping sets both for that method alone)"}
+
+__all__ = ["FAMILIES", "MODALITIES", "MOVED_TO_CLIENT_MODEL", "TASK_KEYS", "MoMEModel", "MoMEOptions",
+           "build_mome_model", "family_of", "head_key", "mome_client_model", "task_key", "task_modalities"]
 
 
 def task_outputs(model: nn.Module, task: Task, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """The modular model's outputs on ``task``'s ``batch``: the decoder's own (what distillation compares; text
     generation: the logits of every output position) and what the task's kind scores."""
     select_task(model, task.index)
-    raw = model(batch, raw=True)
-    return raw, model.aligned(raw, batch) if task_key(task) == "text_generation" else raw
+    return model.raw_and_scored(batch)

@@ -1,9 +1,9 @@
 """The one plug-in mechanism, for everything a user may bring.
 
-A method, a data source, a partitioner, a backbone and a task kind are each given (in a config, or in a
+A method, a data source, a partitioner, a backbone, a client model and a task kind are each given (in a config, or in a
 ``Simulation(...)`` call from Python) as
 
-- a registered name (``fedavg``, ``sklearn:digits``, ``dirichlet``, ``tiny:vit``, ``classification``),
+- a registered name (``fedavg``, ``sklearn:digits``, ``dirichlet``, ``tiny:vit``, ``mome``, ``classification``),
   including prefix entries that take the rest of the name as their argument (``hf:<dataset>``);
 - an importable ``"package.module:Name"`` string;
 - or, from Python, the object itself.
@@ -31,6 +31,7 @@ KINDS: dict[str, str] = {
     "source": "data.source",
     "partitioner": "data.partition.name",
     "backbone": "model.backbone",
+    "client_model": "model.client",
     "task_kind": "data.kind",
 }
 _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
@@ -38,6 +39,7 @@ _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "source": ("rayfed.data.sources", "rayfed.data.task_groups"),
     "partitioner": ("rayfed.data.partition",),
     "backbone": ("rayfed.models", "rayfed.clip"),
+    "client_model": ("rayfed.mome",),
     "task_kind": ("rayfed.kinds",),
 }
 
@@ -121,6 +123,12 @@ def register_partitioner(name: str) -> Callable[[T], T]:
 def register_backbone(name: str) -> Callable[[T], T]:
     """Decorator on a function ``(request: BackboneRequest) -> Backbone``."""
     return register("backbone", name)
+
+
+def register_client_model(name: str) -> Callable[[T], T]:
+    """Decorator on a function ``(request: ClientModelRequest) -> TrainableModule``: the model a method trains over
+    the backbone, chosen by ``model.client`` (see :mod:`rayfed.models.client_plugin`)."""
+    return register("client_model", name)
 
 
 def register_task_kind(name: str) -> Callable[[T], T]:

@@ -119,6 +119,13 @@ class Step:
         select_task(self.model, task.index)
         return trained_forward(self.model, self.client.train_config)(batch)
 
+    def raw_and_scored(self, part: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's outputs on ``parts[part]`` as distillation compares them and as the task's kind scores them
+        (:meth:`rayfed.models.TrainableModule.raw_and_scored`), with the values being trained."""
+        task, batch = self.parts[part]
+        select_task(self.model, task.index)
+        return self.model.raw_and_scored(batch, trained_forward(self.model, self.client.train_config))
+
     def forward(self, params: TensorDict, part: int = 0) -> torch.Tensor:
         """The model's outputs on ``parts[part]`` with ``params`` in place of the live values of those
         parameters (a frozen teacher, the received global model); no gradient reaches ``params``."""

@@ -48,7 +48,8 @@ def test_list_prints_one_line_per_registered_thing(capsys, tmp_path, monkeypatch
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     kinds = {line.split()[0] for line in lines}
-    assert kinds == {"method", "backbone", "dataset", "partitioner", "task_kind"}
+    assert kinds == {"method", "backbone", "dataset", "partitioner", "client_model", "task_kind"}
+    assert "mome" in {line.split()[1] for line in lines if line.startswith("client_model")}
     assert {"local", "fedavg", "fedprox", "ditto"} <= {line.split()[1] for line in lines if line.startswith("method")}
     assert any(line.split()[1] == "dirichlet" for line in lines if line.startswith("partitioner"))
     assert {"classification", "text_generation"} <= {line.split()[1] for line in lines if line.startswith("task_kind")}

@@ -87,3 +87,23 @@ def test_quickstart_config_is_valid():
     assert config.data.num_clients >= 20 and config.data.partition.name == "dirichlet"
     assert {m.label for m in config.methods} == {"local", "fedavg", "fedavg+post", "ditto"}
     assert config.model.lora is not None
+
+
+def test_a_method_entry_may_choose_its_own_client_model_and_another_one_starts_without_options(tiny_run):
+    from rayfed.config import method_model_config
+
+    tiny_run["model"].update(client="mome", client_options={"text_positions": 8})
+    tiny_run["methods"] = [{"name": "fedavg", "model": {"client": "my.models:Tiny"}},
+                           {"name": "fedavg", "label": "b", "model": {"client_options": {"layers": 2}}},
+                           {"name": "fedavg", "label": "c", "model": {"client": None}}, {"name": "fedavg", "label": "d"}]
+    config = load_config(tiny_run)
+    models = [method_model_config(config.model, entry, index) for index, entry in enumerate(config.methods)]
+    assert [(m.client, m.client_options) for m in models] == [
+        ("my.models:Tiny", {}), ("mome", {"layers": 2}), (None, {}), ("mome", {"text_positions": 8})]
+
+
+def test_client_options_without_a_client_model_are_one_sentence(tiny_run):
+    tiny_run["model"]["client_options"] = {"text_positions": 8}
+    assert _error(tiny_run, []) == ("model.client_options = {'text_positions': 8} is invalid: it needs model.client, "
+                                    "the client model these are options of (the default model's settings are "
+                                    "model.module, lora, adapter, vpt, prompt and head).")

@@ -39,6 +39,8 @@ def test_the_reference_is_lora_fedavg_on_the_same_backbone_and_batch():
     assert reference.model.backbone == config.model.backbone and reference.model.lora == config.model.lora
     assert reference.train.batch_size == config.train.batch_size
     assert [m.label for m in config.methods] == ["ditto"] and config.federation.eval_every == 3
+    tap = workload_config(METHOD_WORKLOADS["tap"], rounds=2, smoke=True)  # TAP's model: model.client: mome
+    assert tap.model.client == "mome" and reference_config(tap).model.client is None
 
 
 @pytest.mark.parametrize("name", sorted(METHOD_WORKLOADS))

@@ -1,5 +1,5 @@
-"""Plug-ins brought by a driver script: methods, data sources, partitioners, backbones, task kinds; the
-examples; one build per method; the package's layering."""
+"""Plug-ins brought by a driver script: methods, data sources, partitioners, backbones, client models, task
+kinds; the examples; one build per method; the package's layering."""
 
 from __future__ import annotations
 
@@ -190,6 +190,54 @@ def test_a_backbone_builder_must_return_a_backbone(tiny_run, tmp_path):
         Simulation(tiny_run, out_dir=tmp_path, progress=False).run()
 
 
+class ScaledHead(nn.Module):
+    """A head whose outputs a trainable scalar multiplies."""
+
+    def __init__(self, head: nn.Module, scale: float):
+        super().__init__()
+        self.head = head
+        self.scale = nn.Parameter(torch.tensor(scale))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.scale * self.head(features)
+
+
+@rayfed.register_client_model("test-scaled-head")
+def scaled_head_model(request):
+    """Lives only in this test module: the engine's model, its head scaled by ``model.client_options.scale``."""
+    from rayfed.models import default_client_model
+
+    unknown = sorted(set(request.options) - {"scale"})
+    if unknown:
+        raise ConfigError(f"model.client_options has no option {unknown[0]!r}; allowed: scale.")
+    model = default_client_model(request)
+    model.head = ScaledHead(model.head, float(request.options.get("scale", 1.0)))
+    return model
+
+
+def test_a_client_model_registered_by_a_user_is_the_one_a_config_names_with_its_options(tiny_run, monkeypatch):
+    from rayfed.actors.client import ClientActor
+
+    tiny_run["model"].update(client="test-scaled-head", client_options={"scale": 0.5})
+    actor = ClientActor(load_config(tiny_run).to_dict(), [0, 1])
+    shared = actor.start_method(0)
+    assert isinstance(actor.model.head, ScaledHead) and shared["head.scale"] == 0.5
+    assert any("lora_" in name for name in shared)  # the engine's model.module under it
+
+    def build(**model):
+        return actor.method.build_model(actor.backbone, actor.model_config.model_copy(update=model), actor.tasks, 0)
+
+    with pytest.raises(ConfigError, match=r"^model\.client_options has no option 'scales'; allowed: scale\.$"):
+        build(client_options={"scales": 2.0})
+    with pytest.raises(ConfigError, match=r"^model\.client = 'test-scaled-heads' is not known \(did you mean "
+                                          r"'test-scaled-head'\?\); allowed: mome, .*test-scaled-head"):
+        build(client="test-scaled-heads")
+    with pytest.raises(ConfigError, match=r"^model\.client = 'test-plain' built a Linear, not a rayfed\.TrainableModule"):
+        plain = registry.Entry("client_model", "test-plain", lambda request: nn.Linear(2, 2), builtin=False)
+        monkeypatch.setitem(registry._ENTRIES["client_model"], "test-plain", plain)
+        build(client="test-plain")
+
+
 def test_a_task_kind_plug_in_scores_with_its_own_loss_and_metric(tiny_run):
     from rayfed.actors.client import ClientActor
     from rayfed.kinds import Classification
@@ -218,6 +266,7 @@ EXAMPLES = {
     "custom_method.py": SHORT,
     "custom_data.py": [*SHORT, "methods=[fedavg]"],
     "custom_backbone.py": [*SHORT, "methods=[fedavg]"],
+    "custom_client_model.py": [*SHORT, "methods=[fedavg]"],
 }
 
 
@@ -527,7 +576,8 @@ def test_the_layering_check_finds_a_cycle(tmp_path):
 
 def test_rayfed_exports_what_a_driver_script_needs():
     for name in ("Simulation", "Method", "Backbone", "TaskKind", "SourceRequest", "PartitionRequest", "register_method",
-                 "register_source", "register_partitioner", "register_backbone", "register_task_kind"):
+                 "register_source", "register_partitioner", "register_backbone", "register_task_kind",
+                 "register_client_model", "ClientModelRequest", "TrainableModule"):
         assert getattr(rayfed, name) is not None
     assert rayfed.register_method is registry.register_method
 

@@ -20,7 +20,7 @@ from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.method import Upload, build_method
 from rayfed.modules import AdaptedMLP, set_adapter_mix
-from rayfed.mome import Expert, MoMEModel, task_key
+from rayfed.mome import Expert, MoMEModel, MoMEOptions, task_key
 from rayfed.tasks import sample_round, task_view
 from rayfed.training import ClientContext
 
@@ -39,11 +39,12 @@ RUN = {
         {"name": "vqa", "source": "multimodal:vqa", "kind": "text_generation",
          "options": {"num_samples": 32, "image_size": 16}, "clients": [2]},
     ]},
-    "model": {"backbone": "tiny-pretrained:flava"},
+    "model": {"backbone": "tiny-pretrained:flava", "client": "mome",
+              "client_options": {"text_positions": 8, "adapter_dim": 4}},  # b: FedDAT's expert adapters
     "federation": {"rounds": 3, "clients_per_round": 2},
     "train": {"local_steps": 2, "batch_size": 8, "optimizer": "adamw", "lr": 0.003, "weight_decay": 0.01,
               "grad_clip": 1.0, "schedule": "round_warmup", "warmup_rounds": 2, "warmup_start_lr": 0.001},
-    "methods": [{"name": "tap", "post_fl_microbatches": 2, "post_lr": 0.001, "mome": {"text_positions": 8}}],
+    "methods": [{"name": "tap", "post_fl_microbatches": 2, "post_lr": 0.001}],
     "placement": {"clients_per_actor": 4, "cpus_per_actor": 1},
 }
 CLIENTS = [0, 1, 2, 3]
@@ -439,7 +440,7 @@ def test_disentafl_orthogonality_loss_is_zero_for_orthogonal_groups_and_absent_f
 
 def test_disentafl_trains_with_the_mt_latents_of_a_multi_task_client(actor):
     cls = method_class("disentafl")
-    method = cls(cls.Params(mome={"text_positions": 8}))
+    method = cls()
     method.num_clients, method.tasks, method.rounds = 4, tuple(actor.tasks), 3
     actor.methods = [method]
     actor.start_method(0)
@@ -485,7 +486,7 @@ def test_perfedavg_inner_step_is_first_order_maml():
 
 
 def test_perfedavg_runs_on_the_modular_model_and_personalizes_after_the_last_round(actor):
-    method, driver = _start_method(actor, "perfedavg", {"mome": {"text_positions": 8}, "post_fl_microbatches": 1})
+    method, driver = _start_method(actor, "perfedavg", {"post_fl_microbatches": 1})
     _rounds(actor, driver, 1, [[0, 2]])
     payload = driver.payloads([0], False)[0]
     client = actor._context(0, 1)
@@ -495,10 +496,39 @@ def test_perfedavg_runs_on_the_modular_model_and_personalizes_after_the_last_rou
     assert set(state["view:adapted"]) == set(payload) and not _equal(state["view:adapted"], payload)
 
 
+# The model by config (model.client) ------------------------------------------------------------------------
+def test_a_method_that_builds_no_model_of_its_own_trains_in_taps_model_by_config(actor):
+    """FedAvg has no build_model and no option for it: ``model.client: mome`` alone puts it in TAP's model."""
+    method, driver = _start_method(actor, "fedavg", {})
+    assert isinstance(actor.model, MoMEModel) and actor.model.options.text_positions == 8
+    part = actor.train_round(0, [1], driver.payloads([1]), {1: 1.0})
+    [upload] = part.uploads  # client 1's, or the actor's partial sum of it: the same names
+    assert set(upload.tensors["shared"]) == set(actor.initial[1])  # its blocks of the modular model
+    assert any(n.startswith("mome.text_classification.") for n in upload.tensors["shared"])
+
+
+@pytest.mark.parametrize("name", ["tap", "disentafl"])
+def test_a_method_that_needs_taps_model_says_to_choose_it_when_the_config_does_not(name):
+    run = _run()
+    run["model"] = {"backbone": "tiny-pretrained:flava"}
+    run["methods"] = [{"name": name}]
+    with pytest.raises(ConfigError, match=rf"methods \({name}\) .*; set model.client: mome"):
+        ClientActor(load_config(run).to_dict(), [0]).start_method(0)
+
+
+@pytest.mark.parametrize("name", ["tap", "feddat", "perfedavg", "disentafl"])
+def test_the_removed_mome_hyperparameter_says_what_to_set_instead(name):
+    entry = load_config({**_run(), "methods": [{"name": name, "mome": {"text_positions": 8}}]}).methods[0]
+    with pytest.raises(ConfigError, match=rf"^methods\[0\] \({name}\) has no hyperparameter 'mome'; it was removed: "
+                                          r"set model.client: mome (and move these|with these) options .*"
+                                          r"model.client_options[^.]*\.$"):
+        build_method(entry, 0)
+
+
 # FedDAT in TAP's model (docs/tap.md#baselines) -------------------------------------------------------------
 FEDDAT = {"alpha": 2e-3, "beta": 2e-3, "tau": 1.0, "kd_schedule": "constant", "objective_scale": 1.0,
           "aggregation": "samples", "evaluate": "dat", "post_fl_microbatches": 2, "post_lr": 1e-3,
-          "mome": {"text_positions": 8, "adapter_dim": 4}}
+          "uploads": "all_but_local"}
 DAT_MIX = {"frozen": 0.5, "local": 0.5}
 
 
@@ -533,8 +563,8 @@ def test_feddat_puts_its_three_adapters_after_every_expert_ffn_and_no_lora_in_th
     assert any("lora_" in n and p.requires_grad for n, p in params.items() if n.startswith("encoders."))
     assert all(not p.requires_grad for n, p in params.items() if ".ffn.mlp." in n)  # the pretrained FFNs
     # b defaults to the paper's value of the family: 32 on FLAVA (16 on ViLT).
-    cls = method_class("feddat")
-    default = cls(cls.Params(mome={"text_positions": 8})).build_model(actor.backbone, None, actor.tasks, 0)
+    config = actor.model_config.model_copy(update={"client_options": {"text_positions": 8}})
+    default = method_class("feddat")().build_model(actor.backbone, config, actor.tasks, 0)
     assert default.mote_experts["0"]["shared"]["shared"].ffn.adapters["local"].down.out_features == 32
 
 
@@ -648,16 +678,22 @@ def test_feddat_evaluates_the_dat_and_reports_the_post_trained_views(actor):
             "local_token_f1@pt2"} <= set(metrics)
 
 
-def test_feddat_in_taps_model_validates_its_hyperparameters():
-    params = method_class("feddat").Params
-    with pytest.raises(ValueError, match="mome.backbone_module must be adapter for feddat"):
-        params(mome={"backbone_module": "lora"})
-    with pytest.raises(ValueError, match="mome.adapter_dim must be >= 1"):
-        params(mome={"adapter_dim": 0})
+def test_feddat_in_taps_model_validates_its_hyperparameters(actor):
+    cls = method_class("feddat")
+
+    def build(**options):
+        config = actor.model_config.model_copy(update={"client_options": {"text_positions": 8, **options}})
+        return cls().build_model(actor.backbone, config, actor.tasks, 0)
+
+    with pytest.raises(ConfigError, match=r"model.client_options.backbone_module must be adapter for methods \(feddat\)"):
+        build(backbone_module="lora")
+    with pytest.raises(ConfigError, match=r"model.client_options.adapter_dim must be >= 1\.$"):
+        build(adapter_dim=0)
+    params = cls.Params
     with pytest.raises(ValueError, match="evaluate = dat needs a variant with a dual-adapter teacher"):
         params(evaluate="dat", variant="no_local")
-    with pytest.raises(ValueError, match="variant peft has no mome model"):
-        params(variant="peft", mome={})
+    with pytest.raises(ValueError, match="uploads must be one of shared_adapters, all_but_local"):
+        params(uploads="all")
     with pytest.raises(ValueError, match="image_kd must be one of softmax, mse"):
         params(image_kd="l1")
 
@@ -677,9 +713,12 @@ def test_tap_configs_are_valid(path):
     feddat = config.methods[labels.index("FedDAT")].params
     method_class("feddat").Params(**feddat)
     assert feddat["alpha"] == feddat["beta"] == 2e-3 and feddat["evaluate"] == "dat"  # w (Table 21), DAT evaluated
-    assert feddat["aggregation"] == "samples" and feddat["mome"]["domains"] == tap.params["mome"]["domains"]
+    assert feddat["aggregation"] == "samples" and feddat["uploads"] == "all_but_local"
+    # every method in TAP's model, with the same options (the domains included)
+    assert config.model.client == "mome" and "domains" in config.model.client_options
+    assert all(not entry.model for entry in config.methods)
     if paper:
-        assert feddat["mome"]["adapter_dim"] == (32 if "flava" in path.name else 16)  # b (Table 21)
+        assert config.model.client_options["adapter_dim"] == (32 if "flava" in path.name else 16)  # b (Table 21)
 
 
 def test_the_margin_sweep_is_a_valid_asha_sweep():
@@ -744,8 +783,8 @@ def test_tap_hyperparameters_are_validated():
     with pytest.raises(ConfigError, match=r"methods\[0\] \(tap\)\.alt_kd_weights = 'cod' is invalid: alt_kd_weights must be "
                        "paper or code"):
         build_method(load_config(_run(alt_kd_weights="cod")).methods[0], 0)
-    with pytest.raises(ValueError, match="mome has no option 'rank'"):
-        params(mome={"rank": 4})
+    with pytest.raises(ConfigError, match="model.client_options has no option 'rank'; allowed: layers, "):
+        MoMEOptions.parse({"rank": 4})
     assert task_view({"heads.task_0.w": 1, "shared_proj.w": 2}, [1], {"heads.task_0.w": frozenset({0})}) == \
         {"shared_proj.w": 2}
 

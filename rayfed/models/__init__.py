@@ -16,7 +16,8 @@ One job a module: ``backbone`` (:class:`Backbone`, :func:`build_backbone`), ``fe
 called), ``families/`` (one module per model family: image encoders (ViT, CLIP's vision tower), causal LMs,
 ViLT, FLAVA, LLaVA, and what they share), ``paper`` (paper-size backbones, randomly initialised), ``hub``
 (pretrained weights by hub name or folder), ``client`` (:class:`ClientModel`), ``attach`` (what a method
-trains, added to the encoder) and ``build`` (client and task models).
+trains, added to the encoder), ``build`` (client and task models) and ``client_plugin`` (the client model a config
+chooses, ``model.client``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from rayfed.models.build import (
     build_client_model, build_lora_set, build_task_model, check_image_channels, classification_task, num_blocks,
 )
 from rayfed.models.client import ClientModel, TrainableModule
+from rayfed.models.client_plugin import AdapterSets, ClientModelRequest, client_model, default_client_model
 from rayfed.models.families.common import PaperModel
 from rayfed.models.features import (
     causal_lm_features, causal_lm_logits, cls_features, flava_features, output_features, pooler_features, vilt_features,
@@ -39,9 +41,10 @@ from rayfed.models.features import (
 from rayfed.modules import tag_tasks
 
 __all__ = [
-    "IMAGE", "LLAMA_SIZES", "LLM_LORA_TARGETS", "TEXT", "VIT_SIZES", "Backbone", "BackboneRequest", "ClientModel",
-    "PaperModel", "TrainableModule", "attach_adapter_set", "build_backbone", "build_client_model", "build_lora_set",
-    "build_task_model", "causal_lm_features", "causal_lm_logits", "check_image_channels", "classification_task",
-    "cls_features", "flava_features", "llama_config", "load_hf_backbone", "num_blocks", "output_features",
-    "paper_backbone", "paper_model", "pooler_features", "tag_tasks", "vilt_features",
+    "IMAGE", "LLAMA_SIZES", "LLM_LORA_TARGETS", "TEXT", "VIT_SIZES", "AdapterSets", "Backbone", "BackboneRequest",
+    "ClientModel", "ClientModelRequest", "PaperModel", "TrainableModule", "attach_adapter_set", "build_backbone",
+    "build_client_model", "build_lora_set", "build_task_model", "causal_lm_features", "causal_lm_logits",
+    "check_image_channels", "classification_task", "client_model", "cls_features", "default_client_model",
+    "flava_features", "llama_config", "load_hf_backbone", "num_blocks", "output_features", "paper_backbone",
+    "paper_model", "pooler_features", "tag_tasks", "vilt_features",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -32,6 +32,13 @@ class TrainableModule(nn.Module):
         """Whether these tasks' batches run through one and the same forward, so that they may be stacked into
         one batch (training a step's tasks together, scoring their test sets together)."""
         return False
+
+    def raw_and_scored(self, batch: Batch, forward: Callable[..., torch.Tensor] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The active task's outputs as distillation compares them (a decoder's own) and as its kind scores them,
+        from ``forward`` (the model, or a compiled version of it); here both are the forward's outputs."""
+        outputs = (forward or self)(batch)
+        return outputs, outputs
 
     def task_tags(self) -> dict[str, frozenset[int]]:
         """The tasks each parameter belongs to (:func:`rayfed.modules.tag_tasks`); untagged ones are shared."""
