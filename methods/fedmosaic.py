@@ -41,6 +41,8 @@ import torch
 from torch import nn
 
 from rayfed import pqlora, seeding
+from rayfed.aggregation import Mixture
+from rayfed.architectures import prefixed, unprefixed
 from rayfed.config import ModelConfig
 from rayfed.data.batches import num_rows
 from rayfed.errors import ConfigError
@@ -184,14 +186,19 @@ def _last_linear(encoder: nn.Module, scope: str | None, which: str) -> nn.Linear
 @register_method("fedmosaic")
 class FedMosaic(Method):
     Params = FedMosaicParams
-    presums_uploads = False  # per-client weights from every client's own gradient
     pre_federation_stage = True
 
     def __init__(self, params: FedMosaicParams | None = None):
         super().__init__(params)
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
-        self._index: _ServerIndex | None = None
-        self._customized_cache: tuple[list[tuple[torch.Tensor, int]], TensorDict] | None = None
+
+    @property
+    def aggregation(self) -> Mixture:
+        """Each client's global adapter: the clients' latest local adapters mixed by the RELA weights, P and Q over
+        every client (matched by block and module), the conventional layers within the architecture, the weights
+        renormalized there, or equal ones (``conv_agg: equal_within_type``, ``relevance: equal``)."""
+        equal = self.params.conv_agg == "equal_within_type" or self.params.relevance == "equal"
+        return Mixture(weights="relevance/weights", within_weights="relevance/within" if equal else None, across=pq_groups)
 
     # The model ---------------------------------------------------------------------------------------------
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
@@ -405,7 +412,6 @@ class FedMosaic(Method):
         report: TensorDict = {}
         reference = prepared[pivot]
         generator = torch.Generator().manual_seed(seeding.torch_seed(0, 0, seeding.SERVER, "fedmosaic:align"))
-        index = self._server_index(server)
         for arch, tensors in sorted(prepared.items()):
             if arch == pivot:
                 continue
@@ -431,95 +437,31 @@ class FedMosaic(Method):
                     if self.params.ortho_b_after_cca:
                         new_b = pqlora.nearest_orthonormal_columns(new_b)
                     report[f"{arch}/{key}/cca_mean_correlation"] = correlations.mean()
-                block, module = key.split("/", 1)
-                basis = index.basis_names(arch, int(block), module)
-                aligned[basis["A"]], aligned[basis["B"]] = new_a, new_b
+                stem = _pq_stem(server["pq_layout"], arch, key)
+                aligned.update(prefixed({f"{stem}.A": new_a, f"{stem}.B": new_b}, arch))
                 for name, value in losses.items():
                     report[f"{arch}/{key}/{name}"] = torch.tensor(value)
         return {**server, "aligned": aligned, "alignment": report}
 
-    # Server side -------------------------------------------------------------------------------------------
+    # Server side: the weights of the engine's mixture (rayfed.aggregation.Mixture) -----------------------------
     def init_server(self, initial_shared: TensorDict) -> ServerState:
-        clients = len(self.architecture_of)
-        stacks: TensorDict = {}
+        server = super().init_server(initial_shared)  # every client's rows, at its architecture's initial adapter
         layout: TensorDict = {}
-        pq_layers: dict[str, list[int]] = {}
-        for name in initial_shared:
-            if name.endswith(("_P", "_Q")):
-                arch = _arch(name)
-                pq_layers.setdefault(arch, []).append(pqlora.layer_of(name))
-        blocks = {arch: sorted(set(layers)) for arch, layers in pq_layers.items()}
-        if len({len(layers) for layers in blocks.values()}) > 1:
-            raise ConfigError("methods (fedmosaic): the architectures have different numbers of PQ layers.")
-        for name, value in initial_shared.items():
-            arch = _arch(name)
-            if name.endswith(("_P", "_Q")):
-                block = blocks[arch].index(pqlora.layer_of(name))
-                layout[name] = torch.tensor(block)
-                key = _pq_key(block, name)
-                if key in stacks and stacks[key].shape[1:] != value.shape:
-                    raise ConfigError(f"methods (fedmosaic): PQ module {key} has shapes {tuple(value.shape)} and "
-                                      f"{tuple(stacks[key].shape[1:])} in two architectures; give them one LoRA rank.")
-                stacks[key] = value.unsqueeze(0).repeat(clients, *([1] * value.dim())).clone()
-            else:
-                rows = sum(1 for a in self.architecture_of if a == arch)
-                stacks[name] = value.unsqueeze(0).repeat(rows, *([1] * value.dim())).clone()
-        server: ServerState = {
-            "stacks": stacks, "pq_layout": layout, "aligned": {}, "alignment": {},
-            "received": {"aligned": torch.zeros(clients)},
-            "relevance": {"weights": equal_weights(clients, self.params.self_weight)},
-        }
-        self._index = None
-        return server
-
-    def _server_index(self, server: ServerState) -> _ServerIndex:
-        if self._index is None or self._index.layout_names != tuple(server["pq_layout"]):
-            self._index = _ServerIndex(server, self.architecture_of)
-        return self._index
-
-    def _customized(self, server: ServerState, index: _ServerIndex) -> TensorDict:
-        """Every client's customized global adapter, per stack (a row per client of the stack): each PQ stack's
-        rows mixed by the RELA weights over all clients, each conventional stack's by the weights within the
-        architecture, renormalised (or equal). One matrix product per stack for the round's clients, kept until
-        the weights or a stack change: one client's payload at a time would read every stack once per client.
-
-        A client whose weights give nothing to any client of its architecture (no client of it has sent a gradient
-        yet, or, with ``self_weight: exclude``, none but itself) keeps its own adapter in the conventional layers,
-        as the authors' code does wherever it has no weight to give (before the first gradients, and for a client
-        alone of its type). It has no relevance to go by there; for a client that has not trained, its own adapter
-        is its architecture's initial one, what equal weights would give and what round 1 sent it."""
-        weights, stacks = server["relevance"]["weights"], server["stacks"]
-        inputs = [weights, *stacks.values()]
-        if self._customized_cache is not None:
-            seen, customized = self._customized_cache
-            if len(seen) == len(inputs) and all(a is b and version == b._version for (a, version), b in zip(seen, inputs)):
-                return customized
-        all_clients = weights.double()
-        customized: TensorDict = {}
-        for key, stack in stacks.items():
-            if key.startswith("pq/"):
-                customized[key] = _weighted(all_clients, stack)
-                continue
-            same = index.rows_of[_arch(key)]
-            if self.params.conv_agg == "equal_within_type" or self.params.relevance == "equal":
-                within = equal_weights(len(same), self.params.self_weight, torch.float64)
-            else:
-                within = all_clients[same][:, same]
-                totals = within.sum(dim=1, keepdim=True)
-                within = torch.where(totals > 0, within / totals, torch.eye(len(same), dtype=torch.float64))
-            customized[key] = _weighted(within, stack)
-        self._customized_cache = ([(tensor, tensor._version) for tensor in inputs], customized)
-        return customized
+        for arch in dict.fromkeys(self.architecture_of):
+            layout.update(prefixed({n: torch.tensor(b) for n, b in _pq_blocks(unprefixed(initial_shared, arch)).items()}, arch))
+        clients = len(self.architecture_of)
+        relevance = {"weights": equal_weights(clients, self.params.self_weight)}
+        if self.aggregation.within_weights:  # equal weights over each architecture (renormalized by the engine)
+            same = torch.tensor([[a == b for b in self.architecture_of] for a in self.architecture_of], dtype=torch.float32)
+            relevance["within"] = same if self.params.self_weight == "include" else same.fill_diagonal_(0.0)
+        return {**server, "pq_layout": layout, "aligned": {}, "alignment": {},
+                "received": {"aligned": torch.zeros(clients)}, "relevance": relevance}
 
     def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
-        index = self._server_index(server)
-        stacks, relevance, received = server["stacks"], dict(server["relevance"]), server["received"]["aligned"]
+        relevance, received = dict(server["relevance"]), server["received"]["aligned"]
         for upload in uploads:
             client = upload.client_id
             received[client] = 1.0
-            for name, value in upload.tensors.get("shared", {}).items():
-                key, row = index.row(name, client)
-                stacks[key][row] = value.to(stacks[key].dtype)
             sent = next(iter(upload.tensors.get("relevance", {}).values()), None)  # one tensor, under any name
             if sent is not None:
                 if "gradients" not in relevance:
@@ -534,18 +476,19 @@ class FedMosaic(Method):
             history = relevance.get("history")
             current = relevance["weights"].unsqueeze(0)
             relevance["history"] = current if history is None else torch.cat([history, current])
-        return {**server, "stacks": stacks, "relevance": relevance, "received": {"aligned": received}}
+        return {**server, "relevance": relevance, "received": {"aligned": received}}
 
     def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
-        index = self._server_index(server)
-        arch = self.architecture_of[client_id]
-        customized = self._customized(server, index)
-        payload: TensorDict = {}
-        for name, block in index.pq_names[arch]:
-            payload[global_name(name)] = customized[_pq_key(block, name)][client_id].clone()
-        for name in index.conv_names[arch]:  # clones: a row alone, not its stack, goes to the client
-            payload[global_name(name)] = customized[name][index.row_in_arch[client_id]].clone()
+        """The client's mix of every client's local adapter as its global one; once, its architecture's aligned basis.
+
+        A client whose weights give nothing to any client of its architecture (no client of it has sent a gradient
+        yet, or, with ``self_weight: exclude``, none but itself) keeps its own adapter in the conventional layers,
+        as the authors' code does wherever it has no weight to give (before the first gradients, and for a client
+        alone of its type). It has no relevance to go by there; for a client that has not trained, its own adapter
+        is its architecture's initial one, what equal weights would give and what round 1 sent it."""
+        payload = {global_name(name): value for name, value in super().payload(server, client_id).items()}
         if not server["received"]["aligned"][client_id]:
+            arch = self.architecture_of[client_id]
             prefix = f"{arch}/" if arch else ""
             payload.update({n: v for n, v in server["aligned"].items() if n.startswith(prefix)})
         return payload
@@ -583,9 +526,11 @@ def equal_weights(clients: int, self_weight: str, dtype: torch.dtype = torch.flo
     return torch.full((clients, clients), 1.0 / (clients - 1), dtype=dtype).fill_diagonal_(0.0)
 
 
-def _weighted(weights: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
-    """Row i: ``sum_j weights_ij stack_j``, in float64, in the stack's dtype."""
-    return (weights @ stack.flatten(1).double()).view(len(weights), *stack.shape[1:]).to(stack.dtype)
+def _pq_blocks(names: Sequence[str]) -> dict[str, int]:
+    """Each of one architecture's P and Q tensors by its block: the rank of its layer among the PQ layers."""
+    pq = [name for name in names if name.endswith(("_P", "_Q"))]
+    layers = sorted({pqlora.layer_of(name) for name in pq})
+    return {name: layers.index(pqlora.layer_of(name)) for name in pq}
 
 
 def _pq_key(block: int, name: str) -> str:
@@ -593,46 +538,20 @@ def _pq_key(block: int, name: str) -> str:
     return f"pq/{block}/{module}/{part}"
 
 
-class _ServerIndex:
-    """Where each server-named shared tensor lives in the server's stacks: PQ tensors in one stack per (block,
-    module, P/Q) with a row per client, conventional ones in a stack per name with a row per client of its
-    architecture."""
+def pq_groups(names: Sequence[str]) -> dict[str, str]:
+    """The tensors of one architecture that mix across architectures: P and Q, matched by block, module and part."""
+    return {name: _pq_key(block, name) for name, block in _pq_blocks(names).items()}
 
-    def __init__(self, server: ServerState, architecture_of: Sequence[str]):
-        layout = server["pq_layout"]
-        self.layout_names = tuple(layout)
-        self.rows_of: dict[str, list[int]] = {}
-        self.row_in_arch: dict[int, int] = {}
-        for client, arch in enumerate(architecture_of):
-            self.row_in_arch[client] = len(self.rows_of.setdefault(arch, []))
-            self.rows_of[arch].append(client)
-        self.pq_block = {name: int(block) for name, block in layout.items()}
-        self.pq_names: dict[str, list[tuple[str, int]]] = {arch: [] for arch in self.rows_of}
-        self.conv_names: dict[str, list[str]] = {arch: [] for arch in self.rows_of}
-        for name, block in self.pq_block.items():
-            self.pq_names[_arch(name)].append((name, block))
-        for name in server["stacks"]:
-            if not name.startswith("pq/"):
-                self.conv_names[_arch(name)].append(name)
 
-    def row(self, name: str, client: int) -> tuple[str, int]:
-        if name in self.pq_block:
-            return _pq_key(self.pq_block[name], name), client
-        return name, self.row_in_arch[client]
-
-    def basis_names(self, arch: str, block: int, module: str) -> dict[str, str]:
-        """The server names of ``arch``'s PQ basis ``A``, ``B`` at block ``block``, module ``module``."""
-        for name, k in self.pq_names[arch]:
-            if k == block and _ADAPTER_NAME.search(name).group(1) == module:
-                stem = name[: -len(".local_P")]
-                return {"A": f"{stem}.A", "B": f"{stem}.B"}
-        raise KeyError(f"{arch}: no PQ module {module} in block {block}")
+def _pq_stem(layout: TensorDict, arch: str, key: str) -> str:
+    """The name, without ``.local_P``, of ``arch``'s PQ module at ``key`` (``<block>/<module>``)."""
+    for name, block in unprefixed(layout, arch).items():
+        if name.endswith(".local_P") and _pq_key(int(block), name) == f"pq/{key}/P":
+            return name.removesuffix(".local_P")
+    raise KeyError(f"{arch}: no PQ module at {key}")
 
 
 def _set_plain(module: nn.Module, name: str, value: nn.Module) -> None:
     """An attribute that is not registered as a submodule (a layer of the model, referred to twice)."""
     object.__setattr__(module, name, value)
 
-
-def _arch(name: str) -> str:
-    return name.split("/", 1)[0] if "/" in name.split(".", 1)[0] else ""
