@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,7 @@ from rayfed.config import ModelConfig
 from rayfed.data.batches import num_rows
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.methods.fedmosaic_rela import equal_weights, last_linear, linear_weight_gradient, relevance_weights
 from rayfed.models import Backbone, ClientModel, build_backbone, build_task_model
 from rayfed.registry import register_method
 from rayfed.tasks import Task
@@ -141,46 +142,8 @@ def is_local(name: str) -> bool:
     return f".{LOCAL}_" in name
 
 
-def is_basis(name: str) -> bool:
-    return name.endswith((".A", ".B")) and not is_local(name) and not is_global(name)
-
-
 def global_name(name: str) -> str:
     return name.replace(f".{LOCAL}_", f".{GLOBAL}_")
-
-
-def linear_weight_gradient(run: Callable[[], torch.Tensor], layer: nn.Linear) -> torch.Tensor:
-    """The gradient of ``run()`` (a loss) with respect to ``layer``'s weight, with every parameter frozen: the
-    layer's output is made the one leaf that needs a gradient, and ``dL/dW = sum_tokens dL/dy x^T``."""
-    captured: dict[str, torch.Tensor] = {}
-
-    def hook(module, args, output):
-        captured["x"] = args[0].detach()
-        captured["y"] = output.detach().requires_grad_(True)
-        return captured["y"]
-
-    handle = layer.register_forward_hook(hook)
-    try:
-        with torch.enable_grad():
-            loss = run()
-            (grad_y,) = torch.autograd.grad(loss, captured["y"])
-    finally:
-        handle.remove()
-    return grad_y.flatten(0, -2).float().T @ captured["x"].flatten(0, -2).float()
-
-
-def _last_linear(encoder: nn.Module, scope: str | None, which: str) -> nn.Linear:
-    """The frozen linear layer RELA differentiates: the last decoder layer's ``down_proj`` or the LM head."""
-    if which == "lm_head":
-        head = encoder.get_output_embeddings()
-        if not isinstance(head, nn.Linear):
-            raise ConfigError("methods (fedmosaic).last_layer = 'lm_head' needs a model with a linear LM head.")
-        return head
-    _, layers = pqlora.decoder_layers(encoder, scope)
-    for name, module in layers[-1].named_modules():
-        if name.endswith("down_proj"):
-            return module.base if isinstance(module, pqlora.AdaptedLinear) else module
-    raise ConfigError("methods (fedmosaic).last_layer = 'down_proj': the last decoder layer has no down_proj; use lm_head.")
 
 
 @register_method("fedmosaic")
@@ -230,7 +193,7 @@ class FedMosaic(Method):
                                   "architectures.")
             name = backbone.name
         if name == backbone.name:  # W_s is this backbone: the client model with its adapters off
-            _set_plain(model, "relevance_layer", _last_linear(model.encoder, backbone.lora_scope, self.params.last_layer))
+            _set_plain(model, "relevance_layer", last_linear(model.encoder, backbone.lora_scope, self.params.last_layer))
             return
         relevance = build_backbone(ModelConfig(backbone=name), seed)
         if relevance.tokenizer is None or backbone.tokenizer is None or (
@@ -241,7 +204,7 @@ class FedMosaic(Method):
         wrapper = ClientModel(relevance, nn.Identity(), tasks)
         wrapper.requires_grad_(False)
         model.relevance_model = wrapper  # a frozen submodule: moved with the model, never in its trainable state
-        _set_plain(model, "relevance_layer", _last_linear(relevance.encoder, relevance.lora_scope, self.params.last_layer))
+        _set_plain(model, "relevance_layer", last_linear(relevance.encoder, relevance.lora_scope, self.params.last_layer))
 
     def is_shared(self, name: str) -> bool:
         if not is_local(name):
@@ -356,46 +319,11 @@ class FedMosaic(Method):
             gradient = linear_weight_gradient(run, model.relevance_layer)
         return gradient.detach().cpu()
 
-    def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
-        return {**state["personal"], **(payload or {})}
-
     # Before round 1: the alignment of the PQ basis ---------------------------------------------------------
     def pre_federation(self, stage: PreFederation) -> TensorDict:
         if not (self.params.pq and self.params.align) or not stage.public:
             return {}
-        model = stage.model
-        model.load_trainable(stage.initial)
-        placement: pqlora.Placement = model.adapter_placement
-        block_of = {layer: k for k, layer in enumerate(placement.pq_layers)}
-        modules = dict(pqlora.adapted_modules(model.encoder))
-        pq_modules = {}
-        for qualified, layer, _ in placement.modules:
-            if layer in block_of:
-                module_name = qualified.split(f".{layer - 1}.", 1)[1]
-                pq_modules[f"{block_of[layer]}/{module_name}"] = modules[qualified]
-        rows = len(next(iter(stage.public.values())))
-        rows = min(rows, self.params.align_samples or rows)
-        batch_size = stage.train_config.eval_batch_size
-        pooled: dict[str, list[torch.Tensor]] = {}
-        outputs = self.params.b_features == "base_output"
-        task = stage.public_task
-        with torch.no_grad(), pqlora.adapters_off(model), pqlora.captured_inputs(pq_modules, outputs) as captured:
-            for first in range(0, rows, batch_size):
-                batch = {name: column[first:first + batch_size].to(stage.device) for name, column in stage.public.items()}
-                task.kind.forward(model, batch)
-                for key, values in captured.items():
-                    pooled.setdefault(key, []).append(pqlora.mean_pool(values, batch["attention_mask"]).cpu())
-        prepared: TensorDict = {}
-        for key, module in pq_modules.items():
-            # float32 as A and B are: a GPU's forward (bf16 weights, autocast) pools bf16 features
-            prepared[f"h/{key}"] = torch.cat(pooled[key]).float()
-            if outputs:
-                prepared[f"y/{key}"] = torch.cat(pooled[key + ":out"]).float()
-            prepared[f"A/{key}"] = module.A.detach().cpu()
-            prepared[f"B/{key}"] = module.B.detach().cpu()
-        frozen = sum(p.numel() for p in model.encoder.parameters() if not p.requires_grad)
-        prepared["backbone_params"] = torch.tensor(float(frozen), dtype=torch.float64)
-        return prepared
+        return _public_features(stage, self.params)
 
     def before_federation(self, server: ServerState, prepared: dict[str, TensorDict]) -> ServerState:
         prepared = {arch: tensors for arch, tensors in prepared.items() if tensors}
@@ -408,39 +336,7 @@ class FedMosaic(Method):
         if pivot not in prepared:
             raise ConfigError(f"methods (fedmosaic).pivot = {pivot!r} is not an architecture of the run; allowed: "
                               f"{', '.join(sorted(prepared))}.")
-        aligned: TensorDict = {}
-        report: TensorDict = {}
-        reference = prepared[pivot]
-        generator = torch.Generator().manual_seed(seeding.torch_seed(0, 0, seeding.SERVER, "fedmosaic:align"))
-        for arch, tensors in sorted(prepared.items()):
-            if arch == pivot:
-                continue
-            for key in sorted(k[2:] for k in tensors if k.startswith("A/")):
-                if f"A/{key}" not in reference:
-                    raise ConfigError(f"methods (fedmosaic): architecture {arch!r} has PQ module {key} but the pivot "
-                                      f"{pivot!r} does not; architectures must share their linear layer names.")
-                pivot_h, pivot_a, pivot_b = reference[f"h/{key}"], reference[f"A/{key}"], reference[f"B/{key}"]
-                other_h, other_a, other_b = tensors[f"h/{key}"], tensors[f"A/{key}"], tensors[f"B/{key}"]
-                if len(pivot_h) != len(other_h):
-                    raise ConfigError("methods (fedmosaic): the architectures saw different numbers of public samples.")
-                new_a, losses = pqlora.align_rows(
-                    other_h, pivot_h @ pivot_a.T, other_a, ortho_weight=self.params.align_lambda,
-                    epochs=self.params.align_epochs, lr=self.params.align_lr, batch_size=self.params.align_batch_size,
-                    generator=generator)
-                new_b = other_b
-                if self.params.align_b:
-                    if self.params.b_features == "base_output":
-                        pivot_y, other_y = reference[f"y/{key}"], tensors[f"y/{key}"]
-                    else:  # the B-branch output with P = I (§9.7)
-                        pivot_y, other_y = (pivot_h @ pivot_a.T) @ pivot_b.T, (other_h @ new_a.T) @ other_b.T
-                    new_b, correlations = pqlora.cca_basis(pivot_y, other_y, pivot_b, self.params.cca_ridge)
-                    if self.params.ortho_b_after_cca:
-                        new_b = pqlora.nearest_orthonormal_columns(new_b)
-                    report[f"{arch}/{key}/cca_mean_correlation"] = correlations.mean()
-                stem = _pq_stem(server["pq_layout"], arch, key)
-                aligned.update(prefixed({f"{stem}.A": new_a, f"{stem}.B": new_b}, arch))
-                for name, value in losses.items():
-                    report[f"{arch}/{key}/{name}"] = torch.tensor(value)
+        aligned, report = _aligned_basis(server["pq_layout"], prepared, pivot, self.params)
         return {**server, "aligned": aligned, "alignment": report}
 
     # Server side: the weights of the engine's mixture (rayfed.aggregation.Mixture) -----------------------------
@@ -494,36 +390,82 @@ class FedMosaic(Method):
         return payload
 
 
-def relevance_weights(gradients: torch.Tensor, present: torch.Tensor, tau: float,
-                      self_weight: str = "include") -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 4: ``S_ij = cos(g_i, g_j)`` and ``w_ij = exp(S_ij / tau) / sum_n exp(S_in / tau)`` over the clients that
-    have sent a gradient (``present``), n = i included; ``exclude``: over n != i, so ``w_ii = 0``, except for a
-    client that is the only one with a gradient, which keeps its own adapter (``w_ii = 1``). A client that has not
-    sent a gradient weighs those that have equally (itself not among them). A zero gradient has cosine 0 with
-    every gradient, itself included."""
-    clients = len(gradients)
-    cosine = torch.zeros(clients, clients)
-    weights = torch.zeros(clients, clients)
-    sent = gradients[present].double()
-    unit = sent / sent.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    similarity = unit @ unit.T
-    rows = torch.nonzero(present).flatten()
-    cosine[rows.unsqueeze(1), rows] = similarity.float()
-    logits = similarity / tau
-    if self_weight == "exclude" and len(rows) > 1:
-        logits.fill_diagonal_(-math.inf)
-    weights[rows.unsqueeze(1), rows] = torch.softmax(logits, dim=1).float()
-    weights[~present] = 0.0
-    weights[~present.unsqueeze(1).expand(-1, clients) & present.unsqueeze(0)] = 1.0 / max(int(present.sum()), 1)
-    return cosine, weights
+def _public_features(stage: PreFederation, params: FedMosaicParams) -> TensorDict:
+    """An architecture's public-data features for the alignment (§9.13): the inputs (and, for ``b_features:
+    base_output``, outputs) of its PQ layers, mean-pooled per sequence, its bases A and B, its backbone's size."""
+    model = stage.model
+    model.load_trainable(stage.initial)
+    placement: pqlora.Placement = model.adapter_placement
+    block_of = {layer: k for k, layer in enumerate(placement.pq_layers)}
+    modules = dict(pqlora.adapted_modules(model.encoder))
+    pq_modules = {}
+    for qualified, layer, _ in placement.modules:
+        if layer in block_of:
+            module_name = qualified.split(f".{layer - 1}.", 1)[1]
+            pq_modules[f"{block_of[layer]}/{module_name}"] = modules[qualified]
+    rows = len(next(iter(stage.public.values())))
+    rows = min(rows, params.align_samples or rows)
+    batch_size = stage.train_config.eval_batch_size
+    pooled: dict[str, list[torch.Tensor]] = {}
+    outputs = params.b_features == "base_output"
+    task = stage.public_task
+    with torch.no_grad(), pqlora.adapters_off(model), pqlora.captured_inputs(pq_modules, outputs) as captured:
+        for first in range(0, rows, batch_size):
+            batch = {name: column[first:first + batch_size].to(stage.device) for name, column in stage.public.items()}
+            task.kind.forward(model, batch)
+            for key, values in captured.items():
+                pooled.setdefault(key, []).append(pqlora.mean_pool(values, batch["attention_mask"]).cpu())
+    prepared: TensorDict = {}
+    for key, module in pq_modules.items():
+        # float32 as A and B are: a GPU's forward (bf16 weights, autocast) pools bf16 features
+        prepared[f"h/{key}"] = torch.cat(pooled[key]).float()
+        if outputs:
+            prepared[f"y/{key}"] = torch.cat(pooled[key + ":out"]).float()
+        prepared[f"A/{key}"] = module.A.detach().cpu()
+        prepared[f"B/{key}"] = module.B.detach().cpu()
+    frozen = sum(p.numel() for p in model.encoder.parameters() if not p.requires_grad)
+    prepared["backbone_params"] = torch.tensor(float(frozen), dtype=torch.float64)
+    return prepared
 
 
-def equal_weights(clients: int, self_weight: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Each of ``clients`` clients' equal weights over them all, or (``exclude``) over the others; one client alone
-    keeps its own adapter."""
-    if self_weight == "include" or clients == 1:
-        return torch.full((clients, clients), 1.0 / clients, dtype=dtype)
-    return torch.full((clients, clients), 1.0 / (clients - 1), dtype=dtype).fill_diagonal_(0.0)
+def _aligned_basis(layout: TensorDict, prepared: dict[str, TensorDict], pivot: str,
+                   params: FedMosaicParams) -> tuple[TensorDict, TensorDict]:
+    """Each non-pivot architecture's PQ basis aligned to the pivot's (Eq. 20, then ridge CCA for B, Alg. 4), under the
+    server's names, and the alignment's losses and correlations."""
+    aligned: TensorDict = {}
+    report: TensorDict = {}
+    reference = prepared[pivot]
+    generator = torch.Generator().manual_seed(seeding.torch_seed(0, 0, seeding.SERVER, "fedmosaic:align"))
+    for arch, tensors in sorted(prepared.items()):
+        if arch == pivot:
+            continue
+        for key in sorted(k[2:] for k in tensors if k.startswith("A/")):
+            if f"A/{key}" not in reference:
+                raise ConfigError(f"methods (fedmosaic): architecture {arch!r} has PQ module {key} but the pivot "
+                                  f"{pivot!r} does not; architectures must share their linear layer names.")
+            pivot_h, pivot_a, pivot_b = reference[f"h/{key}"], reference[f"A/{key}"], reference[f"B/{key}"]
+            other_h, other_a, other_b = tensors[f"h/{key}"], tensors[f"A/{key}"], tensors[f"B/{key}"]
+            if len(pivot_h) != len(other_h):
+                raise ConfigError("methods (fedmosaic): the architectures saw different numbers of public samples.")
+            new_a, losses = pqlora.align_rows(
+                other_h, pivot_h @ pivot_a.T, other_a, ortho_weight=params.align_lambda,
+                epochs=params.align_epochs, lr=params.align_lr, batch_size=params.align_batch_size,
+                generator=generator)
+            new_b = other_b
+            if params.align_b:
+                if params.b_features == "base_output":
+                    pivot_y, other_y = reference[f"y/{key}"], tensors[f"y/{key}"]
+                else:  # the B-branch output with P = I (§9.7)
+                    pivot_y, other_y = (pivot_h @ pivot_a.T) @ pivot_b.T, (other_h @ new_a.T) @ other_b.T
+                new_b, correlations = pqlora.cca_basis(pivot_y, other_y, pivot_b, params.cca_ridge)
+                if params.ortho_b_after_cca:
+                    new_b = pqlora.nearest_orthonormal_columns(new_b)
+                report[f"{arch}/{key}/cca_mean_correlation"] = correlations.mean()
+            stem = _pq_stem(layout, arch, key)
+            aligned.update(prefixed({f"{stem}.A": new_a, f"{stem}.B": new_b}, arch))
+            for name, value in losses.items():
+                report[f"{arch}/{key}/{name}"] = torch.tensor(value)
+    return aligned, report
 
 
 def _pq_blocks(names: Sequence[str]) -> dict[str, int]:
