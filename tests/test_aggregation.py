@@ -3,6 +3,7 @@ weighted sum of them, within an architecture and, for the groups a method names,
 
 from __future__ import annotations
 
+import ast
 import copy
 
 import pytest
@@ -15,7 +16,7 @@ from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.method import Method, Upload, build_method
 
-from test_plugins import SHORT, _results, _run_script
+from test_plugins import ROOT, SHORT, numbers_at_packings
 
 # Rows of exact binary fractions: every weighted sum below is exact in float32.
 W = torch.tensor([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0], [0.25, 0.25, 0.5]])
@@ -101,10 +102,8 @@ def test_the_fedamp_example_gives_the_same_numbers_at_1_and_at_4_clients_per_act
     """examples/fedamp.py, a user's mixture: the engine keeps every client's upload whatever the packing, so the
     attention and each client's cloud model, and every number, are the same with one client per actor or four."""
     overrides = [*SHORT, "federation.clients_per_round=3", "methods=[fedamp]", "placement.executor=local"]
-    numbers = []
-    for packing in ("1", "4"):
-        cwd = tmp_path / packing
-        _run_script("fedamp.py", [*overrides, f"placement.clients_per_actor={packing}"], cwd, monkeypatch)
-        numbers.append(_results(cwd))
+    numbers = numbers_at_packings("fedamp.py", overrides, tmp_path, monkeypatch)
     assert numbers[0] == numbers[1]
     assert "fedamp: local_acc" in capsys.readouterr().out
+    classes = [node for node in ast.parse((ROOT / "examples" / "fedamp.py").read_text()).body if isinstance(node, ast.ClassDef)]
+    assert sum(node.end_lineno - min(d.lineno for d in [node, *node.decorator_list]) + 1 for node in classes) <= 40
