@@ -103,7 +103,7 @@ class DriverActor:
                 nonfinite[what] = sorted(nonfinite.get(what, []) + clients)
         stop = self.config.federation.on_nonfinite == "stop"
         if not (nonfinite and stop):
-            if isinstance(self.method.aggregation, Mixture):  # each upload into its client's rows, for the method to weigh
+            if isinstance(self.method.aggregation, Mixture):  # each upload into its client's rows, then the weights
                 self.method.mixed_rows.store(self.server, uploads)
             with raised_in(f"{type(self.method).__name__}.aggregate"):
                 server = self.method.aggregate(self.server, uploads)

@@ -344,11 +344,12 @@ class FedMosaic(Method):
         server = super().init_server(initial_shared)  # every client's rows, at its architecture's initial adapter
         layout: TensorDict = {}
         for arch in dict.fromkeys(self.architecture_of):
-            layout.update(prefixed({n: torch.tensor(b) for n, b in _pq_blocks(unprefixed(initial_shared, arch)).items()}, arch))
+            blocks = _pq_blocks(unprefixed(initial_shared, arch))
+            layout.update(prefixed({name: torch.tensor(block) for name, block in blocks.items()}, arch))
         clients = len(self.architecture_of)
         relevance = {"weights": equal_weights(clients, self.params.self_weight)}
         if self.aggregation.within_weights:  # equal weights over each architecture (renormalized by the engine)
-            same = torch.tensor([[a == b for b in self.architecture_of] for a in self.architecture_of], dtype=torch.float32)
+            same = torch.tensor([[a == b for b in self.architecture_of] for a in self.architecture_of]).float()
             relevance["within"] = same if self.params.self_weight == "include" else same.fill_diagonal_(0.0)
         return {**server, "pq_layout": layout, "aligned": {}, "alignment": {},
                 "received": {"aligned": torch.zeros(clients)}, "relevance": relevance}

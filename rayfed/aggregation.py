@@ -26,6 +26,7 @@ from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
 from rayfed.types import Loss, ServerState, TensorDict, tensor_bytes, tensor_params, tensors_to
 
+
 @dataclass
 class Upload:
     """What one client sends to the server in one round."""
@@ -261,9 +262,10 @@ class MixedRows:
         for key, members in groups.items():
             missing = [arch for arch in self.rows_of if arch not in members]
             shapes = {tuple(initial_shared[name].shape) for name in members.values()}
-            if missing or len(shapes) > 1:
+            if missing or len(shapes) > 1 or key in initial_shared:
                 problem = (f"architecture {missing[0]!r} has no tensor of it" if missing else
-                           f"its tensors have shapes {', '.join(map(str, sorted(shapes)))}")
+                           f"its tensors have shapes {', '.join(map(str, sorted(shapes)))}" if len(shapes) > 1 else
+                           "a tensor has that name")
                 raise ConfigError(f"method {label!r} mixes group {key!r} across architectures, but {problem}; every "
                                   "architecture needs one tensor of each group, of one shape.")
         self.across = set(groups)
@@ -291,6 +293,9 @@ class MixedRows:
         stacks = server[ROWS]
         for upload in sorted(uploads, key=lambda u: u.client_id):
             for name, value in upload.tensors.get(self.mixture.slot, {}).items():
+                if name not in self.stack_of:
+                    raise ConfigError(f"client {upload.client_id} uploads {name!r} in slot {self.mixture.slot!r}, "
+                                      "which has no rows: a Mixture mixes the tensors that init_server was given.")
                 key, row = self._row(name, upload.client_id)
                 stacks[key][row] = value.to(stacks[key].dtype)
 
@@ -301,7 +306,7 @@ class MixedRows:
         inputs = [weights, within, *stacks.values()]
         if self._cache is not None:
             seen, mixed = self._cache
-            if len(seen) == len(inputs) and all(a is b and version == b._version for (a, version), b in zip(seen, inputs)):
+            if len(seen) == len(inputs) and all(a is b and v == b._version for (a, v), b in zip(seen, inputs)):
                 return mixed
         all_clients, within = weights.double(), within.double()
         within_arch = {}

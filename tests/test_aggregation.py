@@ -75,8 +75,10 @@ def test_each_client_receives_its_row_of_w_times_the_latest_uploads(tiny_run):
 def test_across_architectures_only_a_named_group_mixes_and_the_rest_mixes_within_renormalized(tiny_run):
     """``w`` (a: 2 wide, b: 3 wide) mixes within each architecture; ``p`` of a and ``q`` of b form one group over all
     three clients."""
-    driver = _driver(tiny_run, {"a": {"w": torch.zeros(2), "p": torch.zeros(2)}, "b": {"w": torch.zeros(3), "q": torch.ones(2)}})
-    assert torch.equal(driver.payloads([0], count_bytes=False)[0]["p"], torch.tensor([0.25, 0.25]))  # W_02 of b's initial q
+    driver = _driver(tiny_run, {"a": {"w": torch.zeros(2), "p": torch.zeros(2)},
+                                "b": {"w": torch.zeros(3), "q": torch.ones(2)}})
+    before = driver.payloads([0], count_bytes=False)[0]["p"]
+    assert torch.equal(before, torch.tensor([0.25, 0.25]))  # W_02 times b's initial q, the others' p being 0
     w = {0: torch.tensor([4.0, 8.0]), 1: torch.tensor([2.0, -2.0]), 2: torch.tensor([1.0, 2.0, 3.0])}
     pq = {0: torch.tensor([8.0, 0.0]), 1: torch.tensor([0.0, 4.0]), 2: torch.tensor([-4.0, 16.0])}
     _round(driver, {0: {"w": w[0], "p": pq[0]}, 1: {"w": w[1], "p": pq[1]}, 2: {"w": w[2], "q": pq[2]}})
@@ -105,5 +107,6 @@ def test_the_fedamp_example_gives_the_same_numbers_at_1_and_at_4_clients_per_act
     numbers = numbers_at_packings("fedamp.py", overrides, tmp_path, monkeypatch)
     assert numbers[0] == numbers[1]
     assert "fedamp: local_acc" in capsys.readouterr().out
-    classes = [node for node in ast.parse((ROOT / "examples" / "fedamp.py").read_text()).body if isinstance(node, ast.ClassDef)]
+    module = ast.parse((ROOT / "examples" / "fedamp.py").read_text())
+    classes = [node for node in module.body if isinstance(node, ast.ClassDef)]
     assert sum(node.end_lineno - min(d.lineno for d in [node, *node.decorator_list]) + 1 for node in classes) <= 40
