@@ -21,7 +21,7 @@ def linear_weight_gradient(run: Callable[[], torch.Tensor], layer: nn.Linear) ->
     def hook(module, args, output):
         captured["x"] = args[0].detach()
         captured["y"] = output.detach().requires_grad_(True)
-        return captured["y"]
+        return captured["y"].view_as(output)  # not the leaf itself: FLOP counting hooks every module's output
 
     handle = layer.register_forward_hook(hook)
     try:
