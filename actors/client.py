@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from rayfed import registry
+from rayfed.aggregation import presums
 from rayfed.architectures import architecture_of
 from rayfed.config import RunConfig, architecture_model_config, build_config, method_model_config
 from rayfed.data.clients import Federation, build_federation, encode_public
@@ -289,7 +290,7 @@ class ClientActor:
         for cid, state in zip(guests, guest_states):
             self._welcome(cid)
             self.states[cid] = _to(state, self.state_device)
-        partial = PartialSum() if self.method.presums_uploads else None
+        partial = PartialSum() if presums(self.method.aggregation) else None
         uploads, up_bytes, up_params, losses, magnitudes = [], 0, 0, {}, {}
         updating = time.perf_counter()
         for upload in self._local_updates(round_idx, sorted(client_ids), payloads):

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from rayfed import registry
 from rayfed.actors.client import RoundUploads, run_methods
+from rayfed.aggregation import Mixture
 from rayfed.architectures import architecture_of, prefixed, unprefixed
 from rayfed.config import RunConfig, build_config
 from rayfed.data.clients import build_federation
@@ -102,6 +103,8 @@ class DriverActor:
                 nonfinite[what] = sorted(nonfinite.get(what, []) + clients)
         stop = self.config.federation.on_nonfinite == "stop"
         if not (nonfinite and stop):
+            if isinstance(self.method.aggregation, Mixture):  # each upload into its client's rows, then the weights
+                self.method.mixed_rows.store(self.server, uploads)
             with raised_in(f"{type(self.method).__name__}.aggregate"):
                 server = self.method.aggregate(self.server, uploads)
             done = {part.round_idx + 1 for part in parts if part.round_idx is not None}

@@ -35,7 +35,7 @@ class FedAvgM(rayfed.Method):
     """FedAvg with server momentum: v <- beta v + (mean of the uploads - w), w <- w + eta v."""
 
     Params = FedAvgMParams
-    presums_uploads = True  # the update needs only the uploads' weighted mean, which actors may pre-sum
+    aggregation = rayfed.WeightedMean()  # the update needs only the uploads' weighted mean: actors pre-sum them
 
     def init_server(self, initial_shared):
         return {"global": initial_shared, "velocity": {n: torch.zeros_like(v) for n, v in initial_shared.items()}}

@@ -67,7 +67,7 @@ class Scaffold(rayfed.Method):
     """SCAFFOLD with option II control variates: each client's c_i is kept in its client state."""
 
     Params = ScaffoldParams
-    presums_uploads = True  # aggregate reads the sums of y_i and of c_i+ - c_i over the uploads, nothing per client
+    aggregation = rayfed.WeightedMean()  # aggregate reads the sums of y_i and of c_i+ - c_i, nothing per client
 
     def init_client(self, initial):
         shared, personal = self.split(initial)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, Penalty
 
@@ -35,7 +35,7 @@ class FedDynParams:
 @register_method("feddyn")
 class FedDyn(Method):
     Params = FedDynParams
-    presums_uploads = False  # an unweighted mean, over the number of uploads holding each tensor
+    aggregation = EachUpload()  # an unweighted mean, over the number of uploads holding each tensor
 
     def init_client(self, initial: TensorDict) -> ClientState:
         shared, personal = self.split(initial)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from rayfed.architectures import prefixed, unprefixed
-from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PublicJob, PublicPass, same_answers, token_losses
 
@@ -99,7 +99,7 @@ def full_logits(entries: TensorDict, name: str, vocabulary: int) -> torch.Tensor
 @register_method("fedmkt")
 class FedMKT(Method):
     Params = FedMKTParams
-    presums_uploads = False  # every client's own adapter is a candidate teacher
+    aggregation = EachUpload()  # every client's own adapter is a candidate teacher
     public_passes = 2  # every adapter's losses and logits; then each architecture's two distillations
 
     def __init__(self, params: FedMKTParams | None = None):

@@ -34,17 +34,20 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from rayfed import pqlora, seeding
+from rayfed.aggregation import Mixture
+from rayfed.architectures import prefixed, unprefixed
 from rayfed.config import ModelConfig
 from rayfed.data.batches import num_rows
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.methods.fedmosaic_rela import equal_weights, last_linear, linear_weight_gradient, relevance_weights
 from rayfed.models import Backbone, ClientModel, build_backbone, build_task_model
 from rayfed.registry import register_method
 from rayfed.tasks import Task
@@ -139,59 +142,26 @@ def is_local(name: str) -> bool:
     return f".{LOCAL}_" in name
 
 
-def is_basis(name: str) -> bool:
-    return name.endswith((".A", ".B")) and not is_local(name) and not is_global(name)
-
-
 def global_name(name: str) -> str:
     return name.replace(f".{LOCAL}_", f".{GLOBAL}_")
-
-
-def linear_weight_gradient(run: Callable[[], torch.Tensor], layer: nn.Linear) -> torch.Tensor:
-    """The gradient of ``run()`` (a loss) with respect to ``layer``'s weight, with every parameter frozen: the
-    layer's output is made the one leaf that needs a gradient, and ``dL/dW = sum_tokens dL/dy x^T``."""
-    captured: dict[str, torch.Tensor] = {}
-
-    def hook(module, args, output):
-        captured["x"] = args[0].detach()
-        captured["y"] = output.detach().requires_grad_(True)
-        return captured["y"].view_as(output)  # not the leaf itself: FLOP counting hooks every module's output
-
-    handle = layer.register_forward_hook(hook)
-    try:
-        with torch.enable_grad():
-            loss = run()
-            (grad_y,) = torch.autograd.grad(loss, captured["y"])
-    finally:
-        handle.remove()
-    return grad_y.flatten(0, -2).float().T @ captured["x"].flatten(0, -2).float()
-
-
-def _last_linear(encoder: nn.Module, scope: str | None, which: str) -> nn.Linear:
-    """The frozen linear layer RELA differentiates: the last decoder layer's ``down_proj`` or the LM head."""
-    if which == "lm_head":
-        head = encoder.get_output_embeddings()
-        if not isinstance(head, nn.Linear):
-            raise ConfigError("methods (fedmosaic).last_layer = 'lm_head' needs a model with a linear LM head.")
-        return head
-    _, layers = pqlora.decoder_layers(encoder, scope)
-    for name, module in layers[-1].named_modules():
-        if name.endswith("down_proj"):
-            return module.base if isinstance(module, pqlora.AdaptedLinear) else module
-    raise ConfigError("methods (fedmosaic).last_layer = 'down_proj': the last decoder layer has no down_proj; use lm_head.")
 
 
 @register_method("fedmosaic")
 class FedMosaic(Method):
     Params = FedMosaicParams
-    presums_uploads = False  # per-client weights from every client's own gradient
     pre_federation_stage = True
 
     def __init__(self, params: FedMosaicParams | None = None):
         super().__init__(params)
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
-        self._index: _ServerIndex | None = None
-        self._customized_cache: tuple[list[tuple[torch.Tensor, int]], TensorDict] | None = None
+
+    @property
+    def aggregation(self) -> Mixture:
+        """Each client's global adapter: the clients' latest local adapters mixed by the RELA weights, P and Q over
+        every client (matched by block and module), the conventional layers within the architecture, the weights
+        renormalized there, or equal ones (``conv_agg: equal_within_type``, ``relevance: equal``)."""
+        equal = self.params.conv_agg == "equal_within_type" or self.params.relevance == "equal"
+        return Mixture(weights="relevance/weights", within_weights="relevance/within" if equal else None, across=pq_groups)
 
     # The model ---------------------------------------------------------------------------------------------
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
@@ -223,7 +193,7 @@ class FedMosaic(Method):
                                   "architectures.")
             name = backbone.name
         if name == backbone.name:  # W_s is this backbone: the client model with its adapters off
-            _set_plain(model, "relevance_layer", _last_linear(model.encoder, backbone.lora_scope, self.params.last_layer))
+            _set_plain(model, "relevance_layer", last_linear(model.encoder, backbone.lora_scope, self.params.last_layer))
             return
         relevance = build_backbone(ModelConfig(backbone=name), seed)
         if relevance.tokenizer is None or backbone.tokenizer is None or (
@@ -234,7 +204,7 @@ class FedMosaic(Method):
         wrapper = ClientModel(relevance, nn.Identity(), tasks)
         wrapper.requires_grad_(False)
         model.relevance_model = wrapper  # a frozen submodule: moved with the model, never in its trainable state
-        _set_plain(model, "relevance_layer", _last_linear(relevance.encoder, relevance.lora_scope, self.params.last_layer))
+        _set_plain(model, "relevance_layer", last_linear(relevance.encoder, relevance.lora_scope, self.params.last_layer))
 
     def is_shared(self, name: str) -> bool:
         if not is_local(name):
@@ -349,46 +319,11 @@ class FedMosaic(Method):
             gradient = linear_weight_gradient(run, model.relevance_layer)
         return gradient.detach().cpu()
 
-    def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
-        return {**state["personal"], **(payload or {})}
-
     # Before round 1: the alignment of the PQ basis ---------------------------------------------------------
     def pre_federation(self, stage: PreFederation) -> TensorDict:
         if not (self.params.pq and self.params.align) or not stage.public:
             return {}
-        model = stage.model
-        model.load_trainable(stage.initial)
-        placement: pqlora.Placement = model.adapter_placement
-        block_of = {layer: k for k, layer in enumerate(placement.pq_layers)}
-        modules = dict(pqlora.adapted_modules(model.encoder))
-        pq_modules = {}
-        for qualified, layer, _ in placement.modules:
-            if layer in block_of:
-                module_name = qualified.split(f".{layer - 1}.", 1)[1]
-                pq_modules[f"{block_of[layer]}/{module_name}"] = modules[qualified]
-        rows = len(next(iter(stage.public.values())))
-        rows = min(rows, self.params.align_samples or rows)
-        batch_size = stage.train_config.eval_batch_size
-        pooled: dict[str, list[torch.Tensor]] = {}
-        outputs = self.params.b_features == "base_output"
-        task = stage.public_task
-        with torch.no_grad(), pqlora.adapters_off(model), pqlora.captured_inputs(pq_modules, outputs) as captured:
-            for first in range(0, rows, batch_size):
-                batch = {name: column[first:first + batch_size].to(stage.device) for name, column in stage.public.items()}
-                task.kind.forward(model, batch)
-                for key, values in captured.items():
-                    pooled.setdefault(key, []).append(pqlora.mean_pool(values, batch["attention_mask"]).cpu())
-        prepared: TensorDict = {}
-        for key, module in pq_modules.items():
-            # float32 as A and B are: a GPU's forward (bf16 weights, autocast) pools bf16 features
-            prepared[f"h/{key}"] = torch.cat(pooled[key]).float()
-            if outputs:
-                prepared[f"y/{key}"] = torch.cat(pooled[key + ":out"]).float()
-            prepared[f"A/{key}"] = module.A.detach().cpu()
-            prepared[f"B/{key}"] = module.B.detach().cpu()
-        frozen = sum(p.numel() for p in model.encoder.parameters() if not p.requires_grad)
-        prepared["backbone_params"] = torch.tensor(float(frozen), dtype=torch.float64)
-        return prepared
+        return _public_features(stage, self.params)
 
     def before_federation(self, server: ServerState, prepared: dict[str, TensorDict]) -> ServerState:
         prepared = {arch: tensors for arch, tensors in prepared.items() if tensors}
@@ -401,125 +336,29 @@ class FedMosaic(Method):
         if pivot not in prepared:
             raise ConfigError(f"methods (fedmosaic).pivot = {pivot!r} is not an architecture of the run; allowed: "
                               f"{', '.join(sorted(prepared))}.")
-        aligned: TensorDict = {}
-        report: TensorDict = {}
-        reference = prepared[pivot]
-        generator = torch.Generator().manual_seed(seeding.torch_seed(0, 0, seeding.SERVER, "fedmosaic:align"))
-        index = self._server_index(server)
-        for arch, tensors in sorted(prepared.items()):
-            if arch == pivot:
-                continue
-            for key in sorted(k[2:] for k in tensors if k.startswith("A/")):
-                if f"A/{key}" not in reference:
-                    raise ConfigError(f"methods (fedmosaic): architecture {arch!r} has PQ module {key} but the pivot "
-                                      f"{pivot!r} does not; architectures must share their linear layer names.")
-                pivot_h, pivot_a, pivot_b = reference[f"h/{key}"], reference[f"A/{key}"], reference[f"B/{key}"]
-                other_h, other_a, other_b = tensors[f"h/{key}"], tensors[f"A/{key}"], tensors[f"B/{key}"]
-                if len(pivot_h) != len(other_h):
-                    raise ConfigError("methods (fedmosaic): the architectures saw different numbers of public samples.")
-                new_a, losses = pqlora.align_rows(
-                    other_h, pivot_h @ pivot_a.T, other_a, ortho_weight=self.params.align_lambda,
-                    epochs=self.params.align_epochs, lr=self.params.align_lr, batch_size=self.params.align_batch_size,
-                    generator=generator)
-                new_b = other_b
-                if self.params.align_b:
-                    if self.params.b_features == "base_output":
-                        pivot_y, other_y = reference[f"y/{key}"], tensors[f"y/{key}"]
-                    else:  # the B-branch output with P = I (§9.7)
-                        pivot_y, other_y = (pivot_h @ pivot_a.T) @ pivot_b.T, (other_h @ new_a.T) @ other_b.T
-                    new_b, correlations = pqlora.cca_basis(pivot_y, other_y, pivot_b, self.params.cca_ridge)
-                    if self.params.ortho_b_after_cca:
-                        new_b = pqlora.nearest_orthonormal_columns(new_b)
-                    report[f"{arch}/{key}/cca_mean_correlation"] = correlations.mean()
-                block, module = key.split("/", 1)
-                basis = index.basis_names(arch, int(block), module)
-                aligned[basis["A"]], aligned[basis["B"]] = new_a, new_b
-                for name, value in losses.items():
-                    report[f"{arch}/{key}/{name}"] = torch.tensor(value)
+        aligned, report = _aligned_basis(server["pq_layout"], prepared, pivot, self.params)
         return {**server, "aligned": aligned, "alignment": report}
 
-    # Server side -------------------------------------------------------------------------------------------
+    # Server side: the weights of the engine's mixture (rayfed.aggregation.Mixture) -----------------------------
     def init_server(self, initial_shared: TensorDict) -> ServerState:
-        clients = len(self.architecture_of)
-        stacks: TensorDict = {}
+        server = super().init_server(initial_shared)  # every client's rows, at its architecture's initial adapter
         layout: TensorDict = {}
-        pq_layers: dict[str, list[int]] = {}
-        for name in initial_shared:
-            if name.endswith(("_P", "_Q")):
-                arch = _arch(name)
-                pq_layers.setdefault(arch, []).append(pqlora.layer_of(name))
-        blocks = {arch: sorted(set(layers)) for arch, layers in pq_layers.items()}
-        if len({len(layers) for layers in blocks.values()}) > 1:
-            raise ConfigError("methods (fedmosaic): the architectures have different numbers of PQ layers.")
-        for name, value in initial_shared.items():
-            arch = _arch(name)
-            if name.endswith(("_P", "_Q")):
-                block = blocks[arch].index(pqlora.layer_of(name))
-                layout[name] = torch.tensor(block)
-                key = _pq_key(block, name)
-                if key in stacks and stacks[key].shape[1:] != value.shape:
-                    raise ConfigError(f"methods (fedmosaic): PQ module {key} has shapes {tuple(value.shape)} and "
-                                      f"{tuple(stacks[key].shape[1:])} in two architectures; give them one LoRA rank.")
-                stacks[key] = value.unsqueeze(0).repeat(clients, *([1] * value.dim())).clone()
-            else:
-                rows = sum(1 for a in self.architecture_of if a == arch)
-                stacks[name] = value.unsqueeze(0).repeat(rows, *([1] * value.dim())).clone()
-        server: ServerState = {
-            "stacks": stacks, "pq_layout": layout, "aligned": {}, "alignment": {},
-            "received": {"aligned": torch.zeros(clients)},
-            "relevance": {"weights": equal_weights(clients, self.params.self_weight)},
-        }
-        self._index = None
-        return server
-
-    def _server_index(self, server: ServerState) -> _ServerIndex:
-        if self._index is None or self._index.layout_names != tuple(server["pq_layout"]):
-            self._index = _ServerIndex(server, self.architecture_of)
-        return self._index
-
-    def _customized(self, server: ServerState, index: _ServerIndex) -> TensorDict:
-        """Every client's customized global adapter, per stack (a row per client of the stack): each PQ stack's
-        rows mixed by the RELA weights over all clients, each conventional stack's by the weights within the
-        architecture, renormalised (or equal). One matrix product per stack for the round's clients, kept until
-        the weights or a stack change: one client's payload at a time would read every stack once per client.
-
-        A client whose weights give nothing to any client of its architecture (no client of it has sent a gradient
-        yet, or, with ``self_weight: exclude``, none but itself) keeps its own adapter in the conventional layers,
-        as the authors' code does wherever it has no weight to give (before the first gradients, and for a client
-        alone of its type). It has no relevance to go by there; for a client that has not trained, its own adapter
-        is its architecture's initial one, what equal weights would give and what round 1 sent it."""
-        weights, stacks = server["relevance"]["weights"], server["stacks"]
-        inputs = [weights, *stacks.values()]
-        if self._customized_cache is not None:
-            seen, customized = self._customized_cache
-            if len(seen) == len(inputs) and all(a is b and version == b._version for (a, version), b in zip(seen, inputs)):
-                return customized
-        all_clients = weights.double()
-        customized: TensorDict = {}
-        for key, stack in stacks.items():
-            if key.startswith("pq/"):
-                customized[key] = _weighted(all_clients, stack)
-                continue
-            same = index.rows_of[_arch(key)]
-            if self.params.conv_agg == "equal_within_type" or self.params.relevance == "equal":
-                within = equal_weights(len(same), self.params.self_weight, torch.float64)
-            else:
-                within = all_clients[same][:, same]
-                totals = within.sum(dim=1, keepdim=True)
-                within = torch.where(totals > 0, within / totals, torch.eye(len(same), dtype=torch.float64))
-            customized[key] = _weighted(within, stack)
-        self._customized_cache = ([(tensor, tensor._version) for tensor in inputs], customized)
-        return customized
+        for arch in dict.fromkeys(self.architecture_of):
+            blocks = _pq_blocks(unprefixed(initial_shared, arch))
+            layout.update(prefixed({name: torch.tensor(block) for name, block in blocks.items()}, arch))
+        clients = len(self.architecture_of)
+        relevance = {"weights": equal_weights(clients, self.params.self_weight)}
+        if self.aggregation.within_weights:  # equal weights over each architecture (renormalized by the engine)
+            same = torch.tensor([[a == b for b in self.architecture_of] for a in self.architecture_of]).float()
+            relevance["within"] = same if self.params.self_weight == "include" else same.fill_diagonal_(0.0)
+        return {**server, "pq_layout": layout, "aligned": {}, "alignment": {},
+                "received": {"aligned": torch.zeros(clients)}, "relevance": relevance}
 
     def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
-        index = self._server_index(server)
-        stacks, relevance, received = server["stacks"], dict(server["relevance"]), server["received"]["aligned"]
+        relevance, received = dict(server["relevance"]), server["received"]["aligned"]
         for upload in uploads:
             client = upload.client_id
             received[client] = 1.0
-            for name, value in upload.tensors.get("shared", {}).items():
-                key, row = index.row(name, client)
-                stacks[key][row] = value.to(stacks[key].dtype)
             sent = next(iter(upload.tensors.get("relevance", {}).values()), None)  # one tensor, under any name
             if sent is not None:
                 if "gradients" not in relevance:
@@ -534,58 +373,107 @@ class FedMosaic(Method):
             history = relevance.get("history")
             current = relevance["weights"].unsqueeze(0)
             relevance["history"] = current if history is None else torch.cat([history, current])
-        return {**server, "stacks": stacks, "relevance": relevance, "received": {"aligned": received}}
+        return {**server, "relevance": relevance, "received": {"aligned": received}}
 
     def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
-        index = self._server_index(server)
-        arch = self.architecture_of[client_id]
-        customized = self._customized(server, index)
-        payload: TensorDict = {}
-        for name, block in index.pq_names[arch]:
-            payload[global_name(name)] = customized[_pq_key(block, name)][client_id].clone()
-        for name in index.conv_names[arch]:  # clones: a row alone, not its stack, goes to the client
-            payload[global_name(name)] = customized[name][index.row_in_arch[client_id]].clone()
+        """The client's mix of every client's local adapter as its global one; once, its architecture's aligned basis.
+
+        A client whose weights give nothing to any client of its architecture (no client of it has sent a gradient
+        yet, or, with ``self_weight: exclude``, none but itself) keeps its own adapter in the conventional layers,
+        as the authors' code does wherever it has no weight to give (before the first gradients, and for a client
+        alone of its type). It has no relevance to go by there; for a client that has not trained, its own adapter
+        is its architecture's initial one, what equal weights would give and what round 1 sent it."""
+        payload = {global_name(name): value for name, value in super().payload(server, client_id).items()}
         if not server["received"]["aligned"][client_id]:
+            arch = self.architecture_of[client_id]
             prefix = f"{arch}/" if arch else ""
             payload.update({n: v for n, v in server["aligned"].items() if n.startswith(prefix)})
         return payload
 
 
-def relevance_weights(gradients: torch.Tensor, present: torch.Tensor, tau: float,
-                      self_weight: str = "include") -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 4: ``S_ij = cos(g_i, g_j)`` and ``w_ij = exp(S_ij / tau) / sum_n exp(S_in / tau)`` over the clients that
-    have sent a gradient (``present``), n = i included; ``exclude``: over n != i, so ``w_ii = 0``, except for a
-    client that is the only one with a gradient, which keeps its own adapter (``w_ii = 1``). A client that has not
-    sent a gradient weighs those that have equally (itself not among them). A zero gradient has cosine 0 with
-    every gradient, itself included."""
-    clients = len(gradients)
-    cosine = torch.zeros(clients, clients)
-    weights = torch.zeros(clients, clients)
-    sent = gradients[present].double()
-    unit = sent / sent.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    similarity = unit @ unit.T
-    rows = torch.nonzero(present).flatten()
-    cosine[rows.unsqueeze(1), rows] = similarity.float()
-    logits = similarity / tau
-    if self_weight == "exclude" and len(rows) > 1:
-        logits.fill_diagonal_(-math.inf)
-    weights[rows.unsqueeze(1), rows] = torch.softmax(logits, dim=1).float()
-    weights[~present] = 0.0
-    weights[~present.unsqueeze(1).expand(-1, clients) & present.unsqueeze(0)] = 1.0 / max(int(present.sum()), 1)
-    return cosine, weights
+def _public_features(stage: PreFederation, params: FedMosaicParams) -> TensorDict:
+    """An architecture's public-data features for the alignment (§9.13): the inputs (and, for ``b_features:
+    base_output``, outputs) of its PQ layers, mean-pooled per sequence, its bases A and B, its backbone's size."""
+    model = stage.model
+    model.load_trainable(stage.initial)
+    placement: pqlora.Placement = model.adapter_placement
+    block_of = {layer: k for k, layer in enumerate(placement.pq_layers)}
+    modules = dict(pqlora.adapted_modules(model.encoder))
+    pq_modules = {}
+    for qualified, layer, _ in placement.modules:
+        if layer in block_of:
+            module_name = qualified.split(f".{layer - 1}.", 1)[1]
+            pq_modules[f"{block_of[layer]}/{module_name}"] = modules[qualified]
+    rows = len(next(iter(stage.public.values())))
+    rows = min(rows, params.align_samples or rows)
+    batch_size = stage.train_config.eval_batch_size
+    pooled: dict[str, list[torch.Tensor]] = {}
+    outputs = params.b_features == "base_output"
+    task = stage.public_task
+    with torch.no_grad(), pqlora.adapters_off(model), pqlora.captured_inputs(pq_modules, outputs) as captured:
+        for first in range(0, rows, batch_size):
+            batch = {name: column[first:first + batch_size].to(stage.device) for name, column in stage.public.items()}
+            task.kind.forward(model, batch)
+            for key, values in captured.items():
+                pooled.setdefault(key, []).append(pqlora.mean_pool(values, batch["attention_mask"]).cpu())
+    prepared: TensorDict = {}
+    for key, module in pq_modules.items():
+        # float32 as A and B are: a GPU's forward (bf16 weights, autocast) pools bf16 features
+        prepared[f"h/{key}"] = torch.cat(pooled[key]).float()
+        if outputs:
+            prepared[f"y/{key}"] = torch.cat(pooled[key + ":out"]).float()
+        prepared[f"A/{key}"] = module.A.detach().cpu()
+        prepared[f"B/{key}"] = module.B.detach().cpu()
+    frozen = sum(p.numel() for p in model.encoder.parameters() if not p.requires_grad)
+    prepared["backbone_params"] = torch.tensor(float(frozen), dtype=torch.float64)
+    return prepared
 
 
-def equal_weights(clients: int, self_weight: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Each of ``clients`` clients' equal weights over them all, or (``exclude``) over the others; one client alone
-    keeps its own adapter."""
-    if self_weight == "include" or clients == 1:
-        return torch.full((clients, clients), 1.0 / clients, dtype=dtype)
-    return torch.full((clients, clients), 1.0 / (clients - 1), dtype=dtype).fill_diagonal_(0.0)
+def _aligned_basis(layout: TensorDict, prepared: dict[str, TensorDict], pivot: str,
+                   params: FedMosaicParams) -> tuple[TensorDict, TensorDict]:
+    """Each non-pivot architecture's PQ basis aligned to the pivot's (Eq. 20, then ridge CCA for B, Alg. 4), under the
+    server's names, and the alignment's losses and correlations."""
+    aligned: TensorDict = {}
+    report: TensorDict = {}
+    reference = prepared[pivot]
+    generator = torch.Generator().manual_seed(seeding.torch_seed(0, 0, seeding.SERVER, "fedmosaic:align"))
+    for arch, tensors in sorted(prepared.items()):
+        if arch == pivot:
+            continue
+        for key in sorted(k[2:] for k in tensors if k.startswith("A/")):
+            if f"A/{key}" not in reference:
+                raise ConfigError(f"methods (fedmosaic): architecture {arch!r} has PQ module {key} but the pivot "
+                                  f"{pivot!r} does not; architectures must share their linear layer names.")
+            pivot_h, pivot_a, pivot_b = reference[f"h/{key}"], reference[f"A/{key}"], reference[f"B/{key}"]
+            other_h, other_a, other_b = tensors[f"h/{key}"], tensors[f"A/{key}"], tensors[f"B/{key}"]
+            if len(pivot_h) != len(other_h):
+                raise ConfigError("methods (fedmosaic): the architectures saw different numbers of public samples.")
+            new_a, losses = pqlora.align_rows(
+                other_h, pivot_h @ pivot_a.T, other_a, ortho_weight=params.align_lambda,
+                epochs=params.align_epochs, lr=params.align_lr, batch_size=params.align_batch_size,
+                generator=generator)
+            new_b = other_b
+            if params.align_b:
+                if params.b_features == "base_output":
+                    pivot_y, other_y = reference[f"y/{key}"], tensors[f"y/{key}"]
+                else:  # the B-branch output with P = I (§9.7)
+                    pivot_y, other_y = (pivot_h @ pivot_a.T) @ pivot_b.T, (other_h @ new_a.T) @ other_b.T
+                new_b, correlations = pqlora.cca_basis(pivot_y, other_y, pivot_b, params.cca_ridge)
+                if params.ortho_b_after_cca:
+                    new_b = pqlora.nearest_orthonormal_columns(new_b)
+                report[f"{arch}/{key}/cca_mean_correlation"] = correlations.mean()
+            stem = _pq_stem(layout, arch, key)
+            aligned.update(prefixed({f"{stem}.A": new_a, f"{stem}.B": new_b}, arch))
+            for name, value in losses.items():
+                report[f"{arch}/{key}/{name}"] = torch.tensor(value)
+    return aligned, report
 
 
-def _weighted(weights: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
-    """Row i: ``sum_j weights_ij stack_j``, in float64, in the stack's dtype."""
-    return (weights @ stack.flatten(1).double()).view(len(weights), *stack.shape[1:]).to(stack.dtype)
+def _pq_blocks(names: Sequence[str]) -> dict[str, int]:
+    """Each of one architecture's P and Q tensors by its block: the rank of its layer among the PQ layers."""
+    pq = [name for name in names if name.endswith(("_P", "_Q"))]
+    layers = sorted({pqlora.layer_of(name) for name in pq})
+    return {name: layers.index(pqlora.layer_of(name)) for name in pq}
 
 
 def _pq_key(block: int, name: str) -> str:
@@ -593,46 +481,20 @@ def _pq_key(block: int, name: str) -> str:
     return f"pq/{block}/{module}/{part}"
 
 
-class _ServerIndex:
-    """Where each server-named shared tensor lives in the server's stacks: PQ tensors in one stack per (block,
-    module, P/Q) with a row per client, conventional ones in a stack per name with a row per client of its
-    architecture."""
+def pq_groups(names: Sequence[str]) -> dict[str, str]:
+    """The tensors of one architecture that mix across architectures: P and Q, matched by block, module and part."""
+    return {name: _pq_key(block, name) for name, block in _pq_blocks(names).items()}
 
-    def __init__(self, server: ServerState, architecture_of: Sequence[str]):
-        layout = server["pq_layout"]
-        self.layout_names = tuple(layout)
-        self.rows_of: dict[str, list[int]] = {}
-        self.row_in_arch: dict[int, int] = {}
-        for client, arch in enumerate(architecture_of):
-            self.row_in_arch[client] = len(self.rows_of.setdefault(arch, []))
-            self.rows_of[arch].append(client)
-        self.pq_block = {name: int(block) for name, block in layout.items()}
-        self.pq_names: dict[str, list[tuple[str, int]]] = {arch: [] for arch in self.rows_of}
-        self.conv_names: dict[str, list[str]] = {arch: [] for arch in self.rows_of}
-        for name, block in self.pq_block.items():
-            self.pq_names[_arch(name)].append((name, block))
-        for name in server["stacks"]:
-            if not name.startswith("pq/"):
-                self.conv_names[_arch(name)].append(name)
 
-    def row(self, name: str, client: int) -> tuple[str, int]:
-        if name in self.pq_block:
-            return _pq_key(self.pq_block[name], name), client
-        return name, self.row_in_arch[client]
-
-    def basis_names(self, arch: str, block: int, module: str) -> dict[str, str]:
-        """The server names of ``arch``'s PQ basis ``A``, ``B`` at block ``block``, module ``module``."""
-        for name, k in self.pq_names[arch]:
-            if k == block and _ADAPTER_NAME.search(name).group(1) == module:
-                stem = name[: -len(".local_P")]
-                return {"A": f"{stem}.A", "B": f"{stem}.B"}
-        raise KeyError(f"{arch}: no PQ module {module} in block {block}")
+def _pq_stem(layout: TensorDict, arch: str, key: str) -> str:
+    """The name, without ``.local_P``, of ``arch``'s PQ module at ``key`` (``<block>/<module>``)."""
+    for name, block in unprefixed(layout, arch).items():
+        if name.endswith(".local_P") and _pq_key(int(block), name) == f"pq/{key}/P":
+            return name.removesuffix(".local_P")
+    raise KeyError(f"{arch}: no PQ module at {key}")
 
 
 def _set_plain(module: nn.Module, name: str, value: nn.Module) -> None:
     """An attribute that is not registered as a submodule (a layer of the model, referred to twice)."""
     object.__setattr__(module, name, value)
 
-
-def _arch(name: str) -> str:
-    return name.split("/", 1)[0] if "/" in name.split(".", 1)[0] else ""

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from rayfed.config import ModelConfig
-from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload, mean_as, weighted_sums
+from rayfed.method import (ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload, WeightedMean,
+                           mean_as, weighted_sums)
 from rayfed.registry import register_method
 from rayfed.models import Backbone, build_task_model, num_blocks
 from rayfed.modules import dedicated_blocks
@@ -70,10 +71,10 @@ class FedYolo(Method):
         return LocalResult(result.state, {"shared": sent, "task_counts": {"counts": counts}}, result.train_loss)
 
     @property
-    def presums_uploads(self) -> bool:
+    def aggregation(self) -> WeightedMean | EachUpload:
         # The default keeps FedAvg's weighted mean, which actors may pre-sum; the privacy variant's
         # counts need every upload.
-        return not self.params.private_uploads
+        return EachUpload() if self.params.private_uploads else WeightedMean()
 
     def aggregate(self, server: ServerState, uploads: list[Upload]) -> ServerState:
         if not self.params.private_uploads:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rayfed.architectures import prefixed, unprefixed
-from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PublicPass, distillation_loss, proximal_penalty, same_answers
 
@@ -55,7 +55,7 @@ def personal_penalty(centre: TensorDict | None, mu: float):
 @register_method("perada")
 class PerAda(Method):
     Params = PerAdaParams
-    presums_uploads = False  # every client's own adapter is a teacher
+    aggregation = EachUpload()  # every client's own adapter is a teacher
     public_passes = 2  # the teachers' logits per architecture; then each architecture's distillation
 
     def __init__(self, params: PerAdaParams | None = None):

@@ -21,7 +21,7 @@ import torch
 
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PublicPass, distillation_loss, same_answers
 
@@ -76,7 +76,7 @@ def merged(average: TensorDict, task_vectors: Sequence[TensorDict], weights: Seq
 @register_method("takfl")
 class TAKFL(Method):
     Params = TAKFLParams
-    presums_uploads = False  # every client's own adapter is a teacher
+    aggregation = EachUpload()  # every client's own adapter is a teacher
     public_passes = 2  # teachers' and self outputs per architecture; then K distillations per student
 
     def __init__(self, params: TAKFLParams | None = None):

@@ -2,8 +2,9 @@
 
 What a driver script needs is importable from here: ``Simulation``, the config, the plug-in decorators
 (``register_method``, ``register_source``, ``register_partitioner``, ``register_backbone``,
-``register_client_model``, ``register_task_kind``) and the types plug-ins are written against (``Method``, ``Backbone``,
-``TaskKind``, ...). See ``docs/extending.md``.
+``register_client_model``, ``register_task_kind``), the types plug-ins are written against (``Method``, ``Backbone``,
+``TaskKind``, ...) and the ways uploads combine (``WeightedMean``, ``EachUpload``, ``Mixture``). See
+``docs/extending.md``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rayfed.registry import (
 from rayfed.version import __version__
 
 if TYPE_CHECKING:
+    from rayfed.aggregation import EachUpload, Mixture, WeightedMean
     from rayfed.config import RunConfig, load_config
     from rayfed.data.partition import PartitionRequest
     from rayfed.data.sources import ArrayDataset, SourceRequest
@@ -40,7 +42,8 @@ _LAZY = {
     "TrainableModule": "rayfed.models", "TaskKind": "rayfed.kinds",
     "ArrayDataset": "rayfed.data.sources", "SourceRequest": "rayfed.data.sources",
     "PartitionRequest": "rayfed.data.partition", "ClientContext": "rayfed.training", "Phase": "rayfed.training",
-    "Step": "rayfed.training",
+    "Step": "rayfed.training", "WeightedMean": "rayfed.aggregation", "EachUpload": "rayfed.aggregation",
+    "Mixture": "rayfed.aggregation",
 }  # fmt: skip
 
 __all__ = [

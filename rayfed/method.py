@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from rayfed.aggregation import (ROWS, Aggregation, EachUpload, MixedRows, Mixture, PartialSum, Upload, WeightedMean,
+                                mean_as, presum, weighted_mean, weighted_sums)
 from rayfed.errors import ConfigError
-from rayfed.types import ClientState, Loss, ServerState, TensorDict, tensor_bytes, tensor_params, tensors_to
+from rayfed.types import ClientState, Loss, ServerState, TensorDict, tensor_bytes, tensor_params
 
 if TYPE_CHECKING:
     from rayfed.config import ModelConfig
@@ -28,57 +30,15 @@ if TYPE_CHECKING:
     from rayfed.tasks import Task
     from rayfed.training import ClientContext, PreFederation, PublicPass
 
-__all__ = ["ClientState", "LocalResult", "Method", "MethodOutputError", "NoParams", "NonFiniteError", "PartialSum",
-           "ServerState", "TensorDict", "Upload", "check_tensors", "largest_magnitudes", "nonfinite_names",
-           "post_fl_steps", "post_train_views", "presum", "stored_views", "tensor_bytes", "tensor_params",
-           "tensor_specs", "weighted_mean", "weighted_sums"]
+__all__ = ["ClientState", "EachUpload", "LocalResult", "Method", "MethodOutputError", "Mixture", "NoParams",
+           "NonFiniteError", "PartialSum", "ServerState", "TensorDict", "Upload", "WeightedMean", "check_tensors",
+           "largest_magnitudes", "mean_as", "nonfinite_names", "post_fl_steps", "post_train_views", "presum",
+           "stored_views", "tensor_bytes", "tensor_params", "tensor_specs", "weighted_mean", "weighted_sums"]
 
 
 @dataclass(frozen=True)
 class NoParams:
     """For methods without hyperparameters."""
-
-
-@dataclass
-class Upload:
-    """What one client sends to the server in one round."""
-
-    client_id: int
-    num_samples: int
-    tensors: dict[str, TensorDict]
-    train_loss: Loss
-    weight_scale: float = 1.0  # < 1 for a late upload that the system config down-weights
-    # Set on a partial sum made on an actor (see presum): ``tensors`` then hold, per tensor, the float64
-    # sum of weight * value over the actor's clients, and ``weight_sums`` the sum of their weights.
-    weight_sums: dict[str, dict[str, float]] | None = None
-    dtypes: dict[str, dict[str, torch.dtype]] | None = None
-
-    @property
-    def weight(self) -> float:
-        return self.num_samples * self.weight_scale
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_bytes(self.tensors)
-
-    def under_server_names(self, architecture: str) -> Upload:
-        """This upload with its tensors named as the server names them (``<architecture>/<name>``;
-        unchanged in a run of one architecture)."""
-        if not architecture:
-            return self
-        name = f"{architecture}/{{}}".format
-        return dataclasses.replace(
-            self,
-            tensors={slot: {name(n): v for n, v in values.items()} for slot, values in self.tensors.items()},
-            weight_sums=None if self.weight_sums is None else
-            {slot: {name(n): w for n, w in values.items()} for slot, values in self.weight_sums.items()},
-            dtypes=None if self.dtypes is None else
-            {slot: {name(n): d for n, d in values.items()} for slot, values in self.dtypes.items()},
-        )
-
-    @property
-    def nparams(self) -> int:
-        return tensor_params(self.tensors)
 
 
 @dataclass
@@ -153,117 +113,6 @@ def nonfinite_names(magnitudes: Mapping[int, tuple[list[str], torch.Tensor | Non
     return {key: names for key, names in found.items() if names}
 
 
-def weighted_sums(uploads: Sequence[Upload], slot: str) -> tuple[TensorDict, dict[str, float]]:
-    """Per tensor of one slot: the float64 sum of weight * value and the sum of weights, in client-id order.
-
-    Each tensor is summed over the uploads that contain it (a per-task head over that task's clients
-    only). Products of float32 values and sample counts are exact in float64, and grouping the sums
-    differently (pre-summed per actor, see :func:`presum`) moves them only far below float32
-    precision: the packing tests check that the float32 means come out bitwise equal. A sum may be a
-    pre-summed upload's own tensor (one actor's round): read it, never write to it.
-    """
-    sums: TensorDict = {}
-    totals: dict[str, float] = {}
-    borrowed: set[str] = set()
-    for upload in sorted(uploads, key=lambda u: u.client_id):
-        _add_weighted(sums, totals, borrowed, upload, slot)
-    return sums, totals
-
-
-def _add_weighted(sums: TensorDict, totals: dict[str, float], borrowed: set[str], upload: Upload, slot: str) -> None:
-    """Add one upload's weight * value (or a partial sum's sums) of ``slot`` into ``sums``, its weights into ``totals``.
-
-    A partial sum's tensor that starts a sum is taken as it is, its name put in ``borrowed``, and the next term
-    is added into a new tensor: with one actor a round, a copy of its whole sum (90 MB for an LLM's LoRA) is saved.
-    """
-    for name, value in upload.tensors.get(slot, {}).items():
-        if upload.weight_sums is None:
-            # Multiply, then add, as separate operations: the same float64 roundings on every device.
-            term, weight = value.to(torch.float64, copy=True).mul_(upload.weight), upload.weight
-        else:
-            term, weight = value, upload.weight_sums[slot][name]
-        if name not in sums:
-            sums[name] = term
-            if upload.weight_sums is not None:
-                borrowed.add(name)
-        elif name in borrowed:
-            sums[name] = sums[name] + term
-            borrowed.discard(name)
-        else:
-            sums[name].add_(term)  # in place: this runs once per client and tensor every round
-        totals[name] = totals.get(name, 0.0) + weight
-
-
-def weighted_mean(uploads: Sequence[Upload], slot: str) -> TensorDict:
-    """Sample-count weighted mean of one upload slot, each tensor over the uploads that contain it."""
-    sums, totals = weighted_sums(uploads, slot)
-    dtypes: dict[str, torch.dtype] = {}
-    for upload in uploads:
-        dtypes.update(_dtypes(upload, slot))
-    return {name: mean_as(total, totals[name], dtypes[name]) for name, total in sums.items()}
-
-
-def mean_as(total: torch.Tensor, weight: float, dtype: torch.dtype) -> torch.Tensor:
-    """``(total / weight).to(dtype)``, the same values, in one pass over the tensor for a floating ``dtype``
-    (computed at ``total``'s precision and rounded once, as the two steps do)."""
-    if not dtype.is_floating_point:
-        return (total / weight).to(dtype)
-    return torch.div(total, weight, out=torch.empty(total.shape, dtype=dtype, device=total.device))
-
-
-def _dtypes(upload: Upload, slot: str) -> dict[str, torch.dtype]:
-    """The dtypes the clients' tensors of ``slot`` had (a partial sum holds float64 sums of them)."""
-    if upload.dtypes:
-        return upload.dtypes.get(slot, {})
-    return {name: value.dtype for name, value in upload.tensors.get(slot, {}).items()}
-
-
-class PartialSum:
-    """One actor's uploads of a round summed as they come (see :func:`presum`), in client-id order.
-
-    Adding each upload as soon as it is made keeps one float64 sum rather than every upload, on the
-    device where the uploads were trained; :meth:`upload` then moves it to the host in one go.
-    """
-
-    def __init__(self) -> None:
-        self.sums: dict[str, TensorDict] = {}
-        self.borrowed: dict[str, set[str]] = {}  # see _add_weighted
-        self.weights: dict[str, dict[str, float]] = {}
-        self.dtypes: dict[str, dict[str, torch.dtype]] = {}
-        self.client_ids: list[int] = []
-        self.num_samples = 0
-
-    def add(self, upload: Upload) -> None:
-        if self.client_ids and upload.client_id <= self.client_ids[-1]:
-            raise ValueError(
-                f"PartialSum.add: client {upload.client_id} after client {self.client_ids[-1]}; uploads are "
-                "summed in increasing client-id order, the order weighted_sums adds them in."
-            )
-        for slot in upload.tensors:
-            _add_weighted(self.sums.setdefault(slot, {}), self.weights.setdefault(slot, {}),
-                          self.borrowed.setdefault(slot, set()), upload, slot)
-            self.dtypes.setdefault(slot, {}).update(_dtypes(upload, slot))
-        self.client_ids.append(upload.client_id)
-        self.num_samples += upload.num_samples
-
-    def upload(self, device: torch.device | str | None = None) -> Upload:
-        """The partial sum as one upload, its tensors moved to ``device`` (None: where they are)."""
-        return Upload(
-            client_id=self.client_ids[0], num_samples=self.num_samples,
-            tensors={slot: self.sums[slot] if device is None else tensors_to(self.sums[slot], device)
-                     for slot in sorted(self.sums)},
-            train_loss=float("nan"), weight_sums=self.weights, dtypes=self.dtypes,
-        )
-
-
-def presum(uploads: Sequence[Upload]) -> Upload:
-    """One actor's uploads of a round as one partial sum, for methods whose aggregate is a weighted mean."""
-    partial = PartialSum()
-    for upload in sorted(uploads, key=lambda u: u.client_id):
-        partial.add(upload)
-    return partial.upload()
-
-
 class Method:
     """Base class: FedAvg semantics over the parameters :meth:`is_shared` selects.
 
@@ -276,11 +125,12 @@ class Method:
     pre_federation_stage: ClassVar[bool] = False
     """Whether :meth:`pre_federation` runs before round 1, once per architecture, on an actor holding that
     architecture's model (e.g. aligning adapters on public data); declared, never inferred."""
-    presums_uploads: ClassVar[bool] = True
-    """Whether :meth:`aggregate` is a function of the uploads' per-tensor weighted sums (``weighted_sums`` /
-    ``weighted_mean``), which actors may then pre-sum as uploads come (:func:`presum`); a method that needs
-    every client's own upload (per-client weights, counts of uploads, relevance between clients) sets False.
-    Declared by each method, never inferred."""
+    aggregation: ClassVar[Aggregation] = WeightedMean()
+    """How the uploads combine (:mod:`rayfed.aggregation`), which decides what the engine keeps and sends:
+    :class:`WeightedMean` (:meth:`aggregate` reads only the uploads' per-tensor weighted sums, which the actors then
+    pre-sum), :class:`EachUpload` (it reads every client's own upload) or :class:`Mixture` (the engine keeps every
+    client's latest upload and sends each client its own mix of them, by a weight matrix that :meth:`aggregate`
+    computes). Declared by each method, never inferred."""
     public_passes: ClassVar[int] = 0
     """How many server-side passes on public data follow each round's :meth:`aggregate` (e.g. distillation
     between architectures): pass p asks :meth:`public_request` for each architecture's request, runs
@@ -291,8 +141,15 @@ class Method:
     with other clients' (:mod:`rayfed.batching`): a hook that changes the model's own settings (an adapter mix, an
     active view) before such a call sets False, as those settings would not be its own while the batch trains."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "presums_uploads" in vars(cls):
+            raise TypeError(f"{cls.__name__} sets presums_uploads, which rayfed no longer reads: declare aggregation = "
+                            "rayfed.WeightedMean() instead of True, or rayfed.EachUpload() instead of False.")
+
     def __init__(self, params: Any = None):
         self.params = params if params is not None else self.Params()
+        self.mixed_rows: MixedRows | None = None  # a Mixture's rows index, built by init_server
         # Facts of the run, set once when the run builds the method: the federation's size, its tasks, the
         # number of rounds and every client's architecture (all "" in a run of one).
         self.num_clients = 0
@@ -359,6 +216,11 @@ class Method:
 
     # Server side -----------------------------------------------------------------------
     def init_server(self, initial_shared: TensorDict) -> ServerState:
+        """The server state before round 1. Default: ``global``, the initial shared tensors; with a
+        :class:`Mixture`, its rows (``stacks``), every client's at its architecture's initial values."""
+        if isinstance(self.aggregation, Mixture):
+            self.mixed_rows = MixedRows(self.aggregation, self.architecture_of, initial_shared, type(self).__name__)
+            return {ROWS: self.mixed_rows.initial_rows(initial_shared)}
         return {"global": initial_shared}
 
     def pre_federation(self, stage: PreFederation) -> TensorDict:
@@ -373,8 +235,11 @@ class Method:
         return server
 
     def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
-        """The new server state from the round's uploads (per actor one partial sum of them when
-        :attr:`presums_uploads`, else every client's own). Default: each tensor's sample-weighted mean."""
+        """The new server state from the round's uploads (per actor one partial sum of them with a
+        :class:`WeightedMean`, else every client's own). Default: each tensor's sample-weighted mean; with a
+        :class:`Mixture`, the state as it is (the engine has written the uploads into their rows)."""
+        if isinstance(self.aggregation, Mixture):
+            return server
         with_shared = [u for u in uploads if u.tensors.get("shared")]
         if not with_shared:
             return server
@@ -395,7 +260,12 @@ class Method:
         return server
 
     def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
-        """What client ``client_id`` receives from the server (None = nothing)."""
+        """What client ``client_id`` receives from the server (None = nothing). Default: ``global``; with a
+        :class:`Mixture`, the client's own mix of every client's rows."""
+        if isinstance(self.aggregation, Mixture):
+            if self.mixed_rows is None:
+                raise RuntimeError(f"{type(self).__name__}.payload: init_server has not run on this method object.")
+            return self.mixed_rows.payload(server, client_id)
         return server.get("global") or None
 
 

@@ -12,6 +12,7 @@ import torch
 
 from rayfed.actors.client import ClientActor, RoundUploads
 from rayfed.actors.driver import DriverActor
+from rayfed.aggregation import presums
 from rayfed.config import ModelConfig, load_config
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
@@ -202,8 +203,8 @@ def test_private_uploads_send_every_tasks_slots_and_give_the_same_parameters(tin
     assert all(torch.equal(default[n], value) for n, value in _trajectory(_multitask_run(copy.deepcopy(tiny_run), tasks, [private])).items())
     run = _multitask_run(copy.deepcopy(tiny_run), tasks, [private])
     actor = ClientActor(load_config(run).to_dict(), [0, 3])
-    assert not method_class("fedyolo")(FedYoloParams(private_uploads=True)).presums_uploads
-    assert method_class("fedyolo")(FedYoloParams()).presums_uploads  # the default still pre-sums on actors
+    assert not presums(method_class("fedyolo")(FedYoloParams(private_uploads=True)).aggregation)
+    assert presums(method_class("fedyolo")(FedYoloParams()).aggregation)  # the default still pre-sums on actors
     everything = actor.start_method(0)
     sent = actor.train(0, [0, 3], {0: task_view(everything, 0), 3: task_view(everything, 1)})
     for upload, own in zip(sent, (0, 1)):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rayfed.actors.client import ClientActor
+from rayfed.aggregation import EachUpload, presums
 from rayfed.config import load_config
 from rayfed.method import Method, PartialSum, Upload, mean_as, presum, weighted_mean
 from rayfed.types import ReadOnlyTensors, states_to, tensors_to
@@ -124,15 +125,22 @@ def test_a_mean_rounds_once_from_float64_as_dividing_then_casting_does(dtype):
     assert mean.dtype == dtype and torch.equal(mean, (total / 7.0).to(dtype))
 
 
-def test_pre_summing_is_what_each_method_declares():
+def test_pre_summing_is_what_each_method_declares_and_the_old_flag_is_refused_in_one_sentence():
     class CountsUploads(Method):
-        presums_uploads = False
+        aggregation = EachUpload()
 
         def aggregate(self, server, uploads):
             return server
 
-    assert method_class("fedavg")().presums_uploads and method_class("ditto")().presums_uploads
-    assert not method_class("feddyn")().presums_uploads and not CountsUploads().presums_uploads
+    assert presums(method_class("fedavg")().aggregation) and presums(method_class("ditto")().aggregation)
+    assert not presums(method_class("feddyn")().aggregation) and not presums(CountsUploads().aggregation)
+    assert not presums(method_class("fedmosaic")().aggregation)
+    with pytest.raises(TypeError, match=r"^Legacy sets presums_uploads, which rayfed no longer reads: declare "
+                                        r"aggregation = rayfed\.WeightedMean\(\) instead of True, or "
+                                        r"rayfed\.EachUpload\(\) instead of False\.$"):
+        type("Legacy", (Method,), {"presums_uploads": False})
+    with pytest.raises(TypeError, match="Method.aggregation is a bool; it must be a rayfed.aggregation WeightedMean"):
+        presums(True)
 
 
 @pytest.mark.parametrize("packing", [[0], [0, 1]])

@@ -292,6 +292,16 @@ def _results(cwd: Path) -> dict:
     return out
 
 
+def numbers_at_packings(script: str, overrides: list[str], tmp_path: Path, monkeypatch) -> list:
+    """The script's numbers in this process with one client per actor, then with four."""
+    numbers = []
+    for packing in ("1", "4"):
+        cwd = tmp_path / packing
+        _run_script(script, [*overrides, f"placement.clients_per_actor={packing}"], cwd, monkeypatch)
+        numbers.append(_results(cwd))
+    return numbers
+
+
 def _numbers_on_ray_and_in_process(script: str, overrides: list[str], tmp_path: Path, monkeypatch, capsys) -> list:
     """The script's numbers on one Ray actor hosting all 4 clients, then on 2 actors of 2 clients in its process."""
     numbers = []
@@ -334,11 +344,7 @@ def test_the_scaffold_example_gives_the_same_numbers_at_any_packing(tmp_path, mo
     clients train again in round 2 from the c_i they kept. (Ray against in-process for a driver script's method:
     test_an_example_runs_and_packing_does_not_change_its_numbers.)"""
     overrides = [*SHORT, "federation.clients_per_round=3", "methods=[scaffold]", "placement.executor=local"]
-    numbers = []
-    for packing in ("1", "4"):
-        cwd = tmp_path / packing
-        _run_script("scaffold.py", [*overrides, f"placement.clients_per_actor={packing}"], cwd, monkeypatch)
-        numbers.append(_results(cwd))
+    numbers = numbers_at_packings("scaffold.py", overrides, tmp_path, monkeypatch)
     assert numbers[0] == numbers[1]
     assert "scaffold: local_acc" in capsys.readouterr().out
 

@@ -1,0 +1,79 @@
+"""RELA's pieces for FedMosaic (``methods/fedmosaic.py``, ``docs/fedmosaic.md``, §2): the gradient of one frozen
+linear layer that each client shares, and the relevance weights the server turns those gradients into."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from rayfed import pqlora
+from rayfed.errors import ConfigError
+
+
+def linear_weight_gradient(run: Callable[[], torch.Tensor], layer: nn.Linear) -> torch.Tensor:
+    """The gradient of ``run()`` (a loss) with respect to ``layer``'s weight, with every parameter frozen: the
+    layer's output is made the one leaf that needs a gradient, and ``dL/dW = sum_tokens dL/dy x^T``."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(module, args, output):
+        captured["x"] = args[0].detach()
+        captured["y"] = output.detach().requires_grad_(True)
+        return captured["y"].view_as(output)  # not the leaf itself: FLOP counting hooks every module's output
+
+    handle = layer.register_forward_hook(hook)
+    try:
+        with torch.enable_grad():
+            loss = run()
+            (grad_y,) = torch.autograd.grad(loss, captured["y"])
+    finally:
+        handle.remove()
+    return grad_y.flatten(0, -2).float().T @ captured["x"].flatten(0, -2).float()
+
+
+def last_linear(encoder: nn.Module, scope: str | None, which: str) -> nn.Linear:
+    """The frozen linear layer RELA differentiates: the last decoder layer's ``down_proj`` or the LM head."""
+    if which == "lm_head":
+        head = encoder.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            raise ConfigError("methods (fedmosaic).last_layer = 'lm_head' needs a model with a linear LM head.")
+        return head
+    _, layers = pqlora.decoder_layers(encoder, scope)
+    for name, module in layers[-1].named_modules():
+        if name.endswith("down_proj"):
+            return module.base if isinstance(module, pqlora.AdaptedLinear) else module
+    raise ConfigError("methods (fedmosaic).last_layer = 'down_proj': the last decoder layer has no down_proj; use lm_head.")
+
+
+def relevance_weights(gradients: torch.Tensor, present: torch.Tensor, tau: float,
+                      self_weight: str = "include") -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 4: ``S_ij = cos(g_i, g_j)`` and ``w_ij = exp(S_ij / tau) / sum_n exp(S_in / tau)`` over the clients that
+    have sent a gradient (``present``), n = i included; ``exclude``: over n != i, so ``w_ii = 0``, except for a
+    client that is the only one with a gradient, which keeps its own adapter (``w_ii = 1``). A client that has not
+    sent a gradient weighs those that have equally (itself not among them). A zero gradient has cosine 0 with
+    every gradient, itself included."""
+    clients = len(gradients)
+    cosine = torch.zeros(clients, clients)
+    weights = torch.zeros(clients, clients)
+    sent = gradients[present].double()
+    unit = sent / sent.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    similarity = unit @ unit.T
+    rows = torch.nonzero(present).flatten()
+    cosine[rows.unsqueeze(1), rows] = similarity.float()
+    logits = similarity / tau
+    if self_weight == "exclude" and len(rows) > 1:
+        logits.fill_diagonal_(-math.inf)
+    weights[rows.unsqueeze(1), rows] = torch.softmax(logits, dim=1).float()
+    weights[~present] = 0.0
+    weights[~present.unsqueeze(1).expand(-1, clients) & present.unsqueeze(0)] = 1.0 / max(int(present.sum()), 1)
+    return cosine, weights
+
+
+def equal_weights(clients: int, self_weight: str) -> torch.Tensor:
+    """Each of ``clients`` clients' equal weights over them all, or (``exclude``) over the others; one client alone
+    keeps its own adapter."""
+    if self_weight == "include" or clients == 1:
+        return torch.full((clients, clients), 1.0 / clients)
+    return torch.full((clients, clients), 1.0 / (clients - 1)).fill_diagonal_(0.0)

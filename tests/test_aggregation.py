@@ -1,0 +1,112 @@
+"""The engine's per-client mixture (rayfed.aggregation.Mixture) on hand-made uploads: the rows it keeps, each client's
+weighted sum of them, within an architecture and, for the groups a method names, across architectures."""
+
+from __future__ import annotations
+
+import ast
+import copy
+
+import pytest
+import torch
+
+from rayfed.actors.client import RoundUploads
+from rayfed.actors.driver import DriverActor
+from rayfed.aggregation import Mixture
+from rayfed.config import load_config
+from rayfed.errors import ConfigError
+from rayfed.method import Method, Upload, build_method
+
+from test_plugins import ROOT, SHORT, numbers_at_packings
+
+# Rows of exact binary fractions: every weighted sum below is exact in float32.
+W = torch.tensor([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0], [0.25, 0.25, 0.5]])
+
+
+class FixedMixture(Method):
+    """A mixture by the fixed matrix W; ``p`` and ``q`` form one group across architectures."""
+
+    aggregation = Mixture(weights="mix/w", across=lambda names: {n: "pq" for n in names if n in ("p", "q")})
+
+    def init_server(self, initial_shared):
+        return {**super().init_server(initial_shared), "mix": {"w": W.clone()}}
+
+
+# Clients 0, 1 of architecture a, client 2 of b.
+TWO = {"a": {"clients": [0, 1], "backbone": "tiny:vit"}, "b": {"clients": [2], "backbone": "tiny:vit"}}
+
+
+def _driver(tiny_run: dict, initial: dict[str, dict[str, torch.Tensor]]) -> DriverActor:
+    """A driver of 3 clients running FixedMixture from ``initial`` (per architecture: ``""`` alone, or a and b)."""
+    run = copy.deepcopy(tiny_run)
+    run["data"]["num_clients"] = 3
+    run["methods"] = [{"name": FixedMixture}]
+    if "" not in initial:
+        run["architectures"] = TWO
+    config = load_config(run)
+    architecture_of = ["", "", ""] if "" in initial else ["a", "a", "b"]
+    driver = DriverActor(config, [build_method(config.methods[0], 0, num_clients=3, architecture_of=architecture_of)])
+    names = list(initial)
+    driver.start_method(0, names, *initial.values(), *({} for _ in names))
+    return driver
+
+
+def _round(driver: DriverActor, uploads: dict[int, dict[str, torch.Tensor]]) -> None:
+    sent = [Upload(cid, 1, {"shared": tensors}, 0.0) for cid, tensors in uploads.items()]
+    driver.aggregate(RoundUploads(sent, 0, 0, {cid: 0.0 for cid in uploads}))
+
+
+def test_each_client_receives_its_row_of_w_times_the_latest_uploads(tiny_run):
+    driver = _driver(tiny_run, {"": {"w": torch.zeros(2)}})
+    x = {0: torch.tensor([4.0, -8.0]), 1: torch.tensor([2.0, 6.0]), 2: torch.tensor([16.0, 0.5])}
+    before = driver.payloads([0, 1, 2], count_bytes=False)
+    assert all(torch.equal(before[c]["w"], torch.zeros(2)) for c in range(3))  # every row at the initial value
+    _round(driver, {c: {"w": x[c]} for c in range(3)})
+    payloads = driver.payloads([0, 1, 2], count_bytes=False)
+    for i in range(3):
+        assert torch.equal(payloads[i]["w"], sum(W[i, j] * x[j] for j in range(3))), i
+    assert torch.equal(driver.get_state()["stacks"]["w"], torch.stack([x[0], x[1], x[2]]))
+    _round(driver, {1: {"w": torch.tensor([1.0, 1.0])}})  # only client 1 trains: the others' rows stay
+    x[1] = torch.tensor([1.0, 1.0])
+    payloads = driver.payloads([0, 1, 2], count_bytes=False)
+    for i in range(3):
+        assert torch.equal(payloads[i]["w"], sum(W[i, j] * x[j] for j in range(3))), i
+
+
+def test_across_architectures_only_a_named_group_mixes_and_the_rest_mixes_within_renormalized(tiny_run):
+    """``w`` (a: 2 wide, b: 3 wide) mixes within each architecture; ``p`` of a and ``q`` of b form one group over all
+    three clients."""
+    driver = _driver(tiny_run, {"a": {"w": torch.zeros(2), "p": torch.zeros(2)},
+                                "b": {"w": torch.zeros(3), "q": torch.ones(2)}})
+    before = driver.payloads([0], count_bytes=False)[0]["p"]
+    assert torch.equal(before, torch.tensor([0.25, 0.25]))  # W_02 times b's initial q, the others' p being 0
+    w = {0: torch.tensor([4.0, 8.0]), 1: torch.tensor([2.0, -2.0]), 2: torch.tensor([1.0, 2.0, 3.0])}
+    pq = {0: torch.tensor([8.0, 0.0]), 1: torch.tensor([0.0, 4.0]), 2: torch.tensor([-4.0, 16.0])}
+    _round(driver, {0: {"w": w[0], "p": pq[0]}, 1: {"w": w[1], "p": pq[1]}, 2: {"w": w[2], "q": pq[2]}})
+    payloads = driver.payloads([0, 1, 2], count_bytes=False)
+    assert set(payloads[0]) == set(payloads[1]) == {"w", "p"} and set(payloads[2]) == {"w", "q"}
+    for i, shared in ((0, "p"), (1, "p"), (2, "q")):
+        assert torch.equal(payloads[i][shared], sum(W[i, j] * pq[j] for j in range(3))), i
+    # within a: client 0's weights 0.5 and 0.25 over a's clients, renormalized to 2/3 and 1/3
+    assert torch.allclose(payloads[0]["w"], (2 * w[0] + w[1]) / 3)
+    assert torch.equal(payloads[1]["w"], w[1])
+    assert torch.equal(payloads[2]["w"], w[2])  # alone in b: its own row, whatever its weight on a's clients
+
+
+def test_a_group_that_an_architecture_lacks_or_holds_in_another_shape_is_refused_in_one_sentence(tiny_run):
+    with pytest.raises(ConfigError, match=r"^method 'FixedMixture' mixes group 'pq' across architectures, but "
+                                          r"architecture 'a' has no tensor of it; every architecture needs one"):
+        _driver(tiny_run, {"a": {"w": torch.zeros(2)}, "b": {"q": torch.zeros(2)}})
+    with pytest.raises(ConfigError, match=r"its tensors have shapes \(2,\), \(3,\); every architecture needs"):
+        _driver(tiny_run, {"a": {"p": torch.zeros(2)}, "b": {"q": torch.zeros(3)}})
+
+
+def test_the_fedamp_example_gives_the_same_numbers_at_1_and_at_4_clients_per_actor(tmp_path, monkeypatch, capsys):
+    """examples/fedamp.py, a user's mixture: the engine keeps every client's upload whatever the packing, so the
+    attention and each client's cloud model, and every number, are the same with one client per actor or four."""
+    overrides = [*SHORT, "federation.clients_per_round=3", "methods=[fedamp]", "placement.executor=local"]
+    numbers = numbers_at_packings("fedamp.py", overrides, tmp_path, monkeypatch)
+    assert numbers[0] == numbers[1]
+    assert "fedamp: local_acc" in capsys.readouterr().out
+    module = ast.parse((ROOT / "examples" / "fedamp.py").read_text())
+    classes = [node for node in module.body if isinstance(node, ast.ClassDef)]
+    assert sum(node.end_lineno - min(d.lineno for d in [node, *node.decorator_list]) + 1 for node in classes) <= 40
