@@ -19,6 +19,7 @@ from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.method import Method
 from rayfed.simulation import Simulation
+from rayfed.simulation.placement import fitted_slots
 from rayfed.tasks import sample_round
 
 TWO_SIZES = {
@@ -186,11 +187,10 @@ def test_the_resource_check_fits_unset_cpus_to_the_cluster_and_refuses_set_ones_
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     tiny_run["placement"] = {"clients_per_actor": 1}  # 4 ClientActors on 2 CPUs
     simulation = Simulation(tiny_run, out_dir=tmp_path, progress=False)
-    simulation._check_resources()
-    assert [slot.cpus for slot in simulation.slots] == [0.5] * 4
+    assert [slot.cpus for slot in fitted_slots(simulation.config)] == [0.5] * 4
     tiny_run["placement"]["cpus_per_actor"] = 1
     simulation = Simulation(tiny_run, out_dir=tmp_path, progress=False)
     with pytest.raises(ConfigError, match=r"^placement: 4 ClientActors x 1 CPU \(\+ 0 for the driver\) need 4 CPU but "
                                           r"the Ray cluster has 2; raise placement\.clients_per_actor or lower "
                                           r"placement\.cpus_per_actor\.$"):
-        simulation._check_resources()
+        fitted_slots(simulation.config)

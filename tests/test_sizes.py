@@ -12,9 +12,9 @@ MAX_CLASS_LINES = 250
 
 # Work left for issue 36: what is still over the limits. A split that brings one under fails the test until its entry
 # is removed here, so the lists only shrink.
-FILES_TO_SPLIT = {"rayfed/config.py", "rayfed/simulation.py", "rayfed/training.py", "rayfed/mome.py",
+FILES_TO_SPLIT = {"rayfed/config.py", "rayfed/training.py", "rayfed/mome.py",
                   "rayfed/data/multimodal.py", "methods/fedmosaic.py"}
-CLASSES_TO_SPLIT = {"rayfed/simulation.py:Simulation", "methods/fedmosaic.py:FedMosaic", "actors/client.py:ClientActor",
+CLASSES_TO_SPLIT = {"methods/fedmosaic.py:FedMosaic",
                     "rayfed/training.py:ClientContext"}
 
 

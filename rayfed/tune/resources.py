@@ -16,7 +16,7 @@ def trial_resources(config: RunConfig) -> ray_tune.PlacementGroupFactory:
 
     The head bundle is empty, so Tune runs the trial function itself in bundle 0 without
     reserving anything for it, next to the DriverActor; bundle ``i + 1`` is ClientActor ``i``
-    (the layout ``rayfed.simulation._placed`` uses). With ``placement.executor: local`` the trial's
+    (the layout ``rayfed.simulation.placement.placed`` uses). With ``placement.executor: local`` the trial's
     own process runs every actor, one after another: one bundle, as large as the largest actor's.
     """
     placement = config.placement
