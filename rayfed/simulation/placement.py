@@ -1,23 +1,43 @@
-"""Where the actors go: the ClientActors' slots fitted to the Ray cluster (or checked against a Ray Tune trial's
-placement group), each actor's Ray options, and which actor trains which of a round's clients."""
+"""Where the actors go: the ClientActors' slots (by client count or by cost) fitted to the Ray cluster (or checked
+against a Ray Tune trial's placement group), each actor's Ray options, and which actor trains which of a round's
+clients."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayfed.architectures import ActorSlot, actor_slots
-from rayfed.config import RunConfig
+from rayfed.architectures import ActorSlot, actor_slots, architecture_names, architecture_of
+from rayfed.config import RunConfig, architecture_model_config
+from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
+from rayfed.models import build_backbone
+from rayfed.training import local_steps
 
 
-def fitted_slots(config: RunConfig) -> list[ActorSlot]:
-    """The ClientActors' slots, once checked to fit the Ray cluster (or the Tune trial's placement group); outside a
-    trial, as fitted to the cluster (see :func:`actor_slots`)."""
+def planned_costs(config: RunConfig, num_train: Mapping[int, int] | None = None) -> list[float] | None:
+    """Each client's cost where ``placement.balance_by`` is ``cost`` (else None): the parameter count of its
+    architecture's backbone, built once here (the adapters a method adds are a small part, and differ by method),
+    times its local steps with its ``num_train`` training samples (default: counted on the federation built here)."""
+    if config.placement.balance_by != "cost":
+        return None
+    if num_train is None:
+        federation = build_federation(config.data, config.seed)
+        num_train = {cid: federation.sizes(cid)["num_train"] for cid in range(federation.num_clients)}
+    params = {name: sum(p.numel() for p in build_backbone(architecture_model_config(config, name), 0).encoder.parameters())
+              for name in architecture_names(config)}
+    of = architecture_of(config)
+    return [float(params[of[c]] * local_steps(config.train, num_train[c])) for c in range(config.data.num_clients)]
+
+
+def fitted_slots(config: RunConfig, costs: Sequence[float] | None = None) -> list[ActorSlot]:
+    """The ClientActors' slots (``costs``: see :func:`planned_costs`), once checked to fit the Ray cluster (or the Tune
+    trial's placement group); outside a trial, as fitted to the cluster (see :func:`actor_slots`)."""
     placement = config.placement
-    slots = actor_slots(config)
+    slots = actor_slots(config, costs=costs)
     group = ray.util.get_current_placement_group()
     if group is not None:  # a Ray Tune trial: the actors must fit the bundles placed() puts them in
         bundles = group.bundle_specs
@@ -36,7 +56,7 @@ def fitted_slots(config: RunConfig) -> list[ActorSlot]:
                 )
         return slots
     available = ray.cluster_resources()
-    slots = actor_slots(config, available.get("CPU", 0.0) - placement.driver_cpus)
+    slots = actor_slots(config, available.get("CPU", 0.0) - placement.driver_cpus, costs)
     for resource, extra in (("CPU", placement.driver_cpus), ("GPU", 0.0)):
         per_actor = [slot.cpus if resource == "CPU" else slot.gpus for slot in slots]
         needed = sum(per_actor) + extra

@@ -27,7 +27,7 @@ from rayfed.io import atomic_write_json
 from rayfed.run_methods import run_methods
 from rayfed.simulation.actors import RunActors
 from rayfed.simulation.nonfinite import NonfiniteCheck
-from rayfed.simulation.placement import fitted_slots
+from rayfed.simulation.placement import fitted_slots, planned_costs
 from rayfed.simulation.preflight import check_model
 from rayfed.simulation.ray_setup import import_plugin_modules, init_ray, is_actor_failure, unwrap_actor_error
 from rayfed.simulation.results import MetricsLog, mean_std, method_results, run_summary
@@ -161,12 +161,13 @@ class Simulation:
     def _start_executor(self) -> bool:
         """The executor and the actors' slots (fitted to the Ray cluster); whether this run started Ray."""
         local = self.config.placement.executor == "local"
+        costs = planned_costs(self.config, self.num_train)
         self.executor = LocalExecutor() if local else RayExecutor()
         owns_ray = not local and init_ray(self.config)
-        slots = actor_slots(self.config)
+        slots = actor_slots(self.config, costs=costs)
         if not local:
             try:
-                slots = fitted_slots(self.config)
+                slots = fitted_slots(self.config, costs)
             except Exception:
                 if owns_ray:
                     ray.shutdown()
