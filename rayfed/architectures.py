@@ -9,7 +9,9 @@ are. A run without ``architectures:`` has one architecture, ``""``, and no prefi
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -42,9 +44,14 @@ def architecture_of(config: RunConfig) -> list[str]:
     return [owner[client] for client in range(config.data.num_clients)]
 
 
-def actor_slots(config: RunConfig, cpus_free: float | None = None) -> list[ActorSlot]:
+def actor_slots(config: RunConfig, cpus_free: float | None = None,
+                costs: Sequence[float] | None = None) -> list[ActorSlot]:
     """The run's ClientActors: per architecture (in config order), its clients in id order, packed by
     ``clients_per_actor``.
+
+    With each client's ``costs`` (``placement.balance_by: cost``) there are as many actors, but shared out over the
+    architectures in proportion to their clients' total cost (:func:`cost_shares`), and each architecture's clients
+    are cut, in id order, into runs of about equal cost (:func:`equal_cost_runs`).
 
     An actor whose config leaves ``cpus_per_actor`` unset asks for 1 CPU, or, given the ``cpus_free`` of the
     Ray cluster (less the driver's), for an equal share of what the actors that set it leave, if that is less.
@@ -58,6 +65,12 @@ def actor_slots(config: RunConfig, cpus_free: float | None = None) -> list[Actor
         gpus = group.gpus_per_actor if group and group.gpus_per_actor is not None else placement.gpus_per_actor
         ids = [client for client in range(config.data.num_clients) if of[client] == name]
         groups.append((name, [tuple(ids[i:i + per_actor]) for i in range(0, len(ids), per_actor)], cpus, gpus))
+    if costs is not None:
+        clients = {name: [c for chunk in chunks for c in chunk] for name, chunks, _, _ in groups}
+        shares = cost_shares({name: [costs[c] for c in ids] for name, ids in clients.items()},
+                             sum(len(chunks) for _, chunks, _, _ in groups))
+        groups = [(name, equal_cost_runs(clients[name], costs, shares[name]), cpus, gpus)
+                  for name, _, cpus, gpus in groups]
     unset = sum(len(chunks) for _, chunks, cpus, _ in groups if cpus is None)
     share = 1.0
     if unset and cpus_free is not None:
@@ -66,6 +79,33 @@ def actor_slots(config: RunConfig, cpus_free: float | None = None) -> list[Actor
         share = min(share, fitted) if fitted > 0 else share  # nothing left: the resource check says so
     return [ActorSlot(name, chunk, share if cpus is None else cpus, gpus)
             for name, chunks, cpus, gpus in groups for chunk in chunks]
+
+
+def cost_shares(costs: dict[str, list[float]], actors: int) -> dict[str, int]:
+    """``actors`` shared out over the groups of client ``costs`` (architectures, in order): one each, then each next
+    one to the group whose actors carry the most cost each, among those with more clients than actors (ties: the
+    first group). So the costliest actor carries as little as the count allows."""
+    shares = dict.fromkeys(costs, 1)
+    totals = {name: sum(group) for name, group in costs.items()}
+    for _ in range(actors - len(costs)):
+        open_groups = [name for name in costs if shares[name] < len(costs[name])]
+        if not open_groups:
+            break
+        shares[max(open_groups, key=lambda name: totals[name] / shares[name])] += 1
+    return shares
+
+
+def equal_cost_runs(client_ids: list[int], costs: Sequence[float], parts: int) -> list[tuple[int, ...]]:
+    """``client_ids`` cut, in order, into ``parts`` non-empty runs of about equal cost: the ``k``-th cut where the
+    running cost comes nearest to ``k / parts`` of the whole (the earlier cut on a tie)."""
+    running = list(itertools.accumulate(costs[c] for c in client_ids))
+    cuts = [0]
+    for k in range(1, parts):
+        target = running[-1] * k / parts
+        ends = range(cuts[-1] + 1, len(client_ids) - (parts - k) + 1)
+        cuts.append(min(ends, key=lambda end: (abs(running[end - 1] - target), end)))
+    cuts.append(len(client_ids))
+    return [tuple(client_ids[start:end]) for start, end in zip(cuts, cuts[1:])]
 
 
 def prefixed(tensors: dict[str, T], architecture: str) -> dict[str, T]:

@@ -468,6 +468,11 @@ class PlacementConfig(_Section):
         True, description="spread each round's sampled clients evenly over the actors of their architecture (a "
         "client's state moves to another actor for the round); the numbers do not change"
     )
+    balance_by: Literal["clients", "cost"] = Field(
+        "clients", description="how the ClientActors share out the clients: clients_per_actor each, or by cost (a "
+        "client's: its architecture's parameter count x its local steps): as many actors, shared out over the "
+        "architectures in proportion to their clients' cost, each cut into runs of equal cost; the numbers do not change"
+    )
     strategy: Literal["DEFAULT", "SPREAD"] = Field("DEFAULT", description="how Ray places ClientActors on nodes")
     cpus_per_actor: float | None = Field(
         None, gt=0, description="CPUs a ClientActor asks Ray for; unset: 1, or an equal share of the Ray cluster's "

@@ -19,6 +19,7 @@ from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.method import Method
 from rayfed.simulation import Simulation
+from rayfed.simulation.placement import fitted_slots
 from rayfed.tasks import sample_round
 
 TWO_SIZES = {
@@ -186,11 +187,71 @@ def test_the_resource_check_fits_unset_cpus_to_the_cluster_and_refuses_set_ones_
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     tiny_run["placement"] = {"clients_per_actor": 1}  # 4 ClientActors on 2 CPUs
     simulation = Simulation(tiny_run, out_dir=tmp_path, progress=False)
-    simulation._check_resources()
-    assert [slot.cpus for slot in simulation.slots] == [0.5] * 4
+    assert [slot.cpus for slot in fitted_slots(simulation.config)] == [0.5] * 4
     tiny_run["placement"]["cpus_per_actor"] = 1
     simulation = Simulation(tiny_run, out_dir=tmp_path, progress=False)
     with pytest.raises(ConfigError, match=r"^placement: 4 ClientActors x 1 CPU \(\+ 0 for the driver\) need 4 CPU but "
                                           r"the Ray cluster has 2; raise placement\.clients_per_actor or lower "
                                           r"placement\.cpus_per_actor\.$"):
-        simulation._check_resources()
+        fitted_slots(simulation.config)
+
+
+def test_packing_by_cost_gives_a_costlier_architecture_more_actors_and_cuts_runs_of_equal_cost():
+    """Eight clients of a 3x costlier model (3B beside 1B) and eight of the smaller one: the four actors that
+    clients_per_actor gives carry costs 12, 12, 4, 4 by count, but 8, 9, 6, 9 by cost."""
+    run = copy.deepcopy(TWO_SIZES)
+    run["data"]["num_clients"] = 16
+    run["architectures"]["small"]["clients"], run["architectures"]["large"]["clients"] = list(range(8)), list(range(8, 16))
+    run["placement"]["clients_per_actor"] = 4
+    config = load_config(run)
+    costs = [1.0] * 8 + [3.0] * 8
+
+    def loads(slots):
+        return [sum(costs[c] for c in slot.client_ids) for slot in slots]
+
+    assert loads(actor_slots(config)) == [4, 4, 12, 12]
+    by_cost = actor_slots(config, costs=costs)
+    assert [(slot.architecture, slot.client_ids) for slot in by_cost] == [
+        ("small", tuple(range(8))), ("large", (8, 9, 10)), ("large", (11, 12)), ("large", (13, 14, 15))]
+    assert loads(by_cost) == [8, 9, 6, 9]
+    assert [slot.cpus for slot in by_cost] == [0.5] * 4  # each architecture's resources, as by count
+
+
+def test_a_clients_cost_is_its_backbones_parameters_times_its_local_steps(tiny_run):
+    from rayfed.config import architecture_model_config
+    from rayfed.models import build_backbone
+    from rayfed.simulation.placement import planned_costs
+
+    assert planned_costs(load_config(tiny_run)) is None  # packing by count, the default, measures nothing
+    run = {**tiny_run, "architectures": {"vit": {"clients": [0, 1], "backbone": "tiny:vit"},
+                                         "clip": {"clients": [2, 3], "backbone": "tiny:clip-vision"}}}
+    run["placement"]["balance_by"] = "cost"
+    run["train"].update(local_epochs=1, batch_size=8)  # steps: one per 8 samples
+    config = load_config(run)
+    costs = planned_costs(config, {0: 8, 1: 16, 2: 8, 3: 24})
+    params = {name: sum(p.numel() for p in build_backbone(architecture_model_config(config, name), 0).encoder.parameters())
+              for name in ("vit", "clip")}
+    assert params["vit"] != params["clip"]
+    assert costs == [params["vit"], 2 * params["vit"], params["clip"], 3 * params["clip"]]
+
+
+def test_packing_by_cost_changes_the_actors_but_not_a_number(tiny_run, tmp_path):
+    run = {**tiny_run, "architectures": {"vit": {"clients": [0, 1, 2], "backbone": "tiny:vit"},
+                                         "clip": {"clients": [3, 4, 5], "backbone": "tiny:clip-vision"}}}
+    run["data"]["num_clients"] = 6
+    run["federation"].update(rounds=2, clients_per_round=6)
+    run["placement"].update(executor="local", clients_per_actor=2)
+    by_count = Simulation(run, out_dir=tmp_path / "count", progress=False)
+    run["placement"]["balance_by"] = "cost"
+    by_cost = Simulation(run, out_dir=tmp_path / "cost", progress=False)
+    seen = {}
+
+    def record(sim, label, rounds_done):
+        seen[sim.run_dir.name] = [(slot.architecture, slot.client_ids) for slot in sim.run_actors.slots]
+
+    by_count.callbacks = by_cost.callbacks = [record]
+    count_summary, cost_summary = by_count.run(), by_cost.run()
+    assert seen["count"] == [("vit", (0, 1)), ("vit", (2,)), ("clip", (3, 4)), ("clip", (5,))]
+    assert seen["cost"] != seen["count"]
+    assert cost_summary["methods"] == count_summary["methods"]
+    assert cost_summary["comm_bytes"] == count_summary["comm_bytes"]

@@ -15,7 +15,7 @@ from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.method import MethodOutputError, NonFiniteError
 from rayfed.methods.fedavg import FedAvg
-from rayfed.simulation import Simulation, _mean_std
+from rayfed.simulation import Simulation, mean_std
 
 
 def _broadcastable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -123,10 +123,10 @@ def test_on_nonfinite_is_validated(tiny_run):
 
 
 def test_a_mean_leaves_non_finite_values_out():
-    means, stds = _mean_std({0: {"local_acc": 0.5, "num_test": 3}, 1: {"local_acc": math.nan, "num_test": 3},
+    means, stds = mean_std({0: {"local_acc": 0.5, "num_test": 3}, 1: {"local_acc": math.nan, "num_test": 3},
                              2: {"local_acc": 0.75, "num_test": 3}})
     assert means["local_acc"] == 0.625 and stds["local_acc"] == 0.125
-    assert math.isnan(_mean_std({0: {"local_acc": math.inf}})[0]["local_acc"])
+    assert math.isnan(mean_std({0: {"local_acc": math.inf}})[0]["local_acc"])
 
 
 @pytest.mark.usefixtures("ray_local")

@@ -112,7 +112,7 @@ def test_random_llama_backbones_by_size_and_a_bf16_one_passes_the_drivers_check_
     from rayfed.actors.client import run_methods
     from rayfed.benchmarks.overhead import LLM_CPU_WORKLOAD
     from rayfed.data.clients import build_federation
-    from rayfed.simulation import Simulation
+    from rayfed.simulation import Simulation, check_model
 
     with pytest.raises(ConfigError, match=r"model\.backbone = 'llama:8B' is not known.*; allowed: llama:1B, llama:3B, "
                                           r"llama:tiny\."):
@@ -123,6 +123,5 @@ def test_random_llama_backbones_by_size_and_a_bf16_one_passes_the_drivers_check_
     # The driver of a GPU host builds bf16 weights and runs the method's model on two samples on its CPU.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     sim = Simulation(LLM_CPU_WORKLOAD.config(clients_per_actor=4, gpus_per_actor=0), out_dir=tmp_path / "run")
-    sim.federation = build_federation(sim.config.data, sim.config.seed)
-    sim.methods = run_methods(sim.config, sim.federation)
-    sim._check_model()
+    federation = build_federation(sim.config.data, sim.config.seed)
+    check_model(sim.config, federation, run_methods(sim.config, federation))

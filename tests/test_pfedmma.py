@@ -275,10 +275,10 @@ def test_round_zero_trains_every_client_and_zero_shot_trains_none():
 
 
 def test_mean_hm_is_the_hm_of_client_means_and_the_dataset_average_is_the_mean_of_hms():
-    from rayfed.simulation import _mean_std
+    from rayfed.simulation import mean_std
 
     clients = {0: {"local_acc": 1.0, "base_acc": 0.2, "novel_acc": 0.5}, 1: {"local_acc": 0.5, "base_acc": 0.6, "novel_acc": 0.5}}
-    means, _ = _mean_std(clients)
+    means, _ = mean_std(clients)
     assert means["hm"] == pytest.approx(harmonic_mean([0.75, 0.4, 0.5]))
     datasets = {"a": {"local_acc": 0.9, "hm": 0.8}, "b": {"local_acc": 0.7, "hm": 0.4}}
     assert across_datasets(datasets) == pytest.approx({"local_acc": 0.8, "hm": 0.6})

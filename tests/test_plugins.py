@@ -108,16 +108,16 @@ def test_an_error_in_a_users_hook_in_process_notes_the_hook_the_client_and_the_r
 def test_an_error_raised_on_an_actor_keeps_its_traceback_unless_it_is_a_config_error():
     from ray.exceptions import RayActorError, RayTaskError
 
-    from rayfed.simulation import _is_actor_failure, _unwrap
+    from rayfed.simulation import is_actor_failure, unwrap_actor_error
 
     sentence = ConfigError("data.label_column = 'y' is not a column of the source.")
-    assert _unwrap(RayTaskError("f", "remote traceback", sentence).as_instanceof_cause()) is sentence
+    assert unwrap_actor_error(RayTaskError("f", "remote traceback", sentence).as_instanceof_cause()) is sentence
     bug = ValueError("a bug")
     bug.add_note("rayfed: raised in X.local_update for client 0 in round 1")
-    wrapped = _unwrap(RayTaskError("f", 'File "mine.py", line 3\nValueError: a bug', bug).as_instanceof_cause())
+    wrapped = unwrap_actor_error(RayTaskError("f", 'File "mine.py", line 3\nValueError: a bug', bug).as_instanceof_cause())
     assert isinstance(wrapped, ValueError) and 'File "mine.py", line 3' in str(wrapped)
     assert wrapped.__notes__ == []  # the note is in the remote traceback once already
-    assert _is_actor_failure(RayActorError()) and not _is_actor_failure(RayActorError(actor_init_failed=True))
+    assert is_actor_failure(RayActorError()) and not is_actor_failure(RayActorError(actor_init_failed=True))
 
 
 def test_a_class_given_by_import_path_or_object_or_name_is_the_same_method(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ from rayfed.cli import main
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.simulation import Simulation, init_local_ray
+from rayfed.simulation.placement import fitted_slots
 from rayfed.tune import SearchSpace, TuneSpec, trial_resources, tune
 from rayfed.tune.metric import _Reporter
 
@@ -308,7 +309,7 @@ def test_simulation_in_a_too_small_placement_group_says_which_bundle(tiny_run, t
     simulation = Simulation(tiny_run, out_dir=tmp_path, progress=False)
     with pytest.raises(ConfigError, match=r"^placement: ClientActor 0 needs \{'CPU': 0.5, 'GPU': 0.0\} but bundle 1 "
                                           r"of the trial's placement group holds \{'CPU': 0.25\}"):
-        simulation._check_resources()
+        fitted_slots(simulation.config)
     trial_group.bundle_specs = trial_group.bundle_specs[:2]
     with pytest.raises(ConfigError, match="need 3 bundles but the trial's placement group has 2"):
-        simulation._check_resources()
+        fitted_slots(simulation.config)

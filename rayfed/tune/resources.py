@@ -6,6 +6,7 @@ from ray import tune as ray_tune
 
 from rayfed.architectures import actor_slots
 from rayfed.config import RunConfig
+from rayfed.simulation.placement import planned_costs
 
 TRIAL_DRIVER_CPUS = 0.25
 """Smallest CPU share of bundle 0, where a trial's round loop runs next to its DriverActor."""
@@ -16,11 +17,11 @@ def trial_resources(config: RunConfig) -> ray_tune.PlacementGroupFactory:
 
     The head bundle is empty, so Tune runs the trial function itself in bundle 0 without
     reserving anything for it, next to the DriverActor; bundle ``i + 1`` is ClientActor ``i``
-    (the layout ``rayfed.simulation._placed`` uses). With ``placement.executor: local`` the trial's
+    (the layout ``rayfed.simulation.placement.placed`` uses). With ``placement.executor: local`` the trial's
     own process runs every actor, one after another: one bundle, as large as the largest actor's.
     """
     placement = config.placement
-    slots = actor_slots(config)
+    slots = actor_slots(config, costs=planned_costs(config))
     if placement.executor == "local":
         cpus = max(placement.driver_cpus, TRIAL_DRIVER_CPUS, *(slot.cpus for slot in slots))
         gpus = max(slot.gpus for slot in slots)

@@ -1,0 +1,94 @@
+"""What a ClientActor adds to a method's evaluation: the other clients' tasks a client of a stream is also scored on,
+and evaluation hooks, extra metrics of the method's own view (``federation.representation_shift``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from rayfed.config import RunConfig, StreamConfig
+from rayfed.data.batches import to_device
+from rayfed.data.clients import Federation
+from rayfed.method import ClientState, Method, TensorDict
+from rayfed.models import Backbone
+from rayfed.modules import feature_shift, head_features
+from rayfed.tasks import param_tasks
+from rayfed.training import ClientContext, OtherTask
+
+
+class StreamTests:
+    """In a stream with ``data.stream.evaluate_others``: every held task's first round and test columns (on
+    ``device``), from which each client gets the other clients' tasks it is also scored on."""
+
+    def __init__(self, federation: Federation, backbone: Backbone, stream: StreamConfig | None, device: torch.device):
+        self.tests: dict[int, tuple[int, dict]] = {}  # task -> (first round, test columns)
+        if stream is not None and stream.evaluate_others:
+            held = {holding.task for holding in federation.holdings}
+            self.tests = {task: (federation.first_round(task), to_device(federation.task_test(task, backbone), device))
+                          for task in sorted(held)}
+
+    def others(self, own_tasks: tuple[int, ...], initial: TensorDict,
+               tags: dict[str, frozenset[int]]) -> list[OtherTask]:
+        """The tasks a client of ``own_tasks`` is scored on besides its own, each with the round-0 values of that
+        task's own parameters the client lacks (from the model's ``initial`` parameters)."""
+        own = set(own_tasks)
+        others = []
+        for task, (first_round, test) in self.tests.items():
+            if task in own:
+                continue
+            missing = {name: value for name, value in initial.items()
+                       if (owners := param_tasks(name, tags)) is not None and task in owners and not owners & own}
+            others.append(OtherTask(task, test, first_round, missing))
+        return others
+
+
+class EvaluationHook(Protocol):
+    """An extra metric of a client's evaluation, of the method's own view's parameters (``params``)."""
+
+    def __call__(self, client: ClientContext, params: TensorDict) -> dict[str, float]: ...
+
+
+class RepresentationShift:
+    """``rep_shift``: how far the head's input features on a client's test inputs moved from those of the
+    initial model (``initial``: each client's initial parameters), ``1 - mean cosine similarity``."""
+
+    def __init__(self, model: torch.nn.Module, initial: dict[int, TensorDict], batch_size: int, device: torch.device):
+        self.model, self.initial, self.batch_size, self.device = model, initial, batch_size, device
+        self.initial_features: dict[int, torch.Tensor] = {}  # the initial model's features never change
+
+    def __call__(self, client: ClientContext, params: TensorDict) -> dict[str, float]:
+        cid = client.client_id
+        inputs = {name: column.to(self.device) for name, column in client.data.parts[0].test.items()}
+        if cid not in self.initial_features:
+            self.initial_features[cid] = head_features(self.model, self.initial[cid], inputs, self.batch_size)
+        return {"rep_shift": feature_shift(self.initial_features[cid],
+                                           head_features(self.model, params, inputs, self.batch_size))}
+
+
+def evaluation_hooks(config: RunConfig, model: torch.nn.Module, initial: dict[int, TensorDict],
+                     device: torch.device) -> list[EvaluationHook]:
+    """The evaluation hooks the config asks for, on a method's freshly built ``model``."""
+    if not config.federation.representation_shift:
+        return []
+    return [RepresentationShift(model, initial, config.train.eval_batch_size, device)]
+
+
+def view_metrics(method: Method, model: torch.nn.Module, client: ClientContext, state: ClientState,
+                 payload: TensorDict | None, hooks: Sequence[EvaluationHook] = (),
+                 params: TensorDict | None = None) -> dict[str, float]:
+    """Every view's metrics of a client (``params``, if given, replace the method's own view), under ``<metric>@<view>``
+    but the own view's under plain names, with the hooks' extra metrics of the own view."""
+    views = method.eval_views(state, payload)
+    if params is not None:
+        views[""] = params
+    metrics: dict[str, float] = {}
+    for view, view_params in views.items():
+        method.activate_view(model, view)
+        values = client.evaluate(view_params)
+        for hook in hooks if not view else ():
+            values.update(hook(client, view_params))
+        metrics.update({f"{name}@{view}" if view else name: value for name, value in values.items()})
+    method.activate_view(model, "")
+    return metrics

@@ -1,0 +1,93 @@
+"""A ClientActor's part of a round as it leaves the actor: the clients' uploads collected as they come (summed into one
+partial sum when the method allows it), what of them went NaN or infinite, and the lot moved to the host."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from rayfed.method import PartialSum, TensorDict, Upload, largest_magnitudes, nonfinite_names
+from rayfed.types import ReadOnlyTensors
+
+
+@dataclass
+class RoundUploads:
+    """One actor's part of a round: what goes to the server, and what its clients sent and lost."""
+
+    uploads: list[Upload]
+    up_bytes: int  # what the clients uploaded (a partial sum's own size is a simulator detail)
+    up_params: int
+    train_losses: dict[int, float]
+    stats: dict[str, float] = field(default_factory=dict)  # the methods' per-client statistics, summed
+    busy_s: float = 0.0  # seconds from the actor's first local update to the end of its last one on the device
+    nonfinite: dict[str, list[int]] = field(default_factory=dict)  # what was NaN or infinite -> the clients it came from
+    round_idx: int | None = None
+
+
+class UploadCollector:
+    """A round's uploads on one actor, added as each client's local update ends (in client-id order, the order they
+    are summed in). With ``presum`` (:func:`rayfed.aggregation.presums` of the method's aggregation) they go into
+    one partial sum as they come, on the device where they were trained: then no copy to the host, and no float64
+    arithmetic on the host, per client."""
+
+    def __init__(self, presum: bool, weight_scale: dict[int, float]):
+        self.partial = PartialSum() if presum else None
+        self.weight_scale = weight_scale
+        self.uploads: list[Upload] = []
+        self.up_bytes = self.up_params = 0
+        self.losses: dict[int, float | torch.Tensor] = {}
+        self.magnitudes: dict[int, tuple[list[str], torch.Tensor | None]] = {}
+
+    def add(self, upload: Upload) -> None:
+        cid = upload.client_id
+        upload.weight_scale = self.weight_scale[cid]
+        self.up_bytes += upload.nbytes
+        self.up_params += upload.nparams
+        self.losses[cid] = upload.train_loss
+        self.magnitudes[cid] = largest_magnitudes(upload.tensors)
+        if upload.tensors and self.partial is not None:
+            self.partial.add(upload)
+        elif upload.tensors:
+            self.uploads.append(upload)
+
+    def read_losses(self) -> dict[int, float]:
+        """The clients' training losses as numbers. Read once the last client's steps are queued: the first read waits
+        for the device to finish them all."""
+        self.losses = {cid: float(loss) for cid, loss in self.losses.items()}
+        return self.losses
+
+    def nonfinite(self, arrived_rows: Callable[[int], object]) -> dict[str, list[int]]:
+        """What is NaN or infinite, with the clients it came from: each upload tensor (its magnitudes read in one go)
+        and the training loss (after :meth:`read_losses`) of every client that trained (``arrived_rows(client)``: the
+        rows its stream has brought, None outside a stream; one whose stream has brought none trains nothing and
+        reports a NaN loss)."""
+        found: dict[str, list[int]] = {}
+        for cid, names in nonfinite_names(self.magnitudes).items():
+            for name in names:
+                found.setdefault(f"upload tensor {name!r}", []).append(cid)
+        for cid, loss in self.losses.items():
+            if not math.isfinite(loss):
+                pool = arrived_rows(cid)
+                if pool is None or len(pool):
+                    found.setdefault("training loss", []).append(cid)
+        return found
+
+    def on_host(self) -> list[Upload]:
+        """The uploads, or their partial sum, moved to the host once, as the aggregation reads them."""
+        uploads = self.uploads
+        if self.partial is not None and self.partial.client_ids:
+            uploads = [self.partial.upload("cpu")]
+        for upload in uploads:
+            upload.tensors = slots_to(upload.tensors, "cpu")
+            if upload.weight_sums is not None:  # a partial sum, which the aggregation only reads (weighted_sums)
+                upload.tensors = ReadOnlyTensors(upload.tensors)
+            upload.train_loss = float(upload.train_loss)
+        return uploads
+
+
+def slots_to(slots: dict[str, TensorDict], device: torch.device | str) -> dict[str, TensorDict]:
+    """Every tensor of each slot, detached, on ``device``."""
+    return {slot: {n: v.detach().to(device) for n, v in values.items()} for slot, values in slots.items()}

@@ -1,0 +1,62 @@
+"""The model preflight: before any actor starts, build every architecture's backbone and every method's model in the
+driver process and run it, and its task's loss, on two samples of every task, so that a mistake fails here with one
+sentence rather than inside an actor."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rayfed.architectures import architecture_names, architecture_of
+from rayfed.config import RunConfig, architecture_model_config, method_model_config
+from rayfed.data.clients import Federation
+from rayfed.errors import ConfigError
+from rayfed.method import Method
+from rayfed.models import build_backbone
+from rayfed.modules import select_task
+from rayfed.tasks import Task
+
+
+def check_model(config: RunConfig, federation: Federation, methods: Sequence[Method]) -> None:
+    """Build every architecture's backbone and every method's model once (seed 0) and run it, and its task's loss,
+    on two samples of every task it holds; a method that cannot score a task no client holds is refused."""
+    held = {holding.task for holding in federation.holdings}
+    unheld = sorted({e.task for e in federation.shared} - held)
+    of = architecture_of(config)
+    for name in architecture_names(config):
+        model_config = architecture_model_config(config, name)
+        backbone = build_backbone(model_config, 0)
+        if name:
+            backbone.config_field = f"architectures.{name}.backbone"
+        clients = {c for c in range(federation.num_clients) if of[c] == name}
+        restricted = federation.restricted_to(clients)
+        restricted.check(backbone)
+        samples = sample_batches(restricted, backbone)
+        for index, (entry, method) in enumerate(zip(config.methods, methods)):
+            model = method.build_model(backbone, method_model_config(model_config, entry, index), federation.tasks, 0)
+            if unheld and not getattr(model, "scores_unseen_tasks", False):
+                raise ConfigError(
+                    f"methods[{index}] ({entry.label}) scores a task with heads trained on clients' data and "
+                    f"cannot score task(s) {unheld} that no client holds (data.base_novel's novel classes); use "
+                    "a method that classifies by text, such as clip_zeroshot, promptfl or pfedmma."
+                )
+            for holding in restricted.holdings:
+                federation.tasks[holding.task].kind.check_model(model, backbone, holding.where)
+            # bf16 weights (a backbone built where a GPU is seen) run here on the CPU, under autocast as on the GPU
+            low_precision = any(p.dtype == torch.bfloat16 for p in model.parameters())
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=low_precision):
+                for task, batch in samples:
+                    select_task(model, task.index)
+                    task.kind.loss(model(batch), batch)
+
+
+def sample_batches(federation: Federation, backbone: Any, rows: int = 2) -> list[tuple[Task, dict[str, torch.Tensor]]]:
+    """A few training samples of every task (from its first client), encoded for ``backbone``."""
+    samples = []
+    for holding in federation.holdings:
+        train, _ = holding.splits[0]
+        columns = federation._encode(holding, train[:rows], backbone)
+        samples.append((federation.tasks[holding.task], columns))
+    return samples

@@ -1,0 +1,300 @@
+"""A run: set up fresh or resumed from its folder, then every method in turn, round after round, with retries after
+an actor died, evaluations, checkpoints and the results written. Runs in the user's process (driver script or CLI).
+
+Only ObjectRefs of payloads and uploads pass through this process; client data is loaded by the actors that host the
+clients.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+from tqdm.auto import tqdm
+
+from rayfed.architectures import actor_slots
+from rayfed.checkpoint import load_checkpoint, save_checkpoint
+from rayfed.compute import matched_steps
+from rayfed.config import RunConfig, dump_config, load_config, with_full_params
+from rayfed.data.clients import build_federation
+from rayfed.errors import ConfigError
+from rayfed.executors import LocalExecutor, RayExecutor
+from rayfed.io import atomic_write_json
+from rayfed.run_methods import run_methods
+from rayfed.simulation.actors import RunActors
+from rayfed.simulation.nonfinite import NonfiniteCheck
+from rayfed.simulation.placement import fitted_slots, planned_costs
+from rayfed.simulation.preflight import check_model
+from rayfed.simulation.ray_setup import import_plugin_modules, init_ray, is_actor_failure, unwrap_actor_error
+from rayfed.simulation.results import MetricsLog, mean_std, method_results, run_summary
+from rayfed.simulation.rounds import run_round
+
+RoundCallback = Callable[["Simulation", str, int], None]
+"""Called as ``callback(simulation, method_label, rounds_done)`` after every round."""
+
+
+class Simulation:
+    """One run: every configured method on the same clients, partitions and seed.
+
+    >>> summary = rayfed.Simulation("configs/quickstart.yaml").run()
+    """
+
+    def __init__(
+        self,
+        config: RunConfig | dict | str | os.PathLike,
+        *,
+        overrides: list[str] | None = None,
+        out_dir: str | os.PathLike | None = None,
+        callbacks: list[RoundCallback] | None = None,
+        progress: bool = True,
+        check_model: bool = True,
+    ):
+        """``check_model=False`` skips building and running every method's model in this process before the
+        actors start (:func:`rayfed.simulation.preflight.check_model`), for a caller that has just done so
+        (``rayfed bench``)."""
+        self._set_up(load_config(config, overrides), lambda name: _fresh_run_dir(name, out_dir), False,
+                     callbacks, progress, check_model)
+
+    @classmethod
+    def resume(cls, run_dir: str | os.PathLike, *, callbacks: list[RoundCallback] | None = None, progress: bool = True,
+               check_model: bool = True) -> Simulation:
+        """Continue the run in ``run_dir`` from its checkpoints; ends with the uninterrupted run's numbers."""
+        run_dir = Path(run_dir)
+        config_path = run_dir / "config.yaml"
+        if not config_path.is_file():
+            raise ConfigError(f"--resume {str(run_dir)!r}: no config.yaml there, so it is not a rayfed run directory.")
+        sim = cls.__new__(cls)
+        sim._set_up(load_config(config_path), lambda name: run_dir, True, callbacks, progress, check_model)
+        return sim
+
+    def _set_up(self, config: RunConfig, run_dir: Callable[[str], Path], resuming: bool,
+                callbacks: list[RoundCallback] | None, progress: bool, check_model: bool) -> None:
+        """What a fresh and a resumed run share; ``run_dir`` gives the run's folder from the config's name once the
+        config's plug-in modules are imported."""
+        self.config = config
+        import_plugin_modules(config)
+        self.callbacks = list(callbacks or [])
+        self.progress = progress
+        self.check_model = check_model
+        self.run_dir = run_dir(config.name)
+        self._results_dir, self._checkpoint_dir = self.run_dir / "results", self.run_dir / "checkpoints"
+        self._resuming = resuming
+        self.run_actors: RunActors | None = None
+
+    # Public API ------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Run every method, write the results contract into ``run_dir``, return the summary."""
+        started = time.perf_counter()
+        self._build_run()
+        if self.check_model:
+            check_model(self.config, self.federation, self.methods)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(self.config, self.run_dir / "config.yaml")
+        previous = MetricsLog.read(self.run_dir / "metrics.jsonl") if self._resuming else []
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", previous)
+        self.nonfinite = NonfiniteCheck(self.config.federation.on_nonfinite)
+        owns_ray = self._start_executor()
+        try:
+            self.compute_match = self._match_compute()
+            for index, entry in enumerate(self.config.methods):
+                if self._resuming and (self._results_dir / f"{entry.label}.json").is_file():
+                    continue
+                self._run_method(index)
+        finally:
+            self.run_actors.stop()
+            if owns_ray:
+                ray.shutdown()
+        summary = run_summary(self.config, self._results_dir, self.log.events, time.perf_counter() - started,
+                              self.compute_match)
+        atomic_write_json(self.run_dir / "summary.json", summary)
+        from rayfed.report import write_report
+
+        write_report(self.run_dir, summary, self.log.events)
+        return summary
+
+    def compute_costs(self) -> dict[str, dict[str, float]]:
+        """``train.compute_match``'s measurement alone (nothing is trained past it, nothing written): per method
+        label its local update's ``flops``, ``cost_ratio`` to the reference and ``local_steps``."""
+        if self.config.train.compute_match is None:
+            raise ConfigError("train.compute_match is not set, so there is no reference to measure costs against; "
+                              "set train.compute_match.reference to a method label.")
+        self._build_run()
+        owns_ray = self._start_executor()
+        try:
+            return self._match_compute()
+        finally:
+            if owns_ray:
+                ray.shutdown()
+
+    def data_summary(self, png: str | os.PathLike | None = None) -> dict[str, Any]:
+        """Each client's train / test sample counts and histogram over labels (or tasks), from the data config
+        alone (no Ray, no model); with ``png``, also a stacked bar per client saved there."""
+        from rayfed.data.summary import data_summary, plot_summary
+
+        summary = data_summary(build_federation(self.config.data, self.config.seed))
+        if png is not None:
+            plot_summary(summary, png)
+        return summary
+
+    @property
+    def actors(self) -> list[Any]:
+        """The ClientActors' handles, in slot order (none while no method runs)."""
+        return self.run_actors.clients if self.run_actors else []
+
+    @property
+    def driver(self) -> Any:
+        """The DriverActor's handle (None while no method runs)."""
+        return self.run_actors.driver if self.run_actors else None
+
+    # Setup ------------------------------------------------------------------------------
+    def _build_run(self) -> None:
+        """The clients' data and the methods, built once here; the config records every hyperparameter."""
+        self.federation = build_federation(self.config.data, self.config.seed)
+        self.num_train = {cid: self.federation.sizes(cid)["num_train"] for cid in range(self.federation.num_clients)}
+        self.methods = run_methods(self.config, self.federation)
+        self.config = with_full_params(self.config, [method.params for method in self.methods])
+
+    def _start_executor(self) -> bool:
+        """The executor and the actors' slots (fitted to the Ray cluster); whether this run started Ray."""
+        local = self.config.placement.executor == "local"
+        costs = planned_costs(self.config, self.num_train)
+        self.executor = LocalExecutor() if local else RayExecutor()
+        owns_ray = not local and init_ray(self.config)
+        slots = actor_slots(self.config, costs=costs)
+        if not local:
+            try:
+                slots = fitted_slots(self.config, costs)
+            except Exception:
+                if owns_ray:
+                    ray.shutdown()
+                raise
+        self.run_actors = RunActors(self.config, self.methods, self.federation, self.executor, slots)
+        return owns_ray
+
+    def _match_compute(self) -> dict[str, dict[str, float]]:
+        """``train.compute_match``: per method label its local update's FLOPs, cost ratio to the reference and local
+        steps (:mod:`rayfed.compute`), from each method's round-1 update of the measured client with
+        ``train.local_steps`` steps; ``{}`` without the option."""
+        match = self.config.train.compute_match
+        if match is None:
+            return {}
+        return matched_steps(self.run_actors.measure_flops(match.client), match.reference, self.config.train.local_steps)
+
+    # Each method ------------------------------------------------------------------------
+    def _run_method(self, method_index: int) -> None:
+        """The method from its last checkpoint (or its start) to its results; started again from the last checkpoint
+        after an actor or node died, up to ``federation.max_failures`` times."""
+        entry = self.config.methods[method_index]
+        local_steps = self.compute_match[entry.label]["local_steps"] if self.compute_match else None
+        failures = 0
+        while True:
+            try:
+                self.run_actors.start_method(method_index, local_steps)
+                self.federation = self.run_actors.federation  # on Ray: views of the object store's copy
+                start_round, counters = self._restore(method_index)
+                self._rounds(method_index, start_round, counters)
+                return
+            except Exception as err:  # noqa: BLE001 - only actor/node deaths are retried
+                if not is_actor_failure(err):
+                    raise unwrap_actor_error(err) from None
+                failures += 1
+                self.run_actors.stop()
+                if failures > self.config.federation.max_failures:
+                    raise RuntimeError(
+                        f"method {entry.label!r}: {failures} actor failures, more than "
+                        f"federation.max_failures = {self.config.federation.max_failures}; last: {err}"
+                    ) from err
+                tqdm.write(f"[rayfed] {entry.label}: an actor died ({type(err).__name__}); restoring from the last checkpoint")
+
+    def _restore(self, method_index: int) -> tuple[int, dict[str, float]]:
+        """Every state from the method's last checkpoint; without one, a fresh start through the method's
+        stages before round 1 (a checkpoint at round 0 keeps a resumed run from running them again)."""
+        label = self.config.methods[method_index].label
+        checkpoint = load_checkpoint(self._checkpoint_dir, label, self.config.to_dict())
+        if checkpoint is None:
+            self.log.restart_method(label, 0)
+            counters = {"up_bytes": 0, "down_bytes": 0, "up_params": 0, "down_params": 0, "wall_time_s": 0.0}
+            self.run_actors.before_federation(method_index)
+            if self.methods[method_index].pre_federation_stage and self.config.federation.checkpoint_every:
+                self._checkpoint(label, 0, counters)
+            return 0, counters
+        self.run_actors.set_states(checkpoint)
+        self.log.restart_method(label, checkpoint.round)
+        return checkpoint.round, dict(checkpoint.meta["counters"])
+
+    def _rounds(self, method_index: int, start_round: int, counters: dict[str, float]) -> None:
+        """The method's rounds from ``start_round``: each logged, evaluated and checkpointed as the config asks."""
+        federation, entry = self.config.federation, self.config.methods[method_index]
+        bar = tqdm(total=federation.rounds, initial=start_round, desc=entry.label, unit="round",
+                   disable=not self.progress, dynamic_ncols=True)
+        if start_round == 0 and federation.eval_round_zero:
+            self._evaluate(entry.label, 0)
+        for round_idx in range(start_round, federation.rounds):
+            started = time.perf_counter()
+            done = run_round(self.run_actors, method_index, round_idx, self.num_train)
+            stats, rounds_done = done.stats, round_idx + 1
+            if "nonfinite" in stats:
+                self.nonfinite(entry.label, f"in round {rounds_done}", stats["nonfinite"])
+            wall = time.perf_counter() - started
+            done.count(counters, wall)
+            self.log.append(done.event(entry.label, rounds_done, wall))
+            postfix = {"loss": "-" if stats["train_loss"] is None else f"{stats['train_loss']:.3f}"}
+            if rounds_done % federation.eval_every == 0 and rounds_done < federation.rounds:
+                _, _, means = self._evaluate(entry.label, rounds_done)
+                postfix.update({k: f"{v:.3f}" for k, v in means.items() if k.endswith("acc")})
+            if federation.checkpoint_every and rounds_done % federation.checkpoint_every == 0:
+                self._checkpoint(entry.label, rounds_done, counters)
+            bar.set_postfix(postfix)
+            bar.update(1)
+            for callback in self.callbacks:
+                callback(self, entry.label, rounds_done)
+        final = self._finish(method_index, counters)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in final.items() if k.endswith("acc")})
+        bar.close()
+
+    def _evaluate(self, label: str, rounds_done: int, post_train_steps: int | None = None
+                  ) -> tuple[dict[int, dict[str, float]], dict[str, Any], dict[str, float]]:
+        """Every client's metrics after ``rounds_done`` rounds, logged (with ``post_train_steps``: the final ones,
+        after the method's final stages): the clients' metrics, what of them is non-finite, and their means."""
+        final = post_train_steps is not None
+        clients = self.run_actors.client_metrics(rounds_done, post_train_steps)
+        when = f"at the {'final ' if final else ''}evaluation after round {rounds_done}"
+        nonfinite = self.nonfinite.in_metrics(label, when, clients)
+        means, _ = mean_std(clients)
+        self.log.append({"event": "eval", "method": label, "round": rounds_done, **({"final": True} if final else {}),
+                         **means, **nonfinite, "clients": {str(c): m for c, m in clients.items()}})
+        return clients, nonfinite, means
+
+    def _finish(self, method_index: int, counters: dict[str, float]) -> dict[str, float]:
+        """The method's final stages and evaluation, logged and written to its results file; the means."""
+        entry = self.config.methods[method_index]
+        clients, nonfinite, means = self._evaluate(entry.label, self.config.federation.rounds, entry.post_train_steps)
+        atomic_write_json(self._results_dir / f"{entry.label}.json", method_results(
+            self.config, self.federation, entry.label, clients, nonfinite, self.log.events, counters))
+        return means
+
+    def _checkpoint(self, label: str, rounds_done: int, counters: dict[str, float]) -> None:
+        clients, server = self.run_actors.states()
+        save_checkpoint(self._checkpoint_dir, label, rounds_done, server, clients,
+                        {"counters": counters, "config": self.config.to_dict(), "method": label})
+
+
+def _fresh_run_dir(name: str, out_dir: str | os.PathLike | None) -> Path:
+    if out_dir is not None:
+        path = Path(out_dir)
+        if (path / "config.yaml").exists():
+            raise ConfigError(
+                f"--out {str(path)!r} already holds a run; pass --resume {str(path)!r} to continue it, "
+                "or choose another --out (nothing there is overwritten)."
+            )
+        return path
+    base = Path("runs") / name
+    path, suffix = base, 1
+    while path.exists() and any(path.iterdir()):
+        suffix += 1
+        path = base.with_name(f"{base.name}-{suffix}")
+    return path
