@@ -7,7 +7,7 @@ from collections.abc import Callable
 from rayfed.errors import choice_error
 from rayfed.lazy import DeferredModule
 from rayfed.models.backbone import Backbone, BackboneRequest
-from rayfed.models.families.common import PaperModel, _random_weights, _text_limit
+from rayfed.models.families.common import PaperModel, _quiet_loading, _text_limit
 from rayfed.models.families.flava import _flava, _paper_flava
 from rayfed.models.families.llava import _llava, _paper_llava
 from rayfed.models.families.llm import _llm_dtype
@@ -37,7 +37,7 @@ def paper_backbone(name: str, layers: int | None = None) -> Backbone:
     model = paper_model(name, layers)
     config, tokenizer, images = model.config, model.processor.tokenizer, model.processor.image_processor
     normalization = {"image_mean": tuple(images.image_mean), "image_std": tuple(images.image_std)}
-    with _random_weights():
+    with _quiet_loading():
         if isinstance(config, transformers.FlavaConfig):
             return _flava(transformers.FlavaModel(config), tokenizer, normalization)
         if isinstance(config, transformers.ViltConfig):

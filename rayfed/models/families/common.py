@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from rayfed.errors import choice_error
 from rayfed.lazy import DeferredModule
 
@@ -46,16 +44,6 @@ def _quiet_loading():
     finally:
         transformers.logging.set_verbosity(verbosity)
         transformers.utils.logging.enable_progress_bar()
-
-@contextlib.contextmanager
-def _random_weights():
-    """Where a randomly initialised backbone is built: quietly, and on the GPU when this process sees one (a 3B
-    model's weights take minutes to draw with an actor's few CPU threads); a CPU's weights are as before, and a
-    device the caller chose (the meta device) is kept."""
-    on_gpu = torch.cuda.is_available() and torch.get_default_device().type == "cpu"
-    with _quiet_loading(), (torch.device("cuda") if on_gpu else contextlib.nullcontext()):
-        yield
-
 
 def _image_normalization(name_or_path: str) -> dict[str, Any]:
     """The saved image processor's mean and std (0.5, 0.5 when there is none; a hub name: its processor's)."""

@@ -11,7 +11,7 @@ from torch import nn
 from rayfed.errors import choice_error
 from rayfed.lazy import DeferredModule
 from rayfed.models.backbone import TEXT, Backbone, BackboneRequest
-from rayfed.models.families.common import _quiet_loading, _random_weights, _text_limit, _with_layers
+from rayfed.models.families.common import _quiet_loading, _text_limit, _with_layers
 from rayfed.models.features import causal_lm_features, causal_lm_logits
 from rayfed.registry import register_backbone
 
@@ -64,7 +64,7 @@ def _random_llama(request: BackboneRequest) -> Backbone:
     from rayfed.zoo.tokenizers import word_tokenizer
 
     config = llama_config(request.argument or "")
-    with _random_weights():
+    with _quiet_loading():
         encoder = transformers.AutoModelForCausalLM.from_config(config, dtype=_llm_dtype())
     return _causal_lm(encoder, word_tokenizer(append_eos=False, model_max_length=config.max_position_embeddings))
 
