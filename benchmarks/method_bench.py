@@ -44,6 +44,7 @@ from rayfed.report import format_table
 from rayfed.simulation import Simulation, import_plugin_modules
 from rayfed.system import plan_round
 from rayfed.tasks import sample_round
+from rayfed.training import local_steps
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the actors of this process train
@@ -162,7 +163,8 @@ class MethodLoop:
         host, cid = self.hosts[name], cids[0]
         payloads = self.driver.payloads([cid], False)
         state = host.states[cid]
-        flops = host.local_update_flops(cid, payloads)
+        steps = local_steps(host.train_config, self.num_train[cid])
+        flops = update_flops(host, cid, payloads, steps)
         syncs = peak = None
         if host.device.type == "cuda":
             torch.cuda.synchronize()
@@ -179,8 +181,24 @@ class MethodLoop:
             syncs = sum("synchronizing" in str(w.message) for w in caught)
             peak = torch.cuda.max_memory_allocated() - held
         host.states[cid] = state
-        return {"architecture": name, "flops": flops, "host_syncs": syncs, "peak_gpu_bytes": peak,
-                "local_steps": host.train_config.local_steps}
+        return {"architecture": name, "flops": flops, "host_syncs": syncs, "peak_gpu_bytes": peak, "local_steps": steps}
+
+
+def update_flops(host: ClientActor, client_id: int, payloads: Any, steps: int) -> float:
+    """The FLOPs of ``client_id``'s local update of ``steps`` steps, counted over updates of 1 and 2 steps and
+    extrapolated: an update's FLOPs are a fixed part (teachers or stages run once an update) plus the same amount
+    each step. torch's counter dispatches every op in Python, which takes minutes over a paper-size update."""
+    if steps <= 2:
+        return host.local_update_flops(client_id, payloads)
+    train = host.train_config
+    counted = []
+    for counted_steps in (1, 2):
+        host.train_config = train.model_copy(update={"local_steps": counted_steps, "local_epochs": None})
+        try:
+            counted.append(host.local_update_flops(client_id, payloads))
+        finally:
+            host.train_config = train
+    return counted[0] + (steps - 1) * (counted[1] - counted[0])
 
 
 def measure(config: RunConfig, out_dir: Path) -> dict[str, Any]:
@@ -239,10 +257,12 @@ def measure(config: RunConfig, out_dir: Path) -> dict[str, Any]:
 
 def reference_config(config: RunConfig) -> RunConfig:
     """A plain LoRA FedAvg run on ``config``'s clients, backbone and batch (every architecture's own backbone), in the
-    engine's model whatever ``model.client`` the workload trains."""
+    model the workload trains: the engine's with LoRA, or the workload's ``model.client`` as configured (TAP's MoME
+    puts LoRA on the backbone and its experts; the engine's FLAVA has no text decoder for TAP's generation tasks)."""
+    if config.model.client is not None:
+        return load_config(config, ["methods=[fedavg]"])
     lora = config.model.lora.model_dump() if config.model.lora is not None else {"rank": 16, "alpha": 32}
-    return load_config(config, ["methods=[fedavg]", "model.module=lora", f"model.lora={json.dumps(lora)}",
-                                "model.client=null", "model.client_options={}"])
+    return load_config(config, ["methods=[fedavg]", "model.module=lora", f"model.lora={json.dumps(lora)}"])
 
 
 def run_method_bench(workload: str | MethodWorkload, out_dir: Path, rounds: int | None = None, smoke: bool = False,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rayfed.benchmarks.method_bench import (
-    METHOD_WORKLOADS, MethodWorkload, reference_config, run_method_bench, workload_config,
+    METHOD_WORKLOADS, MethodLoop, MethodWorkload, reference_config, run_method_bench, update_flops, workload_config,
 )
 from rayfed.errors import ConfigError
 
@@ -32,6 +32,18 @@ def test_the_ideal_trains_rayfeds_clients_each_round_and_the_table_holds_both_ru
     assert "| ditto |" in table and "| LoRA FedAvg |" in table and "a plain LoRA FedAvg step's" in table
 
 
+def test_the_update_flops_extrapolated_from_one_and_two_steps_are_those_counted_over_the_whole_update():
+    config = workload_config(QUICK, rounds=1, overrides=(
+        "placement.executor=local", "data.num_clients=4", "federation.clients_per_round=2", "train.local_steps=5"))
+    ideal = MethodLoop(config)
+    [host] = ideal.hosts.values()
+    payloads = ideal.driver.payloads([0], False)
+    counted = host.local_update_flops(0, payloads)
+    assert update_flops(host, 0, payloads, steps=5) == pytest.approx(counted, rel=1e-9)
+    assert update_flops(host, 0, payloads, steps=9) > counted
+    assert host.train_config.local_steps == 5
+
+
 def test_the_reference_is_lora_fedavg_on_the_same_backbone_and_batch():
     config = workload_config(QUICK, rounds=2)
     reference = reference_config(config)
@@ -40,7 +52,9 @@ def test_the_reference_is_lora_fedavg_on_the_same_backbone_and_batch():
     assert reference.train.batch_size == config.train.batch_size
     assert [m.label for m in config.methods] == ["ditto"] and config.federation.eval_every == 3
     tap = workload_config(METHOD_WORKLOADS["tap"], rounds=2, smoke=True)  # TAP's model: model.client: mome
-    assert tap.model.client == "mome" and reference_config(tap).model.client is None
+    tap_reference = reference_config(tap)
+    assert [m.name for m in tap_reference.methods] == ["fedavg"] and tap_reference.model.client == "mome"
+    assert tap_reference.model.client_options == tap.model.client_options
 
 
 @pytest.mark.parametrize("name", sorted(METHOD_WORKLOADS))
