@@ -196,3 +196,45 @@ def test_a_tokenizer_with_neither_end_token_is_one_sentence():
 
     with pytest.raises(ConfigError, match=r"has neither an end-of-sequence nor a separator token"):
         end_of_text_id(SimpleNamespace(eos_token_id=None, sep_token_id=None))
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read a tensor's values back to the host (each a sync on a GPU)."""
+
+    READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::unique_dim", "aten::_unique2", "aten::is_nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func._schema.name in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("max_image_length", [-1, 5])
+def test_vilts_unpadded_patch_embedding_is_transformers_bitwise_without_reading_values_back(max_image_length):
+    """rayfed's ViLT embeds a batch of unpadded images (no pixel_mask) with transformers' draws of the patch order and
+    the same products, without a host read per image; with a pixel_mask it is transformers' own code."""
+    backbone = paper_backbone("vilt:B32", layers=1)
+    encoder = backbone.encoder.eval()
+    encoder.config.max_image_length = max_image_length
+    reference = transformers.ViltModel(encoder.config).eval()
+    reference.load_state_dict(encoder.state_dict())
+    size = encoder.config.image_size
+    pixels = torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[101, 2000, 102]] * 3)
+    outputs = {}
+    for name, model in (("rayfed", encoder), ("transformers", reference)):
+        torch.manual_seed(7)
+        with torch.no_grad(), _HostReads() as reads:
+            out = model(input_ids=ids, pixel_values=pixels)
+        outputs[name] = (out.last_hidden_state, out.pooler_output, torch.rand(1), reads.count)
+    (hidden, pooled, next_draw, reads), (ref_hidden, ref_pooled, ref_next_draw, ref_reads) = outputs.values()
+    assert torch.equal(hidden, ref_hidden) and torch.equal(pooled, ref_pooled)
+    assert torch.equal(next_draw, ref_next_draw)  # the same draws from the host's generator
+    assert ref_reads - reads >= 5 * len(pixels)  # what is left is transformers' attention mask check, in both
+    torch.manual_seed(7)
+    with torch.no_grad():
+        masked = encoder(input_ids=ids, pixel_values=pixels, pixel_mask=torch.ones(3, size, size, dtype=torch.long))
+    assert torch.equal(masked.pooler_output, ref_pooled)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,8 +38,50 @@ def _hf_vilt(name_or_path: str) -> Backbone:
 
 def _vilt(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any]) -> Backbone:
     config = encoder.config
+    _embed_unpadded_images_without_host_syncs(encoder)
     return Backbone(
         encoder, config.hidden_size, config.image_size, config.num_channels, vilt_features,
         frozenset({IMAGE, TEXT}), tokenizer=tokenizer, max_text_length=_text_limit(tokenizer, config.max_position_embeddings),
         lora_targets=("query", "value"), **normalization,
     )  # fmt: skip
+
+
+def _embed_unpadded_images_without_host_syncs(encoder: nn.Module) -> None:
+    """ViLT's patch embedding handles images padded to different sizes: it reads each image's size and valid patches
+    back to the host (about 6 syncs an image on a GPU: 200 a batch of 32). A call without ``pixel_mask`` (rayfed's
+    batches: every image has the processor's size) has no padding, so each image keeps all its patches and only the
+    order of its tokens is drawn; this embeds such a batch with the same draws of the host's generator and the same
+    products, hence bitwise the same tokens, without reading anything back. A call with a mask runs transformers'."""
+    encoder.register_forward_pre_hook(_note_padding, with_kwargs=True)
+    encoder.embeddings.unpadded = False
+    encoder.embeddings.visual_embed = types.MethodType(_visual_embed, encoder.embeddings)
+
+
+def _note_padding(encoder: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    encoder.embeddings.unpadded = (args[4] if len(args) > 4 else kwargs.get("pixel_mask")) is None
+
+
+def _visual_embed(self: nn.Module, pixel_values: torch.Tensor, pixel_mask: torch.Tensor,
+                  max_image_length: int = 200) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, tuple[int, int]]]:
+    patches = self.patch_embeddings(pixel_values)
+    batch_size, channels, height, width = patches.shape
+    count = height * width
+    chosen = count if max_image_length is None or max_image_length < 0 else max_image_length
+    if not self.unpadded or chosen > count:
+        return type(self).visual_embed(self, pixel_values, pixel_mask, max_image_length)
+    grid = self.config.image_size // self.config.patch_size
+    spatial = self.position_embeddings[:, 1:, :].transpose(1, 2).view(1, channels, grid, grid)
+    positions = nn.functional.interpolate(spatial, size=(height, width), mode="bilinear", align_corners=True)
+    positions = positions.flatten(2).transpose(1, 2).expand(batch_size, -1, -1)
+    # transformers' draw: one multinomial a row, in row order, on the host's generator
+    order = torch.stack([torch.multinomial(torch.ones(count).float(), chosen) for _ in range(batch_size)])
+    rows = torch.arange(batch_size).repeat_interleave(chosen).to(patches.device)
+    columns = order.flatten().to(patches.device)
+    tokens = patches.flatten(2).transpose(1, 2)[rows, columns].view(batch_size, -1, channels)
+    positions = positions[rows, columns].view(batch_size, -1, channels)
+    cells = torch.stack(torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij"), dim=-1)
+    patch_index = cells.flatten(0, 1).to(patches.device)[columns].view(batch_size, -1, 2)
+    first = self.position_embeddings[:, 0, :][:, None, :].expand(batch_size, -1, -1)
+    tokens = torch.cat((self.cls_token.expand(batch_size, -1, -1), tokens), dim=1) + torch.cat((first, positions), dim=1)
+    mask = torch.ones(batch_size, chosen + 1, dtype=torch.long, device=patches.device)
+    return self.dropout(tokens), mask, (patch_index, (height, width))
