@@ -238,6 +238,33 @@ def test_a_client_model_registered_by_a_user_is_the_one_a_config_names_with_its_
         build(client="test-plain")
 
 
+@rayfed.register_method("test-own-model")
+class OwnModel(Method):
+    """Lives only in this test module: a method that builds the engine's model itself, not through model.client."""
+
+    def build_model(self, backbone, config, tasks, seed):
+        from rayfed.models import build_task_model
+
+        return build_task_model(backbone, config, tasks, seed)
+
+
+def test_a_method_that_builds_its_own_model_is_refused_a_client_model_it_would_ignore(tiny_run):
+    from rayfed.actors.client import run_methods
+    from rayfed.data.clients import build_federation
+    from rayfed.simulation import check_model
+
+    tiny_run["model"].update(client="test-scaled-head", client_options={"scale": 0.5})
+    tiny_run["methods"] = ["fedavg", {"name": "test-own-model", "label": "own"}]
+    config = load_config(tiny_run)
+    federation = build_federation(config.data, config.seed)
+    with pytest.raises(ConfigError, match=r"^methods\[1\] \(own\) builds a model of its own and would ignore "
+                                          r"model\.client = 'test-scaled-head'; set methods\[1\]\.model\.client: null"):
+        check_model(config, federation, run_methods(config, federation))
+    tiny_run["methods"][1]["model"] = {"client": None}
+    config = load_config(tiny_run)
+    check_model(config, federation, run_methods(config, federation))
+
+
 def test_a_task_kind_plug_in_scores_with_its_own_loss_and_metric(tiny_run):
     from rayfed.actors.client import ClientActor
     from rayfed.kinds import Classification

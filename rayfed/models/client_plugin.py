@@ -13,7 +13,9 @@ either places them at its adapter sites or refuses.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ from rayfed.models.client import TrainableModule
 from rayfed.tasks import Task
 
 OPTIONS_FIELD = "model.client_options"
+_BUILT: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("client_models_built", default=None)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ def client_model(backbone: Backbone, config: ModelConfig, tasks: Sequence[Task],
     if config.client is None:
         return default_client_model(request)
     resolved = registry.resolve("client_model", config.client)
+    if (built := _BUILT.get()) is not None:
+        built.append(resolved.name)
     model = resolved.obj(request)
     if not isinstance(model, TrainableModule):
         raise ConfigError(f"model.client = {resolved.name!r} built a {type(model).__name__}, not a "
@@ -75,6 +80,18 @@ def client_model(backbone: Backbone, config: ModelConfig, tasks: Sequence[Task],
         raise ConfigError(f"model.client = {resolved.name!r} built no {adapter_sets.names[0]!r} adapters, which "
                           f"methods ({adapter_sets.method}) trains; choose a client model with adapter sets.")
     return model
+
+
+@contextlib.contextmanager
+def client_models_built() -> Iterator[list[str]]:
+    """The names of the ``model.client`` models :func:`client_model` builds inside the block (a method that builds
+    a model of its own builds none, whatever ``model.client`` says)."""
+    built: list[str] = []
+    token = _BUILT.set(built)
+    try:
+        yield built
+    finally:
+        _BUILT.reset(token)
 
 
 def default_client_model(request: ClientModelRequest) -> TrainableModule:

@@ -15,6 +15,7 @@ from rayfed.data.clients import Federation
 from rayfed.errors import ConfigError
 from rayfed.method import Method
 from rayfed.models import build_backbone
+from rayfed.models.client_plugin import client_models_built
 from rayfed.modules import select_task
 from rayfed.tasks import Task
 
@@ -35,7 +36,15 @@ def check_model(config: RunConfig, federation: Federation, methods: Sequence[Met
         restricted.check(backbone)
         samples = sample_batches(restricted, backbone)
         for index, (entry, method) in enumerate(zip(config.methods, methods)):
-            model = method.build_model(backbone, method_model_config(model_config, entry, index), federation.tasks, 0)
+            method_config = method_model_config(model_config, entry, index)
+            with client_models_built() as built:
+                model = method.build_model(backbone, method_config, federation.tasks, 0)
+            if method_config.client is not None and not built:
+                raise ConfigError(
+                    f"methods[{index}] ({entry.label}) builds a model of its own and would ignore model.client = "
+                    f"{method_config.client!r}; set methods[{index}].model.client: null, or choose a method that "
+                    "trains the configured client model."
+                )
             if unheld and not getattr(model, "scores_unseen_tasks", False):
                 raise ConfigError(
                     f"methods[{index}] ({entry.label}) scores a task with heads trained on clients' data and "
