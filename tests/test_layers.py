@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The seed papers' methods and models.
 PAPER_NAMES = ("TAP", "MoME", "FedMosaic", "RELA", "PQ-LoRA", "FedDAT", "pFedMMA", "MMA", "FedYolo")
-# Task keys and data-source names that only one paper's configs use: TAP's task keys (the engine's own task kinds,
-# text_generation among them, stay), FedMosaic's task-groups source and pFedMMA's base-to-novel split.
+# Keys only one paper uses: the task keys TAP's model routes by (docs/tap.md; the engine's own task kinds, such as
+# text_generation, stay), the source of FedMosaic's configs (task-groups) and pFedMMA's base-to-novel split.
 PAPER_KEYS = ("image_classification", "image_generation", "text_classification", "task-groups", "base_novel")
 
 
