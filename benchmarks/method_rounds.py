@@ -88,11 +88,11 @@ def _largest_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
 def time_public_passes(config: Path, label: str, rounds: int, overrides: list[str], out_dir: Path) -> dict[str, Any]:
     """:func:`time_method` in this process, with each round's client training and public passes timed apart (each
     pass one adapter at a time and grouped, from the same request)."""
-    from rayfed import training
+    from rayfed import public_pass
     from rayfed.actors.client import ClientActor
 
     split: dict[int, dict[str, Any]] = {}
-    train_round, public_pass, groupable = ClientActor.train_round, ClientActor.public_pass, training.groupable
+    train_round, public_pass, groupable = ClientActor.train_round, ClientActor.public_pass, public_pass.groupable
 
     def timed_train_round(actor: ClientActor, round_idx: int, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -103,11 +103,11 @@ def time_public_passes(config: Path, label: str, rounds: int, overrides: list[st
 
     def timed_public_pass(actor: ClientActor, method_index: int, round_idx: int, index: int, request: Any) -> Any:
         start = time.perf_counter()
-        training.groupable = lambda *_: False
+        public_pass.groupable = lambda *_: False
         try:
             alone = public_pass(actor, method_index, round_idx, index, dict(request))
         finally:
-            training.groupable = groupable
+            public_pass.groupable = groupable
         middle = time.perf_counter()
         grouped = public_pass(actor, method_index, round_idx, index, dict(request))
         end = time.perf_counter()

@@ -1,7 +1,8 @@
 """DisentAFL: FedAvg with an orthogonality loss that disentangles the representations of (modality, task)
 pairs in a MoTE / MoME model.
 
-A TAP baseline (seed ``000_a0f3b72231afa875.txt``, §5 and App. A.2; spec ``tap.md`` §6, the released code's
+One of TAP's baselines (docs/tap.md#baselines; *TAP: Two-Stage Adaptive Personalization of Multi-Task and
+Multi-Modal Foundation Models in Federated Learning*, arXiv 2509.26524, App. A.2, and its released code's
 ``compute_orthogonal_loss``). Local training adds, per micro-batch, ``weight * mean over pairs (i < j) of
 mean((norm(a_i) norm(a_j)^T)^2)`` over the groups of latents a_g: the MoTE output of the private
 modality-task (MT) path, mean-pooled over tokens, of every (modality, task key) the micro-batch holds. A
@@ -9,7 +10,7 @@ micro-batch of a single modality and task has no pairs and no such loss. Aggrega
 (component-wise, |D_i|-weighted). With ``post_fl_microbatches`` P > 0, ``@pt`` and ``@pt2`` report the model
 post-trained P and 2P micro-batches, orthogonality loss included (the code's "DisentAFL + Post-train").
 
-The model is TAP's (``model.client: mome``, :mod:`rayfed.mome`); any client model works that collects
+The model is TAP's (``model.client: mome``, docs/tap.md#the-model); any client model works that collects
 ``((modality, task key), latent)`` pairs in ``collected_latents`` while that attribute is a list.
 """
 

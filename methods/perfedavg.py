@@ -1,8 +1,9 @@
-"""Per-FedAvg (Fallah et al., NeurIPS 2020), first-order: FedAvg of a model meant to be personalized by one
-gradient step.
+"""Per-FedAvg, first-order: FedAvg of a model meant to be personalized by one gradient step (*Personalized
+Federated Learning with Theoretical Guarantees: A Model-Agnostic Meta-Learning Approach*, Fallah et al.,
+NeurIPS 2020, arXiv 2002.07948).
 
-A TAP baseline (seed ``000_a0f3b72231afa875.txt``, §5; spec ``tap.md`` §6, absent from the released code, so
-the spec's recommendation [R]). Each local optimizer step minimises the MAML objective
+One of TAP's baselines (docs/tap.md#baselines). TAP's paper gives no details of it and its released code has
+none, so this is our reading. Each local optimizer step minimises the MAML objective
 ``F_i(w) = f_i(w - alpha grad f_i(w))`` to first order: the micro-batch is split into halves H and H'; the
 inner step ``w' = w - alpha grad f(w; H)`` is taken and the outer gradient is ``grad f(w'; H')``, applied to w by
 the configured optimizer (AdamW in TAP's setting). ``inner_lr`` (alpha) defaults to the configured learning

@@ -1,7 +1,7 @@
 """CLIP as a classifier: cosine similarity of image features to the text features of class prompts.
 
 One interface over open_clip's ``CLIP`` and HF ``CLIPModel`` (:class:`ClipClassifier`): the residual blocks
-of both towers (with each block's first LayerNorm, where pFedMMA's adapters read), image and text
+of both towers (with each block's first LayerNorm, where adapters on a block's input read), image and text
 encoders, the token embedding (where CoOp-style learnable context vectors go), and CLIP's own frozen
 logit scale. The classifier scores the classes of one *label space* at a time (a run's tasks: e.g. the
 base classes for training and local/base evaluation, the novel classes for novel evaluation).

@@ -348,16 +348,16 @@ def _validated_params(params_cls: type, values: dict[str, Any], label: str) -> A
 
 
 def post_fl_steps(microbatches: int, grad_accum: int) -> int:
-    """Optimizer steps of P micro-batches (the code steps every grad_accum micro-batches and after the last)."""
+    """Optimizer steps of P micro-batches: one every ``grad_accum`` micro-batches, and one after the last."""
     return math.ceil(microbatches / grad_accum)
 
 
 def post_train_views(client: ClientContext, start: TensorDict, microbatches: int, lr: float,
                      multiples: Sequence[int] = (1, 2), **train: Any) -> dict[str, TensorDict]:
-    """The "+ Post-train" views (spec §6) as client-state slots: ``view:pt`` (``start`` trained P micro-batches
-    at ``lr``) and ``view:pt2`` (2P), ``view:pt<k>`` for each of ``multiples``, every one on the same batches in
-    the same order; ``train``: :meth:`ClientContext.train`'s ``loss`` or ``phases`` (the method's own
-    objective)."""
+    """Post-training views as client-state slots: the federated model ``start`` trained further on the client's
+    data, P micro-batches at ``lr`` (``view:pt``) and 2P (``view:pt2``), ``view:pt<k>`` for each of ``multiples``,
+    every one on the same batches in the same order; ``train``: :meth:`ClientContext.train`'s ``loss`` or ``phases``
+    (the method's own objective). :func:`stored_views` reads them back for evaluation (``@pt``, ``@pt2``)."""
     steps = post_fl_steps(microbatches, client.train_config.grad_accum)
     # One call for every view: the longest holds the shorter ones (ClientContext.train's snapshot_steps).
     trained = client.train(start, steps=max(multiples) * steps, lr=lr, purpose="post_train",

@@ -1,8 +1,8 @@
 """Metrics computed from other metrics, per client and over client means.
 
 A derived metric of the client means is computed from the means of its parts, not averaged over
-clients: pFedMMA's ``hm`` (docs/pfedmma.md#data-and-metrics) is the harmonic mean
-of the client-averaged ``local_acc``, ``base_acc`` and ``novel_acc``.
+clients: ``hm`` (of a base-to-novel evaluation) is the harmonic mean of the client-averaged ``local_acc``,
+``base_acc`` and ``novel_acc``.
 """
 
 from __future__ import annotations

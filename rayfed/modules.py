@@ -1,7 +1,6 @@
 """Trainable modules over a frozen transformer backbone, and per-task module sets.
 
-The modules of the scale & modularity study of *Augmenting Federated Learning with Pretrained Transformers* (arXiv
-2307.04905) (docs/fedyolo.md#modules), each on every transformer block:
+Parameter-efficient modules, each on every transformer block:
 
 - ``adapter``: one bottleneck ``d -> dim -> d`` (both linears with bias: ``2 * dim * d + dim + d``
   parameters per block) after the block's MLP, inside its residual:
@@ -14,19 +13,17 @@ The modules of the scale & modularity study of *Augmenting Federated Learning wi
 
 Adapters go after a block's MLP (ViT, CLIP: ``site = mlp``) or after a BERT-style layer's output
 sublayer (ViLT, FLAVA: ``site = output``); ``activation: relu`` and ``init: normal`` (weights N(0, 0.02),
-biases 0, nothing zeroed) give FedDAT's adapter (docs/feddat.md#the-method). A site may hold several named
-adapters (:func:`add_adapter_set`), its forward a weighted mixture of them (:func:`set_adapter_mix`).
+biases 0, nothing zeroed) give a ReLU adapter initialised as the transformer's own layers. A site may hold
+several named adapters (:func:`add_adapter_set`), its forward a weighted mixture of them (:func:`set_adapter_mix`).
 
-FedDAT's baselines (docs/feddat.md#variants-and-baselines) add ``bias`` (BitFit: every parameter named ``*bias*``),
-``prompt`` (prompt tokens per modality at ViLT's embedding level, reparameterised through a small MLP) and
-the ``mlp`` head (:class:`MlpHead`).
+Further modules: ``bias`` (BitFit: every parameter named ``*bias*``), ``prompt`` (prompt tokens per modality at
+ViLT's embedding level, reparameterised through a small MLP) and the ``mlp`` head (:class:`MlpHead`).
 
-Multi-task models (FedYolo, docs/fedyolo.md#fedyolo-and-multi-task-runs): a module of a block is either *shared* by
-every task or *dedicated*: one copy per task, stored under a ``task_<index>`` key and tagged with its task
-(:func:`tag_tasks`). Heads are always per task. A client holds, trains and exchanges only the shared parameters and its
-own tasks' (see :func:`rayfed.tasks.task_view`); :func:`select_task` switches which copies the forward pass uses. Every
-task's copies are initialised from a seed of their own, so a task's initial values do not depend on which other tasks
-exist.
+Multi-task models: a module of a block is either *shared* by every task or *dedicated*: one copy per task, stored
+under a ``task_<index>`` key and tagged with its task (:func:`tag_tasks`). Heads are always per task. A client holds,
+trains and exchanges only the shared parameters and its own tasks' (see :func:`rayfed.tasks.task_view`);
+:func:`select_task` switches which copies the forward pass uses. Every task's copies are initialised from a seed of
+their own, so a task's initial values do not depend on which other tasks exist.
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": nn.fun
 
 class Bottleneck(nn.Module):
     """``z + W_up act(W_down z)``; ``init = zero``: a zero up-projection (the identity at step 0), ``normal``:
-    every weight N(0, 0.02) and every bias 0 (FedDAT's adapter, docs/feddat.md#the-method)."""
+    every weight N(0, 0.02) and every bias 0."""
 
     def __init__(self, width: int, dim: int, activation: str = "gelu", init: str = "zero"):
         super().__init__()
@@ -280,7 +277,7 @@ def add_adapter_set(
     encoder: nn.Module, names: Sequence[str], width: int, dim: int, site: str, seed_of: Callable[[str], int],
     activation: str = "gelu", init: str = "zero", frozen: Collection[str] = (),
 ) -> None:
-    """Several named adapters at every adapter site (one per block), e.g. FedDAT's shared, frozen and local
+    """Several named adapters at every adapter site (one per block), e.g. shared, frozen and local
     adapters; ``frozen`` ones are not trainable. Forward uses ``shared`` (or the active task's copy) unless
     :func:`set_adapter_mix` sets a mixture. Adapter ``name`` of block ``i`` is built under seed
     ``seed_of(f"{name}:block{i}")``, so ``shared`` starts where :func:`add_adapters` /
@@ -354,8 +351,7 @@ class PromptedViltEmbeddings(nn.Module):
 
 
 def add_modality_prompts(encoder: nn.Module, tokens: int, hidden: int, seed_of: Callable[[str], int]) -> None:
-    """``tokens`` learnable prompt tokens per modality at ViLT's embedding level (FedDAT's prompt baseline,
-    docs/feddat.md#variants-and-baselines)."""
+    """``tokens`` learnable prompt tokens per modality at ViLT's embedding level."""
     embeddings = getattr(encoder, "embeddings", None)
     if type(embeddings).__name__ != "ViltEmbeddings":
         raise ConfigError(f"model.module = 'prompt' prepends prompt tokens per modality at ViLT's embedding level; "
@@ -369,8 +365,7 @@ def add_modality_prompts(encoder: nn.Module, tokens: int, hidden: int, seed_of: 
 
 
 class MlpHead(nn.Sequential):
-    """``Linear(d, 2d) -> LayerNorm(2d) -> GELU -> Linear(2d, C)`` (ViLT's VQA classifier, FedDAT's head,
-    docs/feddat.md#the-method), initialised as ViLT initialises its heads: weights N(0, 0.02), biases 0."""
+    """``Linear(d, 2d) -> LayerNorm(2d) -> GELU -> Linear(2d, C)`` (ViLT's VQA classifier), initialised as ViLT initialises its heads: weights N(0, 0.02), biases 0."""
 
     def __init__(self, width: int, outputs: int):
         super().__init__(nn.Linear(width, 2 * width), nn.LayerNorm(2 * width), nn.GELU(), nn.Linear(2 * width, outputs))
@@ -426,7 +421,7 @@ def head_features(
 
 
 def feature_shift(before: torch.Tensor, after: torch.Tensor) -> float:
-    """``1 - mean_x cos(before(x), after(x))`` (FedYolo's representation shift, docs/fedyolo.md#engine-metrics)."""
+    """``1 - mean_x cos(before(x), after(x))`` (the representation shift)."""
     return 1.0 - nn.functional.cosine_similarity(before, after, dim=1).mean().item()
 
 

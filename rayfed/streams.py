@@ -1,4 +1,5 @@
-"""Clients whose data arrives over time (``data.stream``; FedMosaic's PFL-Static / PFL-Dynamic).
+"""Clients whose data arrives over time (``data.stream``: tasks arriving all at once, one after another, or
+asynchronously).
 
 A client's tasks (in task order) arrive one after another, each in a window of rounds: ``dynamic`` gives
 every task ``rounds_per_task`` rounds, ``asynchronous`` draws one of ``patterns`` per client (seeded),

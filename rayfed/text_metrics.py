@@ -94,7 +94,7 @@ def _bert_scorer():
 
 
 def bertscore_f1(predictions: Sequence[str], references: Sequence[str]) -> list[float] | None:
-    """BERTScore F1 (bert-base-uncased, as TAP reports it), or None when it cannot run offline."""
+    """BERTScore F1 (bert-base-uncased), or None when it cannot run offline."""
     scorer = _bert_scorer()
     if scorer is None:
         return None

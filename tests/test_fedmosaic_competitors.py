@@ -14,7 +14,7 @@ from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_slots, unprefixed
 from rayfed.config import load_config
-from rayfed import training
+from rayfed import public_pass
 from rayfed.methods.fedmkt import cut_logits, full_logits, lowest_loss, soft_cross_entropy
 from rayfed.methods.takfl import merged
 from rayfed.simulation import Simulation
@@ -265,8 +265,8 @@ def test_grouped_public_training_gives_each_adapter_its_own_update(fedmkt, monke
         return soft_cross_entropy(student, target, answers, 0.5)
 
     grouped_calls = []
-    grouped_lora = training.grouped_lora
-    monkeypatch.setattr(training, "grouped_lora", lambda model, adapters: grouped_calls.append(len(adapters)) or
+    grouped_lora = public_pass.grouped_lora
+    monkeypatch.setattr(public_pass, "grouped_lora", lambda model, adapters: grouped_calls.append(len(adapters)) or
                         grouped_lora(model, adapters))
     together = stage.train_each(jobs, loss, epochs=2, batch_size=4, lr=0.01)
     assert grouped_calls == [3, 3, 2, 2]  # per step, the jobs still running: one forward for all of them

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rayfed.data import multimodal as mm
+from rayfed.data.shape_scenes import COLOR_RGB
 from rayfed.errors import ConfigError
 
 TASK_SIZES = {"shapes": 48, "vqa": 48, "topics": 40, "description": 30, "multiple-choice": 30, "statements": 60}
@@ -42,7 +43,7 @@ def test_image_array_refuses_text_rows() -> None:
 def test_labels_and_metadata_describe_the_images() -> None:
     """A single object in the plain style: its pixels that differ from the background carry its colour."""
     data = mm.shape_columns(64, seed=3, distribution=mm.Distribution(mm.CLASSES, ("plain",), ()))
-    palette = np.asarray([mm._COLOR_RGB[c] for c in mm.COLORS], dtype=float)
+    palette = np.asarray([COLOR_RGB[c] for c in mm.COLORS], dtype=float)
     for image, color, class_name, label, caption in zip(
         data["image"], data["color"], data["class_name"], data["label"], data["text"]
     ):

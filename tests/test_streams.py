@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayfed import training
+from rayfed import client_context
 from rayfed.actors.client import ClientActor
 from rayfed.config import StreamConfig, load_config
 from rayfed.errors import ConfigError
@@ -58,14 +58,14 @@ def test_a_client_never_trains_on_a_sample_before_it_arrives(monkeypatch):
     actor = ClientActor(config, [0, 1])
     shared = actor.start_method(0)
     drawn: list[torch.Tensor] = []
-    original = training._batches
+    original = client_context.seeded_batches
 
     def recording(*args, **kwargs):
         for indices in original(*args, **kwargs):
             drawn.append(indices.clone())
             yield indices
 
-    monkeypatch.setattr(training, "_batches", recording)
+    monkeypatch.setattr(client_context, "seeded_batches", recording)
     arrival = actor.data[0].arrival
     assert arrival is not None and len(arrival) == actor.data[0].num_train
     for round_idx in range(4):

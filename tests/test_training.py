@@ -7,12 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from rayfed import kinds, training
+from rayfed import fast_steps, kinds, training
 from rayfed.actors.client import ClientActor, _OnDevice
 from rayfed.benchmarks.overhead import Workload
 from rayfed.data.batches import ClientData, TaskData
 from rayfed.errors import ConfigError
 from rayfed.method import post_train_views
+from rayfed.modules import select_task
+from rayfed.scoring import Scorer
 
 WORKLOAD = Workload(num_clients=3, clients_per_round=3, local_steps=6, batch_size=8, samples_per_client=24)
 
@@ -118,7 +120,7 @@ def test_a_graphed_step_trains_like_the_eager_one_and_each_client_starts_afresh(
     first = graphed._context(0, 0).train(graphed_start)
     graphed._context(1, 0).train(graphed_start)
     again = graphed._context(0, 0).train(graphed_start)  # the same graph, its optimizer state zeroed
-    assert len(training._GRAPHS[graphed.model]) == 1
+    assert len(fast_steps._GRAPHS[graphed.model]) == 1
     reference = eager._context(0, 0).train(eager_start)
     assert float(again.loss) == float(first.loss)
     # bf16 kernels picked under capture may round differently; a wrong step (lr, state, batch) is far larger
@@ -152,24 +154,24 @@ def test_an_actor_keeps_the_most_recently_used_graphs_one_per_trained_set_task_a
         def reset_optimizer(self):
             self.resets += 1
 
-    monkeypatch.setattr(training, "GraphedStep", CountingStep)
+    monkeypatch.setattr(fast_steps, "GraphedStep", CountingStep)
     host, _ = _host(cuda_graphs=False)
     config, model = host.config.train, host.model
     named = dict(model.named_parameters())
     part = host.data[0].parts[0]
     small = ClientData([TaskData(0, {name: column[:5] for name, column in part.train.items()}, part.test)])
     task0, task1 = host.tasks[0], dataclasses.replace(host.tasks[0], index=1)
-    first = training._graphed_step(model, named, config, 0.1, host.data[0], task0)
-    assert training._graphed_step(model, named, config, 0.1, host.data[1], task0) is first and first.resets == 2
+    first = fast_steps.graphed_step(model, named, config, 0.1, host.data[0], task0)
+    assert fast_steps.graphed_step(model, named, config, 0.1, host.data[1], task0) is first and first.resets == 2
     assert first.shape[0] == config.batch_size
-    assert training._graphed_step(model, named, config, 0.1, small, task0).shape[0] == 5  # a batch of all 5
-    training._graphed_step(model, named, config, 0.1, host.data[0], task1)
-    training._graphed_step(model, named, config, 0.2, host.data[0], task0)
-    assert len(captured) == 4 and len(training._GRAPHS[model]) == training.MAX_GRAPHS_PER_MODEL
-    training._graphed_step(model, named, config, 0.1, host.data[0], task0)  # used last: stays
-    training._graphed_step(model, named, config, 0.3, host.data[0], task0)  # a fifth: the batch-5 graph goes
-    assert len(captured) == 5 and first in training._GRAPHS[model].values()
-    assert all(step.shape[0] != 5 for step in training._GRAPHS[model].values())
+    assert fast_steps.graphed_step(model, named, config, 0.1, small, task0).shape[0] == 5  # a batch of all 5
+    fast_steps.graphed_step(model, named, config, 0.1, host.data[0], task1)
+    fast_steps.graphed_step(model, named, config, 0.2, host.data[0], task0)
+    assert len(captured) == 4 and len(fast_steps._GRAPHS[model]) == training.MAX_GRAPHS_PER_MODEL
+    fast_steps.graphed_step(model, named, config, 0.1, host.data[0], task0)  # used last: stays
+    fast_steps.graphed_step(model, named, config, 0.3, host.data[0], task0)  # a fifth: the batch-5 graph goes
+    assert len(captured) == 5 and first in fast_steps._GRAPHS[model].values()
+    assert all(step.shape[0] != 5 for step in fast_steps._GRAPHS[model].values())
 
 
 def test_a_step_that_cannot_be_captured_trains_eagerly_with_one_warning(monkeypatch, caplog):
@@ -179,12 +181,12 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_with_one_warning(monkeypa
         attempts.append(args)
         raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
 
-    monkeypatch.setattr(training, "GraphedStep", failing_capture)
+    monkeypatch.setattr(fast_steps, "GraphedStep", failing_capture)
     host, _ = _host(cuda_graphs=False)
     named = dict(host.model.named_parameters())
     with caplog.at_level("WARNING", logger="rayfed.training"):
         for cid in (0, 1):
-            assert training._graphed_step(host.model, named, host.config.train, 0.1, host.data[cid], host.tasks[0]) is None
+            assert fast_steps.graphed_step(host.model, named, host.config.train, 0.1, host.data[cid], host.tasks[0]) is None
     assert len(attempts) == 1
     [record] = caplog.records
     assert "could not be captured" in record.getMessage() and "stream is capturing);" in record.getMessage()
@@ -398,9 +400,10 @@ def test_a_clients_text_generation_tasks_are_scored_in_one_pass_with_each_tasks_
     one_each = {}
     for part in client.data.parts:
         task = client.tasks[part.task]
-        training.select_task(client.model, part.task)
+        select_task(client.model, part.task)
         with torch.no_grad():
-            one_each[task.name] = task.kind.summarize(*client._score(task, part.test))
+            scorer = Scorer(client.model, client.tasks, client.device, client.train_config.eval_batch_size)
+            one_each[task.name] = task.kind.summarize(*scorer.score(task, part.test))
     widths = {part.test["target_ids"].shape[1] for part in client.data.parts}
     assert len(widths) == 2  # the tasks' answers differ in length: the merged set pads them
     calls = []

@@ -15,6 +15,8 @@ all 64 classes, 16 of which (:data:`NOVEL_CLASSES`) no pretrained model has seen
 on plain statements (the ``statements`` task); the fine-tuning text tasks (topic labels, descriptions,
 multiple-choice answers) and their output formats never occur in pretraining.
 
+The images, their classes and render styles are :mod:`rayfed.data.shape_scenes`'.
+
 Same arguments and seed give the same dataset, bit for bit.
 """
 
@@ -23,11 +25,14 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+# The image vocabulary, classes and Distribution are shape_scenes'; importable from here too.
+from rayfed.data.shape_scenes import (CLASSES, COLORS, FINETUNE_STYLES, MAX_OBJECTS, NOVEL_CLASSES, PRETRAIN_STYLES,
+                                      SEEN_CLASSES, SHAPES, STYLES, TEXTURES, Distribution, draw_objects,
+                                      object_columns, render)
 from rayfed.errors import ConfigError, choice_error
 from rayfed.lazy import DeferredModule
 
@@ -35,32 +40,7 @@ datasets = DeferredModule("datasets")
 
 VERSION = 1  # bump when the same arguments generate different samples (pretrained models then rebuild)
 
-SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond", "star", "bar")
-_COLOR_RGB = {
-    "red": (225, 35, 35),
-    "green": (40, 170, 40),
-    "blue": (40, 70, 230),
-    "yellow": (240, 220, 30),
-    "purple": (150, 40, 190),
-    "cyan": (30, 210, 220),
-    "orange": (250, 135, 0),
-    "pink": (250, 130, 190),
-}
-COLORS = tuple(_COLOR_RGB)
-TEXTURES = ("solid", "striped", "checkered")
-PRETRAIN_STYLES = ("plain", "gradient")
-FINETUNE_STYLES = ("textured", "noisy", "sketch")
-STYLES = PRETRAIN_STYLES + FINETUNE_STYLES
 NUMBERS = ("one", "two", "three", "four", "five", "six", "seven", "eight")
-MAX_OBJECTS = 4  # VQA scenes hold 1..4 objects on a 2x2 grid
-
-CLASSES = tuple(f"{color} {shape}" for shape in SHAPES for color in COLORS)  # id = shape * 8 + color
-# Held out of every pretraining set: two colours per shape and two shapes per colour, so each word is
-# still seen in pretraining and only the combination is new.
-NOVEL_CLASSES = tuple(
-    f"{color} {shape}" for s, shape in enumerate(SHAPES) for c, color in enumerate(COLORS) if (c - s) % 8 in (0, 3)
-)
-SEEN_CLASSES = tuple(name for name in CLASSES if name not in NOVEL_CLASSES)
 
 TOPICS = {  # 8 nouns, then 4 verbs
     "sports": ("team", "match", "coach", "goal", "season", "player", "league", "stadium",
@@ -102,7 +82,7 @@ _VQA_QUESTIONS = {
 }
 QUESTION_TYPES = tuple(_VQA_QUESTIONS)
 # Other wordings of each question (index 1..; 0 is the question above), built from words the generators already
-# emit (so every tokenizer built on :func:`vocabulary` reads them): a domain's own phrasing (FedDAT's Domain shift).
+# emit (so every tokenizer built on :func:`vocabulary` reads them): a domain's own phrasing, for a domain shift.
 VQA_WORDINGS = {
     "color": ("what color are the objects in the picture?", "the object is what color?",
               "which color is the object in the photo?", "what is the color of the object?"),
@@ -111,7 +91,7 @@ VQA_WORDINGS = {
     "count": ("how many objects are in the picture?", "there are how many objects?",
               "how many objects are in this photo?", "how many objects are on the background?"),
 }  # fmt: skip
-# Question functions beyond reading the image (FedDAT's Function benchmark), opt-in through ``question_types``:
+# Question functions beyond reading the image, for a shift of functions, opt-in through ``question_types``:
 # ``knowledge`` asks a fact (the colour of a thing, the shape with a property), ``arithmetic`` a sum of two numbers;
 # both answer with words of VQA_ANSWERS.
 EXTRA_QUESTION_TYPES = ("knowledge", "arithmetic")
@@ -135,15 +115,6 @@ _FORMATS = (
 TASKS = ("shapes", "vqa", "topics", "description", "multiple-choice", "statements")
 _MODALITY = {"shapes": "image+text", "vqa": "image+text", "topics": "text", "description": "text",
              "multiple-choice": "text", "statements": "text"}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Distribution:
-    """Which classes and render styles images come from, and which tasks are drawn."""
-
-    classes: tuple[str, ...]
-    styles: tuple[str, ...]
-    tasks: tuple[str, ...]
 
 
 PRETRAIN = Distribution(SEEN_CLASSES, PRETRAIN_STYLES, ("shapes", "statements"))
@@ -183,119 +154,12 @@ def class_prompts(classes: Sequence[str] = CLASSES, template: str = CLASS_PROMPT
     return [template.format(name) for name in classes]
 
 
-# ---------------------------------------------------------------------------------------------
-# Rendering
-
-
 def _rng(seed: int, purpose: str) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(purpose.encode())]))
 
 
-_SHAPE_MASKS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    # dx, dy: pixel offsets from the object's centre, in object radii (y grows downwards)
-    "circle": lambda dx, dy: dx**2 + dy**2 <= 1.0,
-    "square": lambda dx, dy: np.maximum(np.abs(dx), np.abs(dy)) <= 0.8,
-    "triangle": lambda dx, dy: (dy >= -0.85) & (dy <= 0.75) & (np.abs(dx) <= (dy + 0.85) * 0.6),
-    "cross": lambda dx, dy: (np.minimum(np.abs(dx), np.abs(dy)) <= 0.3) & (np.maximum(np.abs(dx), np.abs(dy)) <= 1.0),
-    "ring": lambda dx, dy: (dx**2 + dy**2 <= 1.0) & (dx**2 + dy**2 >= 0.3),
-    "diamond": lambda dx, dy: np.abs(dx) + np.abs(dy) <= 1.0,
-    "star": lambda dx, dy: np.hypot(dx, dy) <= 0.4 + 0.6 * ((1 + np.sin(5 * np.arctan2(dy, dx))) / 2) ** 2,
-    "bar": lambda dx, dy: (np.abs(dy) <= 0.35) & (np.abs(dx) <= 1.0),
-}
-
-
-def render(
-    shape_ids: np.ndarray,
-    color_ids: np.ndarray,
-    texture_ids: np.ndarray,
-    style_ids: np.ndarray,
-    counts: np.ndarray,
-    rng: np.random.Generator,
-    image_size: int = 32,
-) -> np.ndarray:
-    """uint8 images (N, S, S, 3): ``counts[i]`` identical objects on a background of style ``style_ids[i]``.
-
-    A single object is placed anywhere; several objects take distinct cells of a 2x2 grid.
-    """
-    n, size = len(shape_ids), image_size
-    # Every random draw happens here, in a fixed order, so images depend on the seed only.
-    gray = rng.uniform(0.7, 0.95, n).astype(np.float32)
-    direction = rng.uniform(0, 2 * np.pi, n)
-    blotches = rng.uniform(0.25, 0.85, (n, 4, 4, 3)).astype(np.float32)
-    dark = rng.uniform(0.0, 0.15, n).astype(np.float32)
-    color_noise = rng.normal(0.0, 1.0, (n, 3))
-    period = rng.integers(3, 5, n)
-    cell_order = np.argsort(rng.random((n, MAX_OBJECTS)), axis=1)  # which grid cells the objects take
-    radius = np.where(counts == 1, rng.uniform(0.22, 0.34, n), rng.uniform(0.13, 0.19, n))
-    single_centre = 0.5 + rng.uniform(-0.8, 0.8, (2, n)) * (0.5 - radius)
-    cell_jitter = rng.uniform(-0.05, 0.05, (MAX_OBJECTS, 2, n))
-    pixel_noise = rng.standard_normal((n, size, size, 3), dtype=np.float32)
-
-    styles = np.asarray(STYLES)[style_ids]
-    coords = (np.arange(size, dtype=np.float32) + 0.5) / size
-    yy, xx = np.meshgrid(coords, coords, indexing="ij")
-    images = np.broadcast_to(gray[:, None, None, None], (n, size, size, 3)).copy()
-    for i in np.flatnonzero(styles == "gradient"):
-        ramp = np.cos(direction[i]) * (xx - 0.5) + np.sin(direction[i]) * (yy - 0.5)
-        images[i] += 0.5 * ramp[..., None]
-    textured = styles == "textured"
-    cell = -(-size // 4)
-    images[textured] = blotches[textured].repeat(cell, 1).repeat(cell, 2)[:, :size, :size]
-    sketch = styles == "sketch"
-    images[sketch] = dark[sketch, None, None, None]
-
-    jitter = np.where(styles == "noisy", 0.12, 0.04)[:, None]
-    palette = np.asarray([_COLOR_RGB[c] for c in COLORS]) / 255.0
-    paint = np.clip(palette[color_ids] + color_noise * jitter, 0, 1).astype(np.float32)[:, None, None, :]
-    pixel_y, pixel_x = np.meshgrid(np.arange(size), np.arange(size), indexing="ij")
-    stripes = ((pixel_x + pixel_y)[None] // period[:, None, None]) % 2 == 1
-    checks = ((pixel_x[None] // period[:, None, None]) + (pixel_y[None] // period[:, None, None])) % 2 == 1
-    texture = texture_ids[:, None, None]
-    dimmed = np.where(texture == 1, stripes, np.where(texture == 2, checks, False))
-    dimmed &= ~sketch[:, None, None]  # sketches have no fill
-
-    for slot in range(MAX_OBJECTS):
-        for shape_id, shape in enumerate(SHAPES):
-            idx = np.flatnonzero((counts > slot) & (shape_ids == shape_id))
-            if not len(idx):
-                continue
-            slot_cell = cell_order[idx, slot]
-            grid_x = 0.25 + 0.5 * (slot_cell % 2) + cell_jitter[slot, 0, idx]
-            grid_y = 0.25 + 0.5 * (slot_cell // 2) + cell_jitter[slot, 1, idx]
-            cx = np.where(counts[idx] == 1, single_centre[0, idx], grid_x).astype(np.float32)
-            cy = np.where(counts[idx] == 1, single_centre[1, idx], grid_y).astype(np.float32)
-            r = radius[idx, None, None].astype(np.float32)
-            mask = _SHAPE_MASKS[shape]((xx - cx[:, None, None]) / r, (yy - cy[:, None, None]) / r)
-            inner = mask & np.roll(mask, 1, 1) & np.roll(mask, -1, 1) & np.roll(mask, 1, 2) & np.roll(mask, -1, 2)
-            mask &= ~(inner & sketch[idx, None, None])  # sketches keep only the outline
-            colour = paint[idx] * np.where(dimmed[idx], 0.45, 1.0)[..., None]
-            images[idx] = np.where(mask[..., None], colour, images[idx])
-
-    noise = np.where(styles == "noisy", 0.15, 0.02).astype(np.float32)[:, None, None, None]
-    images += pixel_noise * noise
-    return np.round(np.clip(images, 0, 1) * 255).astype(np.uint8)
-
-
 # ---------------------------------------------------------------------------------------------
 # Generators: column dicts (numpy images) and datasets.Dataset wrappers
-
-
-def _class_ids(classes: Sequence[str]) -> np.ndarray:
-    unknown = [name for name in classes if name not in CLASSES]
-    if unknown:
-        raise choice_error("classes", unknown[0], CLASSES)
-    if not classes:
-        raise ConfigError("classes = () is empty; give at least one 'color shape' class name.")
-    return np.asarray([CLASSES.index(name) for name in classes])
-
-
-def _style_ids(styles: Sequence[str]) -> np.ndarray:
-    unknown = [name for name in styles if name not in STYLES]
-    if unknown:
-        raise choice_error("styles", unknown[0], STYLES)
-    if not styles:
-        raise ConfigError(f"styles = () is empty; give at least one of {', '.join(STYLES)}.")
-    return np.asarray([STYLES.index(name) for name in styles])
 
 
 def _columns(n: int, task: str, **values: Any) -> dict[str, Any]:
@@ -310,16 +174,6 @@ def _columns(n: int, task: str, **values: Any) -> dict[str, Any]:
     return columns
 
 
-def _objects(n: int, rng: np.random.Generator, distribution: Distribution) -> dict[str, np.ndarray]:
-    """Class, shape, colour, texture and style ids of ``n`` images drawn from ``distribution``."""
-    class_ids = _class_ids(distribution.classes)[rng.integers(0, len(distribution.classes), n)]
-    style_ids = _style_ids(distribution.styles)[rng.integers(0, len(distribution.styles), n)]
-    return {
-        "class": class_ids, "shape": class_ids // len(COLORS), "color": class_ids % len(COLORS),
-        "texture": rng.integers(0, len(TEXTURES), n), "style": style_ids,
-    }  # fmt: skip
-
-
 def _captions(objects: dict[str, np.ndarray], rng: np.random.Generator) -> list[str]:
     templates = rng.integers(0, len(_CAPTION_TEMPLATES), len(objects["class"]))
     return [
@@ -328,25 +182,14 @@ def _captions(objects: dict[str, np.ndarray], rng: np.random.Generator) -> list[
     ]
 
 
-def _object_columns(objects: dict[str, np.ndarray], counts: np.ndarray, images: np.ndarray) -> dict[str, Any]:
-    return {
-        "image": images,
-        "domain": [STYLES[i] for i in objects["style"]],
-        "shape": [SHAPES[i] for i in objects["shape"]],
-        "color": [COLORS[i] for i in objects["color"]],
-        "texture": [TEXTURES[i] for i in objects["texture"]],
-        "count": counts.astype(np.int64),
-    }
-
-
 def shape_columns(n: int, *, seed: int, distribution: Distribution = FINETUNE, image_size: int = 32) -> dict[str, Any]:
     """Columns of :func:`shapes` (images as one uint8 array), for code that trains on arrays directly."""
     rng = _rng(seed, "shapes")
-    objects = _objects(n, rng, distribution)
+    objects = draw_objects(n, rng, distribution)
     counts = np.ones(n, np.int64)
     images = render(objects["shape"], objects["color"], objects["texture"], objects["style"], counts, rng, image_size)
     return _columns(
-        n, "shapes", **_object_columns(objects, counts, images), text=_captions(objects, rng),
+        n, "shapes", **object_columns(objects, counts, images), text=_captions(objects, rng),
         label=objects["class"].astype(np.int64), class_name=[CLASSES[k] for k in objects["class"]],
     )  # fmt: skip
 
@@ -370,7 +213,7 @@ def vqa_columns(
     if isinstance(wording, bool) or not isinstance(wording, (int, np.integer)) or not 0 <= wording < wordings:
         raise ConfigError(f"wording = {wording!r} is invalid: it must be an integer in 0..{wordings - 1}.")
     rng = _rng(seed, "vqa")
-    objects = _objects(n, rng, distribution)
+    objects = draw_objects(n, rng, distribution)
     counts = rng.integers(1, MAX_OBJECTS + 1, n)
     images = render(objects["shape"], objects["color"], objects["texture"], objects["style"], counts, rng, image_size)
     kinds = np.asarray(question_types)[rng.integers(0, len(question_types), n)]
@@ -385,7 +228,7 @@ def vqa_columns(
         texts.append(question)
         answers.append(answer)
     return _columns(
-        n, "vqa", **_object_columns(objects, counts, images), text=texts,
+        n, "vqa", **object_columns(objects, counts, images), text=texts,
         target=[f"Answer: {a}" for a in answers], class_name=answers, question_type=[str(k) for k in kinds],
         label=np.asarray([VQA_ANSWERS.index(a) for a in answers], np.int64),
     )  # fmt: skip
@@ -426,7 +269,7 @@ def topic_columns(n: int, *, seed: int, label_noise: float = 0.0) -> dict[str, A
 def description_columns(n: int, *, seed: int, distribution: Distribution = FINETUNE) -> dict[str, Any]:
     """Columns of :func:`description`."""
     rng = _rng(seed, "description")
-    objects = _objects(n, rng, distribution)
+    objects = draw_objects(n, rng, distribution)
     texts, targets = [], []
     for c, s, x in zip(objects["color"], objects["shape"], objects["texture"]):
         concepts = [COLORS[c], SHAPES[s], TEXTURES[x]]
@@ -481,7 +324,7 @@ def statement_columns(n: int, *, seed: int, distribution: Distribution = PRETRAI
     rng = _rng(seed, "statements")
     facts = [statement for subject in SUBJECTS for _, _, statement in _facts(subject)]
     kinds = rng.integers(0, 3, n)  # 0: caption of an image class, 1: fact, 2: news sentence
-    captions = _captions(_objects(n, rng, distribution), rng)
+    captions = _captions(draw_objects(n, rng, distribution), rng)
     news = _topic_sentences(n, rng, rng.integers(0, len(TOPICS), n))
     fact_ids = rng.integers(0, len(facts), n)
     texts = [captions[i] if kind == 0 else facts[fact_ids[i]] if kind == 1 else news[i] for i, kind in enumerate(kinds)]
@@ -575,7 +418,7 @@ def multitask(
 
 
 def task_mix(round_idx: int, tasks: Sequence[str], rounds_per_task: int, blend_rounds: int = 0) -> dict[str, float]:
-    """The share of each task in round ``round_idx`` of a task stream (FedMosaic's PFL-Dynamic).
+    """The share of each task in round ``round_idx`` of a task stream (tasks arriving one after another).
 
     Task k is active during rounds ``[k * rounds_per_task, (k + 1) * rounds_per_task)``; over the last
     ``blend_rounds`` rounds of that window the mix moves linearly towards task k + 1. After the last

@@ -7,7 +7,7 @@ backbone with ``model.module`` and a head per task (:func:`~rayfed.models.build_
 
 A builder is a function ``(request: ClientModelRequest) -> TrainableModule`` that checks its options itself and
 says what is wrong in one sentence naming ``model.client_options.<option>``. A method that trains named adapter
-sets (FedDAT's shared, frozen and local adapters) asks for them through ``request.adapter_sets``; a builder
+sets (e.g. shared, frozen and local adapters) asks for them through ``request.adapter_sets``; a builder
 either places them at its adapter sites or refuses.
 """
 

@@ -26,34 +26,17 @@ search space or a fixed value. Every path and every representative value (each g
 value, the bounds and midpoint of a range) is checked against the config schema before any
 trial starts, and bad entries are reported in one sentence naming ``tune.space.<path>``.
 
-Any field a method's ``Params`` dataclass declares is ``methods.<index>.<name>``, so a paper's sweep is one
-YAML (the fields below are those of ``TAPParams``, ``FedMosaicParams`` and ``PFedMMAParams``; the full sweeps are
-``configs/tune/tap_margins.yaml``, ``fedmosaic_tau_blocks.yaml`` and ``pfedmma_alpha.yaml``):
+Any field a method's ``Params`` dataclass declares is ``methods.<index>.<name>``, so a method's sweep is one
+YAML (``configs/tune/`` holds full sweeps). FedProx's proximal strength, with the learning rate::
 
-TAP (per-task replacement margins and the KD temperature)::
-
-    methods: [{name: tap, margins: [0.01, 0.005, 0.005, 0.01], kd_temperature: 1.0}]
+    methods: [{name: fedprox, mu: 0.01}]
     tune:
-      metric: tap/local_acc
-      space:
-        methods.0.margins: {choice: [[0.005, 0.0025, 0.0025, 0.005], [0.01, 0.005, 0.005, 0.01],
-                                     [0.02, 0.01, 0.01, 0.02], [0.04, 0.02, 0.02, 0.04]]}
-        methods.0.kd_temperature: {grid: [0.5, 1.0, 2.0]}
-    # or each task's margin on its own:  methods.0.margins: [{loguniform: [0.001, 0.1]}, 0.005, ...]
-
-FedMosaic (RELA temperature tau and the number of PQ-LoRA blocks N_B)::
-
-    methods: [{name: fedmosaic, tau: 0.5, blocks: 4}]
-    tune:
-      metric: fedmosaic/others_token_f1
+      metric: fedprox/local_acc
       search: grid
       space:
-        methods.0.tau: {grid: [0.02, 0.1, 0.25, 0.5, 1.0, 2.0, 10.0]}
-        methods.0.blocks: {grid: [2, 4, 8]}
+        methods.0.mu: {grid: [0.001, 0.01, 0.1]}
+        train.lr: {grid: [1.0e-3, 3.0e-3]}
         seed: {grid: [0, 1, 2]}
-
-pFedMMA's ``alpha`` / ``rank`` / ``first_layer`` are swept the same way (``methods.0.alpha: {loguniform:
-[1.0e-4, 1.0e-2]}``).
 
 Execution: each trial runs inside its own placement group (:func:`trial_resources`): bundle 0
 holds the trial's round loop and the DriverActor, bundle ``i + 1`` ClientActor ``i``, so

@@ -1,5 +1,5 @@
 """Decoder-only language models in HF transformers: Llama-style (``LlamaForCausalLM``) at two sizes,
-shallow-narrow and deep-wide (FedMosaic's heterogeneous clients), and a Qwen2-style model
+shallow-narrow and deep-wide (clients of different sizes in one federation), and a Qwen2-style model
 (``Qwen2ForCausalLM``, qkv bias) of another width. They stand in for Llama-3 / Qwen2.5 LLMs and are
 pretrained by next-token prediction on the ``statements`` corpus (captions, facts, news sentences).
 

@@ -1,4 +1,4 @@
-"""FLAVA in HF transformers (``facebook/flava-full``, a TAP backbone): image, text and multimodal encoders,
+"""FLAVA in HF transformers (``facebook/flava-full``): image, text and multimodal encoders,
 pretrained with ``FlavaForPreTraining``'s own losses: global image-text contrastive, multimodal masked
 language modelling and image-text matching.
 

@@ -1,7 +1,7 @@
-"""LLaVA in HF transformers (``LlavaForConditionalGeneration``, like ``llava-hf/llava-1.5-7b-hf``, the
-FedMosaic / TAP multi-modal LLMs): the tiny pretrained CLIP vision tower, a projector and a tiny
+"""LLaVA in HF transformers (``LlavaForConditionalGeneration``, like ``llava-hf/llava-1.5-7b-hf``, a
+multi-modal LLM): the tiny pretrained CLIP vision tower, a projector and a tiny
 pretrained Llama, at two sizes: ``llava`` on ``llama-small`` and ``llava-large`` on ``llama-large``
-(FedMosaic's heterogeneous clients). As in LLaVA's instruction stage, the projector and the language model
+(clients of different sizes in one federation). As in LLaVA's instruction stage, the projector and the language model
 learn image-conditioned next-token prediction (captions after the image tokens) while the vision tower
 stays frozen.
 """

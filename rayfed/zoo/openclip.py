@@ -1,7 +1,6 @@
 """open_clip's ``CLIP``: built-in architectures with pretrained tags, files or ``local-dir:``/``hf-hub:`` folders.
 
-The tiny pretrained model stands in for ``open_clip`` ViT-B-16 (``pretrained="openai"``, the pFedMMA
-backbone): the same contrastive objective (open_clip's ``ClipLoss``) on captions of the seen shape
+The tiny pretrained model stands in for ``open_clip`` ViT-B-16 (``pretrained="openai"``): the same contrastive objective (open_clip's ``ClipLoss``) on captions of the seen shape
 classes, with open_clip's own BPE tokenizer (its vocabulary ships in the wheel). It is saved like a hub
 model, ``open_clip_config.json`` + ``open_clip_model.safetensors``, and loaded through
 ``open_clip.create_model_and_transforms("local-dir:<folder>")``.
@@ -35,8 +34,8 @@ RECIPE: dict[str, Any] = {
     "train": {"steps": 300, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.1},
     "data": {"train_samples": 4096, "eval_samples": 1024},
 }
-# pFedMMA's offline backbone (docs/pfedmma.md#offline-results): 12 blocks per tower like ViT-B/16, so the paper's
-# first adapted layers (l = 10, l = 5) carry over, and pretraining sees all 64 classes (as real CLIP has
+# An offline backbone at ViT-B/16's depth, 12 blocks per tower, so layer choices made for the real model (such as
+# the first adapted layer, l = 10 or l = 5) carry over, and pretraining sees all 64 classes (as real CLIP has
 # seen the novel concepts) in every render style but "noisy"; federated fine-tuning then runs on the
 # held-out "noisy" style (hue jitter and pixel noise).
 DEEP_RECIPE: dict[str, Any] = {

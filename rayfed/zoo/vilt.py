@@ -1,5 +1,5 @@
-"""ViLT in HF transformers: a single-stream image-text transformer (``dandelin/vilt-b32-mlm``, the FedDAT
-backbone), pretrained with ViLT's objectives, masked language modelling and image-text matching.
+"""ViLT in HF transformers: a single-stream image-text transformer (``dandelin/vilt-b32-mlm``),
+pretrained with ViLT's objectives, masked language modelling and image-text matching.
 
 The folder holds a ``ViltForMaskedLM`` (the MLM head and the pooler trained by matching);
 :func:`load` takes its ``ViltModel``.

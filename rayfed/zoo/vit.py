@@ -1,5 +1,5 @@
-"""ViT in HF transformers, pretrained by supervised classification (like ``google/vit-base-patch16-224``,
-the FedYolo backbone) on the 48 seen shape classes in the pretraining styles.
+"""ViT in HF transformers, pretrained by supervised classification (like ``google/vit-base-patch16-224``)
+on the 48 seen shape classes in the pretraining styles.
 
 The folder holds a ``ViTForImageClassification``; :func:`load` (and ``rayfed.models``'
 ``tiny-pretrained:vit``) takes its encoder as ``ViTModel``.

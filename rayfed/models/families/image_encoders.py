@@ -16,7 +16,7 @@ transformers = DeferredModule("transformers")
 
 _TINY_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 
-# The study's ViT sizes (FedYolo's Table 3, docs/fedyolo.md#parameter-counts): hidden size, blocks, heads, MLP width.
+# The usual ViT sizes (Ti and S as in DeiT, B and L as in ViT): hidden size, blocks, heads, MLP width.
 VIT_SIZES = {
     "T": dict(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768),
     "S": dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536),

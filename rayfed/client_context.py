@@ -1,0 +1,431 @@
+"""One client as a method's hooks see it inside its actor (:class:`ClientContext`): its data, the model and a
+seeded trainer, and what a loss function sees of one micro-batch (:class:`Step`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from rayfed import seeding
+from rayfed.config import StreamConfig, TrainConfig
+from rayfed.data.batches import ClientData, Columns, EvalSet, num_rows
+from rayfed.fast_steps import graphed_step, mixed_precision, trained_forward
+from rayfed.metrics import with_derived
+from rayfed.modules import select_task
+from rayfed.optimizers import build_optimizer, load_optimizer_state, local_steps, saved_optimizer_state, scheduled_lr
+from rayfed.scoring import Scorer
+from rayfed.streams import seen_round, training_pool
+from rayfed.tasks import Task
+from rayfed.types import Batch, Loss, TensorDict
+
+# An extra loss term computed from the live trainable parameters (e.g. a proximal term).
+Penalty = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+LossFn = Callable[["Step"], torch.Tensor]
+
+
+@dataclass
+class TrainResult:
+    params: TensorDict
+    loss: Loss  # mean training loss over the steps taken (the first phase's), left on the device
+    task_losses: dict[int, Loss] = field(default_factory=dict)  # per task: mean loss over the micro-batches holding it
+    optimizer_state: TensorDict | None = None  # with keep_optimizer_state: to pass back in a later call
+    snapshots: dict[int, TensorDict] = field(default_factory=dict)  # with snapshot_steps: params after those steps
+
+
+class StackedTrainer(Protocol):
+    """What ``ClientContext.lockstep`` is (:class:`rayfed.batching.Lockstep`, which builds on this module): it
+    trains a plain update of one client stacked with other clients' and returns its result."""
+
+    def train(self, client: ClientContext, params: TensorDict, steps: int, purpose: str, lr: float,
+              extra_loss: Penalty | None, pool: torch.Tensor | None) -> TrainResult: ...
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One optimizer step per batch: the parameters it updates (``trains``: names, a predicate, or None for
+    every trained parameter), the loss it minimises (None: the task loss), and its learning rate(s)."""
+
+    trains: Collection[str] | Callable[[str], bool] | None = None
+    loss: LossFn | None = None
+    lr: float | None = None
+    lr_of: Callable[[str], float | None] | None = None  # a parameter's own lr (None: the phase's)
+    extra_loss: Penalty | None = None
+
+    def selects(self, name: str) -> bool:
+        if self.trains is None:
+            return True
+        return self.trains(name) if callable(self.trains) else name in self.trains
+
+
+class Step:
+    """What a loss function sees for one micro-batch: the batch (per task, for a client holding several),
+    the model with the values being trained, and ways to run it."""
+
+    def __init__(self, client: ClientContext, parts: list[tuple[Task, Batch]], named: dict[str, torch.Tensor],
+                 phase: int, index: int, memory: dict):
+        self.client = client
+        self.model = client.model
+        self.parts = parts
+        self.params = named  # the live trained tensors, by name
+        self.phase = phase
+        self.index = index  # the optimizer step's number in this call
+        self.memory = memory  # shared by the phases of one micro-batch (e.g. a logit from phase 0 for phase 1)
+
+    @property
+    def task(self) -> Task:
+        """The task of a single-task batch."""
+        return self._single()[0]
+
+    @property
+    def batch(self) -> Batch:
+        """The named columns of a single-task batch."""
+        return self._single()[1]
+
+    def _single(self) -> tuple[Task, Batch]:
+        if len(self.parts) != 1:
+            raise ValueError(f"this batch holds {len(self.parts)} tasks; use Step.parts")
+        return self.parts[0]
+
+    def outputs(self, part: int = 0) -> torch.Tensor:
+        """The model's outputs on ``parts[part]``, with the values being trained."""
+        task, batch = self.parts[part]
+        select_task(self.model, task.index)
+        return trained_forward(self.model, self.client.train_config)(batch)
+
+    def raw_and_scored(self, part: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's outputs on ``parts[part]`` as distillation compares them and as the task's kind scores them
+        (:meth:`rayfed.models.TrainableModule.raw_and_scored`), with the values being trained."""
+        task, batch = self.parts[part]
+        select_task(self.model, task.index)
+        return self.model.raw_and_scored(batch, trained_forward(self.model, self.client.train_config))
+
+    def forward(self, params: TensorDict, part: int = 0) -> torch.Tensor:
+        """The model's outputs on ``parts[part]`` with ``params`` in place of the live values of those
+        parameters (a frozen teacher, the received global model); no gradient reaches ``params``."""
+        task, batch = self.parts[part]
+        select_task(self.model, task.index)
+        with torch.no_grad():
+            return torch.func.functional_call(self.model, params, (batch,), strict=False)
+
+    def part_losses(self, outputs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Each task's own loss on its part of the batch (from ``outputs``, else a forward of each part, or one
+        forward of the parts stacked where the model runs their tasks through the same forward)."""
+        if outputs is None:
+            outputs = self._stacked_outputs() or [self.outputs(i) for i in range(len(self.parts))]
+        return [task.kind.loss(out, batch) for (task, batch), out in zip(self.parts, outputs)]
+
+    def _stacked_outputs(self) -> list[torch.Tensor] | None:
+        stacked = stacked_forward_batch(self.model, self.parts)
+        if stacked is None:
+            return None
+        select_task(self.model, self.parts[0][0].index)
+        outputs = trained_forward(self.model, self.client.train_config)(stacked)
+        return list(outputs.split([num_rows(batch) for _, batch in self.parts]))
+
+    def task_loss(self, losses: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """``sum_o lambda_o loss_o`` over the batch's tasks (lambda_o: task o's share of the samples)."""
+        losses = list(losses) if losses is not None else self.part_losses()
+        if len(losses) == 1:
+            return losses[0]
+        total = sum(num_rows(batch) for _, batch in self.parts)
+        return sum(loss * (num_rows(batch) / total) for loss, (_, batch) in zip(losses, self.parts))
+
+
+def stacked_forward_batch(model: nn.Module, parts: Sequence[tuple[Task, Batch]]) -> Batch | None:
+    """The parts' forward inputs (:attr:`~rayfed.kinds.TaskKind.forward_inputs`) stacked into one batch, when the
+    model runs all their tasks through one forward (``shares_forward``) and the inputs agree past the rows; else
+    None. A client holding several tasks then trains each step with one forward and one backward, not one per task."""
+    if len(parts) < 2 or not model.shares_forward([task.index for task, _ in parts]):
+        return None
+    names = parts[0][0].kind.forward_inputs
+    batches = [{name: column for name, column in batch.items() if names is None or name in names} for _, batch in parts]
+    first = batches[0]
+    if any(batch.keys() != first.keys() or any(
+            batch[name].shape[1:] != first[name].shape[1:] or batch[name].dtype != first[name].dtype for name in first)
+           for batch in batches):
+        return None
+    return {name: torch.cat([batch[name] for batch in batches]) for name in first}
+
+
+class ClientContext:
+    """One client as a method sees it inside its actor: its data, the model, a seeded trainer."""
+
+    def __init__(
+        self, client_id: int, round_idx: int, seed: int, data: ClientData, model: nn.Module,
+        train_config: TrainConfig, device: torch.device, eval_sets: Sequence[EvalSet] = (),
+        tasks: Sequence[Task] = (), stream: StreamConfig | None = None, others: Sequence[OtherTask] = (),
+    ):
+        self.client_id = client_id
+        self.round = round_idx
+        self.seed = seed
+        self.data = data
+        self.model = model
+        self.train_config = train_config
+        self.device = device
+        self.eval_sets = eval_sets
+        self.tasks = list(tasks)  # the run's tasks, by index
+        self.stream = stream  # data arrive over rounds: train on what has arrived, score the tasks seen so far
+        self.others = others  # in a stream: other clients' tasks, to score this client's model on
+        self.lockstep: StackedTrainer | None = None  # train.batch_clients: plain updates train with other clients'
+
+    @property
+    def task(self) -> int:
+        """The index of the (first) task the client holds."""
+        return self.data.parts[0].task
+
+    @property
+    def num_samples(self) -> int:
+        return self.data.num_train
+
+    def default_steps(self) -> int:
+        return local_steps(self.train_config, self.data.num_train)
+
+    def train(
+        self, params: TensorDict, *, steps: int | None = None, purpose: str = "train",
+        extra_loss: Penalty | None = None, lr: float | None = None, loss: LossFn | None = None,
+        phases: Sequence[Phase] | None = None, optimizer_state: TensorDict | None = None,
+        keep_optimizer_state: bool = False, snapshot_steps: Sequence[int] = (),
+    ) -> TrainResult:
+        """Run ``steps`` optimizer steps from ``params``; batches and dropout seeded by (round, client, purpose).
+
+        Without ``phases``: one phase over every parameter in ``params``, minimising ``loss`` (default: the
+        task loss) plus ``extra_loss``, at ``lr`` (default: the config's, on its schedule). Under
+        ``train.batch_clients`` (the actor sets ``lockstep``) such a plain update of a one-task client trains
+        stacked with other clients' (:mod:`rayfed.batching`).
+
+        ``snapshot_steps``: also the parameters after each of these steps (``TrainResult.snapshots``), bitwise
+        what a call of that many steps gives: batches, dropout and (unscheduled) learning rates do not depend on
+        the number of steps, so one call of ``2k`` steps holds the call of ``k``."""
+        config = self.train_config
+        steps = self.default_steps() if steps is None else steps
+        if any(not 0 < k <= steps for k in snapshot_steps):
+            raise ValueError(f"snapshot_steps {list(snapshot_steps)} must lie in 1..{steps}")
+        if snapshot_steps and config.schedule != "constant" and purpose == "train":
+            raise ValueError("snapshot_steps needs learning rates that do not depend on the number of steps")
+        base_lr = lr or config.lr
+        # One task, one micro-batch a step, a fresh optimizer: what a captured or a stacked step can run.
+        simple = (len(self.data.parts) == 1 and config.grad_accum == 1 and optimizer_state is None
+                  and not keep_optimizer_state)
+        pool = self.arrived_rows()
+        if (self.lockstep is not None and phases is None and loss is None and simple and not snapshot_steps
+                and (pool is None or len(pool))):
+            return self.lockstep.train(self, params, steps, purpose, base_lr, extra_loss, pool)
+        phases = list(phases) if phases is not None else [Phase(loss=loss, extra_loss=extra_loss)]
+        self.model.load_trainable(params)
+        named = {name: p for name, p in self.model.named_parameters() if name in params}
+        self.model.train()
+        graphed = None
+        if (config.cuda_graphs and self.device.type == "cuda" and len(phases) == 1 and phases[0].loss is None
+                and phases[0].extra_loss is None and simple):
+            # Before seeding: a first capture runs warm-up steps, which would draw dropout masks.
+            graphed = graphed_step(self.model, named, config, base_lr, self.data, self.tasks[self.task])
+        torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
+        snapshots: dict[int, TensorDict] = {}
+
+        def snapshot(taken: int) -> None:
+            if taken in snapshot_steps:
+                snapshots[taken] = {n: p.detach().clone() for n, p in named.items()}
+
+        if pool is not None and len(pool) == 0:  # nothing has arrived yet
+            for taken in snapshot_steps:
+                snapshot(taken)
+            return TrainResult({n: p.detach().clone() for n, p in named.items()}, float("nan"), snapshots=snapshots)
+        batches = self.batch_order(steps * config.grad_accum, purpose, pool)
+        # Summed on the device: reading each step's loss would make the host wait for the GPU every step.
+        total_loss = torch.zeros((), device=self.device)
+        if graphed is not None:
+            part = self.data.parts[0]
+            for taken, indices in enumerate(batches, start=1):
+                total_loss += graphed.step({k: v[indices] for k, v in part.train.items()})
+                snapshot(taken)
+            return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1),
+                               snapshots=snapshots)
+        optimizers = [self._optimizer(phase, named, base_lr) for phase in phases]
+        if optimizer_state is not None:
+            load_optimizer_state(optimizers, named, optimizer_state)
+        task_sums: dict[int, torch.Tensor] = {}
+        task_counts: dict[int, int] = {}
+        for step in range(steps):
+            if config.schedule != "constant" and purpose == "train":
+                for optimizer in optimizers:
+                    for group in optimizer.param_groups:
+                        group["lr"] = scheduled_lr(config, group["base_lr"], self.round, self.round * steps + step)
+            micro_batches = [self._micro_batch(next(batches)) for _ in range(config.grad_accum)]
+            memories: list[dict] = [{} for _ in micro_batches]
+            for index, (phase, optimizer) in enumerate(zip(phases, optimizers)):
+                optimizer.zero_grad(set_to_none=True)
+                for parts, memory in zip(micro_batches, memories):
+                    step_view = Step(self, parts, named, index, step, memory)
+                    with mixed_precision(self.device):
+                        if phase.loss is None:
+                            losses = step_view.part_losses()
+                            value = step_view.task_loss(losses)
+                            if index == 0:
+                                _add_task_losses(task_sums, task_counts, parts, losses)
+                        else:
+                            value = phase.loss(step_view)
+                    if index == 0:
+                        total_loss += value.detach().float() / config.grad_accum
+                    if phase.extra_loss is not None:
+                        value = value + phase.extra_loss(named)
+                    if config.grad_accum > 1:
+                        value = value / config.grad_accum
+                    value.backward()
+                trained = [p for group in optimizer.param_groups for p in group["params"]]
+                if config.grad_clip is not None:
+                    nn.utils.clip_grad_norm_(trained, config.grad_clip)
+                optimizer.step()
+            snapshot(step + 1)
+        task_losses = {task: task_sums[task] / task_counts[task] for task in task_sums}
+        state = saved_optimizer_state(optimizers, named) if keep_optimizer_state else None
+        return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1),
+                           task_losses, state, snapshots)
+
+    def batch_order(self, batches: int, purpose: str, pool: torch.Tensor | None) -> Iterator[torch.Tensor]:
+        """The rows of each of ``batches`` micro-batches of a train call, seeded by (round, client, purpose), drawn
+        from ``pool`` (:meth:`arrived_rows`)."""
+        generator = seeding.torch_generator(self.seed, self.round, self.client_id, purpose + ":batches")
+        first_column = next(iter(self.data.parts[0].train.values()))
+        return seeded_batches(self.data.num_train, self.train_config.batch_size, batches, generator, first_column.device,
+                        pool)
+
+    def arrived_rows(self) -> torch.Tensor | None:
+        """In a stream, the training rows local training may draw from this round (None: all)."""
+        arrival = self.data.arrival
+        if self.stream is None or arrival is None:
+            return None
+        rows = training_pool(self.stream, self.seed, self.client_id, self.round, arrival, self.data.task_of_row)
+        return torch.as_tensor(rows, dtype=torch.long)
+
+    def _optimizer(self, phase: Phase, named: dict[str, torch.Tensor], lr: float) -> torch.optim.Optimizer:
+        phase_lr = phase.lr or lr
+        groups: dict[float, list[torch.Tensor]] = {}
+        for name, param in named.items():
+            if phase.selects(name):
+                own = phase.lr_of(name) if phase.lr_of is not None else None
+                groups.setdefault(own or phase_lr, []).append(param)
+        optimizer = build_optimizer(self.train_config, [{"params": ps, "lr": group_lr} for group_lr, ps in groups.items()],
+                               phase_lr)
+        for group in optimizer.param_groups:
+            group["base_lr"] = group["lr"]
+        return optimizer
+
+    def _micro_batch(self, indices: torch.Tensor) -> list[tuple[Task, Batch]]:
+        return [(self.tasks[part.task], {k: v[rows].to(self.device, non_blocking=True) for k, v in part.train.items()})
+                for part, rows in self.data.split(indices)]
+
+    @torch.no_grad()
+    def evaluate(self, params: TensorDict) -> dict[str, float]:
+        """The metrics of each of the client's tasks on its own test data (personalization), ``local_<metric>``
+        (``<task>/local_<metric>`` for a client holding several tasks), and on each shared evaluation set
+        ``<set>_<metric>``; plus the metrics derived from these (:mod:`rayfed.metrics`)."""
+        self.model.load_trainable(params)
+        self.model.eval()
+        metrics: dict[str, float] = {}
+        seen = self.data.parts if self.stream is None else [p for p in self.data.parts if p.first_round <= seen_round(self.round)]
+        others = [] if self.stream is None else [o for o in self.others if o.first_round <= seen_round(self.round)]
+        # Scored together where the model allows: the own tasks and the others that need no parameters of their own.
+        scorer = Scorer(self.model, self.tasks, self.device, self.train_config.eval_batch_size)
+        together = iter(scorer.score_tasks([(part.task, part.test) for part in seen]
+                                            + [(other.task, other.test) for other in others if not other.missing]))
+        own_primary: list[tuple[str, float]] = []
+        for part in seen:
+            task = self.tasks[part.task]
+            values = task.kind.summarize(*next(together))
+            prefix = "" if len(self.data.parts) == 1 else f"{task.name}/"
+            metrics.update({f"{prefix}local_{name}": value for name, value in values.items()})
+            if task.kind.primary in values:  # a plug-in kind may report other metrics than its parent's primary
+                own_primary.append((task.kind.primary, values[task.kind.primary]))
+        if self.stream is not None:
+            metrics.update(_task_means("self", own_primary))
+            other_primary = []
+            for other in others:
+                task = self.tasks[other.task]
+                if other.missing:
+                    select_task(self.model, other.task)
+                    self.model.load_trainable(other.missing)  # the other task's own parameters: their round-0 values
+                    sums = scorer.score(task, other.test)
+                else:
+                    sums = next(together)
+                values = task.kind.summarize(*sums)
+                if task.kind.primary in values:
+                    other_primary.append((task.kind.primary, values[task.kind.primary]))
+                    if self.stream.others_by_task:
+                        metrics[f"others/{task.name}_{task.kind.primary}"] = values[task.kind.primary]
+            self.model.load_trainable(params)
+            metrics.update(_task_means("others", other_primary))
+        for eval_set in self.eval_sets:
+            columns = eval_set.columns
+            if eval_set.exclude_own_classes:
+                own = torch.cat([part.train["labels"] for part in self.data.parts]).unique()
+                keep = ~torch.isin(columns["labels"], own.to(columns["labels"].device))
+                columns = {name: column[keep] for name, column in columns.items()}
+            task = self.tasks[eval_set.task]
+            select_task(self.model, eval_set.task)
+            values = task.kind.summarize(*scorer.score(task, columns))
+            metrics.update({f"{eval_set.name}_{name}": values[name] for name in task.kind.shared_metrics})
+        if self.eval_sets:
+            select_task(self.model, self.task)
+        return with_derived(metrics)
+
+
+@dataclass
+class OtherTask:
+    """In a stream, another client's task a client is also scored on: its test samples (every holder's), the
+    first round any holder's samples of it arrive in, and the task's own parameters the client lacks (at
+    their round-0 values)."""
+
+    task: int
+    test: Columns
+    first_round: int
+    missing: TensorDict = field(default_factory=dict)
+
+
+def _task_means(group: str, values: list[tuple[str, float]]) -> dict[str, float]:
+    """``<group>_<metric>``: the mean of each primary metric over the tasks that report it."""
+    by_metric: dict[str, list[float]] = {}
+    for metric, value in values:
+        by_metric.setdefault(metric, []).append(value)
+    return {f"{group}_{metric}": sum(vs) / len(vs) for metric, vs in by_metric.items()}
+
+
+def _add_task_losses(sums: dict[int, torch.Tensor], counts: dict[int, int], parts: list[tuple[Task, Batch]],
+                     losses: list[torch.Tensor]) -> None:
+    for (task, _), loss in zip(parts, losses):
+        loss = loss.detach().float()
+        sums[task.index] = sums[task.index] + loss if task.index in sums else loss
+        counts[task.index] = counts.get(task.index, 0) + 1
+
+
+def seeded_batches(num_samples: int, batch_size: int, steps: int, generator: torch.Generator,
+                   device: torch.device, pool: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    """``steps`` batches from successive seeded permutations (epochs) of the client's samples (of ``pool``,
+    the rows a stream has made available, when given).
+
+    The permutations are drawn on the CPU (the same numbers on every device) and moved once per
+    epoch to where the data is, so indexing it never waits on a copy. To a GPU they go from pinned memory
+    without waiting: a plain copy would make the host wait for every step already queued (the last client's).
+    """
+    rows = num_samples if pool is None else len(pool)
+
+    def permutation() -> torch.Tensor:
+        order = torch.randperm(rows, generator=generator)
+        order = order if pool is None else pool[order]
+        if device.type == "cuda":
+            return order.pin_memory().to(device, non_blocking=True)
+        return order.to(device)
+
+    batch_size = min(batch_size, rows)
+    order = permutation()
+    position = 0
+    for _ in range(steps):
+        if position + batch_size > rows:
+            order = permutation()
+            position = 0
+        yield order[position:position + batch_size]
+        position += batch_size
+
