@@ -59,7 +59,7 @@ LOCAL, GLOBAL = "local", "global"
 RELEVANCE_VARIANTS = ("rela", "equal", "frozen_current", "training_current")
 CONV_AGG = ("rela_within_type", "equal_within_type", "none")
 SELF_WEIGHTS = ("include", "exclude")
-TRAINING_COMPUTE_FACTOR = 1.098  # FedMosaic's training-only relative compute (Tab. 15; docs/fedmosaic.md#the-offline-benchmark)
+TRAINING_COMPUTE_FACTOR = 1.098  # training-only relative compute (Tab. 15; docs/fedmosaic.md#the-offline-benchmark)
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class FedMosaicParams:
     align_batch_size: int = 4
     align_samples: int | None = None  # public samples used (default: all of data.public)
     cca_ridge: float = 1e-4  # relative ridge of the CCA covariances
-    b_features: str = "lora_output"  # CCA features: lora_output = (A h) B^T with P = I (our reading); base_output = W_p h
+    b_features: str = "lora_output"  # CCA features: lora_output = (A h) B^T, P = I (our reading); base_output = W_p h
     ortho_b_after_cca: bool = False  # polar re-orthonormalization of the CCA basis
     relevance_history: bool = True  # keep every round's weight matrix in the server state
     compute_matched_steps: bool = False  # local steps / 1.098 (TRAINING_COMPUTE_FACTOR)
