@@ -3,7 +3,8 @@
 FedDAT (Chen et al., AAAI 2024, arXiv 2308.12305) as FedMosaic's paper, *Not All Clients Are Equal: Collaborative Model
 Personalization on Heterogeneous Multi-Modal Clients*, runs it as a baseline (docs/fedmosaic.md#ablations-baselines; the
 paper gives no details, this is our reading), with its adapters as conventional LoRA on every linear layer
-(:mod:`rayfed.pqlora`) instead of bottleneck adapters (:mod:`rayfed.methods.feddat`, which targets ViLT-style encoders).
+(:mod:`rayfed.models.named_adapters`) instead of bottleneck adapters (:mod:`rayfed.methods.feddat`, which targets
+ViLT-style encoders).
 Three adapters per layer: ``shared`` (trained, uploaded, averaged within an architecture), ``frozen`` (the shared
 adapter received this round) and ``local`` (kept). Each batch takes two steps: ``CE(z_s) + kd KD(z_s, z_DAT)`` on the
 shared adapter, then ``CE(z_DAT) + kd KD(z_DAT, z_s)`` on the local one, with the dual-adapter teacher ``z_DAT`` from
@@ -21,10 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rayfed import pqlora
 from rayfed.config import ModelConfig
 from rayfed.method import ClientState, LocalResult, Method, TensorDict
-from rayfed.models import Backbone, build_lora_set
+from rayfed.models import Backbone, build_lora_set, named_adapters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase, Step, distillation_loss
@@ -62,7 +62,7 @@ def _mutual_loss(step: Step, trained: dict, other: dict, kd: float, tau: float, 
     share; stores the trained logits as ``keep``."""
     losses = []
     for part, (task, batch) in enumerate(step.parts):
-        pqlora.set_mix(step.model, trained)
+        named_adapters.set_mix(step.model, trained)
         logits = step.outputs(part)
         student = _answer_logits(batch, logits)
         if keep:
@@ -70,7 +70,7 @@ def _mutual_loss(step: Step, trained: dict, other: dict, kd: float, tau: float, 
         if teacher_key:
             teacher = step.memory[f"{teacher_key}:{part}"]
         else:
-            pqlora.set_mix(step.model, other)
+            named_adapters.set_mix(step.model, other)
             with torch.no_grad():
                 teacher = _answer_logits(batch, step.outputs(part))
         losses.append(task.kind.loss(logits, batch) + kd * distillation_loss(student, teacher, tau))
@@ -106,7 +106,7 @@ class FedDATLora(Method):
         params = {**state["personal"], **received, **self._frozen_copy(received)}
         result = client.train(params, phases=[Phase(trains=self.is_shared, loss=student),
                                               Phase(trains=lambda n: f".{LOCAL}_" in n, loss=teacher)])
-        pqlora.set_mix(client.model, None)
+        named_adapters.set_mix(client.model, None)
         shared = {n: v for n, v in result.params.items() if self.is_shared(n)}
         personal = {n: v for n, v in result.params.items() if f".{LOCAL}_" in n}
         return LocalResult({**state, "personal": personal}, {"shared": shared}, result.loss)
@@ -119,4 +119,4 @@ class FedDATLora(Method):
         return self.eval_views(state, payload)[""]
 
     def activate_view(self, model: nn.Module, view: str) -> None:
-        pqlora.set_mix(model, TEACHER if view == "dat" else STUDENT)
+        named_adapters.set_mix(model, TEACHER if view == "dat" else STUDENT)

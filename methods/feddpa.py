@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rayfed import pqlora
 from rayfed.config import ModelConfig
 from rayfed.method import ClientState, LocalResult, Method, TensorDict
-from rayfed.models import Backbone, build_lora_set
+from rayfed.models import Backbone, build_lora_set, named_adapters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase
@@ -51,7 +50,7 @@ class InstanceWeights:
         self.model = model
         self.profile: torch.Tensor | None = None
         self.record: list[torch.Tensor] | None = None  # while set, pooled inputs are collected (the profile)
-        _, layers = pqlora.decoder_layers(model.encoder, getattr(model, "lora_scope", None))
+        _, layers = named_adapters.decoder_layers(model.encoder, getattr(model, "lora_scope", None))
         layers[0].register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
@@ -64,7 +63,7 @@ class InstanceWeights:
         pooled = hidden.detach().float().mean(dim=1)
         weight = nn.functional.cosine_similarity(pooled, self.profile.to(pooled.device).unsqueeze(0), dim=1)
         weight = weight.clamp(0.0, 1.0).to(hidden.dtype).view(-1, 1, 1)
-        pqlora.set_mix(self.model, {GLOBAL: 1 - weight, LOCAL: weight})
+        named_adapters.set_mix(self.model, {GLOBAL: 1 - weight, LOCAL: weight})
         return None
 
 
@@ -90,10 +89,10 @@ class FedDPA(Method):
         weights = model.instance_weights
         if weights is not None:
             weights.profile = None
-        pqlora.set_mix(model, {GLOBAL: 1.0})
+        named_adapters.set_mix(model, {GLOBAL: 1.0})
         global_update = client.train({**state["personal"], **received}, phases=[Phase(trains=self.is_shared)])
         trained_global = {n: v for n, v in global_update.params.items() if self.is_shared(n)}
-        pqlora.set_mix(model, {GLOBAL: 1 - self.params.local_weight, LOCAL: self.params.local_weight})
+        named_adapters.set_mix(model, {GLOBAL: 1 - self.params.local_weight, LOCAL: self.params.local_weight})
         if weights is not None:
             weights.record = []
         local_update = client.train({**state["personal"], **trained_global}, steps=self.params.local_steps,
@@ -104,7 +103,7 @@ class FedDPA(Method):
             weights.record = None
             if sums:
                 new_state["profile"] = {"mean": (torch.stack(sums).sum(0) / torch.stack(counts).sum()).cpu()}
-        pqlora.set_mix(model, None)
+        named_adapters.set_mix(model, None)
         return LocalResult(new_state, {"shared": trained_global}, global_update.loss)
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
@@ -119,4 +118,4 @@ class FedDPA(Method):
         if weights is not None and getattr(self, "_profile", None) is not None:
             weights.profile = self._profile
         else:
-            pqlora.set_mix(model, {GLOBAL: 1 - self.params.local_weight, LOCAL: self.params.local_weight})
+            named_adapters.set_mix(model, {GLOBAL: 1 - self.params.local_weight, LOCAL: self.params.local_weight})

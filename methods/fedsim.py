@@ -4,8 +4,9 @@ and replaced every round.
 
 A baseline of FedMosaic's paper, *Not All Clients Are Equal: Collaborative Model Personalization on Heterogeneous
 Multi-Modal Clients* (docs/fedmosaic.md#ablations-baselines; the paper gives no details, this is our reading). The
-layer's output is ``W x + s (B_p A_p x + B_s A_s x)`` (:mod:`rayfed.pqlora`, conventional LoRA, no gate); both adapters
-take one optimizer step per batch (simultaneous update) and the shared one starts each round from the received average.
+layer's output is ``W x + s (B_p A_p x + B_s A_s x)`` (:mod:`rayfed.models.named_adapters`, conventional LoRA, no
+gate); both adapters take one optimizer step per batch (simultaneous update) and the shared one starts each round from
+the received average.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from rayfed import pqlora
 from rayfed.config import ModelConfig
 from rayfed.method import Method
-from rayfed.models import Backbone, build_lora_set
+from rayfed.models import Backbone, build_lora_set, named_adapters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 
@@ -41,7 +41,7 @@ class FedSim(Method):
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         model = build_lora_set("fedsim", backbone, config, tasks, seed, (PERSONAL, SHARED))
         if self.params.personal_scale != 1.0:
-            pqlora.set_mix(model, {PERSONAL: self.params.personal_scale, SHARED: 1.0})
+            named_adapters.set_mix(model, {PERSONAL: self.params.personal_scale, SHARED: 1.0})
         return model
 
     def is_shared(self, name: str) -> bool:

@@ -36,7 +36,7 @@ KINDS: dict[str, str] = {
 }
 _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "method": ("rayfed.methods",),
-    "source": ("rayfed.data.sources", "rayfed.data.task_groups"),
+    "source": ("rayfed.data.sources", "rayfed.methods"),  # a paper package registers its sources
     "partitioner": ("rayfed.data.partition",),
     "backbone": ("rayfed.models", "rayfed.clip"),
     "client_model": ("rayfed.mome",),

@@ -13,17 +13,17 @@ import torch
 import transformers
 from torch import nn
 
-from rayfed import pqlora, training
+from rayfed import training
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_slots
 from rayfed.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.compute import counted_flops
 from rayfed.config import ModelConfig, load_config
-from rayfed.data.task_groups import answer_maps
 from rayfed.errors import ConfigError
 from rayfed.method import TensorDict, Upload, build_method
-from rayfed.methods.fedmosaic import FedMosaic, FedMosaicParams, linear_weight_gradient, relevance_weights
+from rayfed.methods.fedmosaic import FedMosaic, FedMosaicParams, linear_weight_gradient, pqlora, relevance_weights
+from rayfed.methods.fedmosaic.task_groups import answer_maps
 from rayfed.models import build_backbone
 from rayfed.tasks import Task
 
@@ -82,10 +82,10 @@ def test_pq_layers_follow_eq_6():
         pqlora.attachment_layers(8, 9)
 
 
-def _pq_layer(d_in=12, d_out=10, rank=4, seed=0) -> pqlora.AdaptedLinear:
+def _pq_layer(d_in=12, d_out=10, rank=4, seed=0) -> pqlora.GatedLinear:
     base = torch.nn.Linear(d_in, d_out).double()
-    layer = pqlora.AdaptedLinear(base, rank, ("local", "global"), pq=True, scale=1.0, frozen=("global",),
-                                 generator=torch.Generator().manual_seed(seed)).double()
+    layer = pqlora.GatedLinear(base, rank, ("local", "global"), pq=True, scale=1.0, frozen=("global",),
+                               generator=torch.Generator().manual_seed(seed)).double()
     return layer
 
 

@@ -31,7 +31,7 @@ def test_overrides_reach_nested_method_fields() -> None:
 
 
 def test_others_are_grouped_by_the_other_tasks_group_and_architecture() -> None:
-    from rayfed.benchmarks.fedmosaic_others import by_relation
+    from rayfed.methods.fedmosaic.others import by_relation
 
     def task(name: str, client: int, group: int) -> dict:
         return {"name": name, "clients": [client], "options": {"group": group}}
@@ -50,7 +50,7 @@ def test_others_are_grouped_by_the_other_tasks_group_and_architecture() -> None:
 def test_the_settings_paired_with_offline_dynamic_differ_from_it_only_in_their_methods() -> None:
     import yaml
 
-    from rayfed.benchmarks.fedmosaic_tables import SAME_CLIENTS, SAME_CLIENTS_STATIC
+    from rayfed.methods.fedmosaic.tables import SAME_CLIENTS, SAME_CLIENTS_STATIC
     from rayfed.benchmarks.offline_runs import CONFIGS
 
     def without_methods(setting: str) -> dict:
@@ -71,7 +71,7 @@ def _tables_row(setting: str, label: str, value: float = 0.3, extra: dict | None
 
 
 def test_each_settings_rows_stand_next_to_that_settings_paper_numbers() -> None:
-    from rayfed.benchmarks.fedmosaic_tables import results_table
+    from rayfed.methods.fedmosaic.tables import results_table
 
     row = _tables_row
     lines = {line.split(" |")[0].lstrip("| "): line for line in results_table(
@@ -84,7 +84,7 @@ def test_each_settings_rows_stand_next_to_that_settings_paper_numbers() -> None:
 
 
 def test_each_setting_with_its_own_sft_is_paired_with_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from rayfed.benchmarks.fedmosaic_tables import main
+    from rayfed.methods.fedmosaic.tables import main
 
     more_steps = {"train.local_steps": 30}  # offline_runs --set: another setting, paired with its own SFT
     rows = [_tables_row("dynamic", "local", 0.1), _tables_row("dynamic", "fedmosaic", 0.2),
@@ -101,7 +101,7 @@ def test_each_setting_with_its_own_sft_is_paired_with_it(tmp_path: Path, capsys:
 
 
 def test_the_static_competitors_pair_with_static_sft_and_not_dynamic_sft() -> None:
-    from rayfed.benchmarks.fedmosaic_tables import paired_gaps
+    from rayfed.methods.fedmosaic.tables import paired_gaps
 
     rows = [_tables_row("static", "local", 0.1), _tables_row("competitors_static", "takfl", 0.25),
             _tables_row("dynamic", "local", 0.5), _tables_row("competitors", "takfl", 0.55)]
@@ -137,7 +137,7 @@ def test_a_compute_matched_job_trains_the_steps_its_measured_cost_gives_it() -> 
 
 
 def test_compute_matched_rows_are_their_own_setting_with_the_papers_numbers_and_a_cost_table() -> None:
-    from rayfed.benchmarks.fedmosaic_tables import compute_matching, paired_gaps, results_table
+    from rayfed.methods.fedmosaic.tables import compute_matching, paired_gaps, results_table
 
     matched = []
     for label, value, ratio, steps in (("local", 0.1, 1.0, 10), ("fedmosaic", 0.3, 1.16, 9)):

@@ -1,9 +1,9 @@
-"""PQ-LoRA and named, mixed low-rank adapters on a model's linear layers (FedMosaic's module).
+"""PQ-LoRA and the gated dual adapter (FedMosaic's layer).
 
 From *Not All Clients Are Equal: Collaborative Model Personalization on Heterogeneous Multi-Modal Clients* (Sec. 4.2,
-Eq. 5-8 and 18-23; docs/fedmosaic.md#pq-lora-and-the-dual-adapter). Every adapted linear
-layer ``W_p`` of a transformer's decoder layers becomes an :class:`AdaptedLinear` holding one or more named
-adapters (FedMosaic: ``local`` and ``global``; FedSim: ``personal`` and ``shared``; ...), each either
+Eq. 5-8 and 18-23; docs/fedmosaic.md#pq-lora-and-the-dual-adapter). Every adapted linear layer ``W_p`` of a
+transformer's decoder layers becomes a :class:`GatedLinear` (the engine's named adapters,
+:mod:`rayfed.models.named_adapters`) holding FedMosaic's ``local`` and ``global`` adapters, each either
 
 - conventional LoRA: ``s B_a A_a x`` with ``A_a`` (r x d_in) and ``B_a`` (d_out x r) of its own, or
 - PQ-LoRA (Eq. 5): ``s_pq B (P_a A x + Q_a)``, where ``A`` (orthonormal rows) and ``B`` (orthonormal columns)
@@ -12,21 +12,18 @@ adapters (FedMosaic: ``local`` and ``global``; FedSim: ``personal`` and ``shared
 
 PQ-LoRA goes on every linear layer of the last decoder layer of each of ``N_B`` blocks (Eq. 6, 1-based:
 ``I_k = k floor(L / N_B)``, ``I_{N_B} = L``), conventional LoRA on the others. The adapters' outputs are combined
-by the layer's ``mix``: FedMosaic's gate (Eq. 7: ``(1 - sigmoid(beta)) h_local + sigmoid(beta) h_global`` with one
-``beta`` per decoder layer), a plain sum, or any weights a method sets (per instance, too).
+by the layer's ``mix`` where a method sets one, else by the gate (Eq. 7: ``(1 - sigmoid(beta)) h_local +
+sigmoid(beta) h_global`` with one ``beta`` per decoder layer), else summed.
 
 Parameter names (what methods select by suffix): ``<linear>.A`` / ``<linear>.B`` (the PQ basis),
 ``<linear>.<adapter>_P`` / ``_Q`` (PQ layers), ``<linear>.<adapter>_A`` / ``_B`` (conventional layers) and
-``<decoder layer>.adapter_gate.beta``. Every one of them is a per-client value (``requires_grad``: it lives in
-client state and is swapped in per client); a method's training phases choose which of them train. Frozen
-adapters (``frozen``) and the PQ basis are detached in the forward pass, so no gradient is computed for them.
+``<decoder layer>.adapter_gate.beta``. The PQ basis is detached in the forward pass, as frozen adapters are.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GATE = "adapter_gate"
+from rayfed.models import named_adapters
+from rayfed.models.named_adapters import LINEAR_TARGETS, AdaptedLinear, LinearBuilder, Mix, Placement
 
-# PQ parameter names: <prefix>layers.<i>.<...>.<module>.<adapter>_<P|Q>
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+GATE = "adapter_gate"
 
 
 def attachment_layers(depth: int, blocks: int) -> tuple[int, ...]:
@@ -113,118 +109,76 @@ class LayerGate(nn.Module):
         self._open = None
 
 
-Mix = Mapping[str, float | torch.Tensor]
-
-
-class AdaptedLinear(nn.Module):
-    """A frozen linear layer plus named low-rank adapters, conventional or PQ (see the module docstring)."""
+class GatedLinear(AdaptedLinear):
+    """A frozen linear layer plus named adapters, conventional or PQ, mixed by its decoder layer's gate where it has
+    one (see the module docstring)."""
 
     def __init__(self, base: nn.Linear, rank: int, adapters: Sequence[str], *, pq: bool, scale: float,
                  frozen: Collection[str] = (), generator: torch.Generator | None = None, pq_init: str = "zero"):
-        super().__init__()
-        self.base = base
-        self.adapters = tuple(adapters)
-        self.pq = pq
-        self.rank = rank
-        self.scale = scale
-        self.frozen = frozenset(frozen)
-        self.enabled = True
-        self.mix: Mix | None = None  # None: the gate's (two adapters) or a plain sum
+        self.pq, self.pq_init = pq, pq_init  # read by the parameter hooks, which the base constructor calls
+        super().__init__(base, rank, adapters, scale=scale, frozen=frozen, generator=generator)
         self._gate: tuple[LayerGate, ...] = ()  # the decoder layer's gate (kept out of this module's parameters)
-        d_out, d_in = base.weight.shape
-        device = base.weight.device
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        if device.type == "meta":  # shapes only (parameter counts of models too large to build)
-            self._meta_parameters(rank, d_in, d_out)
+
+    def _check_rank(self, d_in: int, d_out: int) -> None:
+        if self.rank > min(d_in, d_out):
+            raise ValueError(f"PQ-LoRA rank {self.rank} exceeds the layer's width ({d_in} -> {d_out})")
+
+    def _parameter_shapes(self, d_in: int, d_out: int) -> list[tuple[str, tuple[int, ...]]]:
+        if not self.pq:
+            return super()._parameter_shapes(d_in, d_out)
+        self._check_rank(d_in, d_out)
+        rank = self.rank
+        return [("A", (rank, d_in)), ("B", (d_out, rank))] + [
+            (f"{name}_{part}", shape) for name in self.adapters for part, shape in (("P", (rank, rank)), ("Q", (rank,)))]
+
+    def _create_parameters(self, d_in: int, d_out: int, device: torch.device, generator: torch.Generator) -> None:
+        if not self.pq:
+            super()._create_parameters(d_in, d_out, device, generator)
             return
-        if pq:
-            if rank > min(d_in, d_out):
-                raise ValueError(f"PQ-LoRA rank {rank} exceeds the layer's width ({d_in} -> {d_out})")
-            self.A = nn.Parameter(random_orthonormal(rank, d_in, generator).to(device))
-            self.B = nn.Parameter(random_orthonormal(d_out, rank, generator).to(device))
-            start = torch.eye(rank) if pq_init == "identity" else torch.zeros(rank, rank)
-            for name in self.adapters:
-                setattr(self, f"{name}_P", nn.Parameter(start.clone().to(device)))
-                setattr(self, f"{name}_Q", nn.Parameter(torch.zeros(rank, device=device)))
-        else:
-            a = torch.empty(rank, d_in)
-            bound = 1.0 / math.sqrt(d_in)  # kaiming_uniform(a=sqrt(5)), peft's and nn.Linear's default
-            a.uniform_(-bound, bound, generator=generator)
-            for name in self.adapters:  # every adapter starts from the same values (L = G = E)
-                setattr(self, f"{name}_A", nn.Parameter(a.clone().to(device)))
-                setattr(self, f"{name}_B", nn.Parameter(torch.zeros(d_out, rank, device=device)))
-
-    def _meta_parameters(self, rank: int, d_in: int, d_out: int) -> None:
-        def meta(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, device="meta"))
-
-        if self.pq:
-            if rank > min(d_in, d_out):
-                raise ValueError(f"PQ-LoRA rank {rank} exceeds the layer's width ({d_in} -> {d_out})")
-            self.A, self.B = meta(rank, d_in), meta(d_out, rank)
+        self._check_rank(d_in, d_out)
+        rank = self.rank
+        self.A = nn.Parameter(random_orthonormal(rank, d_in, generator).to(device))
+        self.B = nn.Parameter(random_orthonormal(d_out, rank, generator).to(device))
+        start = torch.eye(rank) if self.pq_init == "identity" else torch.zeros(rank, rank)
         for name in self.adapters:
-            for part, shape in ((("P", (rank, rank)), ("Q", (rank,))) if self.pq else
-                                (("A", (rank, d_in)), ("B", (d_out, rank)))):
-                setattr(self, f"{name}_{part}", meta(*shape))
+            setattr(self, f"{name}_P", nn.Parameter(start.clone().to(device)))
+            setattr(self, f"{name}_Q", nn.Parameter(torch.zeros(rank, device=device)))
 
     def set_gate(self, gate: LayerGate | None) -> None:
         self._gate = () if gate is None else (gate,)
 
-    def adapter(self, name: str, part: str) -> torch.Tensor:
-        value = getattr(self, f"{name}_{part}")
-        return value.detach() if name in self.frozen else value
+    def _gated_pair(self) -> bool:
+        return self.mix is None and bool(self._gate) and len(self.adapters) == 2
 
     def weights(self) -> Mix:
-        if self.mix is not None:
-            return self.mix
-        if self._gate and len(self.adapters) == 2:
+        if self._gated_pair():
             g = self._gate[0].weight()
             return {self.adapters[0]: 1 - g, self.adapters[1]: g}
-        return {name: 1.0 for name in self.adapters}
+        return super().weights()
 
     def delta_weight(self, name: str) -> torch.Tensor:
         """Adapter ``name``'s ``Delta W`` (d_out x d_in), its bias-free part (PQ: ``s B P A``)."""
         if self.pq:
             return self.scale * self.B @ self.adapter(name, "P") @ self.A
-        return self.scale * self.adapter(name, "B") @ self.adapter(name, "A")
+        return super().delta_weight(name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
-        if not self.enabled:
-            return out
-        if self.mix is None and self._gate and len(self.adapters) == 2:
-            return out + self._gated(x, self._gate[0])
-        active = [(name, w) for name, w in self.weights().items() if not (isinstance(w, (int, float)) and w == 0)]
-        if not active:
-            return out
-        scalar = all(not isinstance(w, torch.Tensor) or w.dim() == 0 for _, w in active)
-        if self.pq:
-            code = nn.functional.linear(x, self.A.detach())
-            if scalar:  # one r x r product: B ((sum_a w_a P_a) z + sum_a w_a Q_a)
-                p = sum(w * self.adapter(name, "P") for name, w in active)
-                q = sum(w * self.adapter(name, "Q") for name, w in active)
-                mixed = nn.functional.linear(code, p, q)
-            else:
-                mixed = sum(w * nn.functional.linear(code, self.adapter(name, "P"), self.adapter(name, "Q"))
-                            for name, w in active)
-            return out + self.scale * nn.functional.linear(mixed, self.B.detach())
-        if len(active) == 1:
-            name, w = active[0]
-            delta = nn.functional.linear(nn.functional.linear(x, self.adapter(name, "A")), self.adapter(name, "B"))
-            return out + (self.scale * w) * delta
-        # Several adapters in two products: x [A_1; A_2]^T, each r-block scaled by its weight, times [B_1, B_2]^T.
-        a = torch.cat([self.adapter(name, "A") for name, _ in active])
-        b = torch.cat([self.adapter(name, "B") for name, _ in active], dim=1)
-        code = nn.functional.linear(x, a)
-        weights = [torch.as_tensor(w, dtype=code.dtype, device=code.device) for _, w in active]
-        if scalar:
-            scale = torch.stack(weights).repeat_interleave(self.rank)
+    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self._gated_pair():
+            return self._gated(x, self._gate[0])
+        return super().delta(x)
+
+    def _mixed(self, x: torch.Tensor, active: list[tuple[str, float | torch.Tensor]], scalar: bool) -> torch.Tensor:
+        if not self.pq:
+            return super()._mixed(x, active, scalar)
+        code = nn.functional.linear(x, self.A.detach())
+        if scalar:  # one r x r product: B ((sum_a w_a P_a) z + sum_a w_a Q_a)
+            p = sum(w * self.adapter(name, "P") for name, w in active)
+            q = sum(w * self.adapter(name, "Q") for name, w in active)
+            mixed = nn.functional.linear(code, p, q)
         else:
-            shape = next(w.shape for w in weights if w.dim())
-            scale = torch.cat([w.expand(*shape[:-1], self.rank) if w.dim() else w.expand(*shape[:-1], self.rank)
-                               for w in weights], dim=-1)
-        return out + self.scale * nn.functional.linear(code * scale, b)
-
+            mixed = sum(w * nn.functional.linear(code, self.adapter(name, "P"), self.adapter(name, "Q"))
+                        for name, w in active)
+        return self.scale * nn.functional.linear(mixed, self.B.detach())
 
     def _gated(self, x: torch.Tensor, gate: LayerGate) -> torch.Tensor:
         """The two adapters mixed by the layer's gate, ``(1 - g) h_first + g h_second``, in fewer products than the
@@ -243,103 +197,42 @@ class AdaptedLinear(nn.Module):
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where adapters sit in one model: its decoder depth, the 1-based PQ layers, and every adapted module's
-    qualified name (under the root module :func:`attach` was given) with its 1-based layer and linear name."""
+class PQPlacement(Placement):
+    """The engine's placement plus the 1-based decoder layers that carry PQ-LoRA."""
 
-    depth: int
-    pq_layers: tuple[int, ...]
-    modules: tuple[tuple[str, int, str], ...]
-
-
-def decoder_layers(root: nn.Module, scope: str | None = None) -> tuple[str, nn.ModuleList]:
-    """The qualified name and the list of a transformer's decoder layers: the first ``nn.ModuleList`` named
-    ``layers`` (``layer``) under ``scope`` (LLaVA: ``model.language_model``)."""
-    for name, module in root.named_modules():
-        if scope is not None and not name.startswith(scope + "."):
-            continue
-        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "layer") and len(module):
-            return name, module
-    where = f" under {scope!r}" if scope else ""
-    raise ValueError(f"the model has no list of decoder layers{where} (an nn.ModuleList named 'layers')")
+    pq_layers: tuple[int, ...] = ()
 
 
 def attach(root: nn.Module, *, rank: int, adapters: Sequence[str], pq_blocks: int = 0, scale: float = 1.0,
            pq_scale: float = 1.0, frozen: Collection[str] = (), gate: bool = False, scope: str | None = None,
            targets: Sequence[str] = LINEAR_TARGETS, seed_of: Callable[[str], int] = lambda purpose: 0,
-           pq_init: str = "zero") -> Placement:
-    """Replace every ``targets`` linear layer of ``root``'s decoder layers by an :class:`AdaptedLinear` with the
-    named ``adapters``: PQ-LoRA on the layers of :func:`attachment_layers` (``pq_blocks`` > 0), conventional
-    LoRA elsewhere; with ``gate``, one :class:`LayerGate` per decoder layer (``<layer>.adapter_gate``). Initial
-    values depend on ``seed_of`` only (module by module), so every model built with it starts the same."""
-    prefix, layers = decoder_layers(root, scope)
-    depth = len(layers)
-    pq_layers = attachment_layers(depth, pq_blocks) if pq_blocks else ()
-    placed = []
-    for index, layer in enumerate(layers, start=1):
+           pq_init: str = "zero") -> PQPlacement:
+    """Replace every ``targets`` linear layer of ``root``'s decoder layers by a :class:`GatedLinear` with the named
+    ``adapters``: PQ-LoRA on the layers of :func:`attachment_layers` (``pq_blocks`` > 0), conventional LoRA
+    elsewhere; with ``gate``, one :class:`LayerGate` per decoder layer (``<layer>.adapter_gate``). Initial values
+    depend on ``seed_of`` only (module by module), so every model built with it starts the same."""
+    _, layers = named_adapters.decoder_layers(root, scope)
+    pq_layers = attachment_layers(len(layers), pq_blocks) if pq_blocks else ()
+
+    def on_layer(index: int, layer: nn.Module) -> LinearBuilder:
         layer_gate = None
         if gate:
             layer_gate = LayerGate().to(next(layer.parameters()).device)
             setattr(layer, GATE, layer_gate)
             layer.register_forward_pre_hook(layer_gate.open)
             layer.register_forward_hook(layer_gate.close)
-        for name, module in list(layer.named_modules()):
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf not in targets or not isinstance(module, nn.Linear):
-                continue
-            parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
-            generator = torch.Generator().manual_seed(seed_of(f"layer{index}:{name}"))
-            adapted = AdaptedLinear(module, rank, adapters, pq=index in pq_layers, frozen=frozen, generator=generator,
-                                    scale=pq_scale if index in pq_layers else scale, pq_init=pq_init)
+        pq = index in pq_layers
+
+        def build(linear: nn.Linear, generator: torch.Generator) -> GatedLinear:
+            adapted = GatedLinear(linear, rank, adapters, pq=pq, frozen=frozen, generator=generator,
+                                  scale=pq_scale if pq else scale, pq_init=pq_init)
             adapted.set_gate(layer_gate)
-            setattr(parent, leaf, adapted)
-            placed.append((f"{prefix}.{index - 1}.{name}", index, leaf))
-    missing = sorted(set(targets) - {leaf for _, _, leaf in placed})
-    if missing:
-        raise ValueError(f"the decoder layers have no linear layers named {', '.join(missing)}")
-    return Placement(depth, pq_layers, tuple(placed))
+            return adapted
 
+        return build
 
-def adapted_modules(model: nn.Module) -> Iterator[tuple[str, AdaptedLinear]]:
-    for name, module in model.named_modules():
-        if isinstance(module, AdaptedLinear):
-            yield name, module
-
-
-def set_mix(model: nn.Module, mix: Mix | None) -> None:
-    """Make every adapted layer combine its adapters with ``mix`` (None: the gate, or a plain sum)."""
-    for _, module in adapted_modules(model):
-        module.mix = None if mix is None else dict(mix)
-
-
-@contextlib.contextmanager
-def adapters_off(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` as its frozen pretrained self (every adapter branch off)."""
-    modules = [module for _, module in adapted_modules(model)]
-    previous = [module.enabled for module in modules]
-    for module in modules:
-        module.enabled = False
-    try:
-        yield
-    finally:
-        for module, enabled in zip(modules, previous):
-            module.enabled = enabled
-
-
-def layer_of(name: str) -> int | None:
-    """The 0-based decoder layer index in a parameter name (``...layers.<i>.``), or None."""
-    match = _LAYER.search(name)
-    return int(match.group(1)) if match else None
-
-
-def pq_params(rank: int) -> int:
-    """Trainable parameters of one PQ-LoRA module: ``r^2 + r``."""
-    return rank * rank + rank
-
-
-def lora_params(rank: int, d_in: int, d_out: int) -> int:
-    """Parameters of one conventional LoRA module: ``r (d_in + d_out)``."""
-    return rank * (d_in + d_out)
+    placement = named_adapters.attach(root, on_layer, scope=scope, targets=targets, seed_of=seed_of)
+    return PQPlacement(placement.depth, placement.modules, pq_layers)
 
 
 @contextlib.contextmanager
@@ -366,13 +259,6 @@ def mean_pool(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(batch, tokens, d) values averaged over the tokens ``mask`` (batch, tokens) keeps."""
     keep = mask.to(values.dtype).unsqueeze(-1)
     return (values * keep).sum(dim=1) / keep.sum(dim=1).clamp_min(1.0)
-
-
-__all__ = [
-    "AdaptedLinear", "LINEAR_TARGETS", "LayerGate", "Placement", "adapted_modules", "adapters_off", "attach",
-    "attachment_layers", "captured_inputs", "decoder_layers", "layer_of", "lora_params", "mean_pool",
-    "nearest_orthonormal_columns", "nearest_orthonormal_rows", "pq_params", "random_orthonormal", "set_mix",
-]
 
 
 # Cross-model alignment of the PQ basis (Alg. 2-4; docs/fedmosaic.md#cross-model-alignment) ---------------------

@@ -1,25 +1,25 @@
 """FedMosaic: relevance-guided aggregation (RELA) and PQ-LoRA across heterogeneous multi-modal clients.
 
-Seed paper "Not all clients are equal: collaborative model personalization on heterogeneous multi-modal clients"
-(Alg. 1-4); ``docs/fedmosaic.md`` describes this implementation. Each client
-trains, over its frozen backbone (any of K architectures), a *local* adapter (kept, never overwritten) next to a
-*global* adapter it receives every round (frozen while it trains), mixed per decoder layer by a learnable gate
-(Eq. 7, :mod:`rayfed.pqlora`). The last decoder layer of each of ``blocks`` blocks carries PQ-LoRA (§3): a frozen
-orthonormal basis ``A``, ``B`` and trained ``P`` (r x r), ``Q`` (r), the same shapes in every architecture, so the
-k-th PQ layers of all clients are averaged together; the other layers carry conventional LoRA, averaged only
-within an architecture (§9.6, ``conv_agg``).
+From *Not All Clients Are Equal: Collaborative Model Personalization on Heterogeneous Multi-Modal Clients* (Alg. 1-4;
+no arXiv id known); docs/fedmosaic.md#the-method describes this implementation. Each client trains, over its frozen
+backbone (any of K architectures), a *local* adapter (kept, never overwritten) next to a *global* adapter it receives
+every round (frozen while it trains), mixed per decoder layer by a learnable gate (Eq. 7,
+:mod:`rayfed.methods.fedmosaic.pqlora`). The last decoder layer of each of ``blocks`` blocks carries PQ-LoRA
+(docs/fedmosaic.md#pq-lora-and-the-dual-adapter): a frozen orthonormal basis ``A``, ``B`` and trained ``P`` (r x r),
+``Q`` (r), the same shapes in every architecture, so the k-th PQ layers of all clients are averaged together; the
+other layers carry conventional LoRA, averaged only within an architecture (``conv_agg``, docs/fedmosaic.md#rela).
 
 Before round 1 (``pre_federation``) every architecture's actor runs the public data (``data.public``) through its
-pretrained model and returns the inputs of its PQ layers, mean-pooled per sequence (§9.13); the server then trains
-each non-pivot architecture's ``A`` to reproduce the pivot's codes (L2 + ``align_lambda`` orthogonality, Eq. 20),
-makes it exactly orthonormal (thin SVD), computes its ``B`` by ridge CCA (Alg. 4) and sends the aligned basis to
-each of that architecture's clients once (they keep it in their state; it is frozen from then on).
+pretrained model and returns the inputs of its PQ layers, mean-pooled per sequence; the server then trains each
+non-pivot architecture's ``A`` to reproduce the pivot's codes (L2 + ``align_lambda`` orthogonality, Eq. 20), makes it
+exactly orthonormal (thin SVD), computes its ``B`` by ridge CCA (Alg. 4) and sends the aligned basis to each of that
+architecture's clients once (they keep it, frozen; docs/fedmosaic.md#cross-model-alignment).
 
-RELA (§2): every ``grad_interval`` local steps a client takes the gradient of the last linear layer of one frozen
-small model ``W_s`` (``relevance_model``, the same for all clients, without adapters) on the batch just trained
-on, keeps the shared random ``sample_ratio`` of its entries (one mask from the run's seed, the same on every
-client) plus noise ``noise``, averages them over the round and folds them into a decayed mean (``alpha``, once per
-round: Alg. 1, §9.1), which it uploads. The server turns the cosines of these vectors into per-client weights
+RELA (docs/fedmosaic.md#rela): every ``grad_interval`` local steps a client takes the gradient of the last linear
+layer of one frozen small model ``W_s`` (``relevance_model``, the same for all clients, without adapters) on the batch
+just trained on, keeps the shared random ``sample_ratio`` of its entries (one mask from the run's seed, the same on
+every client) plus noise ``noise``, averages them over the round and folds them into a decayed mean (``alpha``, once
+per round: Alg. 1), which it uploads. The server turns the cosines of these vectors into per-client weights
 ``w_ij = softmax_j(cos(g_i, g_j) / tau)`` and sends each client its own global adapter ``G_i = sum_j w_ij L_j``
 (conventional layers: over i's architecture, weights renormalized). ``self_weight`` says whether j runs over every
 client, i included, as Eq. 4 reads (``include``), or over the others only, as the authors' code has it
@@ -33,22 +33,24 @@ layer, no decay), ``align: false`` (random non-pivot basis, Tab. 32).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from rayfed import pqlora, seeding
+from rayfed import seeding
 from rayfed.aggregation import Mixture
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.config import ModelConfig
 from rayfed.data.batches import num_rows
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
-from rayfed.methods.fedmosaic_rela import equal_weights, last_linear, linear_weight_gradient, relevance_weights
+from rayfed.methods.fedmosaic import pqlora
+from rayfed.methods.fedmosaic.rela import equal_weights, last_linear, linear_weight_gradient, relevance_weights
 from rayfed.models import Backbone, ClientModel, build_backbone, build_task_model
+from rayfed.models.named_adapters import adapted_modules, adapters_off
+from rayfed.param_names import adapter_tensor, layer_of
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase, PreFederation, Step, stacked_forward_batch
@@ -57,9 +59,7 @@ LOCAL, GLOBAL = "local", "global"
 RELEVANCE_VARIANTS = ("rela", "equal", "frozen_current", "training_current")
 CONV_AGG = ("rela_within_type", "equal_within_type", "none")
 SELF_WEIGHTS = ("include", "exclude")
-# A shared tensor's (module, part) in its name: "...layers.7.mlp.down_proj.local_P" -> ("mlp.down_proj", "P").
-_ADAPTER_NAME = re.compile(r"layers\.\d+\.(.+)\.local_([PQAB])$")
-TRAINING_COMPUTE_FACTOR = 1.098  # FedMosaic's training-only relative compute (Tab. 15; spec §9.14)
+TRAINING_COMPUTE_FACTOR = 1.098  # training-only relative compute (Tab. 15; docs/fedmosaic.md#the-offline-benchmark)
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,13 @@ class FedMosaicParams:
     sample_ratio: float = 0.4  # N_s: share of the gradient's entries kept (Eq. 3)
     noise: float = 1e-4  # mu: std of the Gaussian noise added to the kept entries
     grad_interval: int = 10  # m: local steps between two W_s gradients
-    ema_granularity: str = "round"  # round: Alg. 1 (one EMA update per round, §9.1); step: Eq. 2 per gradient
+    ema_granularity: str = "round"  # round: Alg. 1 (one EMA update per round); step: Eq. 2 per gradient
     noise_stage: str = "per_grad"  # per_grad: Alg. 1, noise on each gradient; on_upload: Eq. 3, on the decayed mean
-    last_layer: str = "down_proj"  # the last decoder layer's MLP output projection (§9.10), or lm_head
+    last_layer: str = "down_proj"  # the last decoder layer's MLP output projection (our reading), or lm_head
     relevance_model: str = ""  # W_s's backbone (model.backbone syntax); "": the client's own (one architecture)
-    conv_agg: str = "rela_within_type"  # conventional-LoRA layers: rela_within_type | equal_within_type | none (§9.6)
-    pq_init: str = "zero"  # P, Q start at 0 (§9.7), or identity: P = I
-    pq_scale: float = 1.0  # s of the PQ branch (§9.11); conventional LoRA: model.lora.alpha / rank
+    conv_agg: str = "rela_within_type"  # conventional-LoRA layers: rela_within_type | equal_within_type | none
+    pq_init: str = "zero"  # P, Q start at 0 (our reading), or identity: P = I
+    pq_scale: float = 1.0  # s of the PQ branch (the paper leaves it open); conventional LoRA: model.lora.alpha / rank
     pq_lr: float | None = None  # learning rate of P and Q; default 2.5 x train.lr (the paper's 5e-5 vs 2e-5)
     align: bool = True  # false: every architecture keeps its random orthonormal basis (Tab. 32)
     align_b: bool = True  # false: align A only
@@ -90,10 +90,10 @@ class FedMosaicParams:
     align_batch_size: int = 4
     align_samples: int | None = None  # public samples used (default: all of data.public)
     cca_ridge: float = 1e-4  # relative ridge of the CCA covariances
-    b_features: str = "lora_output"  # CCA features: lora_output = (A h) B^T with P = I (§9.7); base_output = W_p h
-    ortho_b_after_cca: bool = False  # polar re-orthonormalization of the CCA basis (§9.8)
+    b_features: str = "lora_output"  # CCA features: lora_output = (A h) B^T, P = I (our reading); base_output = W_p h
+    ortho_b_after_cca: bool = False  # polar re-orthonormalization of the CCA basis
     relevance_history: bool = True  # keep every round's weight matrix in the server state
-    compute_matched_steps: bool = False  # local steps / 1.098 (§9.14)
+    compute_matched_steps: bool = False  # local steps / 1.098 (TRAINING_COMPUTE_FACTOR)
 
     def __post_init__(self) -> None:
         if self.blocks < 1:
@@ -291,7 +291,7 @@ class FedMosaic(Method):
         model = step.model
         if self.params.relevance == "training_current":
             last = max(model.adapter_placement.pq_layers) - 1
-            names = sorted(n for n in step.params if is_local(n) and n.endswith(("_P", "_Q")) and pqlora.layer_of(n) == last)
+            names = sorted(n for n in step.params if is_local(n) and n.endswith(("_P", "_Q")) and layer_of(n) == last)
             grads = torch.autograd.grad(step.task_loss(), [step.params[n] for n in names], allow_unused=True)
             return torch.cat([(g if g is not None else torch.zeros_like(step.params[n])).flatten().float()
                               for g, n in zip(grads, names)]).detach().cpu()
@@ -312,7 +312,7 @@ class FedMosaic(Method):
             return sum(losses)
 
         if relevance_model is None:
-            with pqlora.adapters_off(model):
+            with adapters_off(model):
                 gradient = linear_weight_gradient(run, model.relevance_layer)
         else:
             relevance_model.to(step.client.device)
@@ -386,19 +386,18 @@ class FedMosaic(Method):
         payload = {global_name(name): value for name, value in super().payload(server, client_id).items()}
         if not server["received"]["aligned"][client_id]:
             arch = self.architecture_of[client_id]
-            prefix = f"{arch}/" if arch else ""
-            payload.update({n: v for n, v in server["aligned"].items() if n.startswith(prefix)})
+            payload.update(prefixed(unprefixed(server["aligned"], arch), arch))
         return payload
 
 
 def _public_features(stage: PreFederation, params: FedMosaicParams) -> TensorDict:
-    """An architecture's public-data features for the alignment (§9.13): the inputs (and, for ``b_features:
+    """An architecture's public-data features for the alignment: the inputs (and, for ``b_features:
     base_output``, outputs) of its PQ layers, mean-pooled per sequence, its bases A and B, its backbone's size."""
     model = stage.model
     model.load_trainable(stage.initial)
-    placement: pqlora.Placement = model.adapter_placement
+    placement: pqlora.PQPlacement = model.adapter_placement
     block_of = {layer: k for k, layer in enumerate(placement.pq_layers)}
-    modules = dict(pqlora.adapted_modules(model.encoder))
+    modules = dict(adapted_modules(model.encoder))
     pq_modules = {}
     for qualified, layer, _ in placement.modules:
         if layer in block_of:
@@ -410,7 +409,7 @@ def _public_features(stage: PreFederation, params: FedMosaicParams) -> TensorDic
     pooled: dict[str, list[torch.Tensor]] = {}
     outputs = params.b_features == "base_output"
     task = stage.public_task
-    with torch.no_grad(), pqlora.adapters_off(model), pqlora.captured_inputs(pq_modules, outputs) as captured:
+    with torch.no_grad(), adapters_off(model), pqlora.captured_inputs(pq_modules, outputs) as captured:
         for first in range(0, rows, batch_size):
             batch = {name: column[first:first + batch_size].to(stage.device) for name, column in stage.public.items()}
             task.kind.forward(model, batch)
@@ -456,7 +455,7 @@ def _aligned_basis(layout: TensorDict, prepared: dict[str, TensorDict], pivot: s
             if params.align_b:
                 if params.b_features == "base_output":
                     pivot_y, other_y = reference[f"y/{key}"], tensors[f"y/{key}"]
-                else:  # the B-branch output with P = I (§9.7)
+                else:  # the B-branch output with P = I
                     pivot_y, other_y = (pivot_h @ pivot_a.T) @ pivot_b.T, (other_h @ new_a.T) @ other_b.T
                 new_b, correlations = pqlora.cca_basis(pivot_y, other_y, pivot_b, params.cca_ridge)
                 if params.ortho_b_after_cca:
@@ -472,13 +471,13 @@ def _aligned_basis(layout: TensorDict, prepared: dict[str, TensorDict], pivot: s
 def _pq_blocks(names: Sequence[str]) -> dict[str, int]:
     """Each of one architecture's P and Q tensors by its block: the rank of its layer among the PQ layers."""
     pq = [name for name in names if name.endswith(("_P", "_Q"))]
-    layers = sorted({pqlora.layer_of(name) for name in pq})
-    return {name: layers.index(pqlora.layer_of(name)) for name in pq}
+    layers = sorted({layer_of(name) for name in pq})
+    return {name: layers.index(layer_of(name)) for name in pq}
 
 
 def _pq_key(block: int, name: str) -> str:
-    module, part = _ADAPTER_NAME.search(name).groups()
-    return f"pq/{block}/{module}/{part}"
+    tensor = adapter_tensor(name)
+    return f"pq/{block}/{tensor.module}/{tensor.part}"
 
 
 def pq_groups(names: Sequence[str]) -> dict[str, str]:

@@ -2,7 +2,7 @@
 Self / Others A_last and A_AUC (token F1 x 100, mean +- std over seeds) next to the paper's, seed-paired gaps, the
 RELA weight matrix's block structure by task group, and communication per round.
 
-    python -m rayfed.benchmarks.fedmosaic_tables runs/fedmosaic/results.jsonl [more.jsonl ...]
+    python -m rayfed.methods.fedmosaic.tables runs/fedmosaic/results.jsonl [more.jsonl ...]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from rayfed.benchmarks.fedmosaic_configs import GROUPS
+from rayfed.methods.fedmosaic.configs import GROUPS
 
 METRICS = (("self_token_f1", "a_last"), ("self_token_f1", "a_auc"), ("others_token_f1", "a_last"),
            ("others_token_f1", "a_auc"))

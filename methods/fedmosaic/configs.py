@@ -1,7 +1,7 @@
 """Write ``configs/fedmosaic/*.yaml`` and ``configs/tune/fedmosaic_tau_blocks.yaml``: FedMosaic's offline
 benchmark (docs/fedmosaic.md#the-offline-benchmark) and the paper's DRAKE / HFLB settings with real models by name
 (docs/fedmosaic.md#the-papers-settings).
-Run ``python -m rayfed.benchmarks.fedmosaic_configs`` after changing a setting here (then ``python -m
+Run ``python -m rayfed.methods.fedmosaic.configs`` after changing a setting here (then ``python -m
 rayfed.benchmarks.offline_twins`` for the paper settings' offline twins); tests load every file.
 
 Offline benchmark (DRAKE's shape, reduced): 10 clients, 4 on the small tiny LLaVA (8 layers x 48) and 6 on the
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "configs" / "fedmosaic"
 
 SMALL, LARGE = (0, 1, 2, 3), (4, 5, 6, 7, 8, 9)
@@ -201,7 +201,7 @@ def write() -> list[Path]:
                "paper_hflb_dynamic": "HFLB PFL-Dynamic (Tab. 2): 3 x 1B + 6 x 3B; replace ${HFLB_ROOT}"}
     for name, config in {**offline_configs(), **paper_configs()}.items():
         path = OUT / f"{name}.yaml"
-        comment = f"# {headers[name]}.\n# Written by benchmarks/fedmosaic_configs.py; docs/fedmosaic.md has the results.\n"
+        comment = f"# {headers[name]}.\n# Written by methods/fedmosaic/configs.py; docs/fedmosaic.md has the results.\n"
         comment += f"#   rayfed run configs/fedmosaic/{name}.yaml --seed 0      (then 1, 2)\n"
         path.write_text(comment + yaml.safe_dump(config, sort_keys=False, width=120, default_flow_style=None))
         written.append(path)

@@ -2,7 +2,7 @@
 client's local update relative to SFT's, the one-time alignment, and the overhead of a round with 100 and 1,000
 simulated clients on four actors (two per architecture), against SFT (local training alone) and FedAvg.
 
-    python -m rayfed.benchmarks.fedmosaic_costs --clients 10 100 1000 --out runs/fedmosaic_costs.json
+    python -m rayfed.methods.fedmosaic.costs --clients 10 100 1000 --out runs/fedmosaic_costs.json
 
 The actors are driven in-process, one after another (``placement.executor: local``; one thread): the times are CPU
 seconds of this process (robust to other work on the machine) for the tiny LLaVAs, not the paper's GPUs. Each round:

@@ -1,5 +1,5 @@
-"""RELA's pieces for FedMosaic (``methods/fedmosaic.py``, ``docs/fedmosaic.md``, §2): the gradient of one frozen
-linear layer that each client shares, and the relevance weights the server turns those gradients into."""
+"""RELA's pieces for FedMosaic (:mod:`rayfed.methods.fedmosaic.method`, docs/fedmosaic.md#rela): the gradient of one
+frozen linear layer that each client shares, and the relevance weights the server turns those gradients into."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from rayfed import pqlora
 from rayfed.errors import ConfigError
+from rayfed.models.named_adapters import AdaptedLinear, decoder_layers
 
 
 def linear_weight_gradient(run: Callable[[], torch.Tensor], layer: nn.Linear) -> torch.Tensor:
@@ -40,10 +40,10 @@ def last_linear(encoder: nn.Module, scope: str | None, which: str) -> nn.Linear:
         if not isinstance(head, nn.Linear):
             raise ConfigError("methods (fedmosaic).last_layer = 'lm_head' needs a model with a linear LM head.")
         return head
-    _, layers = pqlora.decoder_layers(encoder, scope)
+    _, layers = decoder_layers(encoder, scope)
     for name, module in layers[-1].named_modules():
         if name.endswith("down_proj"):
-            return module.base if isinstance(module, pqlora.AdaptedLinear) else module
+            return module.base if isinstance(module, AdaptedLinear) else module
     raise ConfigError("methods (fedmosaic).last_layer = 'down_proj': the last decoder layer has no down_proj; use lm_head.")
 
 
