@@ -34,11 +34,12 @@ KINDS: dict[str, str] = {
     "client_model": "model.client",
     "task_kind": "data.kind",
 }
+# rayfed.methods also holds the papers' packages, which may bring data sources and tiny-pretrained zoo families.
 _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "method": ("rayfed.methods",),
     "source": ("rayfed.data.sources", "rayfed.methods"),  # a paper package registers its sources
     "partitioner": ("rayfed.data.partition",),
-    "backbone": ("rayfed.models", "rayfed.clip"),
+    "backbone": ("rayfed.models", "rayfed.clip", "rayfed.methods"),
     "client_model": ("rayfed.mome",),
     "task_kind": ("rayfed.kinds",),
 }

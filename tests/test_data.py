@@ -38,9 +38,9 @@ def mean_distance_to_global(labels: np.ndarray, clients: list[np.ndarray], num_c
 
 
 def test_registry_names() -> None:
-    data_sources = ["sklearn:digits", "fashion_mnist", "hf:<...>", "synthetic", "shapes", "parts", "multimodal:<...>",
+    data_sources = ["sklearn:digits", "fashion_mnist", "hf:<...>", "synthetic", "shapes", "multimodal:<...>",
                     "task-groups:<...>"]
-    # methods may register sources of their own (tap:), before or after the data package's
+    # methods may register sources of their own (tap:, parts: test_ladder.py), before or after the data package's
     assert [name for name in registry.names("source") if name in data_sources] == data_sources
     assert registry.names("partitioner") == ["iid", "dirichlet", "shards", "natural", "labeldir", "domain_dirichlet"]
     assert issubclass(DataError, ConfigError) and issubclass(DataError, ValueError)

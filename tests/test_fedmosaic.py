@@ -556,3 +556,23 @@ def test_the_alignment_features_are_float32_when_the_backbone_runs_in_bfloat16()
         prepared = actor.pre_federation(0)
     features = {name: value for name, value in prepared.items() if name.startswith(("h/", "y/"))}
     assert features and {value.dtype for value in features.values()} == {torch.float32}
+
+
+def test_the_cca_of_fewer_samples_than_features_is_the_covariances_cca_computed_in_the_samples_span():
+    """A paper-size layer (8,192 wide) seen on a few thousand public rows: the span's CCA gives the covariances'
+    correlations, and a B aligned through it is the same, without a d x d matrix."""
+    generator = torch.Generator().manual_seed(3)
+    pivot = torch.randn(60, 8, generator=generator) @ torch.randn(8, 80, generator=generator)
+    other = torch.cat([pivot[:, :50], torch.randn(60, 70, generator=generator)], dim=1) @ torch.randn(
+        120, 120, generator=generator) + 0.3 * torch.randn(60, 120, generator=generator)
+    p, o = (pivot - pivot.mean(0)).double(), (other - other.mean(0)).double()
+    for ridge in (1e-4, 0.5):
+        full, span = pqlora._cca_of_covariances(p, o, 4, ridge), pqlora._cca_in_sample_span(p, o, 4, ridge)
+        assert torch.allclose(full[2], span[2], atol=1e-8)
+        signs = torch.sign((full[0] * span[0]).sum(0))  # a singular pair's sign is free, the same on both sides
+        assert torch.allclose(full[0], span[0] * signs, atol=1e-6) and torch.allclose(full[1], span[1] * signs, atol=1e-6)
+    pivot_b = pqlora.random_orthonormal(80, 4, generator)
+    new_b, correlations = pqlora.cca_basis(pivot, other, pivot_b, ridge=0.5)  # the span's: 60 rows < 120 features
+    pi_p, pi_o, expected = (t.float() for t in pqlora._cca_of_covariances(p, o, 4, 0.5))
+    assert torch.allclose(correlations, expected, atol=1e-5)
+    assert torch.allclose(pi_o.T @ new_b, pi_p.T @ pivot_b, atol=1e-4)

@@ -4,6 +4,8 @@ pretrained ViT sizes."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +16,12 @@ import transformers
 
 from rayfed import zoo
 from rayfed.config import ModelConfig
-from rayfed.data import parts
 from rayfed.data.sources import DataError
 
 from conftest import load_data
+from rayfed.methods.fedyolo import ladder, parts
 from rayfed.models import build_backbone, build_client_model
-from rayfed.zoo import cache, vit_ladder
+from rayfed.zoo import cache
 
 LADDER_SIZES = {  # d, blocks, heads, MLP width
     "t": (48, 3, 3, 192),
@@ -74,6 +76,20 @@ def test_parts_source_and_its_errors() -> None:
         load_data("parts", synthetic={"classes": 3})
 
 
+def test_a_fresh_process_finds_the_parts_source_and_the_ladder_families_by_name() -> None:
+    """They live in the FedYolo package, which the engine never imports: the registry's look-up of built-in sources
+    and backbones (and so the zoo's of its families) imports it, on the driver and on every actor alike."""
+    script = (
+        "from rayfed import registry, zoo\n"
+        "print([f for f in zoo.FAMILIES if f.startswith('vit-ladder-')], 'parts' in registry.names('source'),\n"
+        "      registry.resolve('source', 'parts').obj.__module__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    families, parts_found, module = result.stdout.splitlines()[0].rsplit(" ", 2)
+    assert (families, parts_found, module) == ("['vit-ladder-t', 'vit-ladder-s', 'vit-ladder-b']", "True",
+                                               "rayfed.methods.fedyolo.parts")
+
+
 @pytest.mark.parametrize("size", "tsb")
 def test_ladder_sizes_and_one_budget_are_the_documented_ones(size: str) -> None:
     recipe = zoo.recipe(f"vit-ladder-{size}")
@@ -110,7 +126,7 @@ def test_a_ladder_recipe_builds_into_the_cache(monkeypatch: pytest.MonkeyPatch, 
     assert manifest["recipe"] == zoo.recipe("vit-ladder-t", QUICK_LADDER) and manifest["params"] > 0
     with safetensors.safe_open(folder / "model.safetensors", "pt") as weights:
         assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.float16}
-    encoder = vit_ladder.load(str(folder)).model
+    encoder = ladder.load(str(folder)).model
     assert type(encoder) is transformers.ViTModel and next(encoder.parameters()).dtype == torch.float32
     assert zoo.evaluate("vit-ladder-t", folder) == manifest["metrics"]["after"]
 
@@ -134,7 +150,7 @@ def test_ladder_module_counts_and_uplink_ratio(num_classes: int) -> None:
 
 def test_tables_report_the_uplink_cost_at_the_target(tmp_path: Path) -> None:
     """Rounds to 95% of fedavg-full's best, the uplink sent until then, and full's cost over the method's."""
-    from rayfed.benchmarks.fedyolo_tables import tables
+    from rayfed.methods.fedyolo.tables import tables
 
     per_round = {"fedavg-full": 1000, "fedavg-head": 10}
     accuracy = {"fedavg-full": [0.5, 0.8, 1.0], "fedavg-head": [0.96, 0.97, 0.97]}  # evaluated every 2 rounds
@@ -158,7 +174,7 @@ def test_tables_report_the_uplink_cost_at_the_target(tmp_path: Path) -> None:
 
 
 def test_tables_give_the_forgetting_ratio_on_the_global_test_set(tmp_path: Path) -> None:
-    from rayfed.benchmarks.fedyolo_tables import tables
+    from rayfed.methods.fedyolo.tables import tables
 
     global_acc = {"fedavg-full": 0.8, "fedavg-full+local": 0.6}
     (tmp_path / "metrics.jsonl").write_text("")

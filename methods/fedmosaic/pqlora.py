@@ -305,9 +305,21 @@ def cca_projections(pivot: torch.Tensor, other: torch.Tensor, rank: int,
                     ridge: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ridge-regularized CCA of paired features ``pivot`` (m x d_p) and ``other`` (m x d_o): the top-``rank``
     canonical projections ``Pi_p`` (d_p x rank) and ``Pi_o`` (d_o x rank), with ``pivot Pi_p ~ other Pi_o``, and the
-    canonical correlations. ``ridge`` is relative: ``ridge * trace(C) / d`` is added to each covariance ``C``."""
+    canonical correlations. ``ridge`` is relative: ``ridge * trace(C) / d`` is added to each covariance ``C``.
+
+    With fewer samples than features (a paper-size model's 8,192-wide layers, a few thousand public rows), the same
+    projections come from the samples' span (:func:`_cca_in_sample_span`), without a d x d covariance."""
     p = (pivot - pivot.mean(0)).double()
     o = (other - other.mean(0)).double()
+    if rank <= len(p) < max(p.shape[1], o.shape[1]):
+        projections = _cca_in_sample_span(p, o, rank, ridge)
+    else:
+        projections = _cca_of_covariances(p, o, rank, ridge)
+    return tuple(tensor.float() for tensor in projections)
+
+
+def _cca_of_covariances(p: torch.Tensor, o: torch.Tensor, rank: int,
+                        ridge: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m = len(p)
 
     def covariance(x: torch.Tensor) -> torch.Tensor:
@@ -316,7 +328,27 @@ def cca_projections(pivot: torch.Tensor, other: torch.Tensor, rank: int,
 
     whiten_p, whiten_o = _inverse_sqrt(covariance(p)), _inverse_sqrt(covariance(o))
     u, s, vh = torch.linalg.svd(whiten_p @ (p.T @ o / m) @ whiten_o, full_matrices=False)
-    return (whiten_p @ u[:, :rank]).float(), (whiten_o @ vh[:rank].T).float(), s[:rank].float()
+    return whiten_p @ u[:, :rank], whiten_o @ vh[:rank].T, s[:rank]
+
+
+def _cca_in_sample_span(p: torch.Tensor, o: torch.Tensor, rank: int,
+                        ridge: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CCA of centred ``p`` and ``o`` through their thin SVDs ``x = U S V^T``: the covariance plus its ridge is
+    ``V diag(S^2 / m + lam) V^T`` on the span of ``V`` and ``lam`` off it, and the cross-covariance lies in the spans,
+    so the whitened cross-covariance is ``V_p K V_o^T`` with the small ``K`` below, and the projections are
+    ``V diag((S^2 / m + lam)^-1/2)`` times ``K``'s singular vectors."""
+    m = len(p)
+
+    def span(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        u, s, vh = torch.linalg.svd(x, full_matrices=False)
+        variances = s**2 / m
+        scales = (variances + ridge * max(float(variances.sum()) / x.shape[1], 1e-12)).clamp_min(1e-12).rsqrt()
+        return u * (s * scales), vh.T, scales
+
+    scaled_p, basis_p, scales_p = span(p)
+    scaled_o, basis_o, scales_o = span(o)
+    u, s, vh = torch.linalg.svd(scaled_p.T @ scaled_o / m, full_matrices=False)
+    return (basis_p * scales_p) @ u[:, :rank], (basis_o * scales_o) @ vh[:rank].T, s[:rank]
 
 
 def cca_basis(pivot_features: torch.Tensor, other_features: torch.Tensor, pivot_b: torch.Tensor,

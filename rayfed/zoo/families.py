@@ -1,8 +1,12 @@
-"""The registry of pretrainable tiny model families (``tiny-pretrained:<family>``)."""
+"""The registry of pretrainable tiny model families (``tiny-pretrained:<family>``): the engine's, below, and those
+a package of ``methods/`` adds with :func:`register_family` (a paper's own pretraining data)."""
 
 from __future__ import annotations
 
-from rayfed.zoo import causal_lm, clip, flava, llava, openclip, vilt, vit, vit_ladder
+from collections.abc import Iterable, Iterator, Mapping
+
+from rayfed import registry
+from rayfed.zoo import causal_lm, clip, flava, llava, openclip, vilt, vit
 from rayfed.zoo.registry import Family
 
 _CAUSAL_LM = {
@@ -15,9 +19,41 @@ _LLAVA = {
     "llava-large": "on llama-large (FedMosaic's large clients)",
 }
 
-FAMILIES: dict[str, Family] = {
-    family.name: family
-    for family in (
+
+
+class FamilyTable(Mapping[str, Family]):
+    """Families by name. The first look-up imports the modules of the registry's built-in backbones, where a
+    package adds its families (:func:`register_family`), so that ``tiny-pretrained:<family>`` finds them on
+    any process."""
+
+    def __init__(self, families: Iterable[Family]) -> None:
+        self._families = {family.name: family for family in families}
+
+    def add(self, family: Family) -> None:
+        self._families[family.name] = family
+
+    def _loaded(self) -> dict[str, Family]:
+        registry.entries("backbone")
+        return self._families
+
+    def __getitem__(self, name: str) -> Family:
+        return self._loaded()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaded())
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+
+def register_family(family: Family) -> Family:
+    """Add ``family`` to :data:`FAMILIES` (replacing one of the same name), as ``tiny-pretrained:<family.name>``."""
+    FAMILIES.add(family)
+    return family
+
+
+FAMILIES = FamilyTable(
+    (
         Family(
             "clip", "HF CLIPModel (openai/clip-vit-base-patch16)", "symmetric image-text contrastive loss",
             clip.RECIPE, clip.build, clip.evaluate, clip.load,
@@ -40,15 +76,6 @@ FAMILIES: dict[str, Family] = {
         Family(
             "vit", "HF ViT (google/vit-base-patch16-224), FedYolo's backbone", "supervised image classification",
             vit.RECIPE, vit.build, vit.evaluate, vit.load,
-        ),
-        *(
-            Family(
-                f"vit-ladder-{size}", f"HF ViT at FedYolo's ViT-{size.upper()} rung of the scale ladder "
-                "(docs/fedyolo.md#offline-results-on-the-scale-ladder)",
-                "supervised classification of 256 part-texture layouts (rayfed.data.parts)",
-                vit_ladder.recipe(size), vit_ladder.build, vit_ladder.evaluate, vit_ladder.load, needs_gpu=True,
-            )
-            for size in vit_ladder.SIZES
         ),
         Family(
             "vilt", "HF ViLT (dandelin/vilt-b32-mlm), FedDAT's backbone",
@@ -75,4 +102,4 @@ FAMILIES: dict[str, Family] = {
             for name, stands_in_for in _LLAVA.items()
         ),
     )
-}  # fmt: skip
+)  # fmt: skip

@@ -13,7 +13,7 @@ an :class:`ArrayDataset`, a dict of columns (``image``, ``label``, ``text``, ``t
 Each module holds one job: :mod:`~rayfed.data.sources.dataset` (the dataset and request types),
 :mod:`~rayfed.data.sources.loading` (:func:`load_source`, what a source may return), ``common`` (checks and
 helpers the sources share) and one module per family of built-in sources: ``digits``, ``fashion_mnist``,
-``hf``, ``generators`` (synthetic, synthetic-text, shapes, parts) and ``multimodal_tasks`` (multimodal:<task>).
+``hf``, ``generators`` (synthetic, synthetic-text, shapes) and ``multimodal_tasks`` (multimodal:<task>).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from rayfed.data.sources import digits, fashion_mnist, hf, generators, multimodal_tasks  # noqa: F401, I001
 from rayfed.data.sources.dataset import ArrayDataset, DataError, SourceRequest
 from rayfed.data.sources.fashion_mnist import FASHION_MNIST_CLASSES, FASHION_MNIST_DEFAULT_DIR
-from rayfed.data.sources.common import generator_options, non_negative
+from rayfed.data.sources.common import generator_options, non_negative, require_no_group_column, require_no_split
 from rayfed.data.sources.generators import SHAPES_GROUP_COLUMN, SYNTHETIC_GROUP_COLUMN
 from rayfed.data.sources.loading import as_dataset, load_source
 from rayfed.data.sources.multimodal_tasks import MULTIMODAL_GROUP_COLUMNS
@@ -30,5 +30,5 @@ from rayfed.data.sources.multimodal_tasks import MULTIMODAL_GROUP_COLUMNS
 __all__ = [
     "FASHION_MNIST_CLASSES", "FASHION_MNIST_DEFAULT_DIR", "MULTIMODAL_GROUP_COLUMNS", "SHAPES_GROUP_COLUMN",
     "SYNTHETIC_GROUP_COLUMN", "ArrayDataset", "DataError", "SourceRequest", "as_dataset", "generator_options",
-    "load_source", "non_negative",
+    "load_source", "non_negative", "require_no_group_column", "require_no_split",
 ]

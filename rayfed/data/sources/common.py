@@ -27,7 +27,7 @@ def _rows_of_sized_groups(groups: np.ndarray, group_size: tuple[int, int | None]
 def _strings(values: Any) -> np.ndarray | None:
     return None if values is None else np.asarray([str(v) for v in values], dtype=object)
 
-def _require_no_split(source: str, split: str | None) -> None:
+def require_no_split(source: str, split: str | None) -> None:
     if split is not None:
         raise DataError(f"data.split = {split!r} is not supported for source {source!r}: it has a single split.")
 
@@ -39,7 +39,7 @@ def _require_group_column(source: str, group_column: str | None, only: str) -> N
         )
 
 
-def _require_no_group_column(source: str, group_column: str | None) -> None:
+def require_no_group_column(source: str, group_column: str | None) -> None:
     if group_column is not None:
         raise DataError(
             f"data.partition.column = {group_column!r} cannot be used with source {source!r}: it has no group column."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayfed.data.sources.common import _require_no_group_column, _require_no_options, _require_no_split
+from rayfed.data.sources.common import require_no_group_column, _require_no_options, require_no_split
 from rayfed.data.sources.dataset import ArrayDataset, SourceRequest
 from rayfed.registry import register_source
 
@@ -15,8 +15,8 @@ def _load_digits(request: SourceRequest) -> ArrayDataset:
     from sklearn.datasets import load_digits
 
     _require_no_options(request)
-    _require_no_split(request.name, request.config.split)
-    _require_no_group_column(request.name, request.config.partition.column)
+    require_no_split(request.name, request.config.split)
+    require_no_group_column(request.name, request.config.partition.column)
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]
     return ArrayDataset(images, digits.target.astype(np.int64), tuple(str(d) for d in range(10)))

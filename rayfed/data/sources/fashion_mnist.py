@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rayfed.data.sources.common import _require_no_group_column, _require_no_options
+from rayfed.data.sources.common import require_no_group_column, _require_no_options
 from rayfed.data.sources.dataset import ArrayDataset, DataError, SourceRequest
 from rayfed.registry import register_source
 
@@ -28,7 +28,7 @@ _IDX_UBYTE = 0x08
 def _load_fashion_mnist(request: SourceRequest) -> ArrayDataset:
     """Fashion-MNIST (70,000 28x28 images, 10 classes) from IDX files, Debian's dataset-fashion-mnist by default."""
     _require_no_options(request)
-    _require_no_group_column(request.name, request.config.partition.column)
+    require_no_group_column(request.name, request.config.partition.column)
     path, split = request.config.path, request.config.split
     if split not in (None, "train", "test"):
         raise DataError(

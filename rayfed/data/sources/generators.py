@@ -1,4 +1,4 @@
-"""Generated image and text data: ``synthetic``, ``synthetic-text``, ``shapes`` and ``parts``."""
+"""Generated image and text data: ``synthetic``, ``synthetic-text`` and ``shapes``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from rayfed.data.sources.common import (
-    _require_group_column, _require_no_group_column, _require_no_split, generator_options, non_negative,
+    _require_group_column, generator_options, non_negative, require_no_group_column, require_no_split,
 )
 from rayfed.data.sources.dataset import ArrayDataset, DataError, SourceRequest
 from rayfed.registry import register_source
@@ -23,7 +23,6 @@ _SYNTHETIC_DEFAULTS: dict[str, float | int] = {
 SYNTHETIC_GROUP_COLUMN = "writer"  # the synthetic source's natural groups
 _SYNTHETIC_TEXT_DEFAULTS: dict[str, int] = {"num_samples": 600, "prompt_words": 32, "target_words": 8}
 _SHAPES_DEFAULTS: dict[str, Any] = {"num_samples": 4800, "styles": ["noisy"], "image_size": 32}
-_PARTS_DEFAULTS: dict[str, Any] = {"num_samples": 6000, "label_space": "fine", "world": 0, "noise": 0.1}
 SHAPES_GROUP_COLUMN = "domain"  # the shapes source's natural groups: render styles
 _WRITER_STYLE_SCALE = 0.15
 
@@ -34,7 +33,7 @@ _PURPOSE_SYNTHETIC_TEXT = 1005
 @register_source("synthetic")
 def _make_synthetic(request: SourceRequest) -> ArrayDataset:
     """Class prototypes + per-writer style offset + Gaussian noise, clipped to [0, 1]; groups = writers."""
-    _require_no_split(request.name, request.config.split)
+    require_no_split(request.name, request.config.split)
     _require_group_column(request.name, request.config.partition.column, SYNTHETIC_GROUP_COLUMN)
     params = generator_options(
         request.options, _SYNTHETIC_DEFAULTS, "", ("num_samples", "num_classes", "image_size", "channels", "num_writers")
@@ -61,8 +60,8 @@ def _make_synthetic_text(request: SourceRequest) -> ArrayDataset:
     tokenizer of ``tiny-pretrained:`` and ``llama:`` backbones."""
     from rayfed.data.multimodal import vocabulary
 
-    _require_no_split(request.name, request.config.split)
-    _require_no_group_column(request.name, request.config.partition.column)
+    require_no_split(request.name, request.config.split)
+    require_no_group_column(request.name, request.config.partition.column)
     params = generator_options(request.options, _SYNTHETIC_TEXT_DEFAULTS, " for 'synthetic-text'",
                                tuple(_SYNTHETIC_TEXT_DEFAULTS))
     if params["target_words"] > params["prompt_words"]:
@@ -84,7 +83,7 @@ def _make_shapes(request: SourceRequest) -> ArrayDataset:
     """
     from rayfed.data import multimodal
 
-    _require_no_split(request.name, request.config.split)
+    require_no_split(request.name, request.config.split)
     _require_group_column(request.name, request.config.partition.column, SHAPES_GROUP_COLUMN)
     params = generator_options(request.options, _SHAPES_DEFAULTS, " for 'shapes'", ("num_samples", "image_size"))
     distribution = multimodal.Distribution(multimodal.CLASSES, tuple(params["styles"]), ("shapes",))
@@ -95,26 +94,3 @@ def _make_shapes(request: SourceRequest) -> ArrayDataset:
     labels = np.asarray([class_names.index(name) for name in columns["class_name"]], dtype=np.int64)
     styles = np.asarray([multimodal.STYLES.index(name) for name in columns["domain"]], dtype=np.int64)
     return ArrayDataset(columns["image"].astype(np.float32) / 255.0, labels, class_names, styles)
-
-
-@register_source("parts")
-def _make_parts(request: SourceRequest) -> ArrayDataset:
-    """Part-texture layouts (:mod:`rayfed.data.parts`) in one of its label spaces; the world is fixed by
-    ``world``, the samples by the run's seed."""
-    from rayfed.data import parts
-
-    _require_no_split(request.name, request.config.split)
-    _require_no_group_column(request.name, request.config.partition.column)
-    params = generator_options(request.options, _PARTS_DEFAULTS, " for 'parts'", ("num_samples",))
-    if params["label_space"] not in parts.LABEL_SPACES:
-        raise DataError(
-            f"data.options.label_space = {params['label_space']!r} is not known; allowed: {', '.join(parts.LABEL_SPACES)}."
-        )
-    if isinstance(params["world"], bool) or not isinstance(params["world"], int) or params["world"] < 0:
-        raise DataError(f"data.options.world = {params['world']!r} is invalid: it must be an integer >= 0.")
-    noise = non_negative(params, "noise")
-    images, labels = parts.render(
-        params["num_samples"], label_space=params["label_space"], seed=request.seed, world_seed=params["world"],
-        noise=noise,
-    )
-    return ArrayDataset(images, labels, parts.class_names(params["label_space"]))

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from rayfed.data.sources.common import _require_no_split, _strings, generator_options, non_negative
+from rayfed.data.sources.common import require_no_split, _strings, generator_options, non_negative
 from rayfed.data.sources.dataset import ArrayDataset, DataError, SourceRequest
 from rayfed.errors import ConfigError, suggest
 from rayfed.registry import register_source
@@ -41,7 +41,7 @@ def _make_multimodal(request: SourceRequest) -> ArrayDataset:
     if task not in multimodal.TASKS:
         raise DataError(f"data.source = {request.name!r} names no generator{suggest(task, multimodal.TASKS)}; "
                         f"allowed: {', '.join('multimodal:' + t for t in multimodal.TASKS)}.")
-    _require_no_split(request.name, request.config.split)
+    require_no_split(request.name, request.config.split)
     group_column = request.config.partition.column
     if group_column is not None and group_column not in MULTIMODAL_GROUP_COLUMNS:
         raise DataError(f"data.partition.column = {group_column!r} is not a column of {request.name!r}"

@@ -16,15 +16,22 @@ Three label spaces share the bank:
 - ``coarse`` ("C10-like", the related task): the ``COARSE_CLASSES`` super-classes, a fine class's label
   being ``fine // 10``.
 
-No fine layout equals an upstream one, so downstream classes are new combinations of known parts.
+No fine layout equals an upstream one, so downstream classes are new combinations of known parts. The data source
+``parts`` serves them to a run (``data.options``: ``label_space``, ``world``, ``num_samples``, ``noise``).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from rayfed.data.sources import (
+    ArrayDataset, DataError, SourceRequest, generator_options, non_negative, require_no_group_column, require_no_split,
+)
+from rayfed.registry import register_source
 
 VERSION = 1  # bump when the same arguments generate different images (pretrained ladder models rebuild)
 
@@ -140,3 +147,27 @@ def render(
     images = images * rng.uniform(0.7, 1.3, size=(num_samples, 1, 1, 1))
     images = images + rng.normal(0.0, noise, size=images.shape)
     return np.clip(images, 0.0, 1.0).astype(np.float32), labels.astype(np.int64)
+
+
+_SOURCE_DEFAULTS: dict[str, Any] = {"num_samples": 6000, "label_space": "fine", "world": 0, "noise": 0.1}
+
+
+@register_source("parts")
+def parts_source(request: SourceRequest) -> ArrayDataset:
+    """Part-texture layouts in one of their label spaces; the world is fixed by ``world``, the samples by the run's
+    seed."""
+    require_no_split(request.name, request.config.split)
+    require_no_group_column(request.name, request.config.partition.column)
+    params = generator_options(request.options, _SOURCE_DEFAULTS, " for 'parts'", ("num_samples",))
+    if params["label_space"] not in LABEL_SPACES:
+        raise DataError(
+            f"data.options.label_space = {params['label_space']!r} is not known; allowed: {', '.join(LABEL_SPACES)}."
+        )
+    if isinstance(params["world"], bool) or not isinstance(params["world"], int) or params["world"] < 0:
+        raise DataError(f"data.options.world = {params['world']!r} is invalid: it must be an integer >= 0.")
+    noise = non_negative(params, "noise")
+    images, labels = render(
+        params["num_samples"], label_space=params["label_space"], seed=request.seed, world_seed=params["world"],
+        noise=noise,
+    )
+    return ArrayDataset(images, labels, class_names(params["label_space"]))

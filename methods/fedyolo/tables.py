@@ -1,6 +1,6 @@
 """Mean +- std over seeds of the FedYolo study's metrics, as markdown tables (docs/fedyolo.md).
 
-``python -m rayfed.benchmarks.fedyolo_tables RUN_DIR [RUN_DIR ...]``: the run directories of one
+``python -m rayfed.methods.fedyolo.tables RUN_DIR [RUN_DIR ...]``: the run directories of one
 config run with different seeds. Per method: final mean local accuracy (and per task in multi-task
 runs), uplink parameters per round and in total (the paper's T x M x P), the full/method uplink
 ratio, rounds to 95% of fedavg-full's best accuracy, the uplink parameters sent until then (the

@@ -4,7 +4,7 @@ final-round ``local_acc`` (%) per method and benchmark, mean ± std over seeds, 
 the ablations and inference views (Table 4); the convergence at rounds 5 / 10 / 15 / 20 (Fig. 5); and the
 seed-paired gaps the acceptance asks about.
 
-    python -m rayfed.benchmarks.feddat_tables runs/feddat/results.jsonl [more.jsonl ...]
+    python -m rayfed.methods.feddat.tables runs/feddat/results.jsonl [more.jsonl ...]
 """
 
 from __future__ import annotations

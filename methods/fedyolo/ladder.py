@@ -1,10 +1,11 @@
-"""A ladder of ViTs of growing size, pretrained on the part-texture upstream task: FedYolo's scale study offline
-(docs/fedyolo.md#offline-results-on-the-scale-ladder).
+"""A ladder of ViTs of growing size, pretrained on the part-texture upstream task: the offline scale study of
+*Augmenting Federated Learning with Pretrained Transformers* (arXiv 2307.04905),
+docs/fedyolo.md#offline-results-on-the-scale-ladder.
 
-Every size sees the same images for the same number of steps, so only the size differs. The larger
-sizes take minutes on a GPU and hours on a CPU, so their built folders ship with rayfed
-(``rayfed/zoo/weights``, float16 tensors, loaded as float32); any other recipe builds on first use, on
-the GPU when there is one.
+The zoo families ``vit-ladder-t``, ``-s`` and ``-b`` (``tiny-pretrained:vit-ladder-<size>``). Every size sees the
+same images for the same number of steps, so only the size differs. The larger sizes take minutes on a GPU and
+hours on a CPU, so their built folders ship with rayfed (``rayfed/zoo/weights``, float16 tensors, loaded as
+float32); any other recipe builds on first use, on the GPU when there is one.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayfed.data import parts
 from rayfed.lazy import DeferredModule
+from rayfed.methods.fedyolo import parts
 from rayfed.zoo import training
-from rayfed.zoo.registry import BuildReport, Metrics, ZooModel
+from rayfed.zoo.families import register_family
+from rayfed.zoo.registry import BuildReport, Family, Metrics, ZooModel
 
 transformers = DeferredModule("transformers")
 
@@ -114,3 +116,12 @@ def _metrics(model: transformers.ViTForImageClassification, recipe: Mapping[str,
         "accuracy": float(np.mean(logits.argmax(-1).numpy() == labels)),
         "probe_acc": training.ridge_probe(features, fine_labels, parts.FINE_CLASSES),
     }
+
+
+for _size in SIZES:
+    register_family(Family(
+        f"vit-ladder-{_size}", f"HF ViT at FedYolo's ViT-{_size.upper()} rung of the scale ladder "
+        "(docs/fedyolo.md#offline-results-on-the-scale-ladder)",
+        "supervised classification of 256 part-texture layouts (rayfed.methods.fedyolo.parts)",
+        recipe(_size), build, evaluate, load, needs_gpu=True,
+    ))  # fmt: skip

@@ -1,30 +1,30 @@
 """FedDAT: a dual-adapter teacher and mutual knowledge distillation for multi-modal foundation models.
 
-Seed paper ``002_bdadac652323d572.txt`` (Chen et al., AAAI'24); spec ``feddat.md``. At every adapter site a
-client holds three adapters (§2.2): ``shared`` (A_s: trained, uploaded), ``frozen`` (Â_s: the A_s received this
-round, not trainable, reloaded before every update and evaluation) and ``local`` (A_c: persists in the client's
-state, never sent). The dual-adapter teacher (DAT) is ``h + ½ Â_s(h) + ½ A_c(h)``. Each batch takes two sequential
-steps (§2.3, Algorithm 1): ``L^s = CE(z_s) + α KD(z_s, z_DAT)`` on A_s and the head, then
-``L^DAT = CE(z_DAT) + β KD(z_DAT, z_s)`` on A_c and the head, the teachers detached and z_s from before the A_s
-step; KD = τ² KL(teacher ‖ student) at τ = 3. α and β follow the exponential ramp-up
-``λ exp(-5 (1 - min(t, t_r) / t_r)²)`` over rounds t = 1..t_r (t_r = ⌈R/4⌉), each objective times ½ (§2.3 [R];
-``kd_schedule: constant`` is the authors' code). The server takes the uniform mean of A_s (§3); heads and A_c
-never leave the client. Clients are evaluated with A_s and their head; ``local_acc@dat`` and ``local_acc@local``
-report the DAT and A_c views (Table 4).
+*FedDAT: An Approach for Foundation Model Finetuning in Multi-Modal Heterogeneous Federated Learning* (Chen et al.,
+AAAI'24, arXiv 2308.12305); docs/feddat.md#the-method. At every adapter site a client holds three adapters:
+``shared`` (A_s: trained, uploaded), ``frozen`` (Â_s: the A_s received this round, not trainable, reloaded before
+every update and evaluation) and ``local`` (A_c: persists in the client's state, never sent). The dual-adapter
+teacher (DAT) is ``h + ½ Â_s(h) + ½ A_c(h)``. Each batch takes two sequential steps (Algorithm 1):
+``L^s = CE(z_s) + α KD(z_s, z_DAT)`` on A_s and the head, then ``L^DAT = CE(z_DAT) + β KD(z_DAT, z_s)`` on A_c
+and the head, the teachers detached and z_s from before the A_s step; KD = τ² KL(teacher ‖ student) at τ = 3. α
+and β follow the exponential ramp-up ``λ exp(-5 (1 - min(t, t_r) / t_r)²)`` over rounds t = 1..t_r
+(t_r = ⌈R/4⌉), each objective times ½ (``kd_schedule: constant`` is the authors' code). The server takes the
+uniform mean of A_s; heads and A_c never leave the client. Clients are evaluated with A_s and their head;
+``local_acc@dat`` and ``local_acc@local`` report the DAT and A_c views (Table 4).
 
-``variant`` gives the ablations of Table 4 (§7, §8.7): ``no_frozen`` (teacher = A_c alone, MKD kept),
-``no_local`` (teacher = Â_s, no L^DAT), ``no_mkd`` (DAT → A_s only, A_c trained with CE: β = 0), and ``peft``:
-the paper's baselines (§5), the config's ``model.module`` alone (adapter, lora, prompt, bias, full, head) trained
-with CE, with the same local heads and uniform mean; ``federated: false`` keeps everything local (clf-L,
+``variant`` gives the ablations of Table 4 (docs/feddat.md#variants-and-baselines): ``no_frozen`` (teacher = A_c
+alone, MKD kept), ``no_local`` (teacher = Â_s, no L^DAT), ``no_mkd`` (DAT → A_s only, A_c trained with CE: β = 0),
+and ``peft``: the paper's baselines, the config's ``model.module`` alone (adapter, lora, prompt, bias, full, head)
+trained with CE, with the same local heads and uniform mean; ``federated: false`` keeps everything local (clf-L,
 Adapter-L, full-L).
 
 The three adapters sit wherever the client model places adapter sets (:class:`rayfed.models.AdapterSets`): the
 default model at ``model.adapter``'s sites (``model.module: adapter``), and TAP's modular model (``model.client:
-mome``, :mod:`rayfed.mome`) after every expert's FFN (``backbone_module: adapter``: no LoRA in the MoTE / MoME
+mome``, docs/tap.md#the-model) after every expert's FFN (``backbone_module: adapter``: no LoRA in the MoTE / MoME
 backbone; ``Linear D -> b, ReLU, Linear b -> D``, residual, b = ``model.client_options.adapter_dim``). The latter
-is TAP's baseline (seed ``000_a0f3b72231afa875.txt`` §5; spec ``tap.md`` §6 [R]), with ``uploads: all_but_local``
-(the FL-engaged model is every trainable block but A_c: A_s, heads, encoders' LoRA and projections,
-``shared_proj``), averaged component-wise like TAP's FedAvg (with ``aggregation: samples``). A client holding
+is TAP's baseline (docs/tap.md#baselines), with ``uploads: all_but_local`` (the FL-engaged model is every
+trainable block but A_c: A_s, heads, encoders' LoRA and projections, ``shared_proj``), averaged component-wise like
+TAP's FedAvg (with ``aggregation: samples``). A client holding
 several tasks takes each objective as ``sum_o lambda_o (CE_o + w KD_o)``; KD compares the outputs the model's
 decoders produce themselves (:meth:`rayfed.models.TrainableModule.raw_and_scored`: class logits, the text
 decoder's logits at every position, an image's width axis, or with ``image_kd: mse`` the two images' squared
@@ -76,7 +76,7 @@ class FedDATParams:
     kd_schedule: str = "exp_rampup"  # or constant
     rampup_rounds: int | None = None  # t_r; default ceil(rounds / 4)
     objective_scale: float = 0.5  # each objective's factor (the code's (CE + KD) / 2)
-    update: str = "sequential"  # two steps per batch; joint: one step on the sum (spec §3, option)
+    update: str = "sequential"  # two steps per batch; joint: one step on the sum (an option of ours)
     variant: str = "feddat"
     federated: bool = True
     aggregation: str = "uniform"  # uniform mean (Algorithm 1) or samples (Eq. 3)
@@ -84,7 +84,7 @@ class FedDATParams:
     post_fl_microbatches: int = 0  # P of the "+ Post-train" views pt and pt2 (0: none)
     post_lr: float = 1e-4
     image_kd: str = "softmax"  # image reconstruction's KD: softmax over the width axis (TAP's) or mse
-    # what a client sends: A_s (§3: heads and A_c stay local) or every trained tensor but A_c (TAP's FedDAT row)
+    # what a client sends: A_s (heads and A_c stay local) or every trained tensor but A_c (TAP's FedDAT row)
     uploads: str = "shared_adapters"
     removed_hyperparameters: ClassVar[dict[str, str]] = {
         "mome": "set model.client: mome with these options under model.client_options, and uploads: all_but_local "
