@@ -9,7 +9,7 @@ micro-batch of a single modality and task has no pairs and no such loss. Aggrega
 (component-wise, |D_i|-weighted). With ``post_fl_microbatches`` P > 0, ``@pt`` and ``@pt2`` report the model
 post-trained P and 2P micro-batches, orthogonality loss included (the code's "DisentAFL + Post-train").
 
-The model is TAP's (``model.client: mome``, :mod:`rayfed.mome`); any client model works that collects
+The model is TAP's (``model.client: mome``, :mod:`rayfed.methods.tap`); any client model works that collects
 ``((modality, task key), latent)`` pairs in ``collected_latents`` while that attribute is a list.
 """
 
@@ -25,8 +25,8 @@ from torch import nn
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
+from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL
 from rayfed.models import Backbone
-from rayfed.mome import MOVED_TO_CLIENT_MODEL
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Step

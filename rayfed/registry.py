@@ -39,7 +39,7 @@ _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "source": ("rayfed.data.sources", "rayfed.data.task_groups"),
     "partitioner": ("rayfed.data.partition",),
     "backbone": ("rayfed.models", "rayfed.clip"),
-    "client_model": ("rayfed.mome",),
+    "client_model": ("rayfed.methods",),
     "task_kind": ("rayfed.kinds",),
 }
 

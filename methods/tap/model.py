@@ -1,5 +1,6 @@
-"""TAP's modular multi-modal, multi-task model (seed 000_a0f3b72231afa875.txt, §3, App. A.2 and D.1; spec
-``tap.md`` §2), built from a pretrained FLAVA or ViLT.
+"""TAP's modular multi-modal, multi-task model (*TAP: Two-Stage Adaptive Personalization of Multi-Task and
+Multi-Modal Foundation Models in Federated Learning*, arXiv 2509.26524, §3, App. A.2 and D.1;
+docs/tap.md#the-model), built from a pretrained FLAVA or ViLT.
 
 - **Encoders**, one per modality: a trainable ``input_adaptor`` (images), the frozen pretrained encoder with
   LoRA (FLAVA: its image / text transformer, LoRA on query and value; ViLT: its patch projection with LoRA, or
@@ -10,7 +11,8 @@
   A block layer is ``x += MHA(LN1(x))`` (frozen, LoRA on q and v; q and v first pass through a residual
   per-domain expert, "MoDE") then ``x += Expert(LN2(x))`` with the expert chosen by the route. Every expert is
   the layer's frozen pretrained FFN plus LoRA on both linears (``backbone_module: adapter``: no LoRA in the
-  backbone, named bottleneck adapters after every expert's FFN instead, FedDAT's in this model, spec §6).
+  backbone, named bottleneck adapters after every expert's FFN instead, FedDAT's in this model,
+  docs/tap.md#baselines).
   Routing is by metadata only: for the tokens of each input modality m of a task with key o
   (``image_classification``, ``image_generation``, ``text_classification``, ``text_generation``) four paths
   run::
@@ -34,400 +36,27 @@ task's forward path (what TAP's replacement copies).
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from rayfed.errors import ConfigError, suggest
-from rayfed.kinds import IGNORE, causal_from_target_logits, end_of_text_id
-from rayfed.lazy import DeferredModule
+from rayfed.errors import ConfigError
+from rayfed.kinds import IGNORE, causal_from_target_logits
+from rayfed.methods.tap.encoders import ImageEncoder, TextEncoder
+from rayfed.methods.tap.heads import ClassificationHead, ImageGenerationHead, TextGenerationHead, decoded_tokens
+from rayfed.methods.tap.layers import Expert, MoEBlock, frozen_copy
+from rayfed.methods.tap.options import (FAMILY_DEFAULTS, IMAGE, MODALITIES, SHARED, TASK_KEYS, TEXT, MoMEOptions,
+                                        family_of, head_key, task_key, task_modalities)
 from rayfed.models import Backbone, ClientModelRequest, TrainableModule
 from rayfed.models.client_plugin import OPTIONS_FIELD
-from rayfed.modules import AdaptedMLP, adapter_set, select_task, tag_tasks
+from rayfed.modules import adapter_set, select_task, tag_tasks
 from rayfed.registry import register_client_model
-from rayfed.tasks import Task, task_key as run_task_key
+from rayfed.tasks import Task
 from rayfed.types import Batch
 
-peft = DeferredModule("peft")
-transformers = DeferredModule("transformers")
 
-IMAGE, TEXT, SHARED = "image", "text", "shared"
-MODALITIES = (IMAGE, TEXT)
-TASK_KEYS = ("image_classification", "image_generation", "text_classification", "text_generation")
-FAMILIES = ("flava", "vilt")
-ADAPTOR_INITS = ("default", "identity", "none")
-BACKBONE_MODULES = ("lora", "adapter")
-# Per family (spec §5, Table 21 and the code): the LoRA ranks of the encoders, the backbone's attention and the
-# experts (alpha = 2 rank everywhere), L, and the bottleneck of FedDAT's expert adapters.
-FAMILY_DEFAULTS: dict[str, dict[str, int]] = {
-    "flava": {"encoder_rank": 8, "attention_rank": 16, "expert_rank": 4, "layers": 1, "adapter_dim": 32},
-    "vilt": {"encoder_rank": 4, "attention_rank": 8, "expert_rank": 8, "layers": 4, "adapter_dim": 16},
-}
-
-
-@dataclass(frozen=True)
-class MoMEOptions:
-    """The modular model's architecture (spec §2, §5); None takes the backbone family's value."""
-
-    layers: int | None = None  # L: MoTE from pretrained layers 0..L-1, MoME from L..2L-1 (FLAVA 1, ViLT 4)
-    encoder_rank: int | None = None  # FLAVA: LoRA on the encoders' query/value (8); ViLT: on the patch projection (4)
-    attention_rank: int | None = None  # LoRA on the backbone's query/value (FLAVA 16, ViLT 8)
-    expert_rank: int | None = None  # LoRA on both linears of every expert (FLAVA 4, ViLT 8)
-    lora_dropout: float = 0.3
-    domains: dict[str, str] | None = None  # task name -> domain of its MoDE experts; default: one per task
-    text_positions: int = 32  # the text decoder's output positions (the longest target it can produce)
-    condition_text_decoder: bool = True  # False: the released code's decoder, which never reads the features
-    input_adaptor: str = "default"  # the image adaptor's init: default (the code's), identity; none: resize only
-    # lora: LoRA on the backbone's attention and experts (TAP); adapter: none, a bottleneck adapter set after every
-    # expert's FFN instead (FedDAT in this model, spec §6 [R]: Linear D -> b, ReLU, Linear b -> D, residual)
-    backbone_module: str = "lora"
-    adapter_dim: int | None = None  # b of the expert adapters (FLAVA 32, ViLT 16)
-
-    def __post_init__(self) -> None:
-        for name in ("layers", "encoder_rank", "attention_rank", "expert_rank", "adapter_dim"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if not 0 <= self.lora_dropout < 1:
-            raise ValueError("lora_dropout must be in [0, 1)")
-        if self.text_positions < 1:
-            raise ValueError("text_positions must be >= 1")
-        if self.input_adaptor not in ADAPTOR_INITS:
-            raise ValueError(f"input_adaptor must be one of {', '.join(ADAPTOR_INITS)}")
-        if self.backbone_module not in BACKBONE_MODULES:
-            raise ValueError(f"backbone_module must be one of {', '.join(BACKBONE_MODULES)}")
-
-    @classmethod
-    def parse(cls, values: Mapping[str, Any] | None, where: str = OPTIONS_FIELD) -> MoMEOptions:
-        """The options of the mapping at config field ``where``; one sentence naming the key when one is wrong."""
-        values = dict(values or {})
-        allowed = [f.name for f in dataclasses.fields(cls)]
-        unknown = [key for key in values if key not in allowed]
-        if unknown:
-            raise ConfigError(f"{where} has no option {unknown[0]!r}{suggest(unknown[0], allowed)}; allowed: "
-                              f"{', '.join(allowed)}.")
-        try:
-            return cls(**values)
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"{where}.{str(err).rstrip('.')}.") from None
-
-
-def family_of(backbone: Backbone) -> str:
-    """``flava`` or ``vilt``: the backbones the modular model is built from."""
-    name = type(backbone.encoder).__name__
-    if name == "FlavaModel":
-        return "flava"
-    if name == "ViltModel":
-        return "vilt"
-    raise ConfigError(f"{backbone.config_field} = {backbone.name!r} is a {name}; TAP's modular model is built from "
-                      "FLAVA or ViLT (tiny-pretrained:flava, tiny-pretrained:vilt, hf:facebook/flava-full, "
-                      "hf:dandelin/vilt-b32-mlm).")
-
-
-def task_modalities(task: Task) -> tuple[str, ...]:
-    """The task's input modalities in a fixed order (image first)."""
-    if not task.modalities:
-        raise ConfigError(f"task {task.name!r} does not record its input modalities (Task.modalities); the modular "
-                          "model routes by them.")
-    return tuple(m for m in MODALITIES if m in task.modalities)
-
-
-def task_key(task: Task) -> str:
-    """TAP's task o of a run task (spec §2): ``image_classification`` (any classification with an image),
-    ``text_classification``, ``image_generation`` (reconstruction), ``text_generation``."""
-    kind = task.kind.name
-    if kind == "reconstruction":
-        return "image_generation"
-    if kind == "text_generation":
-        return "text_generation"
-    if kind == "classification":
-        return "image_classification" if IMAGE in task_modalities(task) else "text_classification"
-    raise ConfigError(f"task {task.name!r} is of kind {kind!r}; TAP's modular model runs classification, "
-                      "reconstruction and text_generation tasks.")
-
-
-def head_key(task: Task) -> str:
-    """The decoder a task uses: its own classifier, or the one head of its generation kind."""
-    key = task_key(task)
-    return key if key.endswith("generation") else run_task_key(task.index)
-
-
-# Building blocks --------------------------------------------------------------------------------------
-def _lora(module: nn.Module, targets: list[str], rank: int, dropout: float) -> nn.Module:
-    """``module`` with peft LoRA (alpha = 2 rank) on the submodules named ``targets``; only LoRA trains."""
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=targets)
-    module = peft.inject_adapter_in_model(config, module)
-    for name, param in module.named_parameters():
-        param.requires_grad_("lora_" in name)
-    return module
-
-
-def _frozen(module: nn.Module) -> nn.Module:
-    return copy.deepcopy(module).requires_grad_(False)
-
-
-class Expert(nn.Module):
-    """A layer's pretrained FFN ``Linear -> GELU -> Linear`` (frozen, the same tensors in every expert of the
-    layer) with LoRA on both linears, or with ``adapters`` after it instead: ``h + A(h)`` on the FFN's output h
-    with the ``shared`` adapter, or a mixture of the named ones (:func:`rayfed.modules.set_adapter_mix`)."""
-
-    def __init__(self, first: nn.Linear, second: nn.Linear, rank: int | None, dropout: float,
-                 adapters: nn.ModuleDict | None = None):
-        super().__init__()
-        ffn = nn.Sequential(first, nn.GELU(), second)
-        self.ffn = _lora(ffn, ["0", "2"], rank, dropout) if adapters is None else AdaptedMLP(ffn, adapters)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ffn(x)
-
-
-class Attention(nn.Module):
-    """A pretrained BERT-style self-attention (frozen copies of query, key, value and output) with LoRA on query
-    and value (none with ``rank`` None); a key-padding mask keeps padded tokens out."""
-
-    def __init__(self, layer: nn.Module, heads: int, rank: int | None, dropout: float):
-        super().__init__()
-        attention = layer.attention
-        self.heads = heads
-        self.query, self.key, self.value = (_frozen(getattr(attention.attention, n)) for n in ("query", "key", "value"))
-        self.output = _frozen(attention.output.dense)
-        if rank is not None:
-            _lora(self, ["query", "value"], rank, dropout)
-
-    def forward(self, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        size, length, width = k_in.shape
-
-        def split(x: torch.Tensor) -> torch.Tensor:
-            return x.view(size, length, self.heads, width // self.heads).transpose(1, 2)
-
-        keep = mask.bool()[:, None, None, :]
-        attended = nn.functional.scaled_dot_product_attention(split(self.query(q_in)), split(self.key(k_in)),
-                                                              split(self.value(v_in)), attn_mask=keep)
-        return self.output(attended.transpose(1, 2).reshape(size, length, width))
-
-
-# Builds an expert over a layer's (frozen) FFN linears.
-ExpertFactory = Callable[[nn.Linear, nn.Linear], Expert]
-
-
-class MoEBlockLayer(nn.Module):
-    """One layer of a MoTE / MoME block: ``x += MHA(LN1(x))`` with per-domain residual experts on q and v
-    ("MoDE"), then ``x += expert(LN2(x))`` with the expert the route chooses."""
-
-    def __init__(self, layer: nn.Module, ffn: tuple[nn.Linear, nn.Linear], heads: int, attention_rank: int | None,
-                 dropout: float, domains: Sequence[str], expert: ExpertFactory):
-        super().__init__()
-        self.attention_norm = _frozen(layer.layernorm_before)
-        self.attention = Attention(layer, heads, attention_rank, dropout)
-        self.expert_norm = _frozen(layer.layernorm_after)
-        self.mode_q = nn.ModuleDict({d: expert(*ffn) for d in domains})
-        self.mode_v = nn.ModuleDict({d: expert(*ffn) for d in domains})
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, experts: Sequence[nn.Module], domain: str) -> torch.Tensor:
-        """``x``: the inputs of ``len(experts)`` routes through this block, stacked along the batch; route i's
-        rows go through ``experts[i]`` (the attention treats every row alone, so stacking changes nothing)."""
-        normed = self.attention_norm(x)
-        q_in, v_in = normed, normed
-        if domain in self.mode_q:
-            q_in = normed + self.mode_q[domain](normed)
-            v_in = normed + self.mode_v[domain](normed)
-        x = x + self.attention(q_in, normed, v_in, mask)
-        chunks = x.chunk(len(experts)) if len(experts) > 1 else (x,)
-        return torch.cat([chunk + expert(self.expert_norm(chunk)) for chunk, expert in zip(chunks, experts)])
-
-
-class MoEBlock(nn.Module):
-    """A MoTE or MoME block: L layers, each fed the experts of that layer of the routes it runs."""
-
-    def __init__(self, layers: Sequence[nn.Module], ffns: Sequence[tuple[nn.Linear, nn.Linear]], heads: int,
-                 attention_rank: int | None, dropout: float, domains: Sequence[str], expert: ExpertFactory):
-        super().__init__()
-        self.layers = nn.ModuleList([MoEBlockLayer(layer, ffn, heads, attention_rank, dropout, domains, expert)
-                                     for layer, ffn in zip(layers, ffns)])
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, experts: Sequence[Sequence[nn.Module]], domain: str,
-                ) -> torch.Tensor:
-        """``experts[l]``: layer l's expert of each route stacked in ``x``."""
-        for layer, layer_experts in zip(self.layers, experts):
-            x = layer(x, mask, layer_experts, domain)
-        return x
-
-
-class InputAdaptor(nn.Sequential):
-    """The code's trainable image adaptor: Upsample x2 -> Conv3x3 (no bias) -> GELU -> Upsample to the
-    encoder's size -> Conv1x1. ``init = default``: PyTorch's (the code's); ``identity``: both convolutions start
-    as the identity (Dirac kernels, zero bias), so the pretrained encoder first sees GELU(image)."""
-
-    def __init__(self, size: int, init: str = "default"):
-        super().__init__(
-            nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True), nn.Conv2d(3, 3, 3, padding=1, bias=False),
-            nn.GELU(), nn.Upsample(size=(size, size), mode="bilinear", align_corners=True), nn.Conv2d(3, 3, 1),
-        )  # fmt: skip
-        if init == "identity":
-            nn.init.dirac_(self[1].weight)
-            nn.init.dirac_(self[4].weight)
-            nn.init.zeros_(self[4].bias)
-
-
-class ImageEncoder(nn.Module):
-    """Raw [0, 1] images -> tokens (B, 1 + patches, D): normalize, adapt, the frozen pretrained encoder with LoRA
-    (FLAVA's image transformer; ViLT's patch projection, [CLS] and position embeddings), Linear + LayerNorm."""
-
-    def __init__(self, backbone: Backbone, family: str, width: int, rank: int, dropout: float, adaptor: str):
-        super().__init__()
-        encoder, self.family = backbone.encoder, family
-        self.size = backbone.image_size
-        self.mean, self.std = backbone.image_mean, backbone.image_std
-        self.input_adaptor = None if adaptor == "none" else InputAdaptor(self.size, adaptor)
-        if family == "flava":
-            self.backbone = _lora(_frozen(encoder.image_model), ["query", "value"], rank, dropout)
-            hidden = encoder.config.image_config.hidden_size
-        else:
-            embeddings = encoder.embeddings
-            self.backbone = _lora(_frozen(embeddings.patch_embeddings), ["projection"], rank, dropout)
-            self.cls_token = nn.Parameter(embeddings.cls_token.detach().clone(), requires_grad=False)
-            positions = embeddings.position_embeddings.detach().clone()
-            self.position_embeddings = nn.Parameter(positions, requires_grad=False)
-            hidden = encoder.config.hidden_size
-        self.proj = nn.Linear(hidden, width)
-        self.layer_norm = nn.LayerNorm(width)
-
-    def _normalized(self, images: torch.Tensor) -> torch.Tensor:
-        if images.shape[1] == 1:
-            images = images.expand(-1, 3, -1, -1)
-        mean = torch.as_tensor(self.mean, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
-        std = torch.as_tensor(self.std, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
-        return (images - mean) / std
-
-    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self._normalized(images)
-        if self.input_adaptor is not None:
-            x = self.input_adaptor(x)
-        elif x.shape[-2:] != (self.size, self.size):
-            x = nn.functional.interpolate(x, size=(self.size, self.size), mode="bilinear", align_corners=False)
-        if self.family == "flava":
-            tokens = self.backbone(pixel_values=x).last_hidden_state
-        else:
-            patches = self.backbone(x).flatten(2).transpose(1, 2)
-            tokens = torch.cat([self.cls_token.expand(len(x), -1, -1), patches], dim=1)
-            tokens = tokens + self.position_embeddings[:, : tokens.shape[1]]
-        tokens = self.layer_norm(self.proj(tokens))
-        return tokens, torch.ones(tokens.shape[:2], dtype=torch.long, device=tokens.device)
-
-
-def _packed(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The real tokens of each row moved to its start (a left-padded prompt becomes right-padded)."""
-    order = torch.argsort((mask == 0).to(torch.int8), dim=1, stable=True)
-    return ids.gather(1, order), mask.gather(1, order)
-
-
-class TextEncoder(nn.Module):
-    """Token ids -> tokens (B, S, D): FLAVA's frozen text transformer with LoRA on query/value, or ViLT's frozen
-    word + position + type embeddings; then Linear + LayerNorm. A text longer than the encoder's position table
-    is cut into windows of that length, each encoded on its own."""
-
-    def __init__(self, backbone: Backbone, family: str, width: int, rank: int, dropout: float):
-        super().__init__()
-        encoder, self.family = backbone.encoder, family
-        if family == "flava":
-            self.backbone = _lora(_frozen(encoder.text_model), ["query", "value"], rank, dropout)
-            config = encoder.config.text_config
-        else:
-            self.backbone = _frozen(encoder.embeddings.text_embeddings)
-            config = encoder.config
-        self.window = config.max_position_embeddings
-        self.proj = nn.Linear(config.hidden_size, width)
-        self.layer_norm = nn.LayerNorm(width)
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, mask = _packed(ids, mask)
-        longest = max(int(mask.sum(dim=1).max()), 1)
-        windows = math.ceil(longest / self.window)
-        length = windows * self.window
-        if ids.shape[1] < length:
-            pad = length - ids.shape[1]
-            ids, mask = nn.functional.pad(ids, (0, pad)), nn.functional.pad(mask, (0, pad))
-        ids, mask = ids[:, :length], mask[:, :length]
-        size = len(ids)
-        flat_ids, flat_mask = ids.reshape(size * windows, self.window), mask.reshape(size * windows, self.window)
-        if self.family == "flava":
-            tokens = self.backbone(input_ids=flat_ids, attention_mask=flat_mask).last_hidden_state
-        else:
-            tokens = self.backbone(input_ids=flat_ids, token_type_ids=torch.zeros_like(flat_ids))
-        tokens = tokens.reshape(size, length, -1)
-        return self.layer_norm(self.proj(tokens)), mask
-
-
-class ClassificationHead(nn.Sequential):
-    """FLAVA: ``Linear(D, D/2) -> ReLU -> Dropout(0.3) -> Linear``; ViLT: ``Linear(D, 4D) -> LN -> GELU ->
-    Dropout(0.1) -> Linear(4D, D) -> GELU -> Linear`` (App. D.1); the last layer Xavier-uniform, zero bias."""
-
-    def __init__(self, family: str, width: int, classes: int):
-        if family == "flava":
-            layers = [nn.Linear(width, width // 2), nn.ReLU(), nn.Dropout(0.3), nn.Linear(width // 2, classes)]
-        else:
-            layers = [nn.Linear(width, 4 * width), nn.LayerNorm(4 * width), nn.GELU(), nn.Dropout(0.1),
-                      nn.Linear(4 * width, width), nn.GELU(), nn.Linear(width, classes)]
-        super().__init__(*layers)
-        nn.init.xavier_uniform_(self[-1].weight)
-        nn.init.zeros_(self[-1].bias)
-
-
-class ImageGenerationHead(nn.Module):
-    """Features -> an image: ``Linear(D, 64 s s)``, three ``ConvTranspose(k4, s2, p1)`` with ReLU between (no
-    output activation) -> (3, 8s, 8s); one head for every image-generation task, its output resized to each
-    task's image shape (and averaged over colours for a one-channel task)."""
-
-    def __init__(self, width: int, size: int):
-        super().__init__()
-        self.start = max(math.ceil(size / 8), 1)
-        self.proj = nn.Linear(width, 64 * self.start * self.start)
-        self.decoder = nn.Sequential(
-            nn.ConvTranspose2d(64, 32, 4, stride=2, padding=1), nn.ReLU(),
-            nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1), nn.ReLU(),
-            nn.ConvTranspose2d(16, 3, 4, stride=2, padding=1),
-        )  # fmt: skip
-
-    def forward(self, features: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
-        images = self.decoder(self.proj(features).view(len(features), 64, self.start, self.start))
-        channels, height, width = shape
-        if images.shape[-2:] != (height, width):
-            images = nn.functional.interpolate(images, size=(height, width), mode="bilinear", align_corners=False)
-        return images.mean(dim=1, keepdim=True) if channels == 1 else images
-
-
-class TextGenerationHead(nn.Module):
-    """The code's "conditional GPT-2" text decoder, parallel: ``positions`` learned position queries attend
-    (8 heads) to the pooled features, pass through a 1-layer GPT-2 (4 heads, inner 2D) as input embeddings, and
-    a bias-free linear layer maps them to the vocabulary: logits (B, positions, V) in one pass."""
-
-    def __init__(self, width: int, vocabulary: int, positions: int, conditioned: bool):
-        super().__init__()
-        self.positions, self.conditioned = positions, conditioned
-        config = transformers.GPT2Config(vocab_size=vocabulary, n_embd=width, n_layer=1, n_head=4,
-                                         n_positions=positions, n_inner=2 * width)
-        self.gpt2 = transformers.GPT2Model(config)
-        self.gpt2.wte.requires_grad_(False)  # token embeddings: unused (the decoder reads input embeddings)
-        self.lm_head = nn.Linear(width, vocabulary, bias=False)
-        self.position_embeddings = nn.Embedding(positions, width)
-        self.cond_attention = nn.MultiheadAttention(width, num_heads=8, batch_first=True)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        queries = self.position_embeddings.weight.unsqueeze(0).expand(len(features), -1, -1)
-        if self.conditioned:
-            context = features.unsqueeze(1)
-            queries = queries + self.cond_attention(queries, context, context, need_weights=False)[0]
-        hidden = self.gpt2(inputs_embeds=queries).last_hidden_state
-        return self.lm_head(hidden)
-
-
-# The model ----------------------------------------------------------------------------------------------
 def _masked_mean(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     weights = mask.to(tokens.dtype).unsqueeze(-1)
     return (tokens * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
@@ -504,7 +133,7 @@ class MoMEModel(TrainableModule):
         self.shared_proj = nn.Linear(width, width)
 
         # One frozen copy of each pretrained layer's FFN, under every expert made from it (only LoRA differs).
-        ffns = [(_frozen(layer.intermediate.dense), _frozen(layer.output.dense))
+        ffns = [(frozen_copy(layer.intermediate.dense), frozen_copy(layer.output.dense))
                 for layer in layers[:2 * self.num_layers]]
 
         def block(first_layer: int, tasks_using: frozenset[int]) -> nn.Module:
@@ -645,28 +274,19 @@ class MoMEModel(TrainableModule):
     @torch.no_grad()
     def generate_text(self, batch: Batch, max_new_tokens: int) -> torch.Tensor:
         """The argmax token at every position, cut after the first end-of-text (pad after it)."""
-        return self._decoded(self(batch, raw=True), max_new_tokens)
+        return decoded_tokens(self(batch, raw=True), self.tokenizer, max_new_tokens)
 
     @torch.no_grad()
     def logits_and_generations(self, batch: Batch, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``self(batch)`` and ``generate_text(batch, max_new_tokens)`` from one forward."""
         raw = self(batch, raw=True)
-        return self.aligned(raw, batch), self._decoded(raw, max_new_tokens)
-
-    def _decoded(self, raw: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        tokens = raw.argmax(dim=-1)
-        pad, eos = self.tokenizer.pad_token_id, end_of_text_id(self.tokenizer)
-        ended = (tokens == eos).long().cumsum(dim=1) - (tokens == eos).long() > 0
-        tokens = tokens.masked_fill(ended, pad)
-        if tokens.shape[1] < max_new_tokens:
-            tokens = nn.functional.pad(tokens, (0, max_new_tokens - tokens.shape[1]), value=pad)
-        return tokens[:, :max_new_tokens]
+        return self.aligned(raw, batch), decoded_tokens(raw, self.tokenizer, max_new_tokens)
 
     # Blocks ---------------------------------------------------------------------------------------------
     def path_prefixes(self, task_index: int) -> tuple[str, ...]:
-        """The name prefixes of every block on the task's forward path (spec §4 "task-o path"): the encoders of
-        its modalities, shared_proj, mote[m] and mote[shared], mome[o] and mome[shared] (whole blocks, their
-        domain experts included), the eight expert cells of each modality in every layer, and its head."""
+        """The name prefixes of every block on the task's forward path (docs/tap.md#the-method, "Path of o"): the
+        encoders of its modalities, shared_proj, mote[m] and mote[shared], mome[o] and mome[shared] (whole blocks,
+        their domain experts included), the eight expert cells of each modality in every layer, and its head."""
         key = self.keys[task_index]
         prefixes = ["shared_proj.", f"mote.{SHARED}.", f"mome.{SHARED}.", f"mome.{key}.",
                     f"heads.{head_key(self.tasks[task_index])}."]
@@ -709,14 +329,6 @@ def mome_client_model(request: ClientModelRequest) -> MoMEModel:
         raise ConfigError(f"{OPTIONS_FIELD}.backbone_module must be adapter for methods ({sets.method}), which trains "
                           "adapter sets after the experts.")
     return build_mome_model(request.backbone, request.tasks, options, request.seed, sets.names, sets.frozen)
-
-
-# What a method's Params says of its former ``mome`` hyperparameter (its ``removed_hyperparameters``).
-MOVED_TO_CLIENT_MODEL = {"mome": "set model.client: mome and move these options to model.client_options (a method "
-                                 "entry's own model: mapping sets both for that method alone)"}
-
-__all__ = ["FAMILIES", "MODALITIES", "MOVED_TO_CLIENT_MODEL", "TASK_KEYS", "MoMEModel", "MoMEOptions",
-           "build_mome_model", "family_of", "head_key", "mome_client_model", "task_key", "task_modalities"]
 
 
 def task_outputs(model: nn.Module, task: Task, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
