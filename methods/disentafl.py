@@ -9,7 +9,7 @@ micro-batch of a single modality and task has no pairs and no such loss. Aggrega
 (component-wise, |D_i|-weighted). With ``post_fl_microbatches`` P > 0, ``@pt`` and ``@pt2`` report the model
 post-trained P and 2P micro-batches, orthogonality loss included (the code's "DisentAFL + Post-train").
 
-The model is TAP's (``model.client: mome``, :mod:`rayfed.methods.tap`); any client model works that collects
+The model is TAP's (``model.client: mome``, docs/tap.md#the-model); any client model works that collects
 ``((modality, task key), latent)`` pairs in ``collected_latents`` while that attribute is a list.
 """
 

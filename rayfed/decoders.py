@@ -8,7 +8,7 @@ from torch import nn
 
 class ImageDecoder(nn.Module):
     """Features -> an image: a linear layer to a 64-channel map at 1/8 of the size, three transposed
-    convolutions doubling it (ReLU between, none after), resized to the image's size if it differs."""
+    convolutions doubling it (ReLU between, none after)."""
 
     def __init__(self, feature_dim: int, shape: tuple[int, int, int]):
         super().__init__()
