@@ -26,8 +26,8 @@ from torch import nn
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
+from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL
 from rayfed.models import Backbone
-from rayfed.mome import MOVED_TO_CLIENT_MODEL
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Step

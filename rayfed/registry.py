@@ -3,7 +3,7 @@
 A method, a data source, a partitioner, a backbone, a client model and a task kind are each given (in a config, or in a
 ``Simulation(...)`` call from Python) as
 
-- a registered name (``fedavg``, ``sklearn:digits``, ``dirichlet``, ``tiny:vit``, ``mome``, ``classification``),
+- a registered name (``fedavg``, ``sklearn:digits``, ``dirichlet``, ``tiny:vit``, ``classification``),
   including prefix entries that take the rest of the name as their argument (``hf:<dataset>``);
 - an importable ``"package.module:Name"`` string;
 - or, from Python, the object itself.
@@ -40,7 +40,7 @@ _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "source": ("rayfed.data.sources", "rayfed.methods"),  # a paper package registers its sources
     "partitioner": ("rayfed.data.partition",),
     "backbone": ("rayfed.models", "rayfed.clip", "rayfed.methods"),
-    "client_model": ("rayfed.mome",),
+    "client_model": ("rayfed.methods",),  # a paper package registers its client models
     "task_kind": ("rayfed.kinds",),
 }
 

@@ -50,16 +50,15 @@ def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature:
     return nn.functional.kl_div(log_student, log_teacher, reduction="batchmean", log_target=True) * temperature**2
 
 
-IMAGE_KD = ("softmax", "mse")  # kd_term for image generation: KL over the width axis, or MSE
+IMAGE_KD = ("softmax", "mse")  # how output_distillation compares two images: KL over the width axis, or MSE
 
 
-def kd_term(key: str, student: torch.Tensor, teacher: torch.Tensor, temperature: float,
-            image_kd: str) -> torch.Tensor:
-    """Knowledge distillation on the decoders' outputs of a task with key ``key`` (TAP's Eq. 5, FedDAT's mutual
-    distillation): ``tau^2 KL(p_T || p_S)``, batchmean, over the last axis (classes; the vocabulary at every
-    output position, pad included; an image's width axis, TAP's code's), or for image generation with
-    ``image_kd = mse`` the mean squared error between the two images."""
-    if key == "image_generation" and image_kd == "mse":
+def output_distillation(student: torch.Tensor, teacher: torch.Tensor, temperature: float,
+                        image_kd: str | None = None) -> torch.Tensor:
+    """Knowledge distillation between two decoders' outputs: ``tau^2 KL(p_T || p_S)``, batchmean, over the last
+    axis (classes; the vocabulary at every output position, pad included; an image's width axis), or, for images
+    compared with ``image_kd = mse``, the mean squared error between them."""
+    if image_kd == "mse":
         return nn.functional.mse_loss(student.float(), teacher.float())
     return distillation_loss(student, teacher, temperature)
 

@@ -19,8 +19,9 @@ from rayfed.actors.driver import DriverActor
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.method import Upload, build_method
+from rayfed.methods.tap import MoMEModel, MoMEOptions, task_key
+from rayfed.methods.tap.layers import Expert
 from rayfed.modules import AdaptedMLP, set_adapter_mix
-from rayfed.mome import Expert, MoMEModel, MoMEOptions, task_key
 from rayfed.tasks import sample_round, task_view
 from rayfed.training import ClientContext
 
@@ -300,7 +301,7 @@ def test_packing_clients_into_actors_does_not_change_tap(actor):
 
 def test_the_vilt_model_trains_its_patch_projection_and_keeps_word_embeddings_frozen():
     from rayfed.models import build_backbone
-    from rayfed.mome import build_mome_model
+    from rayfed.methods.tap import build_mome_model
 
     run = _run()
     run["model"]["backbone"] = "tiny-pretrained:vilt"
@@ -793,7 +794,7 @@ def test_the_tables_average_over_clients_as_the_paper_does(tmp_path):
     """Avg. columns are client-weighted: FLAVA's Avg.Gen = (3 FMNIST + 6 Caltech) / 9 in the paper."""
     import json
 
-    from rayfed.benchmarks.tap_tables import replacements, rows
+    from rayfed.methods.tap.tables import replacements, rows
 
     config = {"data": {"tasks": [{"name": "fmnist", "clients": [0]}, {"name": "caltech", "clients": [1, 2]},
                                  {"name": "mmlu_colors", "clients": [3]}, {"name": "mmlu_shapes", "clients": [3]}]}}

@@ -51,7 +51,7 @@ from rayfed.models import AdapterSets, Backbone, client_model
 from rayfed.modules import set_adapter_mix
 from rayfed.registry import register_method
 from rayfed.tasks import Task
-from rayfed.training import IMAGE_KD, ClientContext, Phase, Step, kd_term
+from rayfed.training import IMAGE_KD, ClientContext, Phase, Step, output_distillation
 
 SHARED, FROZEN, LOCAL = ".adapters.shared.", ".adapters.frozen.", ".adapters.local."
 VARIANTS = ("feddat", "no_frozen", "no_local", "no_mkd", "peft")
@@ -213,9 +213,8 @@ class FedDAT(Method):
         return step.raw_and_scored(part)
 
     def _kd(self, task: Task, student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torch.Tensor:
-        # kd_term's key: only an image reconstruction's KD (image_kd) differs from the softmax KL
-        key = "image_generation" if task.kind.name == "reconstruction" else task.kind.name
-        return kd_term(key, student, teacher, tau, self.params.image_kd)
+        images = self.params.image_kd if task.kind.name == "reconstruction" else None
+        return output_distillation(student, teacher, tau, images)
 
     def after_federation(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> ClientState:
         microbatches = self.params.post_fl_microbatches

@@ -1,15 +1,19 @@
 """TAP: two-stage adaptive personalization of a multi-modal, multi-task mixture-of-experts model.
 
-Seed paper ``000_a0f3b72231afa875.txt`` (§3-§4, Algorithm 1, Tables 21-22); spec ``tap.md`` §3-§5 and §9. The
-model is TAP's modular one (:mod:`rayfed.mome`, chosen by ``model.client: mome``): every trainable block is shared and aggregated component-wise
-(each tensor over the round's clients that hold it, weighted by |D_i|: the engine's default aggregation over
-task-tagged parameters). Each client keeps, next to the FL-engaged model W (the server's blocks, received every
-round), a personalized model X of the same architecture over the same frozen weights, never sent:
+*TAP: Two-Stage Adaptive Personalization of Multi-Task and Multi-Modal Foundation Models in Federated Learning*
+(arXiv 2509.26524, §3-§4, Algorithm 1, Tables 21-22); docs/tap.md#the-method, docs/tap.md#hyperparameters and
+docs/tap.md#deviations-from-the-released-code-and-why. The model is TAP's modular one
+(:mod:`rayfed.methods.tap.model`, chosen by ``model.client: mome``): every trainable block is shared and
+aggregated component-wise (each tensor over the round's clients that hold it, weighted by |D_i|: the engine's
+default aggregation over task-tagged parameters). Each client keeps, next to the FL-engaged model W (the
+server's blocks, received every round), a personalized model X of the same architecture over the same frozen
+weights, never sent:
 
 - **Stage 1** (every sampled round): W trains locally and is uploaded. For each of the client's tasks o (a task
-  key, §2: ``image_classification``, ``image_generation``, ``text_classification``, ``text_generation``), if
-  ``h_W[o] + m_o < h_X[o]`` (Eq. 3; the last round's mean training loss of each model on o, X's starting at
-  +inf) every block on o's forward path is copied from the locally trained, pre-aggregation W into X (Eq. 4).
+  key, docs/tap.md#the-model: ``image_classification``, ``image_generation``, ``text_classification``,
+  ``text_generation``), if ``h_W[o] + m_o < h_X[o]`` (Eq. 3; the last round's mean training loss of each model
+  on o, X's starting at +inf) every block on o's forward path is copied from the locally trained,
+  pre-aggregation W into X (Eq. 4).
   Then X trains like W (on other batches after a replacement [C]).
 - **Stage 2** (after the last round): W is post-trained P micro-batches ("FedAvg + Post-train", view ``pt``),
   frozen (eval mode) and distils into X, which trains P micro-batches on ``sum_o lambda_o l_o + sum_o beta_o
@@ -31,26 +35,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
 from rayfed.config import ModelConfig
-from rayfed.data.sources import ArrayDataset, SourceRequest
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_fl_steps, post_train_views, stored_views
+from rayfed.methods.tap.model import MoMEModel, task_outputs
+from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL, TASK_KEYS, task_key
 from rayfed.models import Backbone
 from rayfed.modules import select_task
-from rayfed.mome import MOVED_TO_CLIENT_MODEL, TASK_KEYS, MoMEModel, task_key, task_outputs
-from rayfed.registry import register_method, register_source
+from rayfed.registry import register_method
 from rayfed.tasks import Task
-from rayfed.training import IMAGE_KD, ClientContext, Step, TrainResult, kd_term, scheduled_lr
+from rayfed.training import IMAGE_KD, ClientContext, Step, TrainResult, output_distillation, scheduled_lr
 
 HISTORIES = ("weighted", "plain")
 # Per task key, in the order of TASK_KEYS: image-cls, image-gen, text-cls, text-gen.
 PAPER_MARGINS_FLAVA = (0.01, 0.005, 0.005, 0.01)  # Table 22
 PAPER_KD_WEIGHTS = (2e-3, 2e-3, 2e-3, 1.0)  # Table 21 as extracted: text generation 1
-CODE_KD_WEIGHTS = (2e-3, 2e-3, 1.0, 2e-3)  # the authors' code: 2e-3, text classification x 500 (spec §9.3)
+CODE_KD_WEIGHTS = (2e-3, 2e-3, 1.0, 2e-3)  # the authors' code: 2e-3, text classification x 500
 KD_WEIGHT_PRESETS = {"paper": PAPER_KD_WEIGHTS, "code": CODE_KD_WEIGHTS}
 
 
@@ -78,7 +81,7 @@ class TAPParams:
     kd_weights: str | tuple[float, ...] = "paper"  # beta_o per task key, or a preset of KD_WEIGHT_PRESETS
     alt_kd_weights: str | tuple[float, ...] | None = None  # a second distilled X (view kdalt), e.g. "code"
     kd_temperature: float = 1.0  # tau
-    image_kd: str = "softmax"  # image generation's KD: softmax over the width axis (code) or mse (§9.4)
+    image_kd: str = "softmax"  # image generation's KD: softmax over the width axis (code) or mse
     history: str = "weighted"  # a task's loss history: lambda-weighted mean over micro-batches (code) or plain
     post_fl_microbatches: int = 50  # P, in micro-batches (train.grad_accum of them make one optimizer step)
     post_lr: float = 1e-4
@@ -199,7 +202,9 @@ class Distillation:
         return {part: self.targets[self.calls, part] for part in parts}
 
     def term(self, key: str, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-        return kd_term(key, student, teacher, self.temperature, self.image_kd)
+        """Eq. 5 for a task with key ``key``: ``tau^2 KL(p_T || p_S)``, or as ``image_kd`` says for generated images."""
+        images = self.image_kd if key == "image_generation" else None
+        return output_distillation(student, teacher, self.temperature, images)
 
 
 @register_method("tap")
@@ -247,7 +252,7 @@ class TAP(Method):
         replaced = [key for key, loss in w_losses.items()
                     if loss + self.params.margin(key) < float(history.get(f"x:{key}", math.inf))]
         model = client.model
-        assert isinstance(model, MoMEModel), "TAP trains rayfed.mome.MoMEModel"
+        assert isinstance(model, MoMEModel), "TAP trains rayfed.methods.tap.MoMEModel"
         for key in replaced:  # Eq. 4: a hard copy of o's path from the locally trained, pre-aggregation W
             x.update({name: value for name, value in trained.params.items() if model.on_path(name, groups[key])})
         if replaced and self.params.swap_batches:
@@ -310,79 +315,3 @@ class TAP(Method):
 
 def _scalar(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64)
-
-
-# The paper's text datasets by name, with its input templates (Table 23; spec §7) -------------------------
-TAP_DATASETS: dict[str, tuple[str, str]] = {  # recipe -> (hub name, default split)
-    "ag_news": ("sh0416/ag_news", "train"),
-    "mmlu": ("cais/mmlu", "test"),  # the paper trains on MMLU's test split and tests on its validation split
-    "vqav2": ("merve/vqav2-small", "validation"),
-    "common_gen": ("allenai/common_gen", "train"),
-}
-AG_NEWS_CLASSES = ("World", "Sports", "Business", "Sci/Tech")
-
-
-def _rgb(image: Any, size: int | None) -> np.ndarray:
-    from PIL import Image
-
-    image = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image, dtype=np.uint8))
-    image = image.convert("RGB")
-    if size is not None and image.size != (size, size):
-        image = image.resize((size, size), Image.BILINEAR)
-    return np.asarray(image, dtype=np.float32) / 255.0
-
-
-def tap_columns(recipe: str, rows: Any, subset: str = "", image_size: int | None = 64) -> dict[str, Any]:
-    """The columns of one of :data:`TAP_DATASETS` (a ``datasets.Dataset``) in the paper's form."""
-    if recipe == "ag_news":  # title + "\n" + description; labels 1..4 -> 0..3
-        text = [f"{title}\n{description}" for title, description in zip(rows["title"], rows["description"])]
-        return {"text": text, "label": np.asarray(rows["label"], np.int64) - 1, "class_names": AG_NEWS_CLASSES}
-    if recipe == "mmlu":
-        text, target = [], []
-        for question, subject, choices, answer in zip(rows["question"], rows["subject"], rows["choices"],
-                                                      rows["answer"]):
-            subject = (subject or subset).replace("_", " ")
-            options = " ".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", choices))
-            text.append(f"The following is a multiple-choice question about {subject}. Choose the correct answer from "
-                        f"the options below. Question: {question} Options: {options}")
-            target.append(f"Correct answer on {subject}: {'ABCD'[answer]}. {choices[answer]}")
-        return {"text": text, "target": target}
-    if recipe == "vqav2":
-        return {"image": np.stack([_rgb(image, image_size) for image in rows["image"]]),
-                "text": [f"Answer the question based on the image. Question: {q}" for q in rows["question"]],
-                "target": [f"Answer: {a}" for a in rows["multiple_choice_answer"]]}
-    if recipe == "common_gen":
-        return {"text": [f"Generate an appropriate description from the concepts below. Concepts: {', '.join(c)}"
-                         for c in rows["concepts"]],
-                "target": [f"Description: {t}" for t in rows["target"]]}
-    raise ConfigError(f"tap:{recipe} is not a TAP dataset; allowed: {', '.join('tap:' + r for r in TAP_DATASETS)}.")
-
-
-@register_source("tap:")
-def tap_dataset(request: SourceRequest) -> ArrayDataset:
-    """TAP's text datasets with the paper's templates (Table 23): ``tap:ag_news``, ``tap:mmlu/<subject>`` (e.g.
-    professional_law), ``tap:vqav2`` (images at ``data.options.image_size``, 64) and ``tap:common_gen``, from the
-    hub or a ``save_to_disk`` folder (``data.path``)."""
-    import datasets
-
-    recipe, _, subset = (request.argument or "").partition("/")
-    if recipe not in TAP_DATASETS:
-        raise ConfigError(f"data.source = {request.name!r} names no TAP dataset; allowed: "
-                          f"{', '.join('tap:' + r for r in TAP_DATASETS)} (tap:mmlu/<subject>).")
-    hub, split = TAP_DATASETS[recipe]
-    config = request.config
-    options = request.options
-    unknown = [key for key in options if key != "image_size"]
-    if unknown:
-        raise ConfigError(f"data.options has no option {unknown[0]!r} for {request.name!r}; allowed: image_size.")
-    if config.path is not None:
-        loaded = datasets.load_from_disk(config.path)
-    else:
-        loaded = datasets.load_dataset(hub, subset or None, split=config.split or split)
-    if isinstance(loaded, datasets.DatasetDict):
-        loaded = loaded[config.split or split]
-    columns = tap_columns(recipe, loaded[:], subset, options.get("image_size", 64))
-    return ArrayDataset(images=columns.get("image"), labels=columns.get("label"),
-                        class_names=columns.get("class_names", ()),
-                        text=np.asarray(columns["text"], dtype=object),
-                        target=None if "target" not in columns else np.asarray(columns["target"], dtype=object))
