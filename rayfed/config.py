@@ -18,12 +18,14 @@ import pydantic
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, SerializationInfo, SerializerFunctionWrapHandler,
                       ValidationInfo, field_validator, model_serializer, model_validator)
-from pydantic_core import to_jsonable_python
+from pydantic_core import PydanticCustomError, to_jsonable_python
 
 from rayfed import registry
 from rayfed.errors import ConfigError, suggest
 
 log = logging.getLogger(__name__)
+
+_MOVED = "moved"  # the error type of a field that is no longer read, whose message says what to write instead
 
 
 class _Section(BaseModel):
@@ -95,6 +97,7 @@ class PartitionConfig(_Section):
     global_test_samples: int | None = Field(
         None, gt=0, description="a shared test set of this many samples no client holds, over all classes: global_acc"
     )
+    options: dict[str, Any] | None = Field(None, description="options of a partitioner that takes them, which it checks")
 
     @model_validator(mode="after")
     def _exact_test(self) -> PartitionConfig:
@@ -134,14 +137,6 @@ class StreamConfig(_Section):
         return self
 
 
-class BaseNovelConfig(_Section):
-    """Base-to-novel split (pFedMMA; ``rayfed.data.base_novel``): clients hold chunks of the base classes."""
-
-    shots: int = Field(16, gt=0, description="training images per class on each client")
-    class_seed: int = Field(2023, description="seed of the shuffle that deals base classes to clients")
-    base_excludes_local: bool = Field(False, description="base_acc leaves out the client's own classes")
-
-
 class DataConfig(_Section):
     source: SourceName = "sklearn:digits"
     kind: TaskKindName = Field(
@@ -164,7 +159,6 @@ class DataConfig(_Section):
     max_samples: int | None = Field(None, gt=0)
     resize: int | None = Field(None, gt=0, description="hf: images converted to RGB and resized to this size on load")
     partition: PartitionConfig = PartitionConfig()
-    base_novel: BaseNovelConfig | None = None
     tasks: tuple[TaskDataConfig, ...] | None = Field(
         None, min_length=1, description="multi-task: one data config per task, client ids contiguous in task order"
     )
@@ -183,21 +177,16 @@ class DataConfig(_Section):
                 raise ValueError("data.synthetic and data.options are both set; data.synthetic is the old name of "
                                  "data.options, keep one")
             raw = {**{k: v for k, v in raw.items() if k != "synthetic"}, "options": raw["synthetic"]}
+        if isinstance(raw, dict) and "base_novel" in raw:
+            raise PydanticCustomError(_MOVED, "{moved}", {"moved": (
+                "data.base_novel is now a partitioner: write data.partition: {name: base_novel, options: {shots, "
+                "class_seed, base_excludes_local}} instead (docs/pfedmma.md#data-and-metrics)")})
         return raw
 
     @model_validator(mode="after")
     def _public_is_plain(self) -> DataConfig:
         if self.public is not None and (self.public.public is not None or self.public.tasks is not None):
             raise ValueError("data.public is one dataset: it has no public or tasks of its own")
-        return self
-
-    @model_validator(mode="after")
-    def _base_novel_partition(self) -> DataConfig:
-        if self.base_novel is not None and self.partition != PartitionConfig():
-            raise ValueError(
-                f"data.partition.name = {self.partition.name!r} cannot be combined with data.base_novel, which deals "
-                "the base classes to clients itself; remove data.partition"
-            )
         return self
 
     @model_validator(mode="after")
@@ -253,9 +242,6 @@ class TaskDataConfig(DataConfig):
 
     @model_validator(mode="after")
     def _explicit_clients(self) -> TaskDataConfig:
-        if self.base_novel is not None:
-            raise ValueError(f"data.tasks[{self.name!r}].base_novel is not supported inside data.tasks; a base-to-novel "
-                             "split makes two tasks of one dataset itself")
         for run_level in ("stream", "public"):
             if getattr(self, run_level) is not None:
                 raise ValueError(f"data.tasks[{self.name!r}].{run_level} belongs to the run: set data.{run_level}")
@@ -759,7 +745,7 @@ def _format_error(err: pydantic.ValidationError) -> str:
             f"unknown config field {path!r}{suggest(str(loc[-1]), allowed)}; "
             f"allowed here: {', '.join(allowed)}."
         )
-    if not path:  # a model-level check: the message already names its fields
+    if not path or first["type"] == _MOVED:  # a model-level check or a moved field: the message names its fields
         return _clean_msg(first["msg"]) + "."
     return f"{path} = {first.get('input')!r} is invalid: {_clean_msg(first['msg'])}."
 

@@ -37,7 +37,7 @@ KINDS: dict[str, str] = {
 _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "method": ("rayfed.methods",),
     "source": ("rayfed.data.sources", "rayfed.data.task_groups"),
-    "partitioner": ("rayfed.data.partition",),
+    "partitioner": ("rayfed.data.partition", "rayfed.methods"),  # a paper's package may bring a partitioner
     "backbone": ("rayfed.models", "rayfed.clip"),
     "client_model": ("rayfed.mome",),
     "task_kind": ("rayfed.kinds",),
