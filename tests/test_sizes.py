@@ -12,7 +12,7 @@ MAX_CLASS_LINES = 250
 
 # Work left for issue 36: what is still over the limits. A split that brings one under fails the test until its entry
 # is removed here, so the lists only shrink.
-FILES_TO_SPLIT = {"rayfed/config.py", "rayfed/training.py", "rayfed/mome.py", "rayfed/data/multimodal.py"}
+FILES_TO_SPLIT = {"rayfed/training.py", "rayfed/mome.py", "rayfed/data/multimodal.py"}
 CLASSES_TO_SPLIT = {"rayfed/training.py:ClientContext"}
 
 
