@@ -116,7 +116,8 @@ def register_source(name: str) -> Callable[[T], T]:
 
 
 def register_partitioner(name: str) -> Callable[[T], T]:
-    """Decorator on a function ``(request: PartitionRequest) -> list of index arrays``, one per client."""
+    """Decorator on a function ``(request: PartitionRequest) -> list of index arrays``, one per client, or a
+    :class:`~rayfed.data.partition.Partition` (train and test cut, label spaces, shared tests)."""
     return register("partitioner", name)
 
 

@@ -42,7 +42,9 @@ def test_registry_names() -> None:
                     "task-groups:<...>"]
     # methods may register sources of their own (tap:), before or after the data package's
     assert [name for name in registry.names("source") if name in data_sources] == data_sources
-    assert registry.names("partitioner") == ["iid", "dirichlet", "shards", "natural", "labeldir", "domain_dirichlet"]
+    # a paper's package registers its own after the data package's (pFedMMA's base_novel)
+    assert registry.names("partitioner") == ["iid", "dirichlet", "shards", "natural", "labeldir", "domain_dirichlet",
+                                             "base_novel"]
     assert issubclass(DataError, ConfigError) and issubclass(DataError, ValueError)
 
 
