@@ -100,7 +100,7 @@ def image_classification(data: dict[str, Any]) -> dict[str, Any]:
         generator = synthetic_images(source, clients * each, writers=clients)
     elif source in DOMAINS:
         generator = synthetic_images(source, SAMPLES[source], writers=DOMAINS[source])
-    elif data.get("base_novel"):
+    elif data.get("partition", {}).get("name") == "base_novel":
         generator = synthetic_images(source, 40 * classes)
     elif data.get("partition", {}).get("name") == "shards":  # twice what the clients and the global test set take
         partition = data["partition"]

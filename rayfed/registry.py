@@ -38,7 +38,7 @@ KINDS: dict[str, str] = {
 _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "method": ("rayfed.methods",),
     "source": ("rayfed.data.sources", "rayfed.methods"),  # a paper package registers its sources
-    "partitioner": ("rayfed.data.partition",),
+    "partitioner": ("rayfed.data.partition", "rayfed.methods"),  # a paper's package may bring a partitioner
     "backbone": ("rayfed.models", "rayfed.clip", "rayfed.methods"),
     "client_model": ("rayfed.methods",),  # a paper package registers its client models
     "task_kind": ("rayfed.kinds",),
@@ -117,7 +117,8 @@ def register_source(name: str) -> Callable[[T], T]:
 
 
 def register_partitioner(name: str) -> Callable[[T], T]:
-    """Decorator on a function ``(request: PartitionRequest) -> list of index arrays``, one per client."""
+    """Decorator on a function ``(request: PartitionRequest) -> list of index arrays``, one per client, or a
+    :class:`~rayfed.data.partition.Partition` (train and test cut, label spaces, shared tests)."""
     return register("partitioner", name)
 
 

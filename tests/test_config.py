@@ -107,3 +107,15 @@ def test_client_options_without_a_client_model_are_one_sentence(tiny_run):
     assert _error(tiny_run, []) == ("model.client_options = {'text_positions': 8} is invalid: it needs model.client, "
                                     "the client model these are options of (the default model's settings are "
                                     "model.module, lora, adapter, vpt, prompt and head).")
+
+
+def test_the_old_base_novel_section_says_what_to_write_instead(tiny_run):
+    tiny_run["data"]["base_novel"] = {"shots": 16}
+    assert _error(tiny_run, []) == (
+        "data.base_novel is now a partitioner: write data.partition: {name: base_novel, options: {shots, class_seed, "
+        "base_excludes_local}} instead (docs/pfedmma.md#data-and-metrics).")
+
+
+def test_partition_options_reach_the_partitioner_as_given(tiny_run):
+    tiny_run["data"]["partition"] = {"name": "base_novel", "options": {"shots": 4, "class_seed": 7}}
+    assert load_config(tiny_run).data.partition.options == {"shots": 4, "class_seed": 7}

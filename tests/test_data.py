@@ -42,7 +42,9 @@ def test_registry_names() -> None:
                     "task-groups:<...>"]
     # methods may register sources of their own (tap:, parts: test_ladder.py), before or after the data package's
     assert [name for name in registry.names("source") if name in data_sources] == data_sources
-    assert registry.names("partitioner") == ["iid", "dirichlet", "shards", "natural", "labeldir", "domain_dirichlet"]
+    # a paper's package registers its own after the data package's (pFedMMA's base_novel)
+    assert registry.names("partitioner") == ["iid", "dirichlet", "shards", "natural", "labeldir", "domain_dirichlet",
+                                             "base_novel"]
     assert issubclass(DataError, ConfigError) and issubclass(DataError, ValueError)
 
 
@@ -447,6 +449,64 @@ def test_partition_general_errors(digits: ArrayDataset) -> None:
         partition(digits.labels, 3, "dirichlett", seed=0)
     with pytest.raises(DataError, match=r"data\.partition: client 7 has no samples \(iid over 8 clients\)"):
         partition(np.arange(7) % 2, 8, "iid", seed=0, min_samples=1)
+
+
+def _by_thirds(request):
+    """Clients 0 and 1 hold the samples of index 0 and 1 mod 3, their first half to train; the rest is a shared
+    test set per label space: even classes, and odd ones in falling order."""
+    from rayfed.data.partition import LabelSpace, Partition, SharedTest
+
+    index = np.arange(len(request.labels))
+    splits = tuple(np.array_split(index[index % 3 == client], 2) for client in range(request.num_clients))
+    rest = index[index % 3 == 2]
+    even = request.labels[rest] % 2 == 0
+    return Partition(tuple((train, test) for train, test in splits),
+                     (LabelSpace("even", (0, 2, 4, 6, 8)), LabelSpace("odd", (9, 7, 5, 3, 1))),
+                     (SharedTest("even", rest[even]), SharedTest("odd", rest[~even], 1, exclude_own_classes=True)))
+
+
+def _partition_run(partition: dict, **data) -> dict:
+    return {"data": {"source": "sklearn:digits", "num_clients": 2, "partition": partition, **data},
+            "federation": {"clients_per_round": 2}}
+
+
+def test_a_partitioner_may_cut_train_and_test_itself_into_label_spaces_with_shared_tests(digits: ArrayDataset) -> None:
+    from rayfed.config import load_config
+    from rayfed.data.clients import build_federation
+
+    federation = build_federation(load_config(_partition_run({"name": _by_thirds})).data, seed=0)
+    assert [(task.index, task.name, task.class_names) for task in federation.tasks] == [
+        (0, "even", ("0", "2", "4", "6", "8")), (1, "odd", ("9", "7", "5", "3", "1"))]
+    (holding,) = federation.holdings
+    for client, (train, test) in enumerate(holding.splits):
+        held = np.flatnonzero(np.arange(len(digits)) % 3 == client)
+        assert train.tolist() == held[:len(train)].tolist() and test.tolist() == held[len(train):].tolist()
+    # each label space relabelled 0..k-1 in its order: odd class 9 is 0, class 1 is 4
+    assert np.array_equal(holding.dataset.labels, np.where(digits.labels % 2 == 0, digits.labels // 2,
+                                                           (9 - digits.labels) // 2))
+    even, odd = federation.shared
+    assert (even.name, even.task, even.exclude_own_classes, odd.name, odd.task, odd.exclude_own_classes) == (
+        "even", 0, False, "odd", 1, True)
+    assert set(digits.labels[odd.indices]) == {1, 3, 5, 7, 9}
+
+
+def test_a_partition_of_label_spaces_is_checked_where_the_engine_takes_it(digits: ArrayDataset) -> None:
+    from rayfed.config import load_config
+    from rayfed.data.clients import build_federation
+    from rayfed.data.partition import LabelSpace, Partition
+
+    def half_the_classes(request):
+        return Partition(_by_thirds(request).splits, (LabelSpace("low", (0, 1, 2, 3, 4)),))
+
+    with pytest.raises(DataError, match="label spaces do not hold each of the 10 classes exactly once"):
+        build_federation(load_config(_partition_run({"name": half_the_classes})).data, seed=0)
+    with pytest.raises(DataError, match=r"data\.tasks\['a'\]\.partition\.name = .* makes 2 tasks of one dataset"):
+        build_federation(load_config({"data": {"tasks": [{"name": "a", **_partition_run({"name": _by_thirds})["data"]}]},
+                                      "federation": {"clients_per_round": 2}}).data, seed=0)
+    with pytest.raises(DataError, match="global_test_samples cannot be used"):
+        build_federation(load_config(_partition_run({"name": _by_thirds, "global_test_samples": 5})).data, seed=0)
+    with pytest.raises(DataError, match="data.partition.options is set but data.partition.name = 'iid' takes no options"):
+        partition(digits.labels, 2, "iid", seed=0, options={"shots": 4})
 
 
 # ---------------------------------------------------------------------------------------------

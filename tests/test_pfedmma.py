@@ -11,16 +11,16 @@ import torch
 import transformers
 
 from rayfed.clip import build_classifier
-from rayfed.config import BaseNovelConfig, ModelConfig, load_config
-from rayfed.data.base_novel import base_novel_split
-from rayfed.data.sources import ArrayDataset
+from rayfed.config import ModelConfig, load_config
+from rayfed.data.sources import ArrayDataset, DataError
 from rayfed.method import build_method
 
 from conftest import load_data
 from rayfed.method import Upload
 from conftest import method_class
+from rayfed.methods.pfedmma import BaseNovelOptions, MultiModalAdapter, base_novel_split
+from rayfed.methods.pfedmma.adapter import attach
 from rayfed.metrics import across_datasets, harmonic_mean
-from rayfed.mma import MultiModalAdapter, attach
 from rayfed.tasks import Task
 from rayfed.zoo.clip import image_processor, tiny_config
 from rayfed.zoo.tokenizers import word_tokenizer
@@ -154,28 +154,49 @@ def _toy_dataset(num_classes: int = 5, per_class: int = 8) -> ArrayDataset:
 
 def test_base_novel_split_follows_the_label_space_rules():
     dataset = _toy_dataset()  # 5 classes: base = ids 0, 1, 2 (ceil(5/2)), novel = 3, 4
-    relabelled, splits, tasks, eval_sets = base_novel_split(dataset, 2, BaseNovelConfig(shots=2), 0.5, seed=0)
-    assert tasks[0].class_names == ("class_0", "class_1", "class_2") and tasks[1].class_names == ("class_3", "class_4")
-    chunks = [set(dataset.labels[train]) for train, _ in splits]
+    cut = base_novel_split(dataset.labels, dataset.class_names, 2, BaseNovelOptions(shots=2), 0.5, seed=0)
+    assert [(space.name, space.classes) for space in cut.label_spaces] == [("base", (0, 1, 2)), ("novel", (3, 4))]
+    chunks = [set(dataset.labels[train]) for train, _ in cut.splits]
     assert [len(c) for c in chunks] == [2, 1]  # round(3 / 2) = 2 classes, the last client the remainder
     assert set.union(*chunks) == {0, 1, 2} and not set.intersection(*chunks)
-    for (train, test), classes in zip(splits, chunks):
+    for (train, test), classes in zip(cut.splits, chunks):
         assert len(train) == 2 * len(classes)  # K shots per class
         assert set(dataset.labels[test]) == classes and not set(train) & set(test)
-    base_idx, base_task, _ = eval_sets["base"]
-    novel_idx, novel_task, _ = eval_sets["novel"]
-    assert (base_task, novel_task) == (0, 1)
-    assert set(dataset.labels[base_idx]) == {0, 1, 2} and set(dataset.labels[novel_idx]) == {3, 4}
-    own_tests = np.concatenate([test for _, test in splits])
-    assert set(own_tests) == set(base_idx)  # the clients' own tests tile the whole base test split
-    assert set(relabelled.labels[novel_idx]) == {0, 1}  # novel classes relabelled 0..k-1
+    base, novel = cut.shared_tests
+    assert (base.name, base.space, novel.name, novel.space) == ("base", 0, "novel", 1)
+    assert set(dataset.labels[base.indices]) == {0, 1, 2} and set(dataset.labels[novel.indices]) == {3, 4}
+    own_tests = np.concatenate([test for _, test in cut.splits])
+    assert set(own_tests) == set(base.indices)  # the clients' own tests tile the whole base test split
+
+
+def test_the_base_novel_partitioner_makes_two_relabelled_tasks_with_shared_base_and_novel_tests():
+    from rayfed.data.clients import build_federation
+
+    federation = build_federation(load_config(_clip_run("tiny:clip", ["clip_zeroshot"])).data, seed=1)
+    assert [(task.index, task.name, task.num_classes) for task in federation.tasks] == [(0, "base", 4), (1, "novel", 4)]
+    (holding,) = federation.holdings
+    base, novel = federation.shared
+    assert (base.name, base.task, novel.name, novel.task) == ("base", 0, "novel", 1)
+    assert set(holding.dataset.labels[novel.indices]) == {0, 1, 2, 3}  # novel classes relabelled 0..k-1
+    assert set(holding.dataset.labels[base.indices]) == {0, 1, 2, 3}
 
 
 def test_base_novel_rejects_more_clients_than_base_classes_allow():
-    from rayfed.data.sources import DataError
-
+    dataset = _toy_dataset()
     with pytest.raises(DataError, match="data.num_clients = 4"):
-        base_novel_split(_toy_dataset(), 4, BaseNovelConfig(shots=2), 0.5, seed=0)
+        base_novel_split(dataset.labels, dataset.class_names, 4, BaseNovelOptions(shots=2), 0.5, seed=0)
+
+
+@pytest.mark.parametrize("options, field", [({"shot": 2}, "'shot'"), ({"shots": 0}, "options.shots = 0"),
+                                            ({"base_excludes_local": "yes"}, "base_excludes_local = 'yes'")])
+def test_base_novel_options_are_checked(options, field):
+    from rayfed.data.partition import partition
+
+    dataset = _toy_dataset()
+    with pytest.raises(DataError, match=field):
+        partition(dataset.labels, 2, "base_novel", seed=0, class_names=dataset.class_names, options=options)
+    with pytest.raises(DataError, match="data.partition.alpha is not used"):
+        partition(dataset.labels, 2, "base_novel", seed=0, class_names=dataset.class_names, alpha=0.5)
 
 
 def _clip_run(backbone: str, methods: list) -> dict:
@@ -183,7 +204,7 @@ def _clip_run(backbone: str, methods: list) -> dict:
         "name": "clip",
         "seed": 1,
         "data": {"source": "synthetic", "synthetic": {"num_samples": 160, "num_classes": 8, "image_size": 16},
-                 "num_clients": 2, "test_fraction": 0.5, "base_novel": {"shots": 4}},
+                 "num_clients": 2, "test_fraction": 0.5, "partition": {"name": "base_novel", "options": {"shots": 4}}},
         "model": {"backbone": backbone, "lora": None},
         "federation": {"rounds": 2, "clients_per_round": 1},
         "train": {"local_steps": 2, "batch_size": 4, "lr": 0.01, "optimizer": "sgd", "momentum": 0.9},
@@ -396,7 +417,7 @@ def test_base_excludes_local_scores_base_accuracy_on_other_clients_classes_only(
     from rayfed.actors.client import ClientActor
 
     run = _clip_run(tiny_hf_clip, ["clip_zeroshot"])
-    run["data"]["base_novel"]["base_excludes_local"] = True
+    run["data"]["partition"]["options"]["base_excludes_local"] = True
     actor = ClientActor(load_config(run).to_dict(), [0])
     actor.start_method(0)
     base = actor.eval_sets[0]

@@ -12,7 +12,7 @@ MAX_CLASS_LINES = 250
 
 # Work left for issue 36: what is still over the limits. A split that brings one under fails the test until its entry
 # is removed here, so the lists only shrink.
-FILES_TO_SPLIT = {"rayfed/config.py"}
+FILES_TO_SPLIT: set[str] = set()
 CLASSES_TO_SPLIT: set[str] = set()
 
 

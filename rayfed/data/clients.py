@@ -9,9 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayfed.config import DataConfig, StreamConfig
-from rayfed.data.base_novel import base_novel_split
 from rayfed.data.batches import ClientData, Columns, EvalSet, TaskData
-from rayfed.data.partition import exact_test_split, global_test_indices, partition, split_train_test
+from rayfed.data.partition import Partition, exact_test_split, global_test_indices, partition, split_train_test
 from rayfed.data.sources import ArrayDataset, DataError, load_source
 from rayfed.errors import ConfigError
 from rayfed.kinds import TaskKind, infer_kind
@@ -159,8 +158,12 @@ def build_federation(config: DataConfig, seed: int) -> Federation:
         return dataclasses.replace(federation, stream=config.stream, seed=seed)
     tasks, holdings, shared = [], [], []
     for index, task_config in enumerate(config.tasks):
-        part = _one_task(task_config, seed, index, task_config.name, task_client_ids(config, index),
-                         where=f"data.tasks[{task_config.name!r}]")
+        where = f"data.tasks[{task_config.name!r}]"
+        part = _one_task(task_config, seed, index, task_config.name, task_client_ids(config, index), where)
+        if len(part.tasks) > 1:
+            raise DataError(f"{where}.partition.name = {resolve('partitioner', task_config.partition.name).name!r} "
+                            f"makes {len(part.tasks)} tasks of one dataset, which data.tasks does not support; use it "
+                            "in a run of one dataset (data.partition).")
         tasks += part.tasks
         holdings += part.holdings
         shared += [dataclasses.replace(e, name=f"{task_config.name}_{e.name}") for e in part.shared]
@@ -171,23 +174,18 @@ def _one_task(config: DataConfig, seed: int, index: int, name: str, clients: lis
     dataset = load_source(config, seed)
     kind = task_kind(config, dataset, where)
     kind.check_data(dataset, where)
-    if config.base_novel is not None:
-        relabelled, splits, (base, novel), shared_eval = base_novel_split(
-            dataset, len(clients), config.base_novel, config.test_fraction, seed
-        )
-        tasks = (dataclasses.replace(base, index=index, kind=kind), dataclasses.replace(novel, index=index + 1, kind=kind))
-        holding = Holding(index, relabelled, tuple(clients), tuple(splits), where, config.max_text_length)
-        shared = tuple(SharedEval(eval_name, holding, indices, index + task, exclude)
-                       for eval_name, (indices, task, exclude) in shared_eval.items())
-        return Federation(tasks, (holding,), len(clients), shared)
     part = config.partition
     test_samples = part.test_samples_per_client
     total_per_client = None if part.samples_per_client is None else part.samples_per_client + (test_samples or 0)
-    client_indices = partition(
-        dataset.strata, len(clients), part.name, seed=seed, groups=dataset.groups, alpha=part.alpha,
+    cut = partition(
+        dataset.strata, len(clients), part.name, seed=seed, groups=dataset.groups, test_fraction=config.test_fraction,
+        class_names=dataset.class_names, options=part.options, alpha=part.alpha,
         classes_per_client=part.classes_per_client, min_samples=part.min_samples, samples_per_client=total_per_client,
         clients_per_domain=part.clients_per_domain,
     )
+    if isinstance(cut, Partition):
+        return _partitioned(config, dataset, kind, cut, index, name, clients, where)
+    client_indices = cut
     if test_samples is not None:
         splits = exact_test_split(client_indices, dataset.strata, test_samples, seed=seed)
     else:
@@ -199,6 +197,30 @@ def _one_task(config: DataConfig, seed: int, index: int, name: str, clients: lis
         indices = global_test_indices(splits, len(dataset), part.global_test_samples, seed=seed)
         shared = (SharedEval("global", holding, indices, index),)
     return Federation((task,), (holding,), len(clients), shared)
+
+
+def _partitioned(config: DataConfig, dataset: ArrayDataset, kind: TaskKind, cut: Partition, index: int, name: str,
+                 clients: list[int], where: str) -> Federation:
+    """The tasks, holding and shared test sets of a partitioner's :class:`Partition`: with label spaces, one task
+    each, the dataset relabelled within its space."""
+    if config.partition.global_test_samples is not None:
+        raise DataError(f"{where}.partition.global_test_samples cannot be used with {where}.partition.name = "
+                        f"{resolve('partitioner', config.partition.name).name!r}, which makes its own test sets.")
+    fields = {**kind.task_fields(dataset), "modalities": input_modalities(dataset)}
+    if cut.label_spaces:
+        labels = dataset.labels.copy()
+        for space in cut.label_spaces:
+            for position, label in enumerate(space.classes):
+                labels[dataset.labels == label] = position
+        dataset_in_spaces = dataclasses.replace(dataset, labels=labels)
+        tasks = tuple(Task(index + i, space.name, kind=kind, **{**fields, "class_names": tuple(
+            dataset.class_names[label] for label in space.classes)}) for i, space in enumerate(cut.label_spaces))
+    else:
+        dataset_in_spaces, tasks = dataset, (Task(index, name, kind=kind, **fields),)
+    holding = Holding(index, dataset_in_spaces, tuple(clients), cut.splits, where, config.max_text_length)
+    shared = tuple(SharedEval(test.name, holding, test.indices, index + test.space, test.exclude_own_classes)
+                   for test in cut.shared_tests)
+    return Federation(tasks, (holding,), len(clients), shared)
 
 
 def encode_public(config: DataConfig, seed: int, backbone: Backbone) -> tuple[Task, Columns]:

@@ -6,7 +6,7 @@ uses its own stream ``np.random.SeedSequence([seed, purpose, ...])``, never the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,10 +45,44 @@ class PartitionRequest:
     samples_per_client: int | None = None
     clients_per_domain: int | None = None
     min_samples: int = 2
+    test_fraction: float = 0.25  # data.test_fraction, for a partitioner that cuts train and test itself
+    class_names: tuple[str, ...] = ()  # the dataset's classes, label id i named class_names[i]
+    options: dict[str, Any] = field(default_factory=dict)  # data.partition.options, which the partitioner checks
 
     def rng(self, purpose: int, *extra: int) -> np.random.Generator:
         """A random stream of its own for one kind of draw."""
         return _rng(self.seed, purpose, *extra)
+
+
+@dataclass(frozen=True)
+class LabelSpace:
+    """A task a partitioner makes of one dataset: its name and the dataset's label ids it holds, relabelled
+    0..k-1 in this order."""
+
+    name: str
+    classes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SharedTest:
+    """A test set every client is also scored on: sample ``indices``, in label space ``space`` (an index into
+    :attr:`Partition.label_spaces`); with ``exclude_own_classes`` a client's own classes are left out of its score."""
+
+    name: str
+    indices: np.ndarray
+    space: int = 0
+    exclude_own_classes: bool = False
+
+
+@dataclass(frozen=True)
+class Partition:
+    """What a partitioner may return instead of one index array per client: each client's (train, test) indices
+    already cut, the label spaces (tasks of the run) the dataset's classes are cut into, every class in exactly one
+    (none: the dataset's one label space), and test sets every client is also scored on."""
+
+    splits: tuple[tuple[np.ndarray, np.ndarray], ...]
+    label_spaces: tuple[LabelSpace, ...] = ()
+    shared_tests: tuple[SharedTest, ...] = ()
 
 
 def partition(
@@ -58,9 +92,13 @@ def partition(
     *,
     seed: int,
     groups: np.ndarray | None = None,
+    test_fraction: float = 0.25,
+    class_names: tuple[str, ...] = (),
+    options: dict[str, Any] | None = None,
     **fields: Any,
-) -> list[np.ndarray]:
-    """Index arrays (sorted, int64, disjoint) one per client, client i = list index i.
+) -> list[np.ndarray] | Partition:
+    """Index arrays (sorted, int64, disjoint) one per client, client i = list index i; or, from a partitioner that
+    cuts train and test itself, its checked :class:`Partition`.
 
     ``method`` is a partitioner plug-in (a registered name such as ``dirichlet``, an import path or a
     function of a :class:`PartitionRequest`); ``fields`` are the partition config's (alpha, ...).
@@ -71,11 +109,17 @@ def partition(
         raise DataError(f"data.label_column: labels must be one value per sample, got shape {labels.shape}.")
     if num_clients <= 0:
         raise DataError(f"data.num_clients = {num_clients} is invalid: it must be >= 1.")
-    request = PartitionRequest(labels, num_clients, seed, groups, **fields)
+    request = PartitionRequest(labels, num_clients, seed, groups, test_fraction=test_fraction,
+                               class_names=tuple(class_names), options=dict(options or {}), **fields)
     if request.min_samples < 1:
         raise DataError(f"data.partition.min_samples = {request.min_samples} is invalid: it must be >= 1.")
     resolved = resolve("partitioner", method)
     clients = resolved.obj(request)
+    if isinstance(clients, Partition):
+        return _checked_partition(clients, request, resolved.name)
+    if request.options:
+        raise DataError(f"data.partition.options is set but data.partition.name = {resolved.name!r} takes no options "
+                        "(it returns index arrays only); remove them.")
     if not isinstance(clients, (list, tuple)) or len(clients) != num_clients:
         got = f"{len(clients)} index arrays" if isinstance(clients, (list, tuple)) else f"a {type(clients).__name__}"
         raise DataError(f"data.partition.name = {resolved.name!r} returned {got}; expected a list of "
@@ -88,6 +132,35 @@ def partition(
     settings = "".join(f", {name} = {value}" for name, value in fields.items() if value is not None and name != "min_samples")
     _check_client_sizes(clients, request.min_samples, f"{resolved.name} over {num_clients} clients{settings}")
     return [np.sort(indices) for indices in clients]
+
+
+def _checked_partition(cut: Partition, request: PartitionRequest, name: str) -> Partition:
+    """``cut`` with int64 index arrays, once its clients, label spaces and shared tests are consistent."""
+    where = f"data.partition.name = {name!r} returned a Partition"
+    if len(cut.splits) != request.num_clients:
+        raise DataError(f"{where} of {len(cut.splits)} clients; expected data.num_clients = {request.num_clients}.")
+    size = len(request.labels)
+    splits = tuple(tuple(np.asarray(part, dtype=np.int64).reshape(-1) for part in split) for split in cut.splits)
+    for client, (train, test) in enumerate(splits):
+        if not len(train) or not len(test):
+            raise DataError(f"{where} in which client {client} has no {'training' if not len(train) else 'test'} "
+                            "samples; every client needs both.")
+    held = np.concatenate([np.concatenate(split) for split in splits])
+    if held.min() < 0 or held.max() >= size or len(np.unique(held)) != len(held):
+        raise DataError(f"{where} whose indices repeat or fall outside the {size} samples; clients must hold "
+                        "disjoint samples.")
+    classes = sorted(label for space in cut.label_spaces for label in space.classes)
+    if cut.label_spaces and classes != list(range(len(request.class_names))):
+        raise DataError(f"{where} whose label spaces do not hold each of the {len(request.class_names)} classes "
+                        "exactly once.")
+    shared = tuple(SharedTest(test.name, np.asarray(test.indices, dtype=np.int64), test.space, test.exclude_own_classes)
+                   for test in cut.shared_tests)
+    for test in shared:
+        if not 0 <= test.space < max(len(cut.label_spaces), 1) or (len(test.indices) and not
+                                                                  0 <= test.indices.min() <= test.indices.max() < size):
+            raise DataError(f"{where} whose shared test {test.name!r} names label space {test.space} or samples "
+                            "that do not exist.")
+    return Partition(splits, cut.label_spaces, shared)
 
 
 def _check_client_sizes(clients: list[np.ndarray], min_samples: int, reason: str) -> None:

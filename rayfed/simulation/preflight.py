@@ -48,7 +48,7 @@ def check_model(config: RunConfig, federation: Federation, methods: Sequence[Met
             if unheld and not getattr(model, "scores_unseen_tasks", False):
                 raise ConfigError(
                     f"methods[{index}] ({entry.label}) scores a task with heads trained on clients' data and "
-                    f"cannot score task(s) {unheld} that no client holds (data.base_novel's novel classes); use "
+                    f"cannot score task(s) {unheld} that no client holds (a label space of data.partition's); use "
                     "a method that classifies by text, such as clip_zeroshot, promptfl or pfedmma."
                 )
             for holding in restricted.holdings:

@@ -2,9 +2,10 @@
 
 *pFedMMA: Personalized Federated Fine-Tuning with Multi-Modal Adapter for Vision-Language Models*;
 docs/pfedmma.md#the-method. Every block from ``first_layer`` to the last, in both towers, gets a parallel adapter
-(:mod:`rayfed.mma`): local down/up projections per tower and one r x r projection shared by both towers. Only the shared
-projections are communicated; the server takes their sample-count weighted mean over the round's participants and every
-client (participant or not) is evaluated with the new global value. Round 0 trains all clients (``first_round_all``).
+(:mod:`rayfed.methods.pfedmma.adapter`): local down/up projections per tower and one r x r projection shared by both
+towers. Only the shared projections are communicated; the server takes their sample-count weighted mean over the
+round's participants and every client (participant or not) is evaluated with the new global value. Round 0 trains all
+clients (``first_round_all``).
 
 ``variant`` selects the paper's ablations: ``all_global`` (Baseline 1: every adapter tensor is FedAvg'd),
 ``shared_personal`` (Baseline 2: down/up global, shared personal), the untied ``vision_only`` /
@@ -24,9 +25,9 @@ from rayfed.clip import build_classifier
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
 from rayfed.method import Method
-from rayfed.registry import register_method
-from rayfed.mma import TOWERS, MultiModalAdapter, attach
+from rayfed.methods.pfedmma.adapter import TOWERS, MultiModalAdapter, attach
 from rayfed.models import Backbone
+from rayfed.registry import register_method
 from rayfed.tasks import Task
 
 # Which adapter parameters (by name under ``adapter.``) each variant communicates.
