@@ -362,7 +362,7 @@ def _stratified_test_counts(class_sizes: np.ndarray, test_fraction: float) -> np
 
 @register_partitioner("labeldir")
 def _labeldir_request(request: PartitionRequest) -> list[np.ndarray]:
-    """Per class, Dir(alpha) proportions capped at an equal share per client (pFedMMA's noniid-labeldir)."""
+    """Per class, Dir(alpha) proportions capped at an equal share per client (NIID-Bench's "noniid-labeldir")."""
     _require_alpha(request.alpha, "labeldir")
     return _labeldir(np.arange(len(request.labels)), request.labels, request.num_clients, request.alpha,
                      request.min_samples, request.rng(_PURPOSE_LABELDIR))
@@ -376,7 +376,7 @@ def _require_alpha(alpha: float | None, method: str) -> None:
 def _labeldir(
     indices: np.ndarray, labels: np.ndarray, num_clients: int, alpha: float, min_samples: int, rng: np.random.Generator
 ) -> list[np.ndarray]:
-    """The "noniid-labeldir" split of ``indices`` (pFedMMA's, docs/pfedmma.md#data-and-metrics): per class, proportions
+    """The "noniid-labeldir" split of ``indices`` (NIID-Bench's, arXiv 2102.02079): per class, proportions
     ~ Dir(alpha), zeroed for clients already holding >= len(indices) / num_clients samples and renormalized; the whole
     draw is repeated until every client has ``min_samples``. Train and test are cut afterwards per client and per class,
     so a client's test set has its train set's label proportions."""
@@ -449,7 +449,7 @@ def exact_test_split(
 
 def global_test_indices(splits: list[tuple[np.ndarray, np.ndarray]], num_samples: int, size: int, *, seed: int) -> np.ndarray:
     """``size`` sample indices (sorted) drawn uniformly from the samples no client holds: a test set of the
-    whole label distribution (the FedYolo study's global accuracy)."""
+    whole label distribution (a global accuracy)."""
     held = np.concatenate([np.concatenate(split) for split in splits]) if splits else np.array([], dtype=np.int64)
     free = np.setdiff1d(np.arange(num_samples), held)
     if size > len(free):
