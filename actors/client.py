@@ -88,7 +88,7 @@ class ClientActor:
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
         model_config = method_model_config(self.model_config, entry, method_index)
         self.model = self.method.build_model(self.backbone, model_config, self.tasks, init_seed).to(self.device)
-        self.tags = self.model.task_tags() if hasattr(self.model, "task_tags") else {}
+        self.tags = self.model.task_tags()
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
         self.param_specs = tensor_specs(initial)  # what payloads and uploads are checked against
         self.state_device = resident_device(self.device, self.config.placement.client_state,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -46,6 +46,14 @@ def orthogonality_loss(latents: Sequence[tuple[tuple[str, str], torch.Tensor]]) 
     return sum(pairs) / len(pairs)
 
 
+@runtime_checkable
+class CollectsLatents(Protocol):
+    """A client model that appends ``((modality, task key), latent)`` pairs to ``collected_latents`` while that
+    attribute is a list (TAP's model does)."""
+
+    collected_latents: list[tuple[tuple[str, str], torch.Tensor]] | None
+
+
 @dataclass(frozen=True)
 class DisentAFLParams:
     ortho_weight: float = 0.5  # Table 21
@@ -68,7 +76,7 @@ class DisentAFL(Method):
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         model = super().build_model(backbone, config, tasks, seed)
-        if not hasattr(model, "collected_latents"):
+        if not isinstance(model, CollectsLatents):
             raise ConfigError(f"methods (disentafl) needs a model that collects its modality-task latents, not "
                               f"model.client = {config.client!r}; set model.client: mome (TAP's modular model).")
         return model

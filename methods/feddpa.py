@@ -46,11 +46,11 @@ class InstanceWeights:
     ``w(x) = clip(cos(mean_t h_0(x), profile), 0, 1)`` for the local adapter, 1 - w for the global. Decoding
     steps (one new token) keep the weights of their prompt."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, scope: str | None):
         self.model = model
         self.profile: torch.Tensor | None = None
         self.record: list[torch.Tensor] | None = None  # while set, pooled inputs are collected (the profile)
-        _, layers = named_adapters.decoder_layers(model.encoder, getattr(model, "lora_scope", None))
+        _, layers = named_adapters.decoder_layers(model.encoder, scope)
         layers[0].register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
@@ -70,11 +70,12 @@ class InstanceWeights:
 @register_method("feddpa")
 class FedDPA(Method):
     Params = FedDPAParams
+    _profile: torch.Tensor | None = None  # the evaluated client's profile, from eval_views to activate_view
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         model = build_lora_set("feddpa", backbone, config, tasks, seed, (GLOBAL, LOCAL))
-        model.lora_scope = backbone.lora_scope
-        model.instance_weights = InstanceWeights(model) if self.params.dynamic else None
+        if self.params.dynamic:
+            model.attachments.put(InstanceWeights(model, backbone.lora_scope))
         return model
 
     def is_shared(self, name: str) -> bool:
@@ -86,7 +87,7 @@ class FedDPA(Method):
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
         model, received = client.model, payload or {}
-        weights = model.instance_weights
+        weights = model.attachments.get(InstanceWeights)
         if weights is not None:
             weights.profile = None
         named_adapters.set_mix(model, {GLOBAL: 1.0})
@@ -114,8 +115,8 @@ class FedDPA(Method):
         return {"": self.eval_params(state, payload)}
 
     def activate_view(self, model: nn.Module, view: str) -> None:
-        weights = model.instance_weights
-        if weights is not None and getattr(self, "_profile", None) is not None:
+        weights = model.attachments.get(InstanceWeights)
+        if weights is not None and self._profile is not None:
             weights.profile = self._profile
         else:
             named_adapters.set_mix(model, {GLOBAL: 1 - self.params.local_weight, LOCAL: self.params.local_weight})

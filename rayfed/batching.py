@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import torch
@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rayfed import seeding
 from rayfed.config import TrainConfig
+from rayfed.models.client import TrainableModule
 from rayfed.modules import select_task
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Penalty, TrainResult, build_optimizer, mixed_precision, scheduled_lr
@@ -167,15 +168,28 @@ class CannotStack(Exception):
     """The first stacked step failed (before any update): the model's forward or backward cannot run under vmap."""
 
 
-def _stackable(model: torch.nn.Module) -> bool:
-    return "_rayfed_unstackable" not in model.__dict__
+@dataclass
+class StackedSteps:
+    """What stacked training keeps with a model (in its attachments): whether its steps run under vmap, and with
+    ``train.compile`` their compiled versions by task."""
+
+    stackable: bool = True
+    compiled: dict[int, Callable] = field(default_factory=dict)
 
 
-def _mark_unstackable(model: torch.nn.Module, error: BaseException | None) -> None:
+def _stacked_steps(model: TrainableModule) -> StackedSteps:
+    return model.attachments.get(StackedSteps) or model.attachments.put(StackedSteps())
+
+
+def _stackable(model: TrainableModule) -> bool:
+    return _stacked_steps(model).stackable
+
+
+def _mark_unstackable(model: TrainableModule, error: BaseException | None) -> None:
     """This model's clients train one at a time from now on. E.g. Hugging Face's attention masks read a
     tensor's value to pick a path (torch.compile's tracing avoids that), and on a GPU some bf16 kernels' batching
     rules fail in the backward."""
-    model.__dict__["_rayfed_unstackable"] = True
+    _stacked_steps(model).stackable = False
     log.warning("train.batch_clients: a step of this %s cannot run under torch.func.vmap (%s); its clients train "
                 "one at a time.", type(model).__name__, str(error).splitlines()[0][:160])
 
@@ -244,7 +258,7 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
     return results
 
 
-def _stacked_step(model: torch.nn.Module, task: Task, config: TrainConfig) -> Callable:
+def _stacked_step(model: TrainableModule, task: Task, config: TrainConfig) -> Callable:
     """Each client's task loss, given the clients' stacked values and batches: vmap over clients (with
     ``train.compile``: its torch.compile, built once per model and task)."""
 
@@ -254,7 +268,7 @@ def _stacked_step(model: torch.nn.Module, task: Task, config: TrainConfig) -> Ca
     step = vmap(client_loss, randomness="different")
     if not config.compile:
         return step
-    compiled = model.__dict__.setdefault("_rayfed_compiled_stacked", {})
+    compiled = _stacked_steps(model).compiled
     if task.index not in compiled:
         compiled[task.index] = torch.compile(step)
     return compiled[task.index]

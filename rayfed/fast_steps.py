@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from rayfed.config import TrainConfig
 from rayfed.data.batches import ClientData, TaskData
+from rayfed.models.client import TrainableModule
 from rayfed.optimizers import build_optimizer
 from rayfed.tasks import Task
 from rayfed.types import Batch
@@ -36,7 +38,7 @@ class GraphedStep:
     starts; each batch is copied into the static inputs the graph reads.
     """
 
-    def __init__(self, model: nn.Module, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
+    def __init__(self, model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
                  batch: Batch, task: Task):
         self.optimizer = build_optimizer(config, list(named.values()), lr, capturable=True)
         self.forward = trained_forward(model, config)
@@ -83,7 +85,14 @@ class GraphedStep:
         return self.loss
 
 
-def trained_forward(model: nn.Module, config: TrainConfig) -> nn.Module:
+@dataclass(frozen=True)
+class CompiledForward:
+    """A model's ``torch.compile``, kept in its attachments: a submodule of its model it must not become."""
+
+    module: nn.Module
+
+
+def trained_forward(model: TrainableModule, config: TrainConfig) -> nn.Module:
     """What a training step calls: ``model``, or with ``train.compile`` its ``torch.compile``, built once per model.
 
     Clients' values are loaded into the same parameter tensors, which the compiled code reads as inputs, so one
@@ -91,14 +100,14 @@ def trained_forward(model: nn.Module, config: TrainConfig) -> nn.Module:
     embeddings become matrix products (:class:`PatchMatmul`)."""
     if not config.compile:
         return model
-    if "_rayfed_compiled" not in model.__dict__:
+    compiled = model.attachments.get(CompiledForward)
+    if compiled is None:
         for module in model.modules():
             if PatchMatmul.replaces(module):
                 # In place, so that parameters, hooks and every reference to the module stay as they are.
                 module.__class__ = PatchMatmul
-        # Outside nn.Module's attribute hooks: the compiled wrapper must not become a submodule of its model.
-        object.__setattr__(model, "_rayfed_compiled", torch.compile(model))
-    return model.__dict__["_rayfed_compiled"]
+        compiled = model.attachments.put(CompiledForward(torch.compile(model)))
+    return compiled.module
 
 
 class PatchMatmul(nn.Conv2d):
@@ -132,7 +141,7 @@ MAX_GRAPHS_PER_MODEL = 4  # each graph keeps a step's activations in a memory po
 _GRAPHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, GraphedStep | None]] = weakref.WeakKeyDictionary()
 
 
-def graphed_step(model: nn.Module, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
+def graphed_step(model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
                   data: ClientData, task: Task) -> GraphedStep | None:
     """The model's graph for this trained set, task (the forward path: heads, label space), batch shape
     and optimizer (captured on first use, the least recently used of :data:`MAX_GRAPHS_PER_MODEL`

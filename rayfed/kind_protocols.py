@@ -26,12 +26,14 @@ class HeadTask(Protocol):
 
 class TaskModel(Protocol):
     """What a task kind calls on the model it trains and scores (a :class:`rayfed.models.ClientModel`): the active
-    task's outputs, the backbone's features, a causal LM's logits, and for generation its tokenizer, encoder and
-    image preprocessing."""
+    task's outputs, the backbone's features, a causal LM's logits, and for generation whether it generates text,
+    its generations (:class:`rayfed.TrainableModule` declares the defaults), tokenizer, encoder and image
+    preprocessing."""
 
     head: nn.Module
     encoder: nn.Module
     tokenizer: Any
+    generates_text: bool
 
     def __call__(self, batch: Batch) -> torch.Tensor: ...
 
@@ -40,3 +42,7 @@ class TaskModel(Protocol):
     def lm_logits(self, batch: Batch) -> torch.Tensor: ...
 
     def pixels(self, images: torch.Tensor) -> torch.Tensor: ...
+
+    def generate_text(self, batch: Batch, max_new_tokens: int) -> torch.Tensor: ...
+
+    def logits_and_generations(self, batch: Batch, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -61,7 +61,7 @@ class TaskKind:
     def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
         """Raise one sentence if ``backbone`` cannot run this kind on ``dataset``."""
 
-    def check_model(self, model: nn.Module, backbone: Backbone, where: str) -> None:
+    def check_model(self, model: TaskModel, backbone: Backbone, where: str) -> None:
         """Raise one sentence if a method's ``model`` cannot produce this kind's outputs."""
 
     def task_fields(self, dataset: ArrayDataset) -> dict[str, Any]:
@@ -274,8 +274,8 @@ class TextGeneration(TaskKind):
                 f"{self.name!r} on the images of {where}.source; use an image-text LLM such as tiny-pretrained:llava."
             )
 
-    def check_model(self, model: nn.Module, backbone: Backbone, where: str) -> None:
-        if not getattr(model, "generates_text", False):
+    def check_model(self, model: TaskModel, backbone: Backbone, where: str) -> None:
+        if not model.generates_text:
             raise ConfigError(
                 f"{backbone.config_field} = {backbone.name!r} does not generate text, so it cannot run {where}.kind = "
                 f"{self.name!r}; use a causal LM such as tiny-pretrained:llama-small, tiny-pretrained:qwen or "
@@ -330,7 +330,7 @@ class TextGeneration(TaskKind):
         return {name: float(values.sum()) for name, values in self.score_rows(model, batch).items()}
 
     def score_rows(self, model: TaskModel, batch: Batch) -> dict[str, torch.Tensor]:
-        logits, generated = logits_and_generations(model, batch, max_new_tokens=batch["target_ids"].shape[1])
+        logits, generated = model.logits_and_generations(batch, max_new_tokens=batch["target_ids"].shape[1])
         logits = logits.float()
         targets = batch["labels"][:, 1:]
         nll = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, ignore_index=IGNORE,
@@ -398,16 +398,6 @@ def causal_from_target_logits(target_logits: torch.Tensor, batch: Batch) -> torc
     return placed.masked_fill(~predicts.unsqueeze(-1), 0)
 
 
-@torch.no_grad()
-def logits_and_generations(model: TaskModel, batch: Batch, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's outputs on the test ``batch`` (what :meth:`TextGeneration.loss` reads) and its greedy generations
-    (:func:`generate`); a model that gets both from one forward (a parallel decoder) provides
-    ``logits_and_generations(batch, max_new_tokens)``."""
-    if hasattr(model, "logits_and_generations"):
-        return model.logits_and_generations(batch, max_new_tokens)
-    return model(batch), generate(model, batch, max_new_tokens)
-
-
 def end_of_text_id(tokenizer: Any) -> int:
     """The token that ends a target text: the tokenizer's end-of-sequence token, or, for a BERT-style tokenizer
     that has none (ViLT's, FLAVA's), its separator token."""
@@ -420,10 +410,8 @@ def end_of_text_id(tokenizer: Any) -> int:
 
 @torch.no_grad()
 def generate(model: TaskModel, batch: Batch, max_new_tokens: int) -> torch.Tensor:
-    """Greedy continuations (batch, new tokens) of the left-padded ``prompt_ids``, stopping at end-of-text; a
-    model that decodes otherwise (a parallel decoder) provides ``generate_text(batch, max_new_tokens)``."""
-    if hasattr(model, "generate_text"):
-        return model.generate_text(batch, max_new_tokens)
+    """Greedy continuations (batch, new tokens) of the left-padded ``prompt_ids`` by the model's
+    ``encoder.generate``, stopping at end-of-text: :meth:`rayfed.TrainableModule.generate_text`'s default."""
     tokenizer = model.tokenizer
     inputs = {"input_ids": batch["prompt_ids"], "attention_mask": batch["prompt_mask"]}
     if "pixel_values" in batch:

@@ -190,10 +190,9 @@ def modules_of_type(model: nn.Module, types: tuple[type, ...]) -> list[nn.Module
 
 
 def select_task(model: nn.Module, task_index: int) -> None:
-    """Make every per-task part of ``model`` use task ``task_index``'s copies (heads, modules, a text
-    classifier's label space)."""
-    if hasattr(model, "select_task"):
-        model.select_task(task_index)
+    """Make every per-task part of ``model`` (a :class:`rayfed.TrainableModule`) use task ``task_index``'s copies:
+    the model's own (its ``select_task``: a text classifier's label space), then its per-task modules and heads."""
+    model.select_task(task_index)
     for module in modules_of_type(model, (*TASK_SELECTED_MODULES, TaskHeads)):
         module.active_task = task_index
 

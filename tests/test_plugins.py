@@ -239,6 +239,84 @@ def test_a_client_model_registered_by_a_user_is_the_one_a_config_names_with_its_
         build(client="test-plain")
 
 
+class PixelProbe(rayfed.TrainableModule):
+    """Lives only in this test module: a user's model that overrides none of the capabilities the engine reads, a
+    linear classifier of the pooled raw pixels."""
+
+    def __init__(self, request):
+        super().__init__()
+        torch.manual_seed(request.seed)
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.linear = nn.Linear(request.backbone.num_channels * 4, max(task.num_classes for task in request.tasks))
+
+    def forward(self, batch):
+        images = batch["pixel_values"]
+        return self.linear(self.pool(images.expand(-1, self.linear.in_features // 4, -1, -1)).flatten(1))
+
+
+class UnseenPixelProbe(PixelProbe):
+    """Lives only in this test module: the probe, declaring that it scores tasks no client holds and tagging its
+    classifier with task 0."""
+
+    scores_unseen_tasks = True
+
+    def task_tags(self):
+        return {"linear.weight": frozenset({0})}
+
+
+rayfed.register_client_model("test-pixel-probe")(PixelProbe)
+rayfed.register_client_model("test-unseen-pixel-probe")(UnseenPixelProbe)
+
+
+def _with_a_task_no_client_holds(run: dict):
+    """The run's config and federation with base_novel's partition: task 1 (the novel classes) is held by no client."""
+    from rayfed.data.clients import build_federation
+
+    run["data"].update(num_clients=2, partition={"name": "base_novel", "options": {"shots": 4}})
+    run["federation"]["clients_per_round"] = 2
+    config = load_config(run)
+    return config, build_federation(config.data, config.seed)
+
+
+def test_a_users_model_without_overrides_gets_the_engines_defaults(tiny_run):
+    """Trained, tagged and scored as a plain model; refused text generation and tasks no client holds."""
+    from rayfed.actors.client import ClientActor, run_methods
+    from rayfed.kinds import TextGeneration
+    from rayfed.simulation import check_model
+
+    tiny_run["model"].update(client="test-pixel-probe", lora=None)
+    actor = ClientActor(load_config(tiny_run).to_dict(), [0, 1])
+    shared = actor.start_method(0)
+    model = actor.model
+    assert not model.generates_text and not model.scores_unseen_tasks and actor.tags == {}
+    assert sorted(shared) == ["linear.bias", "linear.weight"]
+    assert all(0.0 <= metrics["local_acc"] <= 1.0 for metrics in actor.evaluate(0, {0: shared, 1: shared}).values())
+    with pytest.raises(ConfigError, match=r"does not generate text, so it cannot run data\.kind = 'text_generation'"):
+        TextGeneration().check_model(model, actor.backbone, "data")
+    batch = {"pixel_values": torch.rand(2, 3, 8, 8)}
+    generations = torch.tensor([[1, 2]])
+    model.generate_text = lambda batch, max_new_tokens: generations[:, :max_new_tokens]  # a user's decoder
+    logits, generated = model.logits_and_generations(batch, 1)  # the default: the forward, then the decoder's
+    assert torch.equal(logits, model(batch)) and torch.equal(generated, generations[:, :1])
+
+    config, federation = _with_a_task_no_client_holds(tiny_run)
+    with pytest.raises(ConfigError, match=r"^methods\[0\] \(fedavg\) scores a task with heads trained on clients' "
+                                          r"data and cannot score task\(s\) \[1\] that no client holds"):
+        check_model(config, federation, run_methods(config, federation))
+
+
+def test_a_users_model_overrides_are_what_the_engine_uses(tiny_run):
+    from rayfed.actors.client import ClientActor, run_methods
+    from rayfed.simulation import check_model
+
+    tiny_run["model"].update(client="test-unseen-pixel-probe", lora=None)
+    actor = ClientActor(load_config(tiny_run).to_dict(), [0, 1])
+    actor.start_method(0)
+    assert actor.tags == {"linear.weight": frozenset({0})}
+    config, federation = _with_a_task_no_client_holds(tiny_run)
+    check_model(config, federation, run_methods(config, federation))  # it scores the task no client holds
+
+
 @rayfed.register_method("test-own-model")
 class OwnModel(Method):
     """Lives only in this test module: a method that builds the engine's model itself, not through model.client."""

@@ -146,6 +146,15 @@ def global_name(name: str) -> str:
     return name.replace(f".{LOCAL}_", f".{GLOBAL}_")
 
 
+@dataclass(frozen=True)
+class RelevanceSource:
+    """W_s as the client model keeps it (in its attachments): the linear layer whose weight gradient is the
+    relevance feature, and W_s's own model, or None when W_s is the client model with its adapters off."""
+
+    layer: nn.Linear
+    model: ClientModel | None = None
+
+
 @register_method("fedmosaic")
 class FedMosaic(Method):
     Params = FedMosaicParams
@@ -179,7 +188,7 @@ class FedMosaic(Method):
             )
         except ValueError as err:
             raise ConfigError(f"methods (fedmosaic) on model.backbone = {backbone.name!r}: {err}.") from None
-        model.adapter_placement = placement
+        model.attachments.put(placement)
         if self.params.relevance in ("rela", "frozen_current"):
             self._attach_relevance_model(model, backbone, tasks, seed)
         return model
@@ -193,7 +202,7 @@ class FedMosaic(Method):
                                   "architectures.")
             name = backbone.name
         if name == backbone.name:  # W_s is this backbone: the client model with its adapters off
-            _set_plain(model, "relevance_layer", last_linear(model.encoder, backbone.lora_scope, self.params.last_layer))
+            model.attachments.put(RelevanceSource(last_linear(model.encoder, backbone.lora_scope, self.params.last_layer)))
             return
         relevance = build_backbone(ModelConfig(backbone=name), seed)
         if relevance.tokenizer is None or backbone.tokenizer is None or (
@@ -204,7 +213,8 @@ class FedMosaic(Method):
         wrapper = ClientModel(relevance, nn.Identity(), tasks)
         wrapper.requires_grad_(False)
         model.relevance_model = wrapper  # a frozen submodule: moved with the model, never in its trainable state
-        _set_plain(model, "relevance_layer", last_linear(relevance.encoder, relevance.lora_scope, self.params.last_layer))
+        model.attachments.put(RelevanceSource(last_linear(relevance.encoder, relevance.lora_scope, self.params.last_layer),
+                                              wrapper))
 
     def is_shared(self, name: str) -> bool:
         if not is_local(name):
@@ -290,12 +300,13 @@ class FedMosaic(Method):
         ``training_current``, of the trained model's last PQ layer (its P and Q)."""
         model = step.model
         if self.params.relevance == "training_current":
-            last = max(model.adapter_placement.pq_layers) - 1
+            last = max(model.attachments[pqlora.PQPlacement].pq_layers) - 1
             names = sorted(n for n in step.params if is_local(n) and n.endswith(("_P", "_Q")) and layer_of(n) == last)
             grads = torch.autograd.grad(step.task_loss(), [step.params[n] for n in names], allow_unused=True)
             return torch.cat([(g if g is not None else torch.zeros_like(step.params[n])).flatten().float()
                               for g, n in zip(grads, names)]).detach().cpu()
-        relevance_model = getattr(model, "relevance_model", None)
+        source = model.attachments[RelevanceSource]
+        relevance_model = source.model
         total = sum(next(iter(batch.values())).shape[0] for _, batch in step.parts)
 
         def run() -> torch.Tensor:
@@ -313,10 +324,10 @@ class FedMosaic(Method):
 
         if relevance_model is None:
             with adapters_off(model):
-                gradient = linear_weight_gradient(run, model.relevance_layer)
+                gradient = linear_weight_gradient(run, source.layer)
         else:
             relevance_model.to(step.client.device)
-            gradient = linear_weight_gradient(run, model.relevance_layer)
+            gradient = linear_weight_gradient(run, source.layer)
         return gradient.detach().cpu()
 
     # Before round 1: the alignment of the PQ basis ---------------------------------------------------------
@@ -395,7 +406,7 @@ def _public_features(stage: PreFederation, params: FedMosaicParams) -> TensorDic
     base_output``, outputs) of its PQ layers, mean-pooled per sequence, its bases A and B, its backbone's size."""
     model = stage.model
     model.load_trainable(stage.initial)
-    placement: pqlora.PQPlacement = model.adapter_placement
+    placement = model.attachments[pqlora.PQPlacement]
     block_of = {layer: k for k, layer in enumerate(placement.pq_layers)}
     modules = dict(adapted_modules(model.encoder))
     pq_modules = {}
@@ -491,9 +502,4 @@ def _pq_stem(layout: TensorDict, arch: str, key: str) -> str:
         if name.endswith(".local_P") and _pq_key(int(block), name) == f"pq/{key}/P":
             return name.removesuffix(".local_P")
     raise KeyError(f"{arch}: no PQ module at {key}")
-
-
-def _set_plain(module: nn.Module, name: str, value: nn.Module) -> None:
-    """An attribute that is not registered as a submodule (a layer of the model, referred to twice)."""
-    object.__setattr__(module, name, value)
 

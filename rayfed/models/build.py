@@ -63,7 +63,7 @@ def build_task_model(
 
 
 def build_lora_set(method: str, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int,
-                   adapters: Sequence[str], frozen: Sequence[str] = ()) -> nn.Module:
+                   adapters: Sequence[str], frozen: Sequence[str] = ()) -> ClientModel:
     """The task model with named conventional-LoRA ``adapters`` on the backbone's ``model.lora.targets`` (default:
     the family's), rank and scale from ``model.lora``; the same initial values on every actor."""
     lora = config.lora
@@ -71,7 +71,7 @@ def build_lora_set(method: str, backbone: Backbone, config: ModelConfig, tasks: 
         raise ConfigError(f"methods ({method}) trains LoRA adapters: set model.lora (rank, alpha, targets).")
     model = build_task_model(backbone, config.model_copy(update={"module": "head", "lora": None}), tasks, seed)
     try:
-        model.adapter_placement = named_adapters.attach(
+        named_adapters.attach(
             model.encoder, named_adapters.lora(lora.rank, adapters, scale=lora.alpha / lora.rank, frozen=frozen),
             scope=backbone.lora_scope, targets=lora.targets or backbone.lora_targets,
             seed_of=lambda purpose: torch_seed(seed, 0, SERVER, f"{method}:{purpose}"))

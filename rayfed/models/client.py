@@ -3,18 +3,66 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 
+from rayfed import kinds
 from rayfed.models.backbone import Backbone
 from rayfed.modules import TASK_SELECTED_MODULES, TaskHeads, modules_of_type
 from rayfed.tasks import Task, task_key
 from rayfed.types import Batch, TensorDict
 
 
+T = TypeVar("T")
+
+
+class Attachments:
+    """What a method or the engine keeps with a model without making it part of the model (no submodule, no
+    parameter, not moved by ``.to``): at most one value per type, so each owner keeps its own class of value."""
+
+    def __init__(self) -> None:
+        self._values: dict[type, Any] = {}
+
+    def get(self, kind: type[T]) -> T | None:
+        """The value of type ``kind``, or None."""
+        return cast("T | None", self._values.get(kind))
+
+    def __getitem__(self, kind: type[T]) -> T:
+        """The value of type ``kind``; a KeyError naming the type if there is none."""
+        if kind not in self._values:
+            raise KeyError(f"the model holds no {kind.__name__}")
+        return cast("T", self._values[kind])
+
+    def put(self, value: T) -> T:
+        """Keep ``value`` (in place of an earlier one of its type); returns it."""
+        self._values[type(value)] = value
+        return value
+
+
 class TrainableModule(nn.Module):
-    """A model whose trainable parameters (``requires_grad``) are what a method's client state holds."""
+    """A model whose trainable parameters (``requires_grad``) are what a method's client state holds.
+
+    It declares every capability the engine uses of a client model, with the default a plain model has; a model
+    overrides those it has. ``attachments`` holds what a method or the engine keeps with the model.
+    """
+
+    generates_text: bool = False
+    """Whether the model produces text-generation tasks' outputs (:meth:`generate_text`); a model that does not is
+    refused such tasks before a run starts."""
+
+    scores_unseen_tasks: bool = False
+    """Whether the model scores a task that no client holds (it classifies by the label names, as a CLIP text
+    classifier does); a model whose heads are trained on clients' data does not, and such a run is refused."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.attachments = Attachments()
+
+    def select_task(self, index: int) -> None:
+        """Make the model's own per-task parts serve task ``index``; :func:`rayfed.modules.select_task` calls it
+        before switching the model's per-task modules and heads. Default: nothing of its own."""
 
     def trainable_names(self) -> list[str]:
         return [name for name, param in self.named_parameters() if param.requires_grad]
@@ -49,6 +97,20 @@ class TrainableModule(nn.Module):
                 for name, _ in module.named_parameters():
                     tags[f"{prefix}.{name}" if prefix else name] = tasks
         return tags
+
+    def generate_text(self, batch: Batch, max_new_tokens: int) -> torch.Tensor:
+        """Greedy continuations (batch, new tokens) of the batch's left-padded ``prompt_ids``. Default: the
+        engine's greedy decoding with the model's ``encoder.generate`` (:func:`rayfed.kinds.generate`, which reads
+        ``tokenizer``, ``encoder`` and ``pixels`` as :class:`ClientModel` has them); a model that decodes otherwise
+        (a parallel decoder) overrides it."""
+        return kinds.generate(self, batch, max_new_tokens)
+
+    @torch.no_grad()
+    def logits_and_generations(self, batch: Batch, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The outputs on the test ``batch`` that the text-generation kind's loss reads, and
+        :meth:`generate_text`'s generations. Default: the forward, then :meth:`generate_text`; a model that gets
+        both from one forward overrides it."""
+        return self(batch), self.generate_text(batch, max_new_tokens)
 
 
 class ClientModel(TrainableModule):

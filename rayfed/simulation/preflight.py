@@ -45,7 +45,7 @@ def check_model(config: RunConfig, federation: Federation, methods: Sequence[Met
                     f"{method_config.client!r}; set methods[{index}].model.client: null, or choose a method that "
                     "trains the configured client model."
                 )
-            if unheld and not getattr(model, "scores_unseen_tasks", False):
+            if unheld and not model.scores_unseen_tasks:
                 raise ConfigError(
                     f"methods[{index}] ({entry.label}) scores a task with heads trained on clients' data and "
                     f"cannot score task(s) {unheld} that no client holds (a label space of data.partition's); use "
