@@ -15,6 +15,7 @@ from rayfed.config import StreamConfig, TrainConfig
 from rayfed.data.batches import ClientData, Columns, EvalSet, num_rows
 from rayfed.fast_steps import graphed_step, mixed_precision, trained_forward
 from rayfed.metrics import with_derived
+from rayfed.models.client import TrainableModule
 from rayfed.modules import select_task
 from rayfed.optimizers import build_optimizer, load_optimizer_state, local_steps, saved_optimizer_state, scheduled_lr
 from rayfed.scoring import Scorer
@@ -135,7 +136,7 @@ class Step:
         return sum(loss * (num_rows(batch) / total) for loss, (_, batch) in zip(losses, self.parts))
 
 
-def stacked_forward_batch(model: nn.Module, parts: Sequence[tuple[Task, Batch]]) -> Batch | None:
+def stacked_forward_batch(model: TrainableModule, parts: Sequence[tuple[Task, Batch]]) -> Batch | None:
     """The parts' forward inputs (:attr:`~rayfed.kinds.TaskKind.forward_inputs`) stacked into one batch, when the
     model runs all their tasks through one forward (``shares_forward``) and the inputs agree past the rows; else
     None. A client holding several tasks then trains each step with one forward and one backward, not one per task."""
@@ -155,7 +156,7 @@ class ClientContext:
     """One client as a method sees it inside its actor: its data, the model, a seeded trainer."""
 
     def __init__(
-        self, client_id: int, round_idx: int, seed: int, data: ClientData, model: nn.Module,
+        self, client_id: int, round_idx: int, seed: int, data: ClientData, model: TrainableModule,
         train_config: TrainConfig, device: torch.device, eval_sets: Sequence[EvalSet] = (),
         tasks: Sequence[Task] = (), stream: StreamConfig | None = None, others: Sequence[OtherTask] = (),
     ):

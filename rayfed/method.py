@@ -26,7 +26,7 @@ from rayfed.types import ClientState, Loss, ServerState, TensorDict, tensor_byte
 
 if TYPE_CHECKING:
     from rayfed.config import ModelConfig
-    from rayfed.models import Backbone
+    from rayfed.models import Backbone, TrainableModule
     from rayfed.tasks import Task
     from rayfed.training import ClientContext, PreFederation, PublicPass
 
@@ -158,8 +158,9 @@ class Method:
         self.architecture_of: tuple[str, ...] = ()
 
     # The model -------------------------------------------------------------------------
-    def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
-        """The client model this method trains over a private copy of ``backbone``.
+    def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> TrainableModule:
+        """The client model this method trains over a private copy of ``backbone``: a :class:`rayfed.TrainableModule`,
+        whose capabilities (text generation, tasks no client holds, ...) the engine reads.
 
         Default: the one ``model.client`` chooses (:mod:`rayfed.models.client_plugin`; unset: ``model.module`` and
         a head per task). Initial values must depend on ``seed`` only, so every actor builds the same model.

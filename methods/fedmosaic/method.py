@@ -47,7 +47,8 @@ from rayfed.data.batches import num_rows
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
 from rayfed.methods.fedmosaic import pqlora
-from rayfed.methods.fedmosaic.rela import equal_weights, last_linear, linear_weight_gradient, relevance_weights
+from rayfed.methods.fedmosaic.rela import (RelevanceSource, equal_weights, last_linear, linear_weight_gradient,
+                                           relevance_weights)
 from rayfed.models import Backbone, ClientModel, build_backbone, build_task_model
 from rayfed.models.named_adapters import adapted_modules, adapters_off
 from rayfed.param_names import adapter_tensor, layer_of
@@ -144,15 +145,6 @@ def is_local(name: str) -> bool:
 
 def global_name(name: str) -> str:
     return name.replace(f".{LOCAL}_", f".{GLOBAL}_")
-
-
-@dataclass(frozen=True)
-class RelevanceSource:
-    """W_s as the client model keeps it (in its attachments): the linear layer whose weight gradient is the
-    relevance feature, and W_s's own model, or None when W_s is the client model with its adapters off."""
-
-    layer: nn.Linear
-    model: ClientModel | None = None
 
 
 @register_method("fedmosaic")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from rayfed.errors import ConfigError
+from rayfed.models import ClientModel
 from rayfed.models.named_adapters import AdaptedLinear, decoder_layers
 
 
@@ -31,6 +33,15 @@ def linear_weight_gradient(run: Callable[[], torch.Tensor], layer: nn.Linear) ->
     finally:
         handle.remove()
     return grad_y.flatten(0, -2).float().T @ captured["x"].flatten(0, -2).float()
+
+
+@dataclass(frozen=True)
+class RelevanceSource:
+    """W_s as the client model keeps it (in its attachments): the linear layer whose weight gradient is the
+    relevance feature, and W_s's own model, or None when W_s is the client model with its adapters off."""
+
+    layer: nn.Linear
+    model: ClientModel | None = None
 
 
 def last_linear(encoder: nn.Module, scope: str | None, which: str) -> nn.Linear:
