@@ -461,9 +461,10 @@ def test_disentafl_trains_with_the_mt_latents_of_a_multi_task_client(actor):
 
 def test_perfedavg_inner_step_is_first_order_maml():
     from rayfed.methods.perfedavg import inner_step
+    from rayfed.models import TrainableModule
     from rayfed.tasks import Task
 
-    class Linear(torch.nn.Module):
+    class Linear(TrainableModule):  # a client model: the engine selects its task
         def __init__(self):
             super().__init__()
             self.w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
