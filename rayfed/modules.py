@@ -364,7 +364,8 @@ def add_modality_prompts(encoder: nn.Module, tokens: int, hidden: int, seed_of: 
 
 
 class MlpHead(nn.Sequential):
-    """``Linear(d, 2d) -> LayerNorm(2d) -> GELU -> Linear(2d, C)`` (ViLT's VQA classifier), initialised as ViLT initialises its heads: weights N(0, 0.02), biases 0."""
+    """``Linear(d, 2d) -> LayerNorm(2d) -> GELU -> Linear(2d, C)`` (ViLT's VQA classifier), initialised as ViLT
+    initialises its heads: weights N(0, 0.02), biases 0."""
 
     def __init__(self, width: int, outputs: int):
         super().__init__(nn.Linear(width, 2 * width), nn.LayerNorm(2 * width), nn.GELU(), nn.Linear(2 * width, outputs))

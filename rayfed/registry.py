@@ -34,13 +34,12 @@ KINDS: dict[str, str] = {
     "client_model": "model.client",
     "task_kind": "data.kind",
 }
-# rayfed.methods also holds the papers' packages, which may bring data sources and tiny-pretrained zoo families.
 _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "method": ("rayfed.methods",),
-    "source": ("rayfed.data.sources", "rayfed.methods"),  # a paper package registers its sources
-    "partitioner": ("rayfed.data.partition", "rayfed.methods"),  # a paper's package may bring a partitioner
+    "source": ("rayfed.data.sources", "rayfed.methods"),  # rayfed.methods: the papers' packages register theirs
+    "partitioner": ("rayfed.data.partition", "rayfed.methods"),
     "backbone": ("rayfed.models", "rayfed.clip", "rayfed.methods"),
-    "client_model": ("rayfed.methods",),  # a paper package registers its client models
+    "client_model": ("rayfed.methods",),
     "task_kind": ("rayfed.kinds",),
 }
 

@@ -75,12 +75,13 @@ def _visual_embed(self: nn.Module, pixel_values: torch.Tensor, pixel_mask: torch
     positions = positions.flatten(2).transpose(1, 2).expand(batch_size, -1, -1)
     # transformers' draw: one multinomial a row, in row order, on the host's generator
     order = torch.stack([torch.multinomial(torch.ones(count).float(), chosen) for _ in range(batch_size)])
-    rows = torch.arange(batch_size).repeat_interleave(chosen).to(patches.device)
-    columns = order.flatten().to(patches.device)
+    rows = torch.arange(batch_size, device=patches.device).repeat_interleave(chosen)
+    columns = order.flatten().to(patches.device)  # the one copy to the device: the order is drawn on the host
     tokens = patches.flatten(2).transpose(1, 2)[rows, columns].view(batch_size, -1, channels)
     positions = positions[rows, columns].view(batch_size, -1, channels)
-    cells = torch.stack(torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij"), dim=-1)
-    patch_index = cells.flatten(0, 1).to(patches.device)[columns].view(batch_size, -1, 2)
+    grid_rows, grid_columns = (torch.arange(size, device=patches.device) for size in (height, width))
+    cells = torch.stack(torch.meshgrid(grid_rows, grid_columns, indexing="ij"), dim=-1)
+    patch_index = cells.flatten(0, 1)[columns].view(batch_size, -1, 2)
     first = self.position_embeddings[:, 0, :][:, None, :].expand(batch_size, -1, -1)
     tokens = torch.cat((self.cls_token.expand(batch_size, -1, -1), tokens), dim=1) + torch.cat((first, positions), dim=1)
     mask = torch.ones(batch_size, chosen + 1, dtype=torch.long, device=patches.device)
