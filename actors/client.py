@@ -28,7 +28,7 @@ from rayfed.actors.uploads import RoundUploads, UploadCollector, slots_to
 from rayfed.method import (ClientState, LocalResult, Method, TensorDict, TensorSpecs, Upload, check_tensors, tensor_bytes,
                            tensor_specs)
 from rayfed.models import build_backbone
-from rayfed.modules import select_task
+from rayfed.models.peft.modules import select_task
 from rayfed.run_methods import run_methods
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import task_view

@@ -13,7 +13,7 @@ from rayfed.data.batches import to_device
 from rayfed.data.clients import Federation
 from rayfed.method import ClientState, Method, TensorDict
 from rayfed.models import Backbone
-from rayfed.modules import feature_shift, head_features
+from rayfed.models.peft.modules import feature_shift, head_features
 from rayfed.tasks import param_tasks
 from rayfed.training import ClientContext, OtherTask
 

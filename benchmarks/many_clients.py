@@ -34,7 +34,7 @@ import ray
 
 from rayfed.benchmarks.overhead import GPU_WORKLOAD, Workload
 from rayfed.io import atomic_write_json, atomic_write_text
-from rayfed.report import format_table
+from rayfed.results.report import format_table
 from rayfed.simulation import Simulation, init_local_ray, keep_loopback
 
 CPU_WORKLOAD = Workload(image_size=8, samples_per_client=16, local_steps=5, batch_size=8, lora_rank=4, rounds=5,

@@ -40,7 +40,7 @@ from rayfed.config import RunConfig, load_config
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError, choice_error
 from rayfed.io import atomic_write_json, atomic_write_text
-from rayfed.report import format_table
+from rayfed.results.report import format_table
 from rayfed.simulation import Simulation, import_plugin_modules
 from rayfed.system import plan_round
 from rayfed.tasks import sample_round

@@ -43,7 +43,7 @@ from rayfed.errors import ConfigError, choice_error
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.method import tensor_bytes
 from rayfed.models import LLM_LORA_TARGETS
-from rayfed.report import format_table
+from rayfed.results.report import format_table
 from rayfed.simulation import Simulation, init_local_ray
 from rayfed.tasks import sample_round
 from rayfed.training import ClientContext

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import rayfed
-from rayfed.kinds import Classification
+from rayfed.tasks.kinds import Classification
 
 BINS = 10  # confidence bins of the calibration error
 

@@ -3,7 +3,7 @@
 FedDAT (Chen et al., AAAI 2024, arXiv 2308.12305) as FedMosaic's paper, *Not All Clients Are Equal: Collaborative Model
 Personalization on Heterogeneous Multi-Modal Clients*, runs it as a baseline (docs/fedmosaic.md#ablations-baselines; the
 paper gives no details, this is our reading), with its adapters as conventional LoRA on every linear layer
-(:mod:`rayfed.models.named_adapters`) instead of bottleneck adapters (:mod:`rayfed.methods.feddat`, which targets
+(:mod:`rayfed.models.peft.named_adapters`) instead of bottleneck adapters (:mod:`rayfed.methods.feddat`, which targets
 ViLT-style encoders).
 Three adapters per layer: ``shared`` (trained, uploaded, averaged within an architecture), ``frozen`` (the shared
 adapter received this round) and ``local`` (kept). Each batch takes two steps: ``CE(z_s) + kd KD(z_s, z_DAT)`` on the
@@ -24,7 +24,8 @@ from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.method import ClientState, LocalResult, Method, TensorDict
-from rayfed.models import Backbone, build_lora_set, named_adapters
+from rayfed.models import Backbone, build_lora_set
+from rayfed.models.peft import named_adapters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase, Step, distillation_loss

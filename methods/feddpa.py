@@ -20,7 +20,8 @@ from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.method import ClientState, LocalResult, Method, TensorDict
-from rayfed.models import Backbone, build_lora_set, named_adapters
+from rayfed.models import Backbone, build_lora_set
+from rayfed.models.peft import named_adapters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase

@@ -4,7 +4,7 @@ and replaced every round.
 
 A baseline of FedMosaic's paper, *Not All Clients Are Equal: Collaborative Model Personalization on Heterogeneous
 Multi-Modal Clients* (docs/fedmosaic.md#ablations-baselines; the paper gives no details, this is our reading). The
-layer's output is ``W x + s (B_p A_p x + B_s A_s x)`` (:mod:`rayfed.models.named_adapters`, conventional LoRA, no
+layer's output is ``W x + s (B_p A_p x + B_s A_s x)`` (:mod:`rayfed.models.peft.named_adapters`, conventional LoRA, no
 gate); both adapters take one optimizer step per batch (simultaneous update) and the shared one starts each round from
 the received average.
 """
@@ -18,7 +18,8 @@ from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.method import Method
-from rayfed.models import Backbone, build_lora_set, named_adapters
+from rayfed.models import Backbone, build_lora_set
+from rayfed.models.peft import named_adapters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
 from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL
-from rayfed.modules import select_task
+from rayfed.models.peft.modules import select_task
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Step, scheduled_lr

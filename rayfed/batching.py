@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from rayfed import seeding
 from rayfed.config import TrainConfig
 from rayfed.models.client import TrainableModule
-from rayfed.modules import select_task
+from rayfed.models.peft.modules import select_task
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Penalty, TrainResult, build_optimizer, mixed_precision, scheduled_lr
 from rayfed.types import TensorDict

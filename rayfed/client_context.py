@@ -14,9 +14,9 @@ from rayfed import seeding
 from rayfed.config import StreamConfig, TrainConfig
 from rayfed.data.batches import ClientData, Columns, EvalSet, num_rows
 from rayfed.fast_steps import graphed_step, mixed_precision, trained_forward
-from rayfed.metrics import with_derived
+from rayfed.results.derived_metrics import with_derived
 from rayfed.models.client import TrainableModule
-from rayfed.modules import select_task
+from rayfed.models.peft.modules import select_task
 from rayfed.optimizers import build_optimizer, load_optimizer_state, local_steps, saved_optimizer_state, scheduled_lr
 from rayfed.scoring import Scorer
 from rayfed.streams import seen_round, training_pool
@@ -137,7 +137,7 @@ class Step:
 
 
 def stacked_forward_batch(model: TrainableModule, parts: Sequence[tuple[Task, Batch]]) -> Batch | None:
-    """The parts' forward inputs (:attr:`~rayfed.kinds.TaskKind.forward_inputs`) stacked into one batch, when the
+    """The parts' forward inputs (:attr:`~rayfed.tasks.kinds.TaskKind.forward_inputs`) stacked into one batch, when the
     model runs all their tasks through one forward (``shares_forward``) and the inputs agree past the rows; else
     None. A client holding several tasks then trains each step with one forward and one backward, not one per task."""
     if len(parts) < 2 or not model.shares_forward([task.index for task, _ in parts]):
@@ -323,7 +323,7 @@ class ClientContext:
     def evaluate(self, params: TensorDict) -> dict[str, float]:
         """The metrics of each of the client's tasks on its own test data (personalization), ``local_<metric>``
         (``<task>/local_<metric>`` for a client holding several tasks), and on each shared evaluation set
-        ``<set>_<metric>``; plus the metrics derived from these (:mod:`rayfed.metrics`)."""
+        ``<set>_<metric>``; plus the metrics derived from these (:mod:`rayfed.results.derived_metrics`)."""
         self.model.load_trainable(params)
         self.model.eval()
         metrics: dict[str, float] = {}

@@ -2,7 +2,7 @@
 
 A model's parameter name is dotted (``encoder.model.layers.3.mlp.down_proj.local_A``): a decoder layer's parameters
 carry ``layers.<i>`` (0-based), and a named adapter's tensors end with ``<module>.<adapter>_<part>``
-(:mod:`rayfed.models.named_adapters`). The server sees each name behind its architecture's prefix
+(:mod:`rayfed.models.peft.named_adapters`). The server sees each name behind its architecture's prefix
 (``<architecture>/<name>``, :func:`rayfed.architectures.prefixed`).
 """
 

@@ -15,7 +15,7 @@ from rayfed.config import TrainConfig
 from rayfed.data.batches import Columns, num_rows
 from rayfed.errors import ConfigError
 from rayfed.fast_steps import mixed_precision
-from rayfed.lora_groups import groupable, grouped_lora
+from rayfed.models.peft.lora_groups import groupable, grouped_lora
 from rayfed.tasks import Task
 from rayfed.types import Batch, TensorDict
 
@@ -122,7 +122,7 @@ class PublicPass:
     def train_each(self, jobs: Sequence[PublicJob], loss: PublicLoss, *, epochs: int, batch_size: int,
                    lr: float) -> list[TensorDict]:
         """:meth:`train` of every job (its own values, rows, targets and seeds). When the values are LoRA factors
-        and the model has no active dropout (:func:`rayfed.lora_groups.groupable`), the jobs still running take
+        and the model has no active dropout (:func:`rayfed.models.peft.lora_groups.groupable`), the jobs still running take
         each step together, one forward and backward over all their batches, each adapter on its own rows (a job's
         last, smaller batch padded with copies of its first row that no loss sees), each with its own optimizer state:
         the numbers of one job at a time up to the order of floating-point sums, in about one job's steps."""
@@ -197,7 +197,7 @@ class _PublicRun:
 
 def answer_mask(batch: Batch) -> torch.Tensor:
     """Where a text batch's logits predict an answer token (label != ignore after the causal shift)."""
-    from rayfed.kinds import IGNORE
+    from rayfed.tasks.kinds import IGNORE
 
     return batch["labels"][:, 1:] != IGNORE
 

@@ -40,7 +40,7 @@ _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "partitioner": ("rayfed.data.partition", "rayfed.methods"),
     "backbone": ("rayfed.models", "rayfed.clip", "rayfed.methods"),
     "client_model": ("rayfed.methods",),
-    "task_kind": ("rayfed.kinds",),
+    "task_kind": ("rayfed.tasks.kinds",),
 }
 
 
@@ -133,7 +133,7 @@ def register_client_model(name: str) -> Callable[[T], T]:
 
 
 def register_task_kind(name: str) -> Callable[[T], T]:
-    """Decorator on a :class:`~rayfed.kinds.TaskKind` subclass (instantiated without arguments)."""
+    """Decorator on a :class:`~rayfed.tasks.kinds.TaskKind` subclass (instantiated without arguments)."""
     return register("task_kind", name)
 
 

@@ -10,12 +10,12 @@ from torch import nn
 
 from rayfed.data.batches import Columns, num_rows
 from rayfed.fast_steps import mixed_precision
-from rayfed.modules import select_task
+from rayfed.models.peft.modules import select_task
 from rayfed.tasks import Task
 from rayfed.types import Batch
 
 if TYPE_CHECKING:
-    from rayfed.kinds import TaskKind
+    from rayfed.tasks.kinds import TaskKind
 
 
 class Scorer:

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from rayfed import registry
-from rayfed.checkpoint import load_checkpoint, save_checkpoint
+from rayfed.results.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.cli import main
 from rayfed.config import load_config
 from rayfed.errors import ConfigError

@@ -20,7 +20,7 @@ from rayfed.data import multimodal
 from rayfed.errors import ConfigError
 from rayfed.method import Upload
 from rayfed.models import IMAGE, TEXT, Backbone, build_client_model, vilt_features
-from rayfed.modules import Bottleneck, MlpHead, set_adapter_mix
+from rayfed.models.peft.modules import Bottleneck, MlpHead, set_adapter_mix
 from rayfed.tasks import Task
 from rayfed.training import ClientContext
 

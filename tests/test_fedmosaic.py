@@ -17,7 +17,7 @@ from rayfed import training
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_slots
-from rayfed.checkpoint import load_checkpoint, save_checkpoint
+from rayfed.results.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.compute import counted_flops
 from rayfed.config import ModelConfig, load_config
 from rayfed.errors import ConfigError

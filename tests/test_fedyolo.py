@@ -21,7 +21,7 @@ from conftest import method_class
 from rayfed.methods.feddyn import FedDyn, FedDynParams
 from rayfed.methods.fedyolo import FedYoloParams
 from rayfed.models import VIT_SIZES, build_backbone, build_client_model, build_task_model
-from rayfed.modules import (TASK_SELECTED_MODULES, AdaptedMLP, TaskHeads, representation_shift, select_task,
+from rayfed.models.peft.modules import (TASK_SELECTED_MODULES, AdaptedMLP, TaskHeads, representation_shift, select_task,
                              transformer_blocks)
 from rayfed.simulation import rounds_to_target
 from rayfed.tasks import Task, sample_round, task_of_name, task_view

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from rayfed import text_metrics, zoo
+from rayfed import zoo
+from rayfed.tasks import text_metrics
 from rayfed.actors.client import ClientActor
 from rayfed.config import ModelConfig, load_config
 from rayfed.data.clients import build_federation
 from rayfed.data.sources import ArrayDataset
 from rayfed.errors import ConfigError
-from rayfed.kinds import IGNORE, MultipleChoice, TextGeneration, infer_kind
+from rayfed.tasks.kinds import IGNORE, MultipleChoice, TextGeneration, infer_kind
 from rayfed.models import IMAGE, TEXT, build_backbone, build_task_model, causal_lm_features
 from rayfed.simulation import Simulation
 from rayfed.tasks import Task
@@ -232,7 +233,7 @@ def test_multi_modal_federation_is_deterministic_and_splits_by_label():
 
 
 def test_a_parallel_decoders_target_logits_score_like_a_causal_lms():
-    from rayfed.kinds import causal_from_target_logits
+    from rayfed.tasks.kinds import causal_from_target_logits
 
     labels = torch.tensor([[IGNORE, IGNORE, 3, 4, IGNORE], [IGNORE, 1, 2, 5, IGNORE]])
     target_ids = torch.tensor([[3, 4, 0], [1, 2, 5]])
@@ -244,7 +245,7 @@ def test_a_parallel_decoders_target_logits_score_like_a_causal_lms():
 
 
 def test_target_logits_are_placed_row_by_row_where_the_targets_are_predicted_and_gradients_flow_back():
-    from rayfed.kinds import causal_from_target_logits
+    from rayfed.tasks.kinds import causal_from_target_logits
 
     # A target at position 0 (predicted at the last position, as a causal LM's shift wraps), a row without targets.
     labels = torch.tensor([[IGNORE, IGNORE, 3, 4, IGNORE, IGNORE], [2, IGNORE, 1, 2, 5, IGNORE],

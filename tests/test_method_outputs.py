@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from rayfed.checkpoint import load_checkpoint
+from rayfed.results.checkpoint import load_checkpoint
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.method import MethodOutputError, NonFiniteError

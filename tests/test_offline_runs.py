@@ -1,4 +1,4 @@
-"""benchmarks/offline_runs.py: every plan's job is one existing method of a valid config."""
+"""methods/experiments/offline_runs.py: every plan's job is one existing method of a valid config."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rayfed.benchmarks.offline_runs import PLANS, job_config
+from rayfed.methods.experiments.offline_runs import PLANS, job_config
 from rayfed.config import build_config
 
 
@@ -51,7 +51,7 @@ def test_the_settings_paired_with_offline_dynamic_differ_from_it_only_in_their_m
     import yaml
 
     from rayfed.methods.fedmosaic.tables import SAME_CLIENTS, SAME_CLIENTS_STATIC
-    from rayfed.benchmarks.offline_runs import CONFIGS
+    from rayfed.methods.experiments.offline_runs import CONFIGS
 
     def without_methods(setting: str) -> dict:
         config = yaml.safe_load((CONFIGS / f"fedmosaic/offline_{setting}.yaml").read_text())
@@ -110,7 +110,7 @@ def test_the_static_competitors_pair_with_static_sft_and_not_dynamic_sft() -> No
 
 
 def test_a_result_line_records_the_overrides_of_offline_runs_set() -> None:
-    from rayfed.benchmarks.offline_runs import _key
+    from rayfed.methods.experiments.offline_runs import _key
 
     job = {"plan": "fedmosaic", "config": "fedmosaic/offline_dynamic", "label": "local", "overrides": {}, "seed": 1,
            "extra": {"train.local_steps": 30}}
@@ -122,7 +122,7 @@ def test_a_compute_matched_job_trains_the_steps_its_measured_cost_gives_it() -> 
 
     from conftest import TINY_RUN
 
-    from rayfed.benchmarks.offline_runs import compute_matched
+    from rayfed.methods.experiments.offline_runs import compute_matched
 
     config = copy.deepcopy(TINY_RUN)
     config["train"]["local_steps"] = 4
@@ -164,7 +164,7 @@ def test_a_resumed_job_continues_from_its_checkpoint_and_a_job_without_one_start
 
     from conftest import TINY_RUN
 
-    from rayfed.benchmarks import offline_runs
+    from rayfed.methods.experiments import offline_runs
 
     def tiny(stem, label, overrides, seed, extra):
         config = copy.deepcopy(TINY_RUN)
@@ -190,7 +190,7 @@ def test_a_resumed_job_continues_from_its_checkpoint_and_a_job_without_one_start
 
 
 def test_configs_outside_the_plans_are_refused_naming_the_plans_configs(capsys, tmp_path) -> None:
-    from rayfed.benchmarks.offline_runs import main
+    from rayfed.methods.experiments.offline_runs import main
 
     with pytest.raises(SystemExit):
         main(["--plan", "fedmosaic-competitors", "--configs", "fedmosaic/offline_dynamc", "--out", str(tmp_path / "o")])

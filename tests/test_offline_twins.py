@@ -1,5 +1,5 @@
 """Every paper config (one that loads a model from the hub) has an offline twin beside it: the generator's output
-(benchmarks/offline_twins.py), valid offline, naming only offline paper-size backbones and synthetic sources, with
+(methods/experiments/offline_twins.py), valid offline, naming only offline paper-size backbones and synthetic sources, with
 its paper config's federation, training, placement, methods and adapter / LoRA / prompt sizes, clients and task
 layout, and the paper datasets' numbers of classes. Validation only: no model is built."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rayfed.benchmarks import offline_twins
+from rayfed.methods.experiments import offline_twins
 from rayfed.config import DataConfig, RunConfig, load_config
 from rayfed.registry import resolve
 
@@ -69,7 +69,7 @@ def test_every_paper_config_has_a_twin_and_the_generator_knows_every_paper_confi
 @pytest.mark.parametrize("paper", PAPERS, ids=_name)
 def test_the_twin_is_what_the_generator_writes_from_its_paper_config(paper):
     assert _twin(paper).read_text() == offline_twins.twin_text(paper), (
-        f"{_name(_twin(paper))} is stale: run python -m rayfed.benchmarks.offline_twins")
+        f"{_name(_twin(paper))} is stale: run python -m rayfed.methods.experiments.offline_twins")
 
 
 def _sections(data: DataConfig) -> list[DataConfig]:

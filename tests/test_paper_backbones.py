@@ -178,7 +178,7 @@ def test_pfedmmas_clip_vit_b_16_builds_offline_at_its_published_size_without_pre
 
 def test_text_targets_end_with_the_separator_where_a_bert_tokenizer_has_no_end_of_sequence_token():
     from rayfed.data.sources.dataset import ArrayDataset
-    from rayfed.kinds import TextGeneration, end_of_text_id
+    from rayfed.tasks.kinds import TextGeneration, end_of_text_id
 
     backbone = paper_backbone("vilt:B32", layers=1)  # ViLT's (BERT's) tokenizer: [SEP], no eos token
     tokenizer = backbone.tokenizer
@@ -192,7 +192,7 @@ def test_text_targets_end_with_the_separator_where_a_bert_tokenizer_has_no_end_o
 def test_a_tokenizer_with_neither_end_token_is_one_sentence():
     from types import SimpleNamespace
 
-    from rayfed.kinds import end_of_text_id
+    from rayfed.tasks.kinds import end_of_text_id
 
     with pytest.raises(ConfigError, match=r"has neither an end-of-sequence nor a separator token"):
         end_of_text_id(SimpleNamespace(eos_token_id=None, sep_token_id=None))

@@ -20,7 +20,7 @@ from rayfed.method import Upload
 from conftest import method_class
 from rayfed.methods.pfedmma import BaseNovelOptions, MultiModalAdapter, base_novel_split
 from rayfed.methods.pfedmma.adapter import attach
-from rayfed.metrics import across_datasets, harmonic_mean
+from rayfed.results.derived_metrics import across_datasets, harmonic_mean
 from rayfed.tasks import Task
 from rayfed.zoo.clip import image_processor, tiny_config
 from rayfed.zoo.tokenizers import word_tokenizer

@@ -4,6 +4,7 @@ kinds; the examples; one build per method; the package's layering."""
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import re
 import runpy
@@ -27,9 +28,9 @@ from rayfed.simulation import Simulation
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"rayfed": ROOT / "rayfed", "rayfed.actors": ROOT / "actors", "rayfed.methods": ROOT / "methods",
             "rayfed.benchmarks": ROOT / "benchmarks"}
-LOWER_LAYERS = ("rayfed.config", "rayfed.data", "rayfed.models", "rayfed.modules", "rayfed.training", "rayfed.kinds",
-                "rayfed.tasks", "rayfed.types", "rayfed.registry", "rayfed.method", "rayfed.zoo", "rayfed.client_context",
-                "rayfed.public_pass", "rayfed.optimizers", "rayfed.fast_steps", "rayfed.scoring")
+LOWER_LAYERS = ("rayfed.config", "rayfed.data", "rayfed.models", "rayfed.training", "rayfed.tasks", "rayfed.types",
+                "rayfed.registry", "rayfed.method", "rayfed.zoo", "rayfed.client_context", "rayfed.public_pass",
+                "rayfed.optimizers", "rayfed.fast_steps", "rayfed.scoring")
 
 
 def _in_layer(module: str, layers: tuple[str, ...]) -> bool:
@@ -281,7 +282,7 @@ def _with_a_task_no_client_holds(run: dict):
 def test_a_users_model_without_overrides_gets_the_engines_defaults(tiny_run):
     """Trained, tagged and scored as a plain model; refused text generation and tasks no client holds."""
     from rayfed.actors.client import ClientActor, run_methods
-    from rayfed.kinds import TextGeneration
+    from rayfed.tasks.kinds import TextGeneration
     from rayfed.simulation import check_model
 
     tiny_run["model"].update(client="test-pixel-probe", lora=None)
@@ -346,7 +347,7 @@ def test_a_method_that_builds_its_own_model_is_refused_a_client_model_it_would_i
 
 def test_a_task_kind_plug_in_scores_with_its_own_loss_and_metric(tiny_run):
     from rayfed.actors.client import ClientActor
-    from rayfed.kinds import Classification
+    from rayfed.tasks.kinds import Classification
 
     class Top2(Classification):
         name = "top2"
@@ -692,6 +693,21 @@ def test_rayfed_exports_what_a_driver_script_needs():
                  "register_client_model", "ClientModelRequest", "TrainableModule"):
         assert getattr(rayfed, name) is not None
     assert rayfed.register_method is registry.register_method
+
+
+def test_a_moved_module_fails_at_its_old_path_in_one_sentence_naming_the_new_one():
+    """Plug-ins written against the flat engine's paths (``from rayfed.kinds import Classification``) learn where the
+    module went, however they import it; the new path imports."""
+    for old, new in rayfed.MOVED_MODULES.items():
+        assert importlib.import_module(new).__name__ == new
+        sentence = rf"^{re.escape(old)} moved to {re.escape(new)}; import it from there\.$"
+        with pytest.raises(ImportError, match=sentence):
+            importlib.import_module(old)
+        package, _, name = old.rpartition(".")
+        with pytest.raises(ImportError, match=sentence):
+            exec(f"from {package} import {name}", {})
+    with pytest.raises(AttributeError, match=r"^rayfed\.kinds moved to rayfed\.tasks\.kinds; "):
+        rayfed.kinds  # noqa: B018
 
 
 def test_every_built_in_method_and_its_hyperparameters_import_from_rayfed_methods():

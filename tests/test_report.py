@@ -3,7 +3,7 @@ import pathlib
 
 import pytest
 
-from rayfed.report import format_table, write_report
+from rayfed.results.report import format_table, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 METHODS = ["local", "fedavg", "fedavg+post"]

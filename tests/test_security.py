@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayfed.checkpoint import load_checkpoint, save_checkpoint
+from rayfed.results.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.simulation import Simulation

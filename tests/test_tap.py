@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayfed import text_metrics
+from rayfed.tasks import text_metrics
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.config import load_config
@@ -21,7 +21,7 @@ from rayfed.errors import ConfigError
 from rayfed.method import Upload, build_method
 from rayfed.methods.tap import MoMEModel, MoMEOptions, task_key
 from rayfed.methods.tap.layers import Expert
-from rayfed.modules import AdaptedMLP, set_adapter_mix
+from rayfed.models.peft.modules import AdaptedMLP, set_adapter_mix
 from rayfed.tasks import sample_round, task_view
 from rayfed.training import ClientContext
 

@@ -7,13 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from rayfed import fast_steps, kinds, training
+from rayfed import fast_steps, training
+from rayfed.tasks import kinds
 from rayfed.actors.client import ClientActor, _OnDevice
 from rayfed.benchmarks.overhead import Workload
 from rayfed.data.batches import ClientData, TaskData
 from rayfed.errors import ConfigError
 from rayfed.method import post_train_views
-from rayfed.modules import select_task
+from rayfed.models.peft.modules import select_task
 from rayfed.scoring import Scorer
 
 WORKLOAD = Workload(num_clients=3, clients_per_round=3, local_steps=6, batch_size=8, samples_per_client=24)

@@ -147,7 +147,7 @@ def test_a_metric_the_method_does_not_report_names_the_ones_it_does():
 
 
 def test_the_metric_names_runs_report_pass_the_check_before_trials():
-    from rayfed.kinds import Classification
+    from rayfed.tasks.kinds import Classification
     from rayfed.tune.metric import _check_metric_name
 
     class Agreement(Classification):

@@ -1,11 +1,11 @@
 """Run a paper's offline experiments as parallel single-method jobs and collect one compact line per (method,
 overrides, seed) in ``<out>/results.jsonl``; ``benchmarks/<paper>_tables.py`` make the tables from it.
 
-    python -m rayfed.benchmarks.offline_runs --plan fedmosaic --seeds 0 1 2 --jobs 12 --out runs/fedmosaic
-    python -m rayfed.benchmarks.offline_runs --plan feddat-domain feddat-scene --seeds 0 1 2 3 4 --jobs 60 --out runs/feddat
-    python -m rayfed.benchmarks.offline_runs --plan tap-flava-quick --labels TAP --seeds 3 4 5 --out runs/tap
-    python -m rayfed.benchmarks.offline_runs --plan fedmosaic-competitors --configs fedmosaic/offline_competitors_static --labels fedmkt --out runs/fm
-    python -m rayfed.benchmarks.offline_runs --plan fedmosaic fedmosaic-baselines --compute-match local --out runs/fm-cm
+    python -m rayfed.methods.experiments.offline_runs --plan fedmosaic --seeds 0 1 2 --jobs 12 --out runs/fedmosaic
+    python -m rayfed.methods.experiments.offline_runs --plan feddat-domain feddat-scene --seeds 0 1 2 3 4 --jobs 60 --out runs/feddat
+    python -m rayfed.methods.experiments.offline_runs --plan tap-flava-quick --labels TAP --seeds 3 4 5 --out runs/tap
+    python -m rayfed.methods.experiments.offline_runs --plan fedmosaic-competitors --configs fedmosaic/offline_competitors_static --labels fedmkt --out runs/fm
+    python -m rayfed.methods.experiments.offline_runs --plan fedmosaic fedmosaic-baselines --compute-match local --out runs/fm-cm
 
 Every job is one method of one ``configs/<paper>/`` file at one seed, run in-process (``placement.executor:
 local``: the same numbers as on Ray actors, and as the method run beside the config's others, since every random
@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 
 Entry = tuple[str, str, dict[str, Any]]  # config path under configs/ without .yaml, method label, dotted overrides
@@ -114,7 +114,7 @@ def compute_matched(config: dict[str, Any], reference: str, stems: list[str]) ->
 
 
 def _relevance(run_dir: Path, label: str) -> dict[str, Any]:
-    from rayfed.checkpoint import load_checkpoint
+    from rayfed.results.checkpoint import load_checkpoint
 
     checkpoint = load_checkpoint(run_dir / "checkpoints", label)
     if checkpoint is None or "relevance" not in checkpoint.server:

@@ -48,7 +48,7 @@ from torch import nn
 from rayfed.config import ModelConfig
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
 from rayfed.models import AdapterSets, Backbone, client_model
-from rayfed.modules import set_adapter_mix
+from rayfed.models.peft.modules import set_adapter_mix
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import IMAGE_KD, ClientContext, Phase, Step, output_distillation

@@ -1,5 +1,5 @@
 """Markdown tables of FedDAT's offline results (FedDAT, arXiv 2308.12305: Tables 2-4 and Fig. 5; docs/feddat.md#results)
-from the ``results.jsonl`` files of :mod:`rayfed.benchmarks.offline_runs` (plans ``feddat-*``):
+from the ``results.jsonl`` files of :mod:`rayfed.methods.experiments.offline_runs` (plans ``feddat-*``):
 final-round ``local_acc`` (%) per method and benchmark, mean ± std over seeds, next to the paper's ViLT numbers;
 the ablations and inference views (Table 4); the convergence at rounds 5 / 10 / 15 / 20 (Fig. 5); and the
 seed-paired gaps the acceptance asks about.

@@ -2,7 +2,7 @@
 benchmark (docs/fedmosaic.md#the-offline-benchmark) and the paper's DRAKE / HFLB settings with real models by name
 (docs/fedmosaic.md#the-papers-settings).
 Run ``python -m rayfed.methods.fedmosaic.configs`` after changing a setting here (then ``python -m
-rayfed.benchmarks.offline_twins`` for the paper settings' offline twins); tests load every file.
+rayfed.methods.experiments.offline_twins`` for the paper settings' offline twins); tests load every file.
 
 Offline benchmark (DRAKE's shape, reduced): 10 clients, 4 on the small tiny LLaVA (8 layers x 48) and 6 on the
 large one (16 x 64), as DRAKE's 4 x 1B + 6 x 3B (Tab. 8); three task groups of 3 / 3 / 4 clients as Tab. 37

@@ -50,7 +50,7 @@ from rayfed.methods.fedmosaic import pqlora
 from rayfed.methods.fedmosaic.rela import (RelevanceSource, equal_weights, last_linear, linear_weight_gradient,
                                            relevance_weights)
 from rayfed.models import Backbone, ClientModel, build_backbone, build_task_model
-from rayfed.models.named_adapters import adapted_modules, adapters_off
+from rayfed.models.peft.named_adapters import adapted_modules, adapters_off
 from rayfed.param_names import adapter_tensor, layer_of
 from rayfed.registry import register_method
 from rayfed.tasks import Task

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from rayfed.io import atomic_write_json
-from rayfed.report import format_table
+from rayfed.results.report import format_table
 from rayfed.simulation import Simulation
 
 RELATIONS = ("same group, same architecture", "same group, other architecture", "other group, same architecture",

@@ -3,7 +3,7 @@
 From *Not All Clients Are Equal: Collaborative Model Personalization on Heterogeneous Multi-Modal Clients* (Sec. 4.2,
 Eq. 5-8 and 18-23; docs/fedmosaic.md#pq-lora-and-the-dual-adapter). Every adapted linear layer ``W_p`` of a
 transformer's decoder layers becomes a :class:`GatedLinear` (the engine's named adapters,
-:mod:`rayfed.models.named_adapters`) holding FedMosaic's ``local`` and ``global`` adapters, each either
+:mod:`rayfed.models.peft.named_adapters`) holding FedMosaic's ``local`` and ``global`` adapters, each either
 
 - conventional LoRA: ``s B_a A_a x`` with ``A_a`` (r x d_in) and ``B_a`` (d_out x r) of its own, or
 - PQ-LoRA (Eq. 5): ``s_pq B (P_a A x + Q_a)``, where ``A`` (orthonormal rows) and ``B`` (orthonormal columns)
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rayfed.models import named_adapters
-from rayfed.models.named_adapters import LINEAR_TARGETS, AdaptedLinear, LinearBuilder, Mix, Placement
+from rayfed.models.peft import named_adapters
+from rayfed.models.peft.named_adapters import LINEAR_TARGETS, AdaptedLinear, LinearBuilder, Mix, Placement
 
 GATE = "adapter_gate"
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from rayfed.errors import ConfigError
 from rayfed.models import ClientModel
-from rayfed.models.named_adapters import AdaptedLinear, decoder_layers
+from rayfed.models.peft.named_adapters import AdaptedLinear, decoder_layers
 
 
 def linear_weight_gradient(run: Callable[[], torch.Tensor], layer: nn.Linear) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Markdown tables of FedMosaic's offline results (``results.jsonl`` of :mod:`rayfed.benchmarks.offline_runs`):
+"""Markdown tables of FedMosaic's offline results (``results.jsonl`` of :mod:`rayfed.methods.experiments.offline_runs`):
 Self / Others A_last and A_AUC (token F1 x 100, mean +- std over seeds) next to the paper's, seed-paired gaps, the
 RELA weight matrix's block structure by task group, and communication per round.
 

@@ -34,7 +34,7 @@ from rayfed.method import (ClientState, EachUpload, LocalResult, Method, ServerS
                            mean_as, weighted_sums)
 from rayfed.registry import register_method
 from rayfed.models import Backbone, build_task_model, num_blocks
-from rayfed.modules import dedicated_blocks
+from rayfed.models.peft.modules import dedicated_blocks
 from rayfed.tasks import Task, task_of_name
 from rayfed.training import ClientContext
 

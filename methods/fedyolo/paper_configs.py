@@ -1,7 +1,7 @@
 """Write ``configs/fedyolo/paper_*.yaml``: the scale & modularity study's experiments, one YAML each
 (*Augmenting Federated Learning with Pretrained Transformers*, arXiv 2307.04905; docs/fedyolo.md#reproducing-the-paper).
 Run ``python -m rayfed.methods.fedyolo.paper_configs`` after changing a setting here, then ``python -m
-rayfed.benchmarks.offline_twins`` for their offline twins; tests load every file.
+rayfed.methods.experiments.offline_twins`` for their offline twins; tests load every file.
 
 Every file runs unchanged with a network (HF datasets and ViT weights by name) and GPUs:
 ``rayfed run configs/fedyolo/paper_cifar100_B_mild.yaml --seed 0`` (the paper uses 5 seeds).

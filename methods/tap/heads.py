@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rayfed.kinds import end_of_text_id
+from rayfed.tasks.kinds import end_of_text_id
 from rayfed.lazy import DeferredModule
 
 transformers = DeferredModule("transformers")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from rayfed.lazy import DeferredModule
-from rayfed.modules import AdaptedMLP
+from rayfed.models.peft.modules import AdaptedMLP
 
 peft = DeferredModule("peft")
 
@@ -33,7 +33,7 @@ def frozen_copy(module: nn.Module) -> nn.Module:
 class Expert(nn.Module):
     """A layer's pretrained FFN ``Linear -> GELU -> Linear`` (frozen, the same tensors in every expert of the
     layer) with LoRA on both linears, or with ``adapters`` after it instead: ``h + A(h)`` on the FFN's output h
-    with the ``shared`` adapter, or a mixture of the named ones (:func:`rayfed.modules.set_adapter_mix`)."""
+    with the ``shared`` adapter, or a mixture of the named ones (:func:`rayfed.models.peft.modules.set_adapter_mix`)."""
 
     def __init__(self, first: nn.Linear, second: nn.Linear, rank: int | None, dropout: float,
                  adapters: nn.ModuleDict | None = None):

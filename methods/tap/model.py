@@ -28,7 +28,7 @@ docs/tap.md#the-model), built from a pretrained FLAVA or ViLT.
   decoder: learned position queries attend to the pooled features, a 1-layer GPT-2, a linear map to the
   vocabulary; decoding is the argmax at every position).
 
-Every block a task does not use is tagged with the tasks that do (:func:`rayfed.modules.tag_tasks`), so a
+Every block a task does not use is tagged with the tasks that do (:func:`rayfed.models.peft.modules.tag_tasks`), so a
 client holds, trains and exchanges exactly the blocks of its modalities, tasks and domains. A "task" here is a
 run's task (one dataset); TAP's task o is its key. :meth:`MoMEModel.path_prefixes` names the blocks on a
 task's forward path (what TAP's replacement copies).
@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from rayfed.errors import ConfigError
-from rayfed.kinds import IGNORE, causal_from_target_logits
+from rayfed.tasks.kinds import IGNORE, causal_from_target_logits
 from rayfed.methods.tap.encoders import ImageEncoder, TextEncoder
 from rayfed.methods.tap.heads import ClassificationHead, ImageGenerationHead, TextGenerationHead, decoded_tokens
 from rayfed.methods.tap.layers import Expert, MoEBlock, frozen_copy
@@ -51,7 +51,7 @@ from rayfed.methods.tap.options import (FAMILY_DEFAULTS, IMAGE, MODALITIES, SHAR
                                         family_of, head_key, task_key, task_modalities)
 from rayfed.models import Backbone, ClientModelRequest, TrainableModule
 from rayfed.models.client_plugin import OPTIONS_FIELD
-from rayfed.modules import adapter_set, select_task, tag_tasks
+from rayfed.models.peft.modules import adapter_set, select_task, tag_tasks
 from rayfed.registry import register_client_model
 from rayfed.tasks import Task
 from rayfed.types import Batch
@@ -70,7 +70,7 @@ def _key(name: str) -> str:
 class MoMEModel(TrainableModule):
     """The client (and server) model of TAP and its baselines; ``forward(batch)`` gives what the active task's
     kind scores (text generation: logits aligned as a causal LM's, see
-    :func:`rayfed.kinds.causal_from_target_logits`), ``forward(batch, raw=True)`` the decoder's own output.
+    :func:`rayfed.tasks.kinds.causal_from_target_logits`), ``forward(batch, raw=True)`` the decoder's own output.
     With ``backbone_module: adapter`` every expert holds the named ``adapters`` (``frozen_adapters`` of them not
     trainable)."""
 

@@ -13,7 +13,7 @@ from rayfed.data.batches import ClientData, Columns, EvalSet, TaskData
 from rayfed.data.partition import Partition, exact_test_split, global_test_indices, partition, split_train_test
 from rayfed.data.sources import ArrayDataset, DataError, load_source
 from rayfed.errors import ConfigError
-from rayfed.kinds import TaskKind, infer_kind
+from rayfed.tasks.kinds import TaskKind, infer_kind
 from rayfed.models import Backbone, check_image_channels
 from rayfed.registry import entries, resolve
 from rayfed.streams import Window, arrival_rounds, task_windows
@@ -144,7 +144,7 @@ def task_kind(config: DataConfig, dataset: ArrayDataset, where: str) -> TaskKind
     resolved = resolve("task_kind", config.kind if config.kind is not None else infer_kind(dataset), f"{where}.kind")
     kind = resolved.obj() if isinstance(resolved.obj, type) else resolved.obj
     if not isinstance(kind, TaskKind):
-        raise ConfigError(f"{where}.kind = {resolved.name!r} is a {type(kind).__name__}, not a rayfed.kinds.TaskKind.")
+        raise ConfigError(f"{where}.kind = {resolved.name!r} is a {type(kind).__name__}, not a rayfed.tasks.kinds.TaskKind.")
     return kind
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from rayfed.data.clients import Federation, Holding
-from rayfed.report import _save_figure
+from rayfed.results.report import _save_figure
 
 
 def data_summary(federation: Federation) -> dict[str, Any]:

@@ -15,9 +15,9 @@ client the actor hosts). A client model takes a batch of named columns (``pixel_
 One job a module: ``backbone`` (:class:`Backbone`, :func:`build_backbone`), ``features`` (how an encoder is
 called), ``families/`` (one module per model family: image encoders (ViT, CLIP's vision tower), causal LMs,
 ViLT, FLAVA, LLaVA, and what they share), ``paper`` (paper-size backbones, randomly initialised), ``hub``
-(pretrained weights by hub name or folder), ``client`` (:class:`ClientModel`), ``attach`` (what a method
-trains, added to the encoder), ``build`` (client and task models) and ``client_plugin`` (the client model a config
-chooses, ``model.client``).
+(pretrained weights by hub name or folder), ``client`` (:class:`ClientModel`), ``peft/`` (what a method trains over
+the encoder, parameter-efficiently, and how it is attached), ``build`` (client and task models) and ``client_plugin``
+(the client model a config chooses, ``model.client``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from rayfed.models.families.image_encoders import VIT_SIZES  # noqa: I001
 from rayfed.models.families.llm import LLAMA_SIZES, LLM_LORA_TARGETS, llama_config
 from rayfed.models.paper import paper_backbone, paper_model
 from rayfed.models.hub import load_hf_backbone
-from rayfed.models.attach import attach_adapter_set
+from rayfed.models.peft.attach import attach_adapter_set
 from rayfed.models.backbone import IMAGE, TEXT, Backbone, BackboneRequest, build_backbone
 from rayfed.models.build import (
     build_client_model, build_lora_set, build_task_model, check_image_channels, classification_task, num_blocks,
@@ -38,7 +38,7 @@ from rayfed.models.families.common import PaperModel
 from rayfed.models.features import (
     causal_lm_features, causal_lm_logits, cls_features, flava_features, output_features, pooler_features, vilt_features,
 )
-from rayfed.modules import tag_tasks
+from rayfed.models.peft.modules import tag_tasks
 
 __all__ = [
     "IMAGE", "LLAMA_SIZES", "LLM_LORA_TARGETS", "TEXT", "VIT_SIZES", "AdapterSets", "Backbone", "BackboneRequest",

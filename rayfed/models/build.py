@@ -11,11 +11,11 @@ from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
-from rayfed.models import named_adapters
-from rayfed.models.attach import _attach_module, _seeds
+from rayfed.models.peft import named_adapters
+from rayfed.models.peft.attach import _attach_module, _seeds
 from rayfed.models.backbone import Backbone
 from rayfed.models.client import ClientModel
-from rayfed.modules import task_heads
+from rayfed.models.peft.modules import task_heads
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import Task
 

@@ -8,9 +8,9 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-from rayfed import kinds
+from rayfed.tasks import kinds
 from rayfed.models.backbone import Backbone
-from rayfed.modules import TASK_SELECTED_MODULES, TaskHeads, modules_of_type
+from rayfed.models.peft.modules import TASK_SELECTED_MODULES, TaskHeads, modules_of_type
 from rayfed.tasks import Task, task_key
 from rayfed.types import Batch, TensorDict
 
@@ -61,7 +61,7 @@ class TrainableModule(nn.Module):
         self.attachments = Attachments()
 
     def select_task(self, index: int) -> None:
-        """Make the model's own per-task parts serve task ``index``; :func:`rayfed.modules.select_task` calls it
+        """Make the model's own per-task parts serve task ``index``; :func:`rayfed.models.peft.modules.select_task` calls it
         before switching the model's per-task modules and heads. Default: nothing of its own."""
 
     def trainable_names(self) -> list[str]:
@@ -89,7 +89,7 @@ class TrainableModule(nn.Module):
         return outputs, outputs
 
     def task_tags(self) -> dict[str, frozenset[int]]:
-        """The tasks each parameter belongs to (:func:`rayfed.modules.tag_tasks`); untagged ones are shared."""
+        """The tasks each parameter belongs to (:func:`rayfed.models.peft.modules.tag_tasks`); untagged ones are shared."""
         tags: dict[str, frozenset[int]] = {}
         for prefix, module in self.named_modules():
             tasks = getattr(module, "rayfed_tasks", None)
@@ -100,7 +100,7 @@ class TrainableModule(nn.Module):
 
     def generate_text(self, batch: Batch, max_new_tokens: int) -> torch.Tensor:
         """Greedy continuations (batch, new tokens) of the batch's left-padded ``prompt_ids``. Default: the
-        engine's greedy decoding with the model's ``encoder.generate`` (:func:`rayfed.kinds.generate`, which reads
+        engine's greedy decoding with the model's ``encoder.generate`` (:func:`rayfed.tasks.kinds.generate`, which reads
         ``tokenizer``, ``encoder`` and ``pixels`` as :class:`ClientModel` has them); a model that decodes otherwise
         (a parallel decoder) overrides it."""
         return kinds.generate(self, batch, max_new_tokens)

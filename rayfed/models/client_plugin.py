@@ -24,7 +24,7 @@ from torch import nn
 from rayfed import registry
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
-from rayfed.models.attach import attach_adapter_set
+from rayfed.models.peft.attach import attach_adapter_set
 from rayfed.models.backbone import Backbone
 from rayfed.models.build import build_task_model
 from rayfed.models.client import TrainableModule
@@ -37,7 +37,7 @@ _BUILT: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("clien
 @dataclass(frozen=True)
 class AdapterSets:
     """Named adapters a method trains at every adapter site of its model: ``shared`` among ``names`` (the one a
-    site's forward uses unless a mixture is set, :func:`rayfed.modules.set_adapter_mix`), the ``frozen`` ones not
+    site's forward uses unless a mixture is set, :func:`rayfed.models.peft.modules.set_adapter_mix`), the ``frozen`` ones not
     trainable. ``method`` names the asking method in error messages."""
 
     names: tuple[str, ...]

@@ -11,7 +11,7 @@ from rayfed import registry
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import ActorSlot
-from rayfed.checkpoint import Checkpoint
+from rayfed.results.checkpoint import Checkpoint
 from rayfed.config import RunConfig
 from rayfed.data.clients import Federation
 from rayfed.executors import LocalExecutor, RayExecutor

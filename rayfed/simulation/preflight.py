@@ -16,7 +16,7 @@ from rayfed.errors import ConfigError
 from rayfed.method import Method
 from rayfed.models import build_backbone
 from rayfed.models.client_plugin import client_models_built
-from rayfed.modules import select_task
+from rayfed.models.peft.modules import select_task
 from rayfed.tasks import Task
 
 

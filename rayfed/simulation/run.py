@@ -17,7 +17,7 @@ import ray
 from tqdm.auto import tqdm
 
 from rayfed.architectures import actor_slots
-from rayfed.checkpoint import load_checkpoint, save_checkpoint
+from rayfed.results.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.compute import matched_steps
 from rayfed.config import RunConfig, dump_config, load_config, with_full_params
 from rayfed.data.clients import build_federation
@@ -111,7 +111,7 @@ class Simulation:
         summary = run_summary(self.config, self._results_dir, self.log.events, time.perf_counter() - started,
                               self.compute_match)
         atomic_write_json(self.run_dir / "summary.json", summary)
-        from rayfed.report import write_report
+        from rayfed.results.report import write_report
 
         write_report(self.run_dir, summary, self.log.events)
         return summary

@@ -1,4 +1,4 @@
-"""What a task kind (:mod:`rayfed.kinds`) reads of a task and calls on a model, as protocols: rayfed.tasks and
+"""What a task kind (:mod:`rayfed.tasks.kinds`) reads of a task and calls on a model, as protocols: rayfed.tasks and
 rayfed.models build on task kinds (a Task holds its kind, a ClientModel runs its kinds' forward), so the kinds name
 neither."""
 
@@ -13,7 +13,7 @@ from rayfed.types import Batch
 
 
 class HeadTask(Protocol):
-    """What :meth:`rayfed.kinds.TaskKind.build_head` reads of a task (a :class:`rayfed.tasks.Task`)."""
+    """What :meth:`rayfed.tasks.kinds.TaskKind.build_head` reads of a task (a :class:`rayfed.tasks.Task`)."""
 
     index: int
     name: str

@@ -12,7 +12,7 @@ batch, and scores a model on test data. The built-ins:
   ``acc``, ``loss``;
 - ``text_generation``: a prompt (and image) -> the target text, a causal LM's next-token loss on the
   target tokens; ``token_f1``, ``exact_match`` and ``meteor`` of greedy generations
-  (:mod:`rayfed.text_metrics`), ``perplexity`` of the target;
+  (:mod:`rayfed.tasks.text_metrics`), ``perplexity`` of the target;
 - ``reconstruction``: an image -> the same image from the backbone's features through a decoder head;
   ``mse``.
 
@@ -30,16 +30,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from rayfed import text_metrics
+from rayfed.tasks import text_metrics
 from rayfed.data.batches import Columns
-from rayfed.decoders import ImageDecoder
+from rayfed.tasks.decoders import ImageDecoder
 from rayfed.errors import ConfigError
 from rayfed.registry import register_task_kind
 from rayfed.types import Batch
 
 if TYPE_CHECKING:
     from rayfed.data.sources import ArrayDataset
-    from rayfed.kind_protocols import HeadTask, TaskModel
+    from rayfed.tasks.kind_protocols import HeadTask, TaskModel
     from rayfed.models.backbone import Backbone
 
 IGNORE = -100  # label of positions no loss is taken on

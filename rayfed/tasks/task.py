@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from rayfed.kinds import Classification, TaskKind
+from rayfed.tasks.kinds import Classification, TaskKind
 from rayfed.seeding import SERVER, numpy_rng, sample_clients
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from ray import tune as ray_tune
 from rayfed import registry
 from rayfed.config import RunConfig
 from rayfed.errors import ConfigError, suggest
-from rayfed.metrics import DERIVED
+from rayfed.results.derived_metrics import DERIVED
 from rayfed.simulation import Simulation
 from rayfed.tune.spec import TuneSpec
 

@@ -13,7 +13,7 @@ from rayfed.errors import ConfigError
 from rayfed.lazy import DeferredModule
 from rayfed.models.backbone import Backbone
 from rayfed.models.client import ClientModel
-from rayfed.modules import (
+from rayfed.models.peft.modules import (
     MlpHead, TaskHeads, add_adapter_set, add_adapters, add_bias_tuning, add_modality_prompts, add_output_adapters,
     add_prompts, tag_tasks,
 )
@@ -84,7 +84,7 @@ def attach_adapter_set(
     model: ClientModel, config: ModelConfig, names: Sequence[str], seed: int, frozen: Collection[str] = (),
 ) -> None:
     """Add ``names`` adapters of ``model.adapter``'s form at every site of ``model.adapter.site`` (see
-    :func:`rayfed.modules.add_adapter_set`), seeded from the model's ``seed`` as ``build_task_model`` seeds its
+    :func:`rayfed.models.peft.modules.add_adapter_set`), seeded from the model's ``seed`` as ``build_task_model`` seeds its
     adapters; ``frozen`` ones are not trainable."""
     encoder_config = getattr(model.encoder, "config", None)
     if encoder_config is None:
