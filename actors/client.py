@@ -19,7 +19,7 @@ from rayfed.aggregation import presums
 from rayfed.config import RunConfig, architecture_model_config, build_config, method_model_config
 from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import raised_in
-from rayfed.batching import Lockstep
+from rayfed.training.batching import Lockstep
 from rayfed.compute import counted_flops
 from rayfed.actors import public
 from rayfed.actors.devices import resident_data, resident_device, resource_usage, round_device

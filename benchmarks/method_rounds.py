@@ -88,7 +88,7 @@ def _largest_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
 def time_public_passes(config: Path, label: str, rounds: int, overrides: list[str], out_dir: Path) -> dict[str, Any]:
     """:func:`time_method` in this process, with each round's client training and public passes timed apart (each
     pass one adapter at a time and grouped, from the same request)."""
-    from rayfed import public_pass
+    from rayfed.training import public_pass
     from rayfed.actors.client import ClientActor
 
     split: dict[int, dict[str, Any]] = {}

@@ -62,6 +62,10 @@ MOVED_MODULES = {
     "rayfed.models.named_adapters": "rayfed.models.peft.named_adapters",
     "rayfed.benchmarks.offline_runs": "rayfed.methods.experiments.offline_runs",
     "rayfed.benchmarks.offline_twins": "rayfed.methods.experiments.offline_twins",
+    "rayfed.client_context": "rayfed.training.client_context", "rayfed.optimizers": "rayfed.training.optimizers",
+    "rayfed.fast_steps": "rayfed.training.fast_steps", "rayfed.scoring": "rayfed.training.scoring",
+    "rayfed.public_pass": "rayfed.training.public_pass", "rayfed.batching": "rayfed.training.batching",
+    "rayfed.streams": "rayfed.data.streams",
 }  # fmt: skip
 
 

@@ -138,7 +138,7 @@ class Method:
     architecture returned to :meth:`after_public_pass`. Declared, never inferred."""
     batchable_updates: ClassVar[bool] = True
     """Whether, with ``train.batch_clients``, the plain training calls of :meth:`local_update` may run together
-    with other clients' (:mod:`rayfed.batching`): a hook that changes the model's own settings (an adapter mix, an
+    with other clients' (:mod:`rayfed.training.batching`): a hook that changes the model's own settings (an adapter mix, an
     active view) before such a call sets False, as those settings would not be its own while the batch trains."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

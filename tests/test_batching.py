@@ -1,4 +1,4 @@
-"""train.batch_clients: several clients of an actor trained in one forward / backward (rayfed.batching)."""
+"""train.batch_clients: several clients of an actor trained in one forward / backward (rayfed.training.batching)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._inductor import config as inductor_config
 
-from rayfed import batching
+from rayfed.training import batching
 from rayfed.actors.client import ClientActor
 from rayfed.benchmarks.overhead import Workload
 from rayfed.config import load_config
@@ -81,7 +81,7 @@ def test_batched_clients_train_as_each_one_alone(method, stacked_groups):
 def test_text_clients_batch_when_compiled_and_fall_back_to_one_at_a_time_when_vmap_cannot_run(stacked_groups, caplog):
     sequential, _ = _round(_config(TEXT, "fedavg", 1))
     # Eager: Hugging Face's causal mask reads the padding mask's values to pick a path, which vmap refuses.
-    with caplog.at_level("WARNING", logger="rayfed.batching"):
+    with caplog.at_level("WARNING", logger="rayfed.training.batching"):
         eager, _ = _round(_config(TEXT, "fedavg", 3))
     assert stacked_groups == [[0, 1, 2]]
     assert "cannot run under torch.func.vmap (vmap: It looks like" in caplog.text

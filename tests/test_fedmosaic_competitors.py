@@ -14,7 +14,7 @@ from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_slots, unprefixed
 from rayfed.config import load_config
-from rayfed import public_pass
+from rayfed.training import public_pass
 from rayfed.methods.fedmkt import cut_logits, full_logits, lowest_loss, soft_cross_entropy
 from rayfed.methods.takfl import merged
 from rayfed.simulation import Simulation

@@ -29,8 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"rayfed": ROOT / "rayfed", "rayfed.actors": ROOT / "actors", "rayfed.methods": ROOT / "methods",
             "rayfed.benchmarks": ROOT / "benchmarks"}
 LOWER_LAYERS = ("rayfed.config", "rayfed.data", "rayfed.models", "rayfed.training", "rayfed.tasks", "rayfed.types",
-                "rayfed.registry", "rayfed.method", "rayfed.zoo", "rayfed.client_context", "rayfed.public_pass",
-                "rayfed.optimizers", "rayfed.fast_steps", "rayfed.scoring")
+                "rayfed.registry", "rayfed.method", "rayfed.zoo")
 
 
 def _in_layer(module: str, layers: tuple[str, ...]) -> bool:

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from rayfed import client_context
+from rayfed.training import client_context
 from rayfed.actors.client import ClientActor
 from rayfed.config import StreamConfig, load_config
 from rayfed.errors import ConfigError
 from rayfed.simulation import Simulation, stream_summary
-from rayfed.streams import Window, arrival_rounds, task_windows, training_pool
+from rayfed.data.streams import Window, arrival_rounds, task_windows, training_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from rayfed import fast_steps, training
+from rayfed import training
+from rayfed.training import fast_steps
 from rayfed.tasks import kinds
 from rayfed.actors.client import ClientActor, _OnDevice
 from rayfed.benchmarks.overhead import Workload
@@ -15,7 +16,7 @@ from rayfed.data.batches import ClientData, TaskData
 from rayfed.errors import ConfigError
 from rayfed.method import post_train_views
 from rayfed.models.peft.modules import select_task
-from rayfed.scoring import Scorer
+from rayfed.training.scoring import Scorer
 
 WORKLOAD = Workload(num_clients=3, clients_per_round=3, local_steps=6, batch_size=8, samples_per_client=24)
 

@@ -42,7 +42,7 @@ class PartitionConfig(Section):
 
 
 class StreamConfig(Section):
-    """Data that arrives over time (``rayfed.streams``): when each client's tasks and samples become available."""
+    """Data that arrives over time (``rayfed.data.streams``): when each client's tasks and samples become available."""
 
     mode: Literal["static", "dynamic", "asynchronous"] = Field(
         "dynamic", description="static: everything at round 0; dynamic: a client's tasks one after another, "

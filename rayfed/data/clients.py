@@ -16,7 +16,7 @@ from rayfed.errors import ConfigError
 from rayfed.tasks.kinds import TaskKind, infer_kind
 from rayfed.models import Backbone, check_image_channels
 from rayfed.registry import entries, resolve
-from rayfed.streams import Window, arrival_rounds, task_windows
+from rayfed.data.streams import Window, arrival_rounds, task_windows
 from rayfed.tasks import Task, task_client_ids
 
 

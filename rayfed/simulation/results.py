@@ -17,7 +17,7 @@ from rayfed.config import RunConfig
 from rayfed.data.clients import Federation
 from rayfed.io import atomic_write_text
 from rayfed.results.derived_metrics import with_derived
-from rayfed.streams import area_under_curve
+from rayfed.data.streams import area_under_curve
 from rayfed.tasks import Task, client_tasks
 from rayfed.version import __version__
 

@@ -13,13 +13,15 @@ from torch import nn
 from rayfed import seeding
 from rayfed.config import StreamConfig, TrainConfig
 from rayfed.data.batches import ClientData, Columns, EvalSet, num_rows
-from rayfed.fast_steps import graphed_step, mixed_precision, trained_forward
+from rayfed.training.fast_steps import graphed_step, mixed_precision, trained_forward
 from rayfed.results.derived_metrics import with_derived
 from rayfed.models.client import TrainableModule
 from rayfed.models.peft.modules import select_task
-from rayfed.optimizers import build_optimizer, load_optimizer_state, local_steps, saved_optimizer_state, scheduled_lr
-from rayfed.scoring import Scorer
-from rayfed.streams import seen_round, training_pool
+from rayfed.training.optimizers import (
+    build_optimizer, load_optimizer_state, local_steps, saved_optimizer_state, scheduled_lr,
+)
+from rayfed.training.scoring import Scorer
+from rayfed.data.streams import seen_round, training_pool
 from rayfed.tasks import Task
 from rayfed.types import Batch, Loss, TensorDict
 
@@ -38,7 +40,7 @@ class TrainResult:
 
 
 class StackedTrainer(Protocol):
-    """What ``ClientContext.lockstep`` is (:class:`rayfed.batching.Lockstep`, which builds on this module): it
+    """What ``ClientContext.lockstep`` is (:class:`rayfed.training.batching.Lockstep`, which builds on this module): it
     trains a plain update of one client stacked with other clients' and returns its result."""
 
     def train(self, client: ClientContext, params: TensorDict, steps: int, purpose: str, lr: float,
@@ -196,7 +198,7 @@ class ClientContext:
         Without ``phases``: one phase over every parameter in ``params``, minimising ``loss`` (default: the
         task loss) plus ``extra_loss``, at ``lr`` (default: the config's, on its schedule). Under
         ``train.batch_clients`` (the actor sets ``lockstep``) such a plain update of a one-task client trains
-        stacked with other clients' (:mod:`rayfed.batching`).
+        stacked with other clients' (:mod:`rayfed.training.batching`).
 
         ``snapshot_steps``: also the parameters after each of these steps (``TrainResult.snapshots``), bitwise
         what a call of that many steps gives: batches, dropout and (unscheduled) learning rates do not depend on

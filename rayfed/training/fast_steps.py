@@ -14,7 +14,7 @@ from torch import nn
 from rayfed.config import TrainConfig
 from rayfed.data.batches import ClientData, TaskData
 from rayfed.models.client import TrainableModule
-from rayfed.optimizers import build_optimizer
+from rayfed.training.optimizers import build_optimizer
 from rayfed.tasks import Task
 from rayfed.types import Batch
 

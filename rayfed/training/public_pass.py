@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from rayfed import seeding
-from rayfed.client_context import seeded_batches
+from rayfed.training.client_context import seeded_batches
 from rayfed.config import TrainConfig
 from rayfed.data.batches import Columns, num_rows
 from rayfed.errors import ConfigError
-from rayfed.fast_steps import mixed_precision
+from rayfed.training.fast_steps import mixed_precision
 from rayfed.models.peft.lora_groups import groupable, grouped_lora
 from rayfed.tasks import Task
 from rayfed.types import Batch, TensorDict
