@@ -15,27 +15,65 @@ may instead pass
 and ``train.grad_accum`` micro-batches make one optimizer step; ``train.schedule`` may key the learning
 rate to the round.
 
-The machinery lives by job, one module each: ``client_context`` (the client, its train calls and their steps),
-``optimizers`` (optimizers and learning-rate schedules), ``fast_steps`` (bf16, ``torch.compile`` and CUDA graphs),
-``scoring`` (test sets scored batch by batch), ``public_pass`` (the server-side stages on public data), ``batching``
-(several clients' steps stacked into one forward) and ``loss_terms`` (the terms methods add to a task loss). This
-package re-exports what methods use.
+The machinery lives by job, a module of this package each: ``client_context`` (the client, its train calls and their
+steps), ``optimizers`` (optimizers and learning-rate schedules), ``fast_steps`` (bf16, ``torch.compile`` and CUDA
+graphs), ``scoring`` (test sets scored batch by batch), ``public_pass`` (the server-side stages on public data) and
+``batching`` (several clients' steps stacked into one forward). This module holds the loss terms methods add to a task
+loss, and re-exports the rest.
 """
 
 from __future__ import annotations
 
-from rayfed.training.client_context import (
-    ClientContext, LossFn, OtherTask, Penalty, Phase, StackedTrainer, Step, TrainResult, stacked_forward_batch,
-)
-from rayfed.training.fast_steps import MAX_GRAPHS_PER_MODEL, GraphedStep, PatchMatmul, mixed_precision, trained_forward
-from rayfed.training.loss_terms import IMAGE_KD, distillation_loss, output_distillation, proximal_penalty
-from rayfed.training.optimizers import build_optimizer, local_steps, scheduled_lr
-from rayfed.training.public_pass import (
-    PreFederation, PublicJob, PublicLoss, PublicPass, answer_mask, same_answers, token_losses,
-)
+import torch
+from torch import nn
 
-__all__ = ["IMAGE_KD", "MAX_GRAPHS_PER_MODEL", "ClientContext", "GraphedStep", "LossFn", "OtherTask", "PatchMatmul",
-           "Penalty", "Phase", "PreFederation", "PublicJob", "PublicLoss", "PublicPass", "StackedTrainer", "Step",
-           "TrainResult", "answer_mask", "build_optimizer", "distillation_loss", "local_steps", "mixed_precision",
-           "proximal_penalty", "same_answers", "scheduled_lr", "stacked_forward_batch", "token_losses",
-           "trained_forward"]
+from rayfed.training.client_context import (ClientContext, LossFn, OtherTask, Penalty, Phase, StackedTrainer, Step, TrainResult,
+                                   stacked_forward_batch)
+from rayfed.training.fast_steps import MAX_GRAPHS_PER_MODEL, GraphedStep, PatchMatmul, mixed_precision, trained_forward
+from rayfed.training.optimizers import build_optimizer, local_steps, scheduled_lr
+from rayfed.training.public_pass import (PreFederation, PublicJob, PublicLoss, PublicPass, answer_mask, same_answers,
+                                token_losses)
+from rayfed.types import TensorDict
+
+__all__ = ["MAX_GRAPHS_PER_MODEL", "ClientContext", "GraphedStep", "LossFn", "OtherTask", "PatchMatmul", "Penalty",
+           "Phase", "PreFederation", "PublicJob", "PublicLoss", "PublicPass", "StackedTrainer", "Step", "TrainResult",
+           "answer_mask", "build_optimizer", "distillation_loss", "local_steps", "mixed_precision", "proximal_penalty",
+           "same_answers", "scheduled_lr", "stacked_forward_batch", "token_losses", "trained_forward"]
+
+
+def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``tau^2 KL(softmax(teacher / tau) || softmax(student / tau))`` over the last axis, summed over any
+    other axes and averaged over the first (Hinton's knowledge distillation, ``batchmean``); the teacher is
+    detached."""
+    student, teacher = student.float(), teacher.detach().float()
+    log_student = nn.functional.log_softmax(student / temperature, dim=-1)
+    log_teacher = nn.functional.log_softmax(teacher / temperature, dim=-1)
+    return nn.functional.kl_div(log_student, log_teacher, reduction="batchmean", log_target=True) * temperature**2
+
+
+IMAGE_KD = ("softmax", "mse")  # how output_distillation compares two images: KL over the width axis, or MSE
+
+
+def output_distillation(student: torch.Tensor, teacher: torch.Tensor, temperature: float,
+                        image_kd: str | None = None) -> torch.Tensor:
+    """Knowledge distillation between two decoders' outputs: ``tau^2 KL(p_T || p_S)``, batchmean, over the last
+    axis (classes; the vocabulary at every output position, pad included; an image's width axis), or, for images
+    compared with ``image_kd = mse``, the mean squared error between them."""
+    if image_kd == "mse":
+        return nn.functional.mse_loss(student.float(), teacher.float())
+    return distillation_loss(student, teacher, temperature)
+
+
+def proximal_penalty(anchor: TensorDict | None, strength: float) -> Penalty | None:
+    """``strength / 2 * ||w - anchor||^2`` over the parameters present in ``anchor``."""
+    if anchor is None or strength == 0:
+        return None
+
+    anchor_on_device: TensorDict = {}
+
+    def penalty(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        if not anchor_on_device:  # payloads arrive on the CPU; move them once, not every step
+            anchor_on_device.update({n: a.to(params[n].device) for n, a in anchor.items()})
+        return 0.5 * strength * sum(((params[n] - a) ** 2).sum() for n, a in anchor_on_device.items())
+
+    return penalty
