@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from rayfed.clip import build_classifier
+from rayfed.models.families.clip import build_classifier
 from rayfed.config import ModelConfig
 from rayfed.method import Method
 from rayfed.registry import register_method

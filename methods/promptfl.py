@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rayfed.clip import add_learnable_context, build_classifier
+from rayfed.models.families.clip import add_learnable_context, build_classifier
 from rayfed.config import ModelConfig
 from rayfed.method import Method
 from rayfed.registry import register_method

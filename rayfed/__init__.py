@@ -65,7 +65,7 @@ MOVED_MODULES = {
     "rayfed.client_context": "rayfed.training.client_context", "rayfed.optimizers": "rayfed.training.optimizers",
     "rayfed.fast_steps": "rayfed.training.fast_steps", "rayfed.scoring": "rayfed.training.scoring",
     "rayfed.public_pass": "rayfed.training.public_pass", "rayfed.batching": "rayfed.training.batching",
-    "rayfed.streams": "rayfed.data.streams",
+    "rayfed.streams": "rayfed.data.streams", "rayfed.clip": "rayfed.models.families.clip",
 }  # fmt: skip
 
 

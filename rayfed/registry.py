@@ -38,7 +38,7 @@ _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "method": ("rayfed.methods",),
     "source": ("rayfed.data.sources", "rayfed.methods"),  # rayfed.methods: the papers' packages register theirs
     "partitioner": ("rayfed.data.partition", "rayfed.methods"),
-    "backbone": ("rayfed.models", "rayfed.clip", "rayfed.methods"),
+    "backbone": ("rayfed.models", "rayfed.models.families.clip", "rayfed.methods"),
     "client_model": ("rayfed.methods",),
     "task_kind": ("rayfed.tasks.kinds",),
 }

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from rayfed.clip import build_classifier
+from rayfed.models.families.clip import build_classifier
 from rayfed.config import ModelConfig, load_config
 from rayfed.data.sources import ArrayDataset, DataError
 from rayfed.method import build_method

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rayfed.clip import build_classifier
+from rayfed.models.families.clip import build_classifier
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
 from rayfed.method import Method

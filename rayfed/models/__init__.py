@@ -12,12 +12,13 @@ causal LM generates text with its own LM head). Every parameter of a client mode
 client the actor hosts). A client model takes a batch of named columns (``pixel_values``, ``input_ids``,
 ...) and returns what its active task's kind scores.
 
-One job a module: ``backbone`` (:class:`Backbone`, :func:`build_backbone`), ``features`` (how an encoder is
-called), ``families/`` (one module per model family: image encoders (ViT, CLIP's vision tower), causal LMs,
-ViLT, FLAVA, LLaVA, and what they share), ``paper`` (paper-size backbones, randomly initialised), ``hub``
-(pretrained weights by hub name or folder), ``client`` (:class:`ClientModel`), ``peft/`` (what a method trains over
-the encoder, parameter-efficiently, and how it is attached), ``build`` (client and task models) and ``client_plugin``
-(the client model a config chooses, ``model.client``).
+One job a module: ``backbone`` (:class:`Backbone`, :func:`build_backbone`), ``features`` (how an encoder is called),
+``families/`` (one module per model family: image encoders (ViT, CLIP's vision tower), causal LMs, ViLT, FLAVA,
+LLaVA, CLIP as a classifier (``clip``, imported by the registry, not here), and what they share), ``paper``
+(paper-size backbones, randomly initialised), ``hub`` (pretrained weights by hub name or folder), ``client``
+(:class:`ClientModel`), ``peft/`` (what a method trains over the encoder, parameter-efficiently, and how it is
+attached), ``build`` (client and task models) and ``client_plugin`` (the client model a config chooses,
+``model.client``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ from torch import nn
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError, choice_error
 from rayfed.lazy import DeferredModule
-from rayfed.models import Backbone, BackboneRequest, TrainableModule
+from rayfed.models.backbone import Backbone, BackboneRequest
+from rayfed.models.client import TrainableModule
 from rayfed.registry import register_backbone
 from rayfed.types import Batch
 from rayfed.zoo.registry import ZooModel
