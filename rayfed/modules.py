@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from rayfed.errors import ConfigError
-from rayfed.tasks import Task, task_key
+from rayfed.param_names import task_key
+from rayfed.tasks import Task
 
 if TYPE_CHECKING:
     from rayfed.models.backbone import Backbone
