@@ -25,8 +25,8 @@ from rayfed.actors import public
 from rayfed.actors.devices import resident_data, resident_device, resource_usage, round_device
 from rayfed.actors.evaluation import StreamTests, evaluation_hooks, view_metrics
 from rayfed.actors.uploads import RoundUploads, UploadCollector, slots_to
-from rayfed.method import (ClientState, LocalResult, Method, TensorDict, TensorSpecs, Upload, check_tensors, tensor_bytes,
-                           tensor_specs)
+from rayfed.method import (ClientState, LocalResult, Method, TensorDict, TensorSpecs, Upload, check_tensors, method_model,
+                           tensor_bytes, tensor_specs)
 from rayfed.models import build_backbone
 from rayfed.modules import select_task
 from rayfed.run_methods import run_methods
@@ -87,7 +87,8 @@ class ClientActor:
         self.label = entry.label
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
         model_config = method_model_config(self.model_config, entry, method_index)
-        self.model = self.method.build_model(self.backbone, model_config, self.tasks, init_seed).to(self.device)
+        self.model = method_model(self.method, f"methods[{method_index}] ({entry.label})", self.backbone, model_config,
+                                  self.tasks, init_seed).to(self.device)
         self.tags = self.model.task_tags()
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
         self.param_specs = tensor_specs(initial)  # what payloads and uploads are checked against
