@@ -143,12 +143,6 @@ def is_local(name: str) -> bool:
     return adapter_of(name) == LOCAL
 
 
-def is_pq(name: str) -> bool:
-    """A PQ layer's P or Q (of any adapter)."""
-    parsed = adapter_part(name)
-    return parsed is not None and parsed[1] in ("P", "Q")
-
-
 def global_name(name: str) -> str:
     return with_adapter(name, GLOBAL) if is_local(name) else name
 
@@ -217,7 +211,7 @@ class FedMosaic(Method):
     def is_shared(self, name: str) -> bool:
         if not is_local(name):
             return False
-        if is_pq(name):
+        if pqlora.is_pq(name):
             return True
         return self.params.conv_agg != "none"
 
@@ -249,7 +243,7 @@ class FedMosaic(Method):
         steps = client.default_steps()
         if self.params.compute_matched_steps:
             steps = max(1, math.floor(steps / TRAINING_COMPUTE_FACTOR))
-        phase = Phase(trains=self._trains, loss=loss, lr_of=lambda name: pq_lr if is_pq(name) else None)
+        phase = Phase(trains=self._trains, loss=loss, lr_of=lambda name: pq_lr if pqlora.is_pq(name) else None)
         result = client.train(params, steps=steps, phases=[phase], optimizer_state=state["optimizer"] or None,
                               keep_optimizer_state=True)
         personal = {n: v for n, v in result.params.items() if not is_global(n)}
@@ -299,7 +293,7 @@ class FedMosaic(Method):
         model = step.model
         if self.params.relevance == "training_current":
             last = max(model.attachments[pqlora.PQPlacement].pq_layers) - 1
-            names = sorted(n for n in step.params if is_local(n) and is_pq(n) and layer_of(n) == last)
+            names = sorted(n for n in step.params if is_local(n) and pqlora.is_pq(n) and layer_of(n) == last)
             grads = torch.autograd.grad(step.task_loss(), [step.params[n] for n in names], allow_unused=True)
             return torch.cat([(g if g is not None else torch.zeros_like(step.params[n])).flatten().float()
                               for g, n in zip(grads, names)]).detach().cpu()
@@ -479,7 +473,7 @@ def _aligned_basis(layout: TensorDict, prepared: dict[str, TensorDict], pivot: s
 
 def _pq_blocks(names: Sequence[str]) -> dict[str, int]:
     """Each of one architecture's P and Q tensors by its block: the rank of its layer among the PQ layers."""
-    pq = [name for name in names if is_pq(name)]
+    pq = [name for name in names if pqlora.is_pq(name)]
     layers = sorted({layer_of(name) for name in pq})
     return {name: layers.index(layer_of(name)) for name in pq}
 

@@ -33,9 +33,15 @@ from torch import nn
 
 from rayfed.models import named_adapters
 from rayfed.models.named_adapters import LINEAR_TARGETS, AdaptedLinear, LinearBuilder, Mix, Placement
-from rayfed.param_names import adapter_param
+from rayfed.param_names import adapter_param, adapter_part
 
 GATE = "adapter_gate"
+
+
+def is_pq(name: str) -> bool:
+    """Whether parameter ``name`` is a PQ layer's P or Q (of any adapter)."""
+    parsed = adapter_part(name)
+    return parsed is not None and parsed[1] in ("P", "Q")
 
 
 def attachment_layers(depth: int, blocks: int) -> tuple[int, ...]:
