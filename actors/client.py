@@ -23,16 +23,16 @@ from rayfed.training.batching import Lockstep
 from rayfed.compute import counted_flops
 from rayfed.actors import public
 from rayfed.actors.devices import resident_data, resident_device, resource_usage, round_device
-from rayfed.actors.evaluation import StreamTests, evaluation_hooks, view_metrics
+from rayfed.actors.evaluation import ClientEvaluation
 from rayfed.actors.uploads import RoundUploads, UploadCollector, slots_to
-from rayfed.method import (ClientState, LocalResult, Method, TensorDict, TensorSpecs, Upload, check_tensors, tensor_bytes,
-                           tensor_specs)
+from rayfed.method import (ClientState, LocalResult, Method, TensorDict, TensorSpecs, Upload, check_tensors,
+                           method_model, tensor_bytes, tensor_specs)
 from rayfed.models import build_backbone
 from rayfed.models.peft.modules import select_task
 from rayfed.run_methods import run_methods
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import task_view
-from rayfed.training import ClientContext, OtherTask
+from rayfed.training import ClientContext
 from rayfed.transport import use_raw_tensor_transport
 from rayfed.types import states_to
 
@@ -67,11 +67,11 @@ class ClientActor:
         self.data_device, self.data, self.eval_sets = resident_data(
             federation, self.client_ids, self.backbone, self.device, self.config.placement.client_state)
         self.stream = self.config.data.stream
-        self.stream_tests = StreamTests(federation, self.backbone, self.stream, self.data_device)
+        self.evaluation = ClientEvaluation(self.config, federation, self.backbone, self.device, self.data_device)
+        self.others = self.evaluation.others  # in a stream: each client's other tasks, as ClientEvaluation keeps them
         self.method: Method | None = None
         self.train_config = self.config.train  # the started method's (start_method: its local steps)
         self.states: dict[int, ClientState] = {}
-        self.others: dict[int, list[OtherTask]] = {}
         self.guest_states: dict[int, ClientState] = {}  # guests' new states, until their hosts take them
         self.round_times: list[dict[str, float]] = []  # see get_round_times
         self._stats: dict[str, float] = {}
@@ -87,7 +87,8 @@ class ClientActor:
         self.label = entry.label
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
         model_config = method_model_config(self.model_config, entry, method_index)
-        self.model = self.method.build_model(self.backbone, model_config, self.tasks, init_seed).to(self.device)
+        self.model = method_model(self.method, f"methods[{method_index}] ({entry.label})", self.backbone, model_config,
+                                  self.tasks, init_seed).to(self.device)
         self.tags = self.model.task_tags()
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
         self.param_specs = tensor_specs(initial)  # what payloads and uploads are checked against
@@ -98,8 +99,7 @@ class ClientActor:
         # A client holds, trains and uploads only its tasks' view (shared + its tasks' own parameters).
         self.initial = {cid: task_view(resident, self.tasks_of[cid], self.tags) for cid in self.client_ids}
         self.states = {cid: self.method.init_client(self.initial[cid]) for cid in self.client_ids}
-        self.others = {cid: self.stream_tests.others(self.tasks_of[cid], resident, self.tags) for cid in self.client_ids}
-        self.eval_hooks = evaluation_hooks(self.config, self.model, self.initial, self.device)
+        self.evaluation.start_method(self.model, self.tasks_of, resident, self.tags, self.initial)
         shared, _ = self.method.split(initial)
         return shared
 
@@ -224,7 +224,7 @@ class ClientActor:
         self.tasks_of[client_id] = self.federation.tasks_of(client_id)
         self.data[client_id] = self.federation.client_data(client_id, self.backbone).to(self.data_device)
         self.initial[client_id] = task_view(self.initial_params, self.tasks_of[client_id], self.tags)
-        self.others[client_id] = self.stream_tests.others(self.tasks_of[client_id], self.initial_params, self.tags)
+        self.evaluation.add_client(client_id, self.tasks_of[client_id], self.initial_params, self.tags)
 
     def client_state(self, client_id: int) -> ClientState:
         """A hosted client's state, to train it on another actor this round."""
@@ -249,7 +249,7 @@ class ClientActor:
     def _metrics(self, client: ClientContext, state: ClientState, payload: TensorDict | None,
                  params: TensorDict | None = None) -> dict[str, float]:
         """Every view's metrics (``params``, if given, replace the method's own view)."""
-        return view_metrics(self.method, self.model, client, state, payload, self.eval_hooks, params)
+        return self.evaluation.metrics(self.method, self.model, client, state, payload, params)
 
     def finish(self, round_idx: int, payloads: Payloads, post_train_steps: int) -> dict[int, dict[str, float]]:
         """The post-FL stages: the method's own, then optional fine-tuning; returns final metrics."""

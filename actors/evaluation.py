@@ -1,9 +1,10 @@
-"""What a ClientActor adds to a method's evaluation: the other clients' tasks a client of a stream is also scored on,
-and evaluation hooks, extra metrics of the method's own view (``federation.representation_shift``)."""
+"""What a ClientActor adds to a method's evaluation, kept in one :class:`ClientEvaluation`: the other clients' tasks a
+client of a stream is also scored on, and evaluation hooks, extra metrics of the method's own view
+(``federation.representation_shift``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -92,3 +93,35 @@ def view_metrics(method: Method, model: torch.nn.Module, client: ClientContext, 
         metrics.update({f"{name}@{view}" if view else name: value for name, value in values.items()})
     method.activate_view(model, "")
     return metrics
+
+
+class ClientEvaluation:
+    """A ClientActor's evaluation extras: in a stream, each hosted client's other tasks (:class:`StreamTests`),
+    which its :class:`rayfed.training.ClientContext` scores with its own in one pass, and the evaluation hooks the
+    config asks for (:func:`evaluation_hooks`), made again for each method's model."""
+
+    def __init__(self, config: RunConfig, federation: Federation, backbone: Backbone, device: torch.device,
+                 data_device: torch.device):
+        self.config, self.device = config, device
+        self.stream_tests = StreamTests(federation, backbone, config.data.stream, data_device)
+        self.others: dict[int, list[OtherTask]] = {}
+        self.hooks: list[EvaluationHook] = []
+
+    def start_method(self, model: torch.nn.Module, tasks_of: Mapping[int, tuple[int, ...]], initial_params: TensorDict,
+                     tags: dict[str, frozenset[int]], initial: dict[int, TensorDict]) -> None:
+        """A method's start: its ``model``, the round-0 values of its parameters (``initial_params``, and each
+        client's view of them, ``initial``, which guests join) and the tasks each of them belongs to (``tags``)."""
+        self.others.clear()  # in place: the actor reads this dict
+        self.others.update({cid: self.stream_tests.others(tasks, initial_params, tags)
+                            for cid, tasks in tasks_of.items()})
+        self.hooks = evaluation_hooks(self.config, model, initial, self.device)
+
+    def add_client(self, client_id: int, tasks: tuple[int, ...], initial_params: TensorDict,
+                   tags: dict[str, frozenset[int]]) -> None:
+        """A guest client, evaluated here too (its initial view is in the ``initial`` given to start_method)."""
+        self.others[client_id] = self.stream_tests.others(tasks, initial_params, tags)
+
+    def metrics(self, method: Method, model: torch.nn.Module, client: ClientContext, state: ClientState,
+                payload: TensorDict | None, params: TensorDict | None = None) -> dict[str, float]:
+        """Every view's metrics of a client, with the hooks' of its own view (:func:`view_metrics`)."""
+        return view_metrics(method, model, client, state, payload, self.hooks, params)

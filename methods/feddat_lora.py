@@ -26,6 +26,7 @@ from rayfed.config import ModelConfig
 from rayfed.method import ClientState, LocalResult, Method, TensorDict
 from rayfed.models import Backbone, build_lora_set
 from rayfed.models.peft import named_adapters
+from rayfed.param_names import adapter_of, with_adapter
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase, Step, distillation_loss
@@ -86,10 +87,10 @@ class FedDATLora(Method):
         return build_lora_set("feddat_lora", backbone, config, tasks, seed, (SHARED, FROZEN, LOCAL), frozen=(FROZEN,))
 
     def is_shared(self, name: str) -> bool:
-        return f".{SHARED}_" in name
+        return adapter_of(name) == SHARED
 
     def _frozen_copy(self, received: TensorDict) -> TensorDict:
-        return {n.replace(f".{SHARED}_", f".{FROZEN}_"): v for n, v in received.items() if self.is_shared(n)}
+        return {with_adapter(n, FROZEN): v for n, v in received.items() if self.is_shared(n)}
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
         received = payload or {}
@@ -106,10 +107,10 @@ class FedDATLora(Method):
 
         params = {**state["personal"], **received, **self._frozen_copy(received)}
         result = client.train(params, phases=[Phase(trains=self.is_shared, loss=student),
-                                              Phase(trains=lambda n: f".{LOCAL}_" in n, loss=teacher)])
+                                              Phase(trains=lambda n: adapter_of(n) == LOCAL, loss=teacher)])
         named_adapters.set_mix(client.model, None)
         shared = {n: v for n, v in result.params.items() if self.is_shared(n)}
-        personal = {n: v for n, v in result.params.items() if f".{LOCAL}_" in n}
+        personal = {n: v for n, v in result.params.items() if adapter_of(n) == LOCAL}
         return LocalResult({**state, "personal": personal}, {"shared": shared}, result.loss)
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:

@@ -22,6 +22,7 @@ from rayfed.config import ModelConfig
 from rayfed.method import ClientState, LocalResult, Method, TensorDict
 from rayfed.models import Backbone, build_lora_set
 from rayfed.models.peft import named_adapters
+from rayfed.param_names import adapter_of
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase
@@ -80,7 +81,7 @@ class FedDPA(Method):
         return model
 
     def is_shared(self, name: str) -> bool:
-        return f".{GLOBAL}_" in name
+        return adapter_of(name) == GLOBAL
 
     def init_client(self, initial: TensorDict) -> ClientState:
         _, personal = self.split(initial)

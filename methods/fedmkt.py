@@ -31,6 +31,7 @@ from torch import nn
 
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.param_names import prefix_of
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PublicJob, PublicPass, same_answers, token_losses
 
@@ -160,7 +161,7 @@ class FedMKT(Method):
     def public_pass(self, stage: PublicPass, index: int, request: TensorDict) -> TensorDict:
         rows = stage.rows(self.params.public_samples)
         answers, row_of = stage.answers(rows)
-        keys = [GLOBAL] + sorted({n.split("/", 1)[0] for n in request if n.startswith("client:")})
+        keys = [GLOBAL] + sorted({prefix_of(n) for n in request if n.startswith("client:")})
         if index == 0:
             result: TensorDict = {"answers": answers, "row_of": row_of}
             for key in keys:

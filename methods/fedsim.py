@@ -20,6 +20,7 @@ from rayfed.config import ModelConfig
 from rayfed.method import Method
 from rayfed.models import Backbone, build_lora_set
 from rayfed.models.peft import named_adapters
+from rayfed.param_names import adapter_of
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 
@@ -46,4 +47,4 @@ class FedSim(Method):
         return model
 
     def is_shared(self, name: str) -> bool:
-        return f".{SHARED}_" in name
+        return adapter_of(name) == SHARED

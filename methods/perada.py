@@ -20,6 +20,7 @@ import torch
 
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.param_names import prefix_of
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PublicPass, distillation_loss, proximal_penalty, same_answers
 
@@ -92,7 +93,7 @@ class PerAda(Method):
     def public_pass(self, stage: PublicPass, index: int, request: TensorDict) -> TensorDict:
         rows = stage.rows(self.params.public_samples)
         if index == 0:
-            clients = sorted({name.split("/", 1)[0] for name in request})
+            clients = sorted({prefix_of(name) for name in request})
             logits = [stage.answer_logits(unprefixed(request, c), rows).double() for c in clients]
             total = torch.stack(logits).sum(0) if logits else torch.zeros(())
             answers, _ = stage.answers(rows)

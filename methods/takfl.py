@@ -22,6 +22,7 @@ import torch
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.param_names import prefix_of
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PublicPass, distillation_loss, same_answers
 
@@ -125,7 +126,7 @@ class TAKFL(Method):
         rows = stage.rows(self.params.public_samples)
         average = unprefixed(request, AVERAGE)
         if index == 0:
-            clients = sorted({name.split("/", 1)[0] for name in request if name.startswith("client:")})
+            clients = sorted({prefix_of(name) for name in request if name.startswith("client:")})
             teacher = torch.stack([stage.answer_logits(unprefixed(request, c), rows) for c in clients]).mean(0)
             answers, _ = stage.answers(rows)
             return {TEACHER: teacher, SELF: stage.answer_logits(average, rows), "answers": answers,

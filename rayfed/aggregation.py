@@ -24,6 +24,7 @@ import torch
 
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
+from rayfed.param_names import PREFIX_SEP, split_prefix
 from rayfed.types import Loss, ServerState, TensorDict, tensor_bytes, tensor_params, tensors_to
 
 
@@ -211,7 +212,7 @@ class Mixture:
     def __post_init__(self) -> None:
         for field in ("weights", "within_weights"):
             path = getattr(self, field)
-            if path is not None and path.count("/") != 1:
+            if path is not None and path.count(PREFIX_SEP) != 1:
                 raise ValueError(f"Mixture.{field} = {path!r} must be '<server slot>/<tensor name>'")
 
 
@@ -227,7 +228,7 @@ def presums(aggregation: Aggregation) -> bool:
 
 
 def _matrix(server: ServerState, path: str) -> torch.Tensor:
-    slot, name = path.split("/")
+    slot, name = split_prefix(path)
     return server[slot][name]
 
 

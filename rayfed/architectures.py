@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from rayfed.config import RunConfig
+from rayfed.param_names import behind, prefixed_name
 
 T = TypeVar("T")
-SEP = "/"
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,11 @@ def equal_cost_runs(client_ids: list[int], costs: Sequence[float], parts: int) -
 
 def prefixed(tensors: dict[str, T], architecture: str) -> dict[str, T]:
     """``tensors`` under the server's names (``<architecture>/<name>``; unchanged for a run of one)."""
-    return {f"{architecture}{SEP}{name}": value for name, value in tensors.items()} if architecture else tensors
+    return {prefixed_name(architecture, name): value for name, value in tensors.items()} if architecture else tensors
 
 
 def unprefixed(tensors: dict[str, T] | None, architecture: str) -> dict[str, T] | None:
     """The part of server-named ``tensors`` that belongs to ``architecture``, under the client's names."""
     if tensors is None or not architecture:
         return tensors
-    start = f"{architecture}{SEP}"
-    return {name[len(start):]: value for name, value in tensors.items() if name.startswith(start)}
+    return {own: value for name, value in tensors.items() if (own := behind(name, architecture)) is not None}

@@ -5,13 +5,29 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 
 from rayfed.errors import ConfigError
 
-# `rayfed bench --workload`: benchmarks/overhead.py's WORKLOADS and benchmarks/method_bench.py's METHOD_WORKLOADS
-# (named here so that the parser imports neither)
+# `rayfed bench --workload`: benchmarks/overhead.py's WORKLOADS (named here so that the parser imports no benchmark)
 GENERIC_WORKLOADS = ("cpu", "gpu", "llm", "llm-cpu")
-SEED_METHOD_WORKLOADS = ("tap", "feddat", "fedmosaic", "pfedmma", "fedyolo")
+
+
+class _Workloads(Sequence[str]):
+    """``--workload``'s choices: :data:`GENERIC_WORKLOADS`, then the seed methods' workloads that
+    benchmarks/method_bench.py holds, looked up when the option is given or its help shown (hence the option's
+    metavar: argparse formats the choices of one without a metavar as it adds it)."""
+
+    def _names(self) -> list[str]:
+        from rayfed.benchmarks.method_bench import METHOD_WORKLOADS
+
+        return [*GENERIC_WORKLOADS, *METHOD_WORKLOADS]
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(self._names())
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -171,12 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.set_defaults(handler=_tune)
 
     bench = commands.add_parser("bench", help="time a fixed FL workload against a plain PyTorch loop")
-    bench.add_argument("--workload", choices=[*GENERIC_WORKLOADS, *SEED_METHOD_WORKLOADS], default="cpu",
-                       help="cpu: a tiny ViT smoke size; gpu: open_clip ViT-B/16 + LoRA, 100 clients, 16 per round; "
+    bench.add_argument("--workload", choices=_Workloads(), default="cpu", metavar="WORKLOAD",
+                       help="one of %(choices)s. cpu: a tiny ViT smoke size; gpu: open_clip ViT-B/16 + LoRA, 100 clients, 16 per round; "
                        "llm: a Llama-3.2-1B-shaped model + LoRA r16, text generation on 512-token sequences, "
                        "20 clients, 4 per round; llm-cpu: the same on a tiny Llama; "
-                       f"{'|'.join(SEED_METHOD_WORKLOADS)}: that paper's method at its paper's model size (its paper "
-                       "config's offline twin) against the same method's code in one plain process")
+                       "the others: a seed paper's method at its paper's model size (its paper config's offline "
+                       "twin) against the same method's code in one plain process (benchmarks/method_bench.py)")
     bench.add_argument("--actors-per-gpu", type=int, nargs="+", default=[1, 2, 4], help="packings to sweep")
     bench.add_argument("--repeats", type=int, default=1,
                        help="run the sweep this many times; each packing's median overhead ratio is reported")

@@ -297,6 +297,21 @@ def build_method(entry: Any, index: int, *, num_clients: int = 0, tasks: Sequenc
     return method
 
 
+def method_model(method: Method, where: str, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task],
+                 seed: int) -> TrainableModule:
+    """``method.build_model``'s model, where the engine first meets it; one that is not a
+    :class:`rayfed.TrainableModule` (whose capabilities and trainable parameters the engine reads) is refused in one
+    sentence. ``where``: the method's config entry, ``methods[<i>] (<label>)``."""
+    from rayfed.models import TrainableModule
+
+    model = method.build_model(backbone, config, tasks, seed)
+    if not isinstance(model, TrainableModule):
+        raise ConfigError(f"{where}: {type(method).__name__}.build_model built a {type(model).__name__}, not a "
+                          "rayfed.TrainableModule; subclass rayfed.TrainableModule instead of torch.nn.Module (it "
+                          "declares the capabilities the engine reads, with defaults).")
+    return model
+
+
 def _validated_params(params_cls: type, values: dict[str, Any], label: str) -> Any:
     """``params_cls(**values)``, each value checked against (and coerced to) its field's annotation first.
 

@@ -137,6 +137,23 @@ def register_task_kind(name: str) -> Callable[[T], T]:
     return register("task_kind", name)
 
 
+_MOVED_FIELDS: dict[str, str] = {}
+
+
+def register_moved_field(field: str, sentence: str) -> None:
+    """Refuse config field ``field`` (``data.<key>``), which a plug-in replaced, with ``sentence``: one sentence
+    saying what to write instead. A package registers this beside the plug-in that replaced the field."""
+    _MOVED_FIELDS[field] = sentence
+
+
+def moved_field(field: str) -> str | None:
+    """What to write instead of config field ``field``, where a plug-in replaced it; None for any other field.
+    Built-ins register theirs as their modules load, so every kind's are loaded first."""
+    for kind in KINDS:
+        _load_builtins(kind)
+    return _MOVED_FIELDS.get(field)
+
+
 def _load_builtins(kind: str) -> None:
     if kind not in _loaded:
         _loaded.add(kind)

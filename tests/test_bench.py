@@ -174,6 +174,19 @@ def test_the_bench_workloads_are_the_same_for_the_cli_and_the_flower_side_by_sid
         workload_named("llm-gpu")
 
 
+def test_the_cli_parser_imports_the_seed_methods_workloads_only_for_bench_workload():
+    """rayfed.cli names no paper: the seed methods' workloads come from benchmarks/method_bench.py, looked up when
+    --workload is given, so building the parser (every command) imports no benchmark."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from rayfed.cli import build_parser; parser = build_parser(); parser.parse_args(['run', 'x']); "
+             "print('rayfed.benchmarks.method_bench' in sys.modules, parser.parse_args(['bench', '--workload', "
+             "'fedyolo']).workload, 'rayfed.benchmarks.method_bench' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split() == [
+        "False", "fedyolo", "True"]
+
+
 def test_a_workload_names_its_bad_field_and_the_allowed_values():
     with pytest.raises(ConfigError, match=r"Workload.task = 'text' is not known; allowed: image_classification, "
                                           r"text_generation\."):

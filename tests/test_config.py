@@ -116,6 +116,18 @@ def test_the_old_base_novel_section_says_what_to_write_instead(tiny_run):
         "base_excludes_local}} instead (docs/pfedmma.md#data-and-metrics).")
 
 
+def test_a_data_field_a_plug_in_replaced_is_refused_with_the_plug_ins_sentence(tiny_run, monkeypatch):
+    from rayfed import registry
+
+    monkeypatch.setitem(registry._MOVED_FIELDS, "data.old_split", "data.old_split is now a partitioner: write "
+                        "data.partition: {name: new_split} instead.")
+    tiny_run["data"]["old_split"] = {"k": 1}
+    assert _error(tiny_run, []) == "data.old_split is now a partitioner: write data.partition: {name: new_split} instead."
+    del tiny_run["data"]["old_split"]
+    tiny_run["data"]["other_split"] = 1  # a field no plug-in replaced: the unknown field's own error
+    assert "other_split" in _error(tiny_run, []) and "partitioner" not in _error(tiny_run, [])
+
+
 def test_partition_options_reach_the_partitioner_as_given(tiny_run):
     tiny_run["data"]["partition"] = {"name": "base_novel", "options": {"shots": 4, "class_seed": 7}}
     assert load_config(tiny_run).data.partition.options == {"shots": 4, "class_seed": 7}

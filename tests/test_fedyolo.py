@@ -23,8 +23,9 @@ from rayfed.methods.fedyolo import FedYoloParams
 from rayfed.models import VIT_SIZES, build_backbone, build_client_model, build_task_model
 from rayfed.models.peft.modules import (TASK_SELECTED_MODULES, AdaptedMLP, TaskHeads, representation_shift, select_task,
                              transformer_blocks)
+from rayfed.param_names import task_of_name
 from rayfed.simulation import rounds_to_target
-from rayfed.tasks import Task, sample_round, task_of_name, task_view
+from rayfed.tasks import Task, sample_round, task_view
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "fedyolo"
 

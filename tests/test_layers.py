@@ -25,14 +25,6 @@ def _word(name: str) -> str:
 PAPER_WORD = re.compile(r"(?<![a-z0-9])(" + "|".join(map(_word, PAPER_NAMES + PAPER_KEYS)) + r")(?![a-z0-9])",
                         re.IGNORECASE)
 
-# Work left for issue 36: engine modules that still name a paper. Those that other parts of the issue move out of
-# rayfed/ (mome, pqlora, mma, the ViT ladder, the part-texture, base-to-novel and task-group sources) and those whose
-# mentions go with them (the config section, registry entries, kd_term and its image key). A file that no longer
-# names one (or is gone) fails the test until it is dropped from here, so the list only shrinks.
-NAMING_A_PAPER_LEFT = {
-    "rayfed/config/data.py", "rayfed/zoo/families.py", "rayfed/cli.py",
-}
-
 
 def _paper_words(root: Path = ROOT) -> dict[str, list[str]]:
     """Per module under ``root``/rayfed (path relative to ``root``): the paper names and keys it holds, in order."""
@@ -44,12 +36,10 @@ def _paper_words(root: Path = ROOT) -> dict[str, list[str]]:
     return found
 
 
-def test_no_engine_module_names_a_seed_paper_but_those_left_to_move():
-    found = _paper_words()
-    new = {name: sorted(set(words)) for name, words in found.items() if name not in NAMING_A_PAPER_LEFT}
-    assert not new, f"the engine names no paper (say what the piece does; the paper's docs/<paper>.md cite it): {new}"
-    done = NAMING_A_PAPER_LEFT - set(found)
-    assert not done, f"these name no paper now (or are gone), drop them from NAMING_A_PAPER_LEFT: {sorted(done)}"
+def test_no_engine_module_names_a_seed_paper():
+    found = {name: sorted(set(words)) for name, words in _paper_words().items()}
+    assert not found, (f"the engine names no paper (say what the piece does; the paper's docs/<paper>.md cite it, and "
+                       f"its package registers what only it needs): {found}")
 
 
 def test_the_paper_check_finds_names_and_keys_in_code_docstrings_and_comments(tmp_path):

@@ -344,6 +344,31 @@ def test_a_method_that_builds_its_own_model_is_refused_a_client_model_it_would_i
     check_model(config, federation, run_methods(config, federation))
 
 
+@rayfed.register_method("test-plain-model")
+class PlainModel(Method):
+    """Lives only in this test module: a method whose model is a plain torch.nn.Module."""
+
+    def build_model(self, backbone, config, tasks, seed):
+        return nn.Linear(2, 2)
+
+
+def test_a_methods_model_that_is_not_a_trainable_module_is_refused_in_one_sentence_wherever_it_is_built(tiny_run):
+    """In the preflight and on an actor (a run that skips the preflight), before anything reads the model."""
+    from rayfed.actors.client import ClientActor, run_methods
+    from rayfed.data.clients import build_federation
+    from rayfed.simulation import check_model
+
+    tiny_run["methods"] = [{"name": "test-plain-model", "label": "plain"}]
+    config = load_config(tiny_run)
+    refused = (r"^methods\[0\] \(plain\): PlainModel\.build_model built a Linear, not a rayfed\.TrainableModule; "
+               r"subclass rayfed\.TrainableModule instead of torch\.nn\.Module \([^.]*\)\.$")
+    with pytest.raises(ConfigError, match=refused):
+        check_model(config, build_federation(config.data, config.seed), run_methods(config, build_federation(
+            config.data, config.seed)))
+    with pytest.raises(ConfigError, match=refused):
+        ClientActor(config.to_dict(), [0, 1]).start_method(0)
+
+
 def test_a_task_kind_plug_in_scores_with_its_own_loss_and_metric(tiny_run):
     from rayfed.actors.client import ClientActor
     from rayfed.tasks.kinds import Classification

@@ -49,11 +49,12 @@ from rayfed.config import ModelConfig
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
 from rayfed.models import AdapterSets, Backbone, client_model
 from rayfed.models.peft.modules import set_adapter_mix
+from rayfed.param_names import adapter_set_of, components, with_adapter_set
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import IMAGE_KD, ClientContext, Phase, Step, output_distillation
 
-SHARED, FROZEN, LOCAL = ".adapters.shared.", ".adapters.frozen.", ".adapters.local."
+SHARED, FROZEN, LOCAL = "shared", "frozen", "local"
 VARIANTS = ("feddat", "no_frozen", "no_local", "no_mkd", "peft")
 # The adapters each variant holds per site, and its teacher / DAT mixture.
 ADAPTERS = {"feddat": ("shared", "frozen", "local"), "no_mkd": ("shared", "frozen", "local"),
@@ -137,10 +138,10 @@ class FedDAT(Method):
         if not self.params.federated:
             return False
         if self.params.variant == "peft":
-            return not name.startswith("head.") and name != "head"
+            return components(name)[0] != "head"
         if self.params.uploads == "all_but_local":  # Â_s is never trained, so never sent
-            return LOCAL not in name
-        return SHARED in name
+            return adapter_set_of(name) != LOCAL
+        return adapter_set_of(name) == SHARED
 
     # Client side ---------------------------------------------------------------------------------------
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
@@ -159,7 +160,8 @@ class FedDAT(Method):
         """Â_s: the A_s a client starts from (the received one; its own when nothing is communicated)."""
         if "frozen" not in ADAPTERS[self.params.variant]:
             return {}
-        return {name.replace(SHARED, FROZEN): value for name, value in start.items() if SHARED in name}
+        return {with_adapter_set(name, FROZEN): value for name, value in start.items()
+                if adapter_set_of(name) == SHARED}
 
     def kd_weight(self, maximum: float, round_idx: int) -> float:
         """α or β in round ``round_idx`` (0-based): ``maximum``, ramped up over the first t_r rounds."""
@@ -202,11 +204,11 @@ class FedDAT(Method):
             return scale * step.task_loss(losses)
 
         if variant == "no_local":  # no L^DAT: the only teacher is frozen
-            return [Phase(trains=lambda name: LOCAL not in name, loss=student)]
+            return [Phase(trains=lambda name: adapter_set_of(name) != LOCAL, loss=student)]
         if self.params.update == "joint":
             return [Phase(loss=lambda step: student(step) + teacher(step))]
-        return [Phase(trains=lambda name: LOCAL not in name, loss=student),
-                Phase(trains=lambda name: SHARED not in name, loss=teacher)]
+        return [Phase(trains=lambda name: adapter_set_of(name) != LOCAL, loss=student),
+                Phase(trains=lambda name: adapter_set_of(name) != SHARED, loss=teacher)]
 
     def _outputs(self, step: Step, part: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What distillation compares and what the task's kind scores, on ``step.parts[part]``."""

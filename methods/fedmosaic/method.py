@@ -51,7 +51,7 @@ from rayfed.methods.fedmosaic.rela import (RelevanceSource, equal_weights, last_
                                            relevance_weights)
 from rayfed.models import Backbone, ClientModel, build_backbone, build_task_model
 from rayfed.models.peft.named_adapters import adapted_modules, adapters_off
-from rayfed.param_names import adapter_tensor, layer_of
+from rayfed.param_names import adapter_of, adapter_part, adapter_tensor, components, layer_of, parent, with_adapter
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase, PreFederation, Step, stacked_forward_batch
@@ -136,15 +136,15 @@ class FedMosaicParams:
 
 
 def is_global(name: str) -> bool:
-    return f".{GLOBAL}_" in name
+    return adapter_of(name) == GLOBAL
 
 
 def is_local(name: str) -> bool:
-    return f".{LOCAL}_" in name
+    return adapter_of(name) == LOCAL
 
 
 def global_name(name: str) -> str:
-    return name.replace(f".{LOCAL}_", f".{GLOBAL}_")
+    return with_adapter(name, GLOBAL) if is_local(name) else name
 
 
 @register_method("fedmosaic")
@@ -211,7 +211,7 @@ class FedMosaic(Method):
     def is_shared(self, name: str) -> bool:
         if not is_local(name):
             return False
-        if name.endswith(("_P", "_Q")):
+        if pqlora.is_pq(name):
             return True
         return self.params.conv_agg != "none"
 
@@ -220,7 +220,7 @@ class FedMosaic(Method):
         return {"personal": {n: v for n, v in initial.items() if not is_global(n)}, "optimizer": {}, "relevance": {}}
 
     def _trains(self, name: str) -> bool:
-        return is_local(name) or name.endswith(f"{pqlora.GATE}.beta")
+        return is_local(name) or components(name)[-2:] == [pqlora.GATE, "beta"]
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
         received = payload or {}
@@ -243,7 +243,7 @@ class FedMosaic(Method):
         steps = client.default_steps()
         if self.params.compute_matched_steps:
             steps = max(1, math.floor(steps / TRAINING_COMPUTE_FACTOR))
-        phase = Phase(trains=self._trains, loss=loss, lr_of=lambda name: pq_lr if name.endswith(("_P", "_Q")) else None)
+        phase = Phase(trains=self._trains, loss=loss, lr_of=lambda name: pq_lr if pqlora.is_pq(name) else None)
         result = client.train(params, steps=steps, phases=[phase], optimizer_state=state["optimizer"] or None,
                               keep_optimizer_state=True)
         personal = {n: v for n, v in result.params.items() if not is_global(n)}
@@ -293,7 +293,7 @@ class FedMosaic(Method):
         model = step.model
         if self.params.relevance == "training_current":
             last = max(model.attachments[pqlora.PQPlacement].pq_layers) - 1
-            names = sorted(n for n in step.params if is_local(n) and n.endswith(("_P", "_Q")) and layer_of(n) == last)
+            names = sorted(n for n in step.params if is_local(n) and pqlora.is_pq(n) and layer_of(n) == last)
             grads = torch.autograd.grad(step.task_loss(), [step.params[n] for n in names], allow_unused=True)
             return torch.cat([(g if g is not None else torch.zeros_like(step.params[n])).flatten().float()
                               for g, n in zip(grads, names)]).detach().cpu()
@@ -473,7 +473,7 @@ def _aligned_basis(layout: TensorDict, prepared: dict[str, TensorDict], pivot: s
 
 def _pq_blocks(names: Sequence[str]) -> dict[str, int]:
     """Each of one architecture's P and Q tensors by its block: the rank of its layer among the PQ layers."""
-    pq = [name for name in names if name.endswith(("_P", "_Q"))]
+    pq = [name for name in names if pqlora.is_pq(name)]
     layers = sorted({layer_of(name) for name in pq})
     return {name: layers.index(layer_of(name)) for name in pq}
 
@@ -491,7 +491,7 @@ def pq_groups(names: Sequence[str]) -> dict[str, str]:
 def _pq_stem(layout: TensorDict, arch: str, key: str) -> str:
     """The name, without ``.local_P``, of ``arch``'s PQ module at ``key`` (``<block>/<module>``)."""
     for name, block in unprefixed(layout, arch).items():
-        if name.endswith(".local_P") and _pq_key(int(block), name) == f"pq/{key}/P":
-            return name.removesuffix(".local_P")
+        if adapter_part(name) == (LOCAL, "P") and _pq_key(int(block), name) == f"pq/{key}/P":
+            return parent(name)
     raise KeyError(f"{arch}: no PQ module at {key}")
 

@@ -33,8 +33,15 @@ from torch import nn
 
 from rayfed.models.peft import named_adapters
 from rayfed.models.peft.named_adapters import LINEAR_TARGETS, AdaptedLinear, LinearBuilder, Mix, Placement
+from rayfed.param_names import adapter_param, adapter_part
 
 GATE = "adapter_gate"
+
+
+def is_pq(name: str) -> bool:
+    """Whether parameter ``name`` is a PQ layer's P or Q (of any adapter)."""
+    parsed = adapter_part(name)
+    return parsed is not None and parsed[1] in ("P", "Q")
 
 
 def attachment_layers(depth: int, blocks: int) -> tuple[int, ...]:
@@ -129,7 +136,8 @@ class GatedLinear(AdaptedLinear):
         self._check_rank(d_in, d_out)
         rank = self.rank
         return [("A", (rank, d_in)), ("B", (d_out, rank))] + [
-            (f"{name}_{part}", shape) for name in self.adapters for part, shape in (("P", (rank, rank)), ("Q", (rank,)))]
+            (adapter_param(name, part), shape)
+            for name in self.adapters for part, shape in (("P", (rank, rank)), ("Q", (rank,)))]
 
     def _create_parameters(self, d_in: int, d_out: int, device: torch.device, generator: torch.Generator) -> None:
         if not self.pq:
@@ -141,8 +149,8 @@ class GatedLinear(AdaptedLinear):
         self.B = nn.Parameter(random_orthonormal(d_out, rank, generator).to(device))
         start = torch.eye(rank) if self.pq_init == "identity" else torch.zeros(rank, rank)
         for name in self.adapters:
-            setattr(self, f"{name}_P", nn.Parameter(start.clone().to(device)))
-            setattr(self, f"{name}_Q", nn.Parameter(torch.zeros(rank, device=device)))
+            setattr(self, adapter_param(name, "P"), nn.Parameter(start.clone().to(device)))
+            setattr(self, adapter_param(name, "Q"), nn.Parameter(torch.zeros(rank, device=device)))
 
     def set_gate(self, gate: LayerGate | None) -> None:
         self._gate = () if gate is None else (gate,)

@@ -35,7 +35,8 @@ from rayfed.method import (ClientState, EachUpload, LocalResult, Method, ServerS
 from rayfed.registry import register_method
 from rayfed.models import Backbone, build_task_model, num_blocks
 from rayfed.models.peft.modules import dedicated_blocks
-from rayfed.tasks import Task, task_of_name
+from rayfed.param_names import task_of_name
+from rayfed.tasks import Task
 from rayfed.training import ClientContext
 
 SHARING = ("none", "half", "all")

@@ -21,7 +21,7 @@ import numpy as np
 from rayfed.data.partition import LabelSpace, Partition, PartitionRequest, SharedTest, split_train_test
 from rayfed.data.sources import DataError
 from rayfed.errors import suggest
-from rayfed.registry import register_partitioner
+from rayfed.registry import register_moved_field, register_partitioner
 
 _PURPOSE_SHOTS = 0xBA5E
 _UNUSED_FIELDS = ("alpha", "classes_per_client", "samples_per_client", "clients_per_domain")
@@ -54,6 +54,10 @@ class BaseNovelOptions:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+register_moved_field("data.base_novel", "data.base_novel is now a partitioner: write data.partition: {name: base_novel, "
+                     "options: {shots, class_seed, base_excludes_local}} instead (docs/pfedmma.md#data-and-metrics)")
 
 
 @register_partitioner("base_novel")

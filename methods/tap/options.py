@@ -11,7 +11,8 @@ from typing import Any
 from rayfed.errors import ConfigError, suggest
 from rayfed.models import Backbone
 from rayfed.models.client_plugin import OPTIONS_FIELD
-from rayfed.tasks import Task, task_key as run_task_key
+from rayfed.param_names import task_key as run_task_key
+from rayfed.tasks import Task
 
 IMAGE, TEXT, SHARED = "image", "text", "shared"
 MODALITIES = (IMAGE, TEXT)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from rayfed import registry
 from rayfed.config.fields import MOVED, PartitionerName, Section, SourceName, TaskKindName
 
 
@@ -102,17 +103,17 @@ class DataConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _synthetic_is_options(cls, raw: Any) -> Any:
-        # `synthetic:` is the earlier name of `options:` (the generators' options); both are read.
+    def _earlier_fields(cls, raw: Any) -> Any:
+        # `synthetic:` is the earlier name of `options:` (the generators' options); both are read. A field a plug-in
+        # replaced (rayfed.registry.register_moved_field) is refused with the plug-in's sentence.
         if isinstance(raw, dict) and "synthetic" in raw:
             if raw.get("options") is not None:
                 raise ValueError("data.synthetic and data.options are both set; data.synthetic is the old name of "
                                  "data.options, keep one")
             raw = {**{k: v for k, v in raw.items() if k != "synthetic"}, "options": raw["synthetic"]}
-        if isinstance(raw, dict) and "base_novel" in raw:
-            raise PydanticCustomError(MOVED, "{moved}", {"moved": (
-                "data.base_novel is now a partitioner: write data.partition: {name: base_novel, options: {shots, "
-                "class_seed, base_excludes_local}} instead (docs/pfedmma.md#data-and-metrics)")})
+        for key in raw if isinstance(raw, dict) else ():
+            if key not in cls.model_fields and (moved := registry.moved_field(f"data.{key}")) is not None:
+                raise PydanticCustomError(MOVED, "{moved}", {"moved": moved})
         return raw
 
     @model_validator(mode="after")

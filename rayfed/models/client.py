@@ -11,7 +11,8 @@ from torch import nn
 from rayfed.tasks import kinds
 from rayfed.models.backbone import Backbone
 from rayfed.models.peft.modules import TASK_SELECTED_MODULES, TaskHeads, modules_of_type
-from rayfed.tasks import Task, task_key
+from rayfed.param_names import task_key
+from rayfed.tasks import Task
 from rayfed.types import Batch, TensorDict
 
 

@@ -28,8 +28,7 @@ import torch
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_bytes, atomic_write_json
 from rayfed.method import ClientState, ServerState
-
-_SEP = "/"
+from rayfed.param_names import prefixed_name, split_prefix
 
 
 @dataclass
@@ -40,9 +39,9 @@ class Checkpoint:
     meta: dict[str, Any]
 
 
-def _flatten(slots: dict[str, dict[str, torch.Tensor]], prefix: str = "") -> dict[str, torch.Tensor]:
+def _flatten(slots: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {
-        f"{prefix}{slot}{_SEP}{name}": value.detach().cpu().contiguous().clone()
+        prefixed_name(slot, name): value.detach().cpu().contiguous().clone()
         for slot, values in slots.items()
         for name, value in values.items()
     }
@@ -51,7 +50,7 @@ def _flatten(slots: dict[str, dict[str, torch.Tensor]], prefix: str = "") -> dic
 def _unflatten(flat: dict[str, torch.Tensor], slot_names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     slots: dict[str, dict[str, torch.Tensor]] = {slot: {} for slot in slot_names}
     for key, value in flat.items():
-        slot, name = key.split(_SEP, 1)
+        slot, name = split_prefix(key)
         slots.setdefault(slot, {})[name] = value
     return slots
 
@@ -78,7 +77,7 @@ def save_checkpoint(
     round_dir.mkdir(parents=True)
     client_tensors: dict[str, torch.Tensor] = {}
     for cid, state in clients.items():
-        client_tensors.update(_flatten(state, prefix=f"{cid}{_SEP}"))
+        client_tensors.update({prefixed_name(str(cid), key): value for key, value in _flatten(state).items()})
     atomic_write_bytes(round_dir / "server.safetensors", safetensors.torch.save(_flatten(server)))
     atomic_write_bytes(round_dir / "clients.safetensors", safetensors.torch.save(client_tensors))
     full_meta = {
@@ -110,7 +109,7 @@ def load_checkpoint(root: Path, label: str, config: dict[str, Any] | None = None
     server = _unflatten(_read_tensors(round_dir / "server.safetensors"), meta["server_slots"])
     grouped: dict[int, dict[str, torch.Tensor]] = {int(cid): {} for cid in meta["client_slots"]}
     for key, value in _read_tensors(round_dir / "clients.safetensors").items():
-        cid, rest = key.split(_SEP, 1)
+        cid, rest = split_prefix(key)
         grouped[int(cid)][rest] = value
     clients = {cid: _unflatten(flat, meta["client_slots"][str(cid)]) for cid, flat in grouped.items()}
     return Checkpoint(meta["round"], server, clients, meta)

@@ -13,7 +13,7 @@ from rayfed.architectures import architecture_names, architecture_of
 from rayfed.config import RunConfig, architecture_model_config, method_model_config
 from rayfed.data.clients import Federation
 from rayfed.errors import ConfigError
-from rayfed.method import Method
+from rayfed.method import Method, method_model
 from rayfed.models import build_backbone
 from rayfed.models.client_plugin import client_models_built
 from rayfed.models.peft.modules import select_task
@@ -38,7 +38,8 @@ def check_model(config: RunConfig, federation: Federation, methods: Sequence[Met
         for index, (entry, method) in enumerate(zip(config.methods, methods)):
             method_config = method_model_config(model_config, entry, index)
             with client_models_built() as built:
-                model = method.build_model(backbone, method_config, federation.tasks, 0)
+                model = method_model(method, f"methods[{index}] ({entry.label})", backbone, method_config,
+                                     federation.tasks, 0)
             if method_config.client is not None and not built:
                 raise ConfigError(
                     f"methods[{index}] ({entry.label}) builds a model of its own and would ignore model.client = "

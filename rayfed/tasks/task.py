@@ -3,13 +3,12 @@ its kind, and which parameters belong to which tasks."""
 
 from __future__ import annotations
 
-import functools
-import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from rayfed.tasks.kinds import Classification, TaskKind
+from rayfed.param_names import task_key, task_of_name
 from rayfed.seeding import SERVER, numpy_rng, sample_clients
 
 if TYPE_CHECKING:
@@ -34,21 +33,6 @@ class Task:
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
-
-
-_TASK_COMPONENT = re.compile(r"(?:^|\.)task_(\d+)(?:\.|$)")
-
-
-def task_key(index: int) -> str:
-    """The name component that marks a parameter as task ``index``'s own."""
-    return f"task_{index}"
-
-
-@functools.lru_cache(maxsize=None)  # asked for every tensor of every payload, every round
-def task_of_name(name: str) -> int | None:
-    """The task a parameter belongs to (its ``task_<index>`` component), or None for a shared one."""
-    match = _TASK_COMPONENT.search(name)
-    return int(match.group(1)) if match else None
 
 
 def param_tasks(name: str, tags: Mapping[str, frozenset[int]]) -> frozenset[int] | None:

@@ -10,13 +10,13 @@ from rayfed.zoo import causal_lm, clip, flava, llava, openclip, vilt, vit
 from rayfed.zoo.registry import Family
 
 _CAUSAL_LM = {
-    "llama-small": "Llama-3 style LLM, shallow and narrow (FedMosaic's small clients)",
-    "llama-large": "Llama-3 style LLM, deep and wide (FedMosaic's large clients)",
+    "llama-small": "Llama-3 style LLM, shallow and narrow (the small clients of a run of mixed model sizes)",
+    "llama-large": "Llama-3 style LLM, deep and wide (the large clients of a run of mixed model sizes)",
     "qwen": "Qwen2.5 style LLM (qkv bias; another width)",
 }
 _LLAVA = {
-    "llava": "on llama-small (FedMosaic's small clients)",
-    "llava-large": "on llama-large (FedMosaic's large clients)",
+    "llava": "on llama-small (small clients)",
+    "llava-large": "on llama-large (large clients)",
 }
 
 
@@ -63,27 +63,27 @@ FAMILIES = FamilyTable(
             clip.VISION_RECIPE, clip.build_vision, clip.evaluate_vision, clip.load_vision, requires=("clip",),
         ),
         Family(
-            "open_clip", "open_clip CLIP ViT-B-16 (pretrained='openai'), pFedMMA's backbone",
+            "open_clip", "open_clip CLIP ViT-B-16 (pretrained='openai')",
             "symmetric image-text contrastive loss (open_clip.ClipLoss)",
             openclip.RECIPE, openclip.build, openclip.evaluate, openclip.load_folder,
         ),
         Family(
             "open_clip-deep", "open_clip CLIP ViT-B-16 (pretrained='openai') at its depth: 12 blocks per tower, "
-            "pretrained on all classes (pFedMMA's offline backbone)",
+            "pretrained on all classes (a backbone for runs offline)",
             "symmetric image-text contrastive loss (open_clip.ClipLoss)",
             openclip.DEEP_RECIPE, openclip.build, openclip.evaluate, openclip.load_folder,
         ),
         Family(
-            "vit", "HF ViT (google/vit-base-patch16-224), FedYolo's backbone", "supervised image classification",
+            "vit", "HF ViT (google/vit-base-patch16-224)", "supervised image classification",
             vit.RECIPE, vit.build, vit.evaluate, vit.load,
         ),
         Family(
-            "vilt", "HF ViLT (dandelin/vilt-b32-mlm), FedDAT's backbone",
+            "vilt", "HF ViLT (dandelin/vilt-b32-mlm)",
             "masked language modelling + image-text matching",
             vilt.RECIPE, vilt.build, vilt.evaluate, vilt.load,
         ),
         Family(
-            "flava", "HF FLAVA (facebook/flava-full), a TAP backbone",
+            "flava", "HF FLAVA (facebook/flava-full)",
             "image-text contrastive + multimodal masked language modelling + image-text matching",
             flava.RECIPE, flava.build, flava.evaluate, flava.load,
         ),
@@ -94,7 +94,7 @@ FAMILIES = FamilyTable(
         ),
         *(
             Family(
-                name, f"HF LLaVA (llava-hf/llava-1.5-7b-hf), FedMosaic's and TAP's multi-modal LLM, {stands_in_for}",
+                name, f"HF LLaVA (llava-hf/llava-1.5-7b-hf), a multi-modal LLM, {stands_in_for}",
                 "image-conditioned next-token prediction (captions), vision tower frozen",
                 llava.RECIPES[name], llava.build, llava.evaluate, llava.load,
                 requires=(llava.VISION, llava.LANGUAGE_MODELS[name]),

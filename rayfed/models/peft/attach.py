@@ -17,6 +17,7 @@ from rayfed.models.peft.modules import (
     MlpHead, TaskHeads, add_adapter_set, add_adapters, add_bias_tuning, add_modality_prompts, add_output_adapters,
     add_prompts, tag_tasks,
 )
+from rayfed.param_names import leaf
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import Task
 
@@ -98,12 +99,12 @@ def attach_adapter_set(
 def _inject_lora(model: ClientModel, lora: LoraConfig, backbone: Backbone) -> None:
     targets = lora.targets or backbone.lora_targets
     scope = backbone.lora_scope
-    module_names = {name.rsplit(".", 1)[-1] for name, _ in model.encoder.named_modules()
+    module_names = {leaf(name) for name, _ in model.encoder.named_modules()
                     if scope is None or name.startswith(scope + ".")}
     missing = [t for t in targets if t not in module_names]
     if missing:
         linear_names = sorted(
-            {n.rsplit(".", 1)[-1] for n, m in model.encoder.named_modules() if isinstance(m, nn.Linear)}
+            {leaf(n) for n, m in model.encoder.named_modules() if isinstance(m, nn.Linear)}
         )
         raise ConfigError(
             f"model.lora.targets = {list(targets)!r} names modules the backbone lacks ({', '.join(missing)}); "

@@ -16,13 +16,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from rayfed.param_names import components, leaf, parent
 from rayfed.types import TensorDict
 
 
 def _factor(model: nn.Module, name: str) -> nn.Linear | None:
     """The bias-free LoRA factor whose weight ``name`` is, else None."""
-    module_name, _, leaf = name.rpartition(".")
-    if leaf != "weight" or not any(part in ("lora_A", "lora_B") for part in module_name.split(".")):
+    module_name = parent(name)
+    if leaf(name) != "weight" or not any(part in ("lora_A", "lora_B") for part in components(module_name)):
         return None
     try:
         module = model.get_submodule(module_name)

@@ -29,6 +29,7 @@ their own, so a task's initial values do not depend on which other tasks exist.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -36,7 +37,8 @@ import torch
 from torch import nn
 
 from rayfed.errors import ConfigError
-from rayfed.tasks import Task, task_key
+from rayfed.param_names import task_key
+from rayfed.tasks import Task
 
 if TYPE_CHECKING:
     from rayfed.models.backbone import Backbone
@@ -176,14 +178,20 @@ def _count_registration(module: nn.Module, name: str, submodule: nn.Module | Non
 torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
 
 
+# Each model's lists of modules by types, with the registration count they were made at; weakly keyed, so the model
+# stays as it was (its copies and pickles carry no lists) and a model's lists go with it.
+_module_lists: weakref.WeakKeyDictionary[nn.Module, tuple[int, dict[tuple[type, ...], list[nn.Module]]]] = (
+    weakref.WeakKeyDictionary())
+
+
 def modules_of_type(model: nn.Module, types: tuple[type, ...]) -> list[nn.Module]:
-    """``model``'s modules (itself included) that are instances of ``types``, in module order. The list is kept on
-    the model and made again only after a module has been registered somewhere: a large model's walk (thousands of
-    modules) would otherwise run at every task or adapter switch, several times a training step."""
-    lists = model.__dict__.get("_rayfed_module_lists")
+    """``model``'s modules (itself included) that are instances of ``types``, in module order. The list is kept
+    for the model and made again only after a module has been registered somewhere: a large model's walk (thousands
+    of modules) would otherwise run at every task or adapter switch, several times a training step."""
+    lists = _module_lists.get(model)
     if lists is None or lists[0] != _registrations:
         lists = (_registrations, {})
-        model.__dict__["_rayfed_module_lists"] = lists
+        _module_lists[model] = lists
     if types not in lists[1]:
         lists[1][types] = [module for module in model.modules() if isinstance(module, types)]
     return lists[1][types]

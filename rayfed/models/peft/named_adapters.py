@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rayfed.param_names import adapter_param, leaf, parent
+
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 Mix = Mapping[str, float | torch.Tensor]
@@ -50,7 +52,7 @@ class AdaptedLinear(nn.Module):
 
     def _parameter_shapes(self, d_in: int, d_out: int) -> list[tuple[str, tuple[int, ...]]]:
         """Every parameter's name and shape, in the order :meth:`_create_parameters` creates them."""
-        return [(f"{name}_{part}", shape) for name in self.adapters
+        return [(adapter_param(name, part), shape) for name in self.adapters
                 for part, shape in (("A", (self.rank, d_in)), ("B", (d_out, self.rank)))]
 
     def _create_parameters(self, d_in: int, d_out: int, device: torch.device, generator: torch.Generator) -> None:
@@ -58,11 +60,11 @@ class AdaptedLinear(nn.Module):
         bound = 1.0 / math.sqrt(d_in)  # kaiming_uniform(a=sqrt(5)), peft's and nn.Linear's default
         a.uniform_(-bound, bound, generator=generator)
         for name in self.adapters:  # every adapter starts from the same values
-            setattr(self, f"{name}_A", nn.Parameter(a.clone().to(device)))
-            setattr(self, f"{name}_B", nn.Parameter(torch.zeros(d_out, self.rank, device=device)))
+            setattr(self, adapter_param(name, "A"), nn.Parameter(a.clone().to(device)))
+            setattr(self, adapter_param(name, "B"), nn.Parameter(torch.zeros(d_out, self.rank, device=device)))
 
     def adapter(self, name: str, part: str) -> torch.Tensor:
-        value = getattr(self, f"{name}_{part}")
+        value = getattr(self, adapter_param(name, part))
         return value.detach() if name in self.frozen else value
 
     def weights(self) -> Mix:
@@ -127,7 +129,7 @@ def decoder_layers(root: nn.Module, scope: str | None = None) -> tuple[str, nn.M
     for name, module in root.named_modules():
         if scope is not None and not name.startswith(scope + "."):
             continue
-        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "layer") and len(module):
+        if isinstance(module, nn.ModuleList) and leaf(name) in ("layers", "layer") and len(module):
             return name, module
     where = f" under {scope!r}" if scope else ""
     raise ValueError(f"the model has no list of decoder layers{where} (an nn.ModuleList named 'layers')")
@@ -152,14 +154,13 @@ def attach(root: nn.Module, on_layer: LayerBuilder, *, scope: str | None = None,
     for index, layer in enumerate(layers, start=1):
         build = on_layer(index, layer)
         for name, module in list(layer.named_modules()):
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf not in targets or not isinstance(module, nn.Linear):
+            attribute = leaf(name)
+            if attribute not in targets or not isinstance(module, nn.Linear):
                 continue
-            parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
             generator = torch.Generator().manual_seed(seed_of(f"layer{index}:{name}"))
-            setattr(parent, leaf, build(module, generator))
-            placed.append((f"{prefix}.{index - 1}.{name}", index, leaf))
-    missing = sorted(set(targets) - {leaf for _, _, leaf in placed})
+            setattr(layer.get_submodule(parent(name)), attribute, build(module, generator))
+            placed.append((f"{prefix}.{index - 1}.{name}", index, attribute))
+    missing = sorted(set(targets) - {attribute for _, _, attribute in placed})
     if missing:
         raise ValueError(f"the decoder layers have no linear layers named {', '.join(missing)}")
     return Placement(len(layers), tuple(placed))
