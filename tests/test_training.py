@@ -9,12 +9,15 @@ import torch
 
 from rayfed import fast_steps, kinds, training
 from rayfed.actors.client import ClientActor, _OnDevice
+from rayfed.actors.uploads import UploadCollector
 from rayfed.benchmarks.overhead import Workload
 from rayfed.data.batches import ClientData, TaskData
 from rayfed.errors import ConfigError
-from rayfed.method import post_train_views
+from rayfed.method import Upload, post_train_views
 from rayfed.modules import select_task
 from rayfed.scoring import Scorer
+
+from conftest import CountedOps
 
 WORKLOAD = Workload(num_clients=3, clients_per_round=3, local_steps=6, batch_size=8, samples_per_client=24)
 
@@ -53,6 +56,68 @@ def test_a_payload_reaches_the_hooks_as_the_actors_own_copy():
     received.add_(1.0)  # a hook writing into its payload
     assert torch.equal(server["w"], torch.ones(3))
     assert payloads[1]["w"] is received  # copied once for the round's clients that share it
+
+
+COPIES = frozenset({"aten::_to_copy", "aten::copy_", "aten::cat", "aten::clone"})  # ops that copy values
+
+
+def test_a_clients_payload_tensors_of_one_dtype_cross_in_one_copy():
+    payload = {f"w{i}": torch.full((i + 1, 2), float(i)) for i in range(6)}
+    on_device = _OnDevice({0: payload}, torch.device("cpu"))
+    with CountedOps(COPIES) as copies:
+        received = on_device[0]
+    assert copies.count == 1  # one per tensor before
+    assert all(torch.equal(received[name], value) for name, value in payload.items())
+
+
+def test_a_payload_copied_in_one_go_keeps_every_value_dtype_and_shape_and_is_the_actors_own():
+    generator = torch.Generator().manual_seed(4)
+    wide = torch.randn(4, 6, generator=generator)
+    payload = {"a": torch.randn(3, 5, generator=generator), "scalar": torch.tensor(2.5, dtype=torch.float64),
+               "empty": torch.zeros(0, 3), "ids": torch.arange(7), "flags": torch.tensor([True, False, True]),
+               "half": torch.randn(5, generator=generator).bfloat16(), "transposed": wide.t(), "strided": wide[:, ::2],
+               "b": torch.randn(2, 2, 2, generator=generator, dtype=torch.float64), "no_rows": torch.zeros(0)}
+    received = _OnDevice({0: payload}, torch.device("cpu"))[0]
+    assert list(received) == list(payload)
+    for name, value in payload.items():
+        got = received[name]
+        assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value), name
+        assert got.untyped_storage().data_ptr() != value.untyped_storage().data_ptr() or not value.numel(), name
+    received["transposed"].add_(1.0)  # a hook writing into its payload changes neither the source nor the others
+    assert torch.equal(payload["transposed"], wide.t()) and torch.equal(received["strided"], wide[:, ::2])
+
+
+def test_a_payload_tensor_a_method_keeps_in_its_state_is_kept_without_the_rest_of_the_payload():
+    host, shared = _tiny_host()
+    update = host.method.local_update
+
+    def keeping_update(client, state, payload):
+        result = update(client, state, payload)
+        kept = next(iter(payload))
+        return dataclasses.replace(result, state={**result.state, "kept": {kept: payload[kept]}})
+
+    host.method.local_update = keeping_update
+    host.train(0, [0], {0: shared})
+    (name, kept), = host.states[0]["kept"].items()
+    assert torch.equal(kept, shared[name])
+    assert kept.untyped_storage().nbytes() == kept.nbytes  # not a view of the payload's buffer
+
+
+def test_uploads_reach_the_host_each_in_storage_of_its_own_with_their_values():
+    storage = torch.arange(20, dtype=torch.float32)  # uploads viewing one buffer, as one copy back would leave them
+    uploads = [Upload(cid, 4, {"shared": {"w": storage[cid * 5:cid * 5 + 4].view(2, 2), "s": storage[cid * 5 + 4]}},
+                      torch.tensor(0.5 + cid)) for cid in range(2)]
+    collected = UploadCollector(presum=False, weight_scale={0: 1.0, 1: 1.0})
+    for upload in uploads:
+        collected.add(upload)
+    assert collected.up_bytes == 2 * 5 * 4
+    on_host = collected.on_host()
+    for cid, upload in enumerate(on_host):
+        assert upload.train_loss == 0.5 + cid and type(upload.train_loss) is float
+        for name, value in upload.tensors["shared"].items():
+            assert value.untyped_storage().nbytes() == value.nbytes, name
+        assert torch.equal(upload.tensors["shared"]["w"], storage[cid * 5:cid * 5 + 4].view(2, 2))
+        assert torch.equal(upload.tensors["shared"]["s"], storage[cid * 5 + 4])
 
 
 def test_an_actor_reads_a_rounds_losses_after_its_last_client_has_trained(monkeypatch):
