@@ -9,7 +9,7 @@ import torch
 
 from rayfed import fast_steps, kinds, training
 from rayfed.actors.client import ClientActor, _OnDevice
-from rayfed.actors.uploads import UploadCollector
+from rayfed.actors.uploads import UploadCollector, to_host
 from rayfed.benchmarks.overhead import Workload
 from rayfed.data.batches import ClientData, TaskData
 from rayfed.errors import ConfigError
@@ -70,13 +70,18 @@ def test_a_clients_payload_tensors_of_one_dtype_cross_in_one_copy():
     assert all(torch.equal(received[name], value) for name, value in payload.items())
 
 
-def test_a_payload_copied_in_one_go_keeps_every_value_dtype_and_shape_and_is_the_actors_own():
+def _mixed_payload() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Tensors of several dtypes and shapes (0-d, empty, non-contiguous views of ``wide``), and ``wide``."""
     generator = torch.Generator().manual_seed(4)
     wide = torch.randn(4, 6, generator=generator)
-    payload = {"a": torch.randn(3, 5, generator=generator), "scalar": torch.tensor(2.5, dtype=torch.float64),
-               "empty": torch.zeros(0, 3), "ids": torch.arange(7), "flags": torch.tensor([True, False, True]),
-               "half": torch.randn(5, generator=generator).bfloat16(), "transposed": wide.t(), "strided": wide[:, ::2],
-               "b": torch.randn(2, 2, 2, generator=generator, dtype=torch.float64), "no_rows": torch.zeros(0)}
+    return {"a": torch.randn(3, 5, generator=generator), "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "empty": torch.zeros(0, 3), "ids": torch.arange(7), "flags": torch.tensor([True, False, True]),
+            "half": torch.randn(5, generator=generator).bfloat16(), "transposed": wide.t(), "strided": wide[:, ::2],
+            "b": torch.randn(2, 2, 2, generator=generator, dtype=torch.float64), "no_rows": torch.zeros(0)}, wide
+
+
+def test_a_payload_copied_in_one_go_keeps_every_value_dtype_and_shape_and_is_the_actors_own():
+    payload, wide = _mixed_payload()
     received = _OnDevice({0: payload}, torch.device("cpu"))[0]
     assert list(received) == list(payload)
     for name, value in payload.items():
@@ -118,6 +123,21 @@ def test_uploads_reach_the_host_each_in_storage_of_its_own_with_their_values():
             assert value.untyped_storage().nbytes() == value.nbytes, name
         assert torch.equal(upload.tensors["shared"]["w"], storage[cid * 5:cid * 5 + 4].view(2, 2))
         assert torch.equal(upload.tensors["shared"]["s"], storage[cid * 5 + 4])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_payload_crosses_to_the_gpu_and_uploads_back_with_their_values_each_upload_tensor_its_own():
+    payload, _ = _mixed_payload()
+    on_gpu = _OnDevice({0: payload}, torch.device("cuda"))[0]
+    uploads = [Upload(cid, 1, {"shared": dict(on_gpu)}, torch.tensor(0.5 + cid, device="cuda")) for cid in range(2)]
+    to_host(uploads)
+    for upload in uploads:
+        assert upload.train_loss == 0.5 + upload.client_id
+        for name, value in payload.items():
+            assert on_gpu[name].is_cuda and on_gpu[name].dtype == value.dtype and on_gpu[name].shape == value.shape
+            back = upload.tensors["shared"][name]
+            assert back.device.type == "cpu" and back.dtype == value.dtype and torch.equal(back, value), name
+            assert back.untyped_storage().nbytes() == back.nbytes, name
 
 
 def test_an_actor_reads_a_rounds_losses_after_its_last_client_has_trained(monkeypatch):
