@@ -24,7 +24,7 @@ from rayfed.compute import counted_flops
 from rayfed.actors import public
 from rayfed.actors.devices import resident_data, resident_device, resource_usage, round_device
 from rayfed.actors.evaluation import ClientEvaluation
-from rayfed.actors.uploads import RoundUploads, UploadCollector, slots_to
+from rayfed.actors.uploads import RoundUploads, UploadCollector, slots_to, to_host
 from rayfed.method import (ClientState, LocalResult, Method, TensorDict, TensorSpecs, Upload, check_tensors,
                            method_model, tensor_bytes, tensor_specs)
 from rayfed.models import build_backbone
@@ -34,7 +34,7 @@ from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import task_view
 from rayfed.training import ClientContext
 from rayfed.transport import use_raw_tensor_transport
-from rayfed.types import states_to
+from rayfed.types import moved_together, states_to
 
 Payloads = dict[int, TensorDict | None]
 
@@ -140,9 +140,7 @@ class ClientActor:
 
     def train(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> list[Upload]:
         uploads = list(self._local_updates(round_idx, client_ids, payloads))
-        for upload in uploads:
-            upload.tensors = slots_to(upload.tensors, "cpu")
-            upload.train_loss = float(upload.train_loss)
+        to_host(uploads)
         return uploads
 
     def _local_updates(self, round_idx: int, client_ids: list[int], payloads: Payloads) -> Iterator[Upload]:
@@ -156,7 +154,7 @@ class ClientActor:
             for cid in client_ids:
                 with self._hook("local_update", cid, f"in round {round_idx + 1}"):
                     result = self.method.local_update(self._context(cid, round_idx), self.states[cid], payloads[cid])
-                yield self._keep(cid, round_idx, result, on)
+                yield self._keep(cid, round_idx, result, on, payloads)
         else:
             lockstep: Lockstep[LocalResult] = Lockstep(batch)
 
@@ -168,20 +166,22 @@ class ClientActor:
 
             results = lockstep.run([lambda cid=cid: update(cid) for cid in client_ids])
             for cid, result in zip(client_ids, results):
-                yield self._keep(cid, round_idx, result, on)
+                yield self._keep(cid, round_idx, result, on, payloads)
         self.states.update(states_to({cid: self.states[cid] for cid in client_ids}, self.state_device))
 
     def _hook(self, hook: str, client_id: int, when: str) -> AbstractContextManager[None]:
         """Marks an error raised within with the method's hook, the client and the round (``when``)."""
         return raised_in(f"{type(self.method).__name__}.{hook} for client {client_id} {when}")
 
-    def _keep(self, client_id: int, round_idx: int, result: LocalResult, device: torch.device) -> Upload:
-        """Keep a local update's new state here; its upload, whose shared tensors must have the shapes and dtypes of
-        the model's parameters of their names; both on ``device``."""
+    def _keep(self, client_id: int, round_idx: int, result: LocalResult, device: torch.device,
+              payloads: _OnDevice) -> Upload:
+        """Keep a local update's new state here (a payload tensor in it as a copy of its own, see :class:`_OnDevice`);
+        its upload, whose shared tensors must have the shapes and dtypes of the model's parameters of their names;
+        both on ``device``."""
         source = f"method {self.label!r}, hook local_update, client {client_id}, round {round_idx + 1}"
         for slot, values in result.upload.items():
             check_tensors(values, self.param_specs if slot == "shared" else {}, source, "the client model's parameter")
-        self.states[client_id] = slots_to(result.state, device)
+        self.states[client_id] = slots_to(payloads.unshared(result.state), device)
         weight = self.data[client_id].num_train if result.weight is None else result.weight
         for name, value in result.stats.items():
             self._stats[name] = self._stats.get(name, 0.0) + value
@@ -276,7 +276,7 @@ class ClientActor:
         return self.round_times
 
     def get_states(self) -> dict[int, ClientState]:
-        return {cid: slots_to(state, "cpu") for cid, state in self.states.items()}
+        return states_to(self.states, "cpu")
 
     def set_states(self, states: dict[int, ClientState]) -> None:
         self.states = {cid: slots_to(states[cid], self.state_device) for cid in self.client_ids}
@@ -290,8 +290,9 @@ class _OnDevice:
     """``payloads``, each client's copied to ``device`` when asked for, after checking that each tensor has the
     shape and dtype of the model's parameter of its name (``specs``; ``source``: who sent it, ``{}`` the client).
 
-    A tensor the previous client received too is not copied again: a round's clients often receive the same
-    tensors (FedAvg's global model), which then reach the GPU once, not once a client. The copy is this actor's
+    A client's tensors cross in one copy per dtype (:func:`rayfed.types.moved_together`), views of one buffer on
+    ``device``. A tensor the previous client received too is not copied again: a round's clients often receive the
+    same tensors (FedAvg's global model), which then reach the GPU once, not once a client. The copy is this actor's
     own: through Ray the payloads are views of the object store's copy, and in one process the server's tensors.
     """
 
@@ -300,16 +301,24 @@ class _OnDevice:
         self.payloads, self.device = payloads, device
         self.specs, self.source = specs or {}, source
         self.previous: dict[int, torch.Tensor] = {}  # by id() of the source, alive in ``payloads`` meanwhile
+        self.buffers: set[int] = set()  # the copies' storages (data_ptr), see unshared
 
     def __getitem__(self, client_id: int) -> TensorDict | None:
         payload = self.payloads[client_id]
         if payload is None:
             return None
         previous = self.previous
-        check_tensors({name: value for name, value in payload.items() if id(value) not in previous}, self.specs,
-                      self.source.format(f"client {client_id}"), "the client model's parameter")
-        moved = {id(value): previous[id(value)] if id(value) in previous else value.to(self.device, copy=True)
+        new = {name: value for name, value in payload.items() if id(value) not in previous}
+        check_tensors(new, self.specs, self.source.format(f"client {client_id}"), "the client model's parameter")
+        copies = moved_together(new.values(), self.device, copy=True)
+        self.buffers.update(copy.untyped_storage().data_ptr() for copy in copies.values())
+        moved = {id(value): previous[id(value)] if id(value) in previous else copies[id(value)]
                  for value in payload.values()}
         self.previous = moved
         return {name: moved[id(value)] for name, value in payload.items()}
 
+    def unshared(self, state: ClientState) -> ClientState:
+        """``state`` with each tensor that views a payload's buffer copied into storage of its own: kept between
+        rounds, a view would keep the whole buffer (every payload tensor of its client) alive."""
+        return {slot: {name: value.clone() if value.untyped_storage().data_ptr() in self.buffers else value
+                       for name, value in values.items()} for slot, values in state.items()}

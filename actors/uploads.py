@@ -4,13 +4,13 @@ partial sum when the method allows it), what of them went NaN or infinite, and t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from rayfed.method import PartialSum, TensorDict, Upload, largest_magnitudes, nonfinite_names
-from rayfed.types import ReadOnlyTensors
+from rayfed.types import ReadOnlyTensors, host_copies, moved_together
 
 
 @dataclass
@@ -54,9 +54,11 @@ class UploadCollector:
             self.uploads.append(upload)
 
     def read_losses(self) -> dict[int, float]:
-        """The clients' training losses as numbers. Read once the last client's steps are queued: the first read waits
-        for the device to finish them all."""
-        self.losses = {cid: float(loss) for cid, loss in self.losses.items()}
+        """The clients' training losses as numbers, read together once the last client's steps are queued (one wait
+        for the device to finish them all)."""
+        on_host = host_copies([loss for loss in self.losses.values() if isinstance(loss, torch.Tensor)])
+        self.losses = {cid: float(on_host[id(loss)] if isinstance(loss, torch.Tensor) else loss)
+                       for cid, loss in self.losses.items()}
         return self.losses
 
     def nonfinite(self, arrived_rows: Callable[[int], object]) -> dict[str, list[int]]:
@@ -76,18 +78,33 @@ class UploadCollector:
         return found
 
     def on_host(self) -> list[Upload]:
-        """The uploads, or their partial sum, moved to the host once, as the aggregation reads them."""
+        """The uploads, or their partial sum, moved to the host together, as the aggregation reads them."""
         uploads = self.uploads
         if self.partial is not None and self.partial.client_ids:
-            uploads = [self.partial.upload("cpu")]
+            uploads = [self.partial.upload()]
+        to_host(uploads)
         for upload in uploads:
-            upload.tensors = slots_to(upload.tensors, "cpu")
             if upload.weight_sums is not None:  # a partial sum, which the aggregation only reads (weighted_sums)
                 upload.tensors = ReadOnlyTensors(upload.tensors)
-            upload.train_loss = float(upload.train_loss)
         return uploads
 
 
+def to_host(uploads: Sequence[Upload]) -> None:
+    """Each upload's tensors and training loss moved to the host, in place, all in one copy per GPU and dtype with
+    one wait (:func:`rayfed.types.host_copies`); each host tensor owns its storage, so that one the server keeps,
+    pickles or checkpoints holds only its own bytes."""
+    losses = [upload.train_loss for upload in uploads if isinstance(upload.train_loss, torch.Tensor)]
+    on_host = host_copies([value for upload in uploads for values in upload.tensors.values()
+                           for value in values.values()] + losses)
+    for upload in uploads:
+        upload.tensors = {slot: {name: on_host[id(value)] for name, value in values.items()}
+                          for slot, values in upload.tensors.items()}
+        loss = upload.train_loss
+        upload.train_loss = float(on_host[id(loss)] if isinstance(loss, torch.Tensor) else loss)
+
+
 def slots_to(slots: dict[str, TensorDict], device: torch.device | str) -> dict[str, TensorDict]:
-    """Every tensor of each slot, detached, on ``device``."""
-    return {slot: {n: v.detach().to(device) for n, v in values.items()} for slot, values in slots.items()}
+    """Every tensor of each slot, detached, on ``device``, those elsewhere moved in one copy per dtype
+    (:func:`rayfed.types.moved_together`)."""
+    moved = moved_together([value for values in slots.values() for value in values.values()], device)
+    return {slot: {name: moved[id(value)] for name, value in values.items()} for slot, values in slots.items()}

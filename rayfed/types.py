@@ -8,6 +8,7 @@ State is plain tensors so that it can be checkpointed as safetensors:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -86,6 +87,45 @@ def states_to(states: dict[Any, ClientState], device: torch.device | str) -> dic
         moved = {id(value): value.detach().to(device) for value in tensors}
     return {key: {slot: {name: moved.get(id(value), value) for name, value in values.items()}
                   for slot, values in state.items()} for key, state in states.items()}
+
+
+def moved_together(tensors: Iterable[torch.Tensor], device: torch.device | str,
+                   copy: bool = False) -> dict[int, torch.Tensor]:
+    """``tensors`` on ``device``, detached, by the ``id`` of each; those elsewhere (with ``copy``, all) copied with
+    one copy per source device and dtype instead of one each, as views of one buffer per dtype on ``device``.
+
+    To a GPU the host tensors are gathered into pinned memory and cross without the host waiting (torch's caching
+    host allocator reuses the pinned blocks, and keeps each until its copy is done); one blocking copy per tensor
+    from pageable memory made the host wait for the GPU once per tensor. A tensor given twice is copied once."""
+    device = torch.device(device)
+    tensors = list({id(value): value for value in tensors}.values())
+    moving = [value for value in tensors if copy or not _is_on(value, device)]
+    moved = {id(value): value.detach() for value in tensors}
+    pinned = [device.type == "cuda" and value.device.type == "cpu" for value in moving]
+    if any(pinned):
+        moved.update(_host_to_gpu([value for value, pin in zip(moving, pinned) if pin], device))
+    for group in _by_kind([value for value, pin in zip(moving, pinned) if not pin]).values():
+        moved.update(_split_like(_gathered(group).to(device), group))
+    return moved
+
+
+def host_copies(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """``tensors`` on the host, detached, by the ``id`` of each, each in storage of its own (pickled or kept, a
+    tensor then holds only its bytes). GPU tensors cross in one copy per GPU and dtype into pinned memory with one
+    wait per GPU, then are copied out of it; a host tensor viewing a larger storage is copied; others are kept."""
+    tensors = list({id(value): value for value in tensors}.values())
+    on_gpu = [value for value in tensors if value.is_cuda]
+    pinned = _gpu_to_pinned(on_gpu) if on_gpu else {}
+    copies = {}
+    for value in tensors:
+        source = pinned.get(id(value), value.detach())
+        owns = source.device.type == "cpu" and source.untyped_storage().nbytes() == source.nbytes
+        copies[id(value)] = source if owns and id(value) not in pinned else _own_copy(source)
+    return copies
+
+
+def _own_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
 
 
 def _is_on(tensor: torch.Tensor, device: torch.device) -> bool:

@@ -15,6 +15,8 @@ from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
+import torch  # noqa: E402
+import torch.utils._python_dispatch  # noqa: E402
 
 from rayfed.simulation import init_local_ray  # noqa: E402
 
@@ -83,6 +85,21 @@ def method_class(name: str) -> type:
 
 
 _EXIT_STATUS: list[int] = []
+
+
+class CountedOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops named ``names`` (aten schema names) run while it is active."""
+
+    HOST_READS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::unique_dim", "aten::_unique2",
+                            "aten::is_nonzero"})  # each reads values back to the host: a sync on a GPU
+
+    def __init__(self, names: frozenset[str] = HOST_READS):
+        super().__init__()
+        self.names, self.count = names, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func._schema.name in self.names
+        return func(*args, **(kwargs or {}))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

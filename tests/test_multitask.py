@@ -74,6 +74,23 @@ def test_the_loss_of_a_mixed_batch_weights_each_task_by_its_share():
     assert set(result.task_losses) == {0, 1}
 
 
+def test_a_multi_task_clients_micro_batches_are_split_without_reading_the_datas_device():
+    """The rows of each task are found on the host, where the batch order is drawn: on a GPU, finding them among
+    indices on the device read each task's count back (a sync each). The meta device stands for one here: it holds
+    no values, so any read from it fails."""
+    config = load_config(_run(["fedavg"]))
+    actor = ClientActor(config, [1])
+    actor.start_method(0)
+    client = actor._context(1, 0)
+    parts = client._micro_batch(next(client.batch_order(1, "train", None)))
+    client.data, client.device = client.data.to(torch.device("meta")), torch.device("meta")
+    on_meta = client._micro_batch(next(client.batch_order(1, "train", None)))
+    assert [task.index for task, _ in on_meta] == [task.index for task, _ in parts] == [0, 1]
+    for (_, batch), (_, meta_batch) in zip(parts, on_meta):
+        assert {k: v.shape for k, v in meta_batch.items()} == {k: v.shape for k, v in batch.items()}
+        assert all(v.device.type == "meta" for v in meta_batch.values())
+
+
 def test_tasks_that_list_their_clients_must_cover_every_client_once_or_more():
     run = _run(["fedavg"])
     run["data"]["tasks"][1]["clients"] = [1, 3]

@@ -15,6 +15,8 @@ from rayfed.errors import ConfigError
 from rayfed.method import build_method
 from rayfed.models import build_backbone, build_client_model, paper_backbone, paper_model
 
+from conftest import CountedOps
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The published sizes (config.json of meta-llama/Llama-3.2-1B, -3B and Qwen/Qwen2.5-0.5B, -1.5B, -3B): hidden,
@@ -198,20 +200,6 @@ def test_a_tokenizer_with_neither_end_token_is_one_sentence():
         end_of_text_id(SimpleNamespace(eos_token_id=None, sep_token_id=None))
 
 
-class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the ops that read a tensor's values back to the host (each a sync on a GPU)."""
-
-    READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::unique_dim", "aten::_unique2", "aten::is_nonzero"}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func._schema.name in self.READS
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("max_image_length", [-1, 5])
 def test_vilts_unpadded_patch_embedding_is_transformers_bitwise_without_reading_values_back(max_image_length):
     """rayfed's ViLT embeds a batch of unpadded images (no pixel_mask) with transformers' draws of the patch order and
@@ -227,7 +215,7 @@ def test_vilts_unpadded_patch_embedding_is_transformers_bitwise_without_reading_
     outputs = {}
     for name, model in (("rayfed", encoder), ("transformers", reference)):
         torch.manual_seed(7)
-        with torch.no_grad(), _HostReads() as reads:
+        with torch.no_grad(), CountedOps() as reads:
             out = model(input_ids=ids, pixel_values=pixels)
         outputs[name] = (out.last_hidden_state, out.pooler_output, torch.rand(1), reads.count)
     (hidden, pooled, next_draw, reads), (ref_hidden, ref_pooled, ref_next_draw, ref_reads) = outputs.values()

@@ -21,11 +21,13 @@ from rayfed.errors import ConfigError
 from rayfed.method import Upload, build_method
 from rayfed.methods.tap import MoMEModel, MoMEOptions, task_key
 from rayfed.methods.tap.layers import Expert
+from rayfed.tasks.kinds import causal_from_target_logits
+from rayfed.models.client import channel_values
 from rayfed.models.peft.modules import AdaptedMLP, set_adapter_mix
 from rayfed.tasks import sample_round, task_view
 from rayfed.training import ClientContext
 
-from conftest import method_class
+from conftest import CountedOps, method_class
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # Four clients on the tiny pretrained FLAVA: 0 image classification, 1 text classification + image generation,
@@ -166,6 +168,48 @@ def test_text_generation_is_scored_from_one_forward_of_the_parallel_decoder(acto
     references = model.tokenizer.batch_decode(batch["target_ids"], skip_special_tokens=True)
     assert torch.equal(rows["nll"], nll.double())
     assert rows["token_f1"].tolist() == [text_metrics.token_f1(p, r) for p, r in zip(predictions, references)]
+
+
+def test_text_alignment_reads_nothing_back_while_target_ids_bound_every_target(actor):
+    _start(actor)
+    model = actor.model
+    model.select_task(3)
+    batch = {k: v[:5] for k, v in actor.data[2].parts[0].train.items()}
+    with torch.no_grad():
+        raw = model(batch, raw=True)
+    assert batch["target_ids"].shape[1] <= raw.shape[1]
+    with CountedOps() as reads:
+        aligned = model.aligned(raw, batch)
+    assert reads.count == 0 and torch.equal(aligned, causal_from_target_logits(raw, batch))
+    longest = int((batch["labels"] != -100).sum(dim=1).max())
+    with pytest.raises(ConfigError, match=f"a target of {longest} tokens .*text_positions = {longest - 1};"):
+        model.aligned(raw[:, :longest - 1], batch)  # a decoder too short: still refused
+
+
+def test_the_text_encoder_reads_nothing_back_of_its_own_for_a_text_of_one_window(actor):
+    _start(actor)
+    encoder = actor.model.encoders["text"]
+    batch = actor.data[1].parts[0].train
+    ids, mask = batch["input_ids"][:4], batch["attention_mask"][:4]
+    assert ids.shape[1] <= encoder.window
+    with torch.no_grad(), CountedOps() as reads:
+        tokens, out_mask = encoder(ids, mask)
+    with torch.no_grad(), CountedOps() as backbone_reads:  # the pretrained text model's own (transformers' mask check)
+        encoder.backbone(input_ids=torch.nn.functional.pad(ids, (0, encoder.window - ids.shape[1])),
+                         attention_mask=out_mask)
+    assert reads.count == backbone_reads.count
+    assert tokens.shape[1] == encoder.window
+
+
+def test_image_normalization_makes_its_mean_and_std_once_per_device_and_dtype(actor):
+    _start(actor)
+    image_encoder = actor.model.encoders["image"]
+    images = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    mean = torch.as_tensor(image_encoder.mean, dtype=images.dtype).view(1, -1, 1, 1)
+    std = torch.as_tensor(image_encoder.std, dtype=images.dtype).view(1, -1, 1, 1)
+    assert torch.equal(image_encoder._normalized(images), (images - mean) / std)
+    made = channel_values(image_encoder.mean, images.device, images.dtype)
+    assert channel_values(image_encoder.mean, images.device, images.dtype) is made  # not a new copy each forward
 
 
 # Stage 1 ----------------------------------------------------------------------------------------------------

@@ -11,12 +11,15 @@ from rayfed import training
 from rayfed.training import fast_steps
 from rayfed.tasks import kinds
 from rayfed.actors.client import ClientActor, _OnDevice
+from rayfed.actors.uploads import UploadCollector, to_host
 from rayfed.benchmarks.overhead import Workload
 from rayfed.data.batches import ClientData, TaskData
 from rayfed.errors import ConfigError
-from rayfed.method import post_train_views
+from rayfed.method import Upload, post_train_views
 from rayfed.models.peft.modules import select_task
 from rayfed.training.scoring import Scorer
+
+from conftest import CountedOps
 
 WORKLOAD = Workload(num_clients=3, clients_per_round=3, local_steps=6, batch_size=8, samples_per_client=24)
 
@@ -55,6 +58,88 @@ def test_a_payload_reaches_the_hooks_as_the_actors_own_copy():
     received.add_(1.0)  # a hook writing into its payload
     assert torch.equal(server["w"], torch.ones(3))
     assert payloads[1]["w"] is received  # copied once for the round's clients that share it
+
+
+COPIES = frozenset({"aten::_to_copy", "aten::copy_", "aten::cat", "aten::clone"})  # ops that copy values
+
+
+def test_a_clients_payload_tensors_of_one_dtype_cross_in_one_copy():
+    payload = {f"w{i}": torch.full((i + 1, 2), float(i)) for i in range(6)}
+    on_device = _OnDevice({0: payload}, torch.device("cpu"))
+    with CountedOps(COPIES) as copies:
+        received = on_device[0]
+    assert copies.count == 1  # one per tensor before
+    assert all(torch.equal(received[name], value) for name, value in payload.items())
+
+
+def _mixed_payload() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Tensors of several dtypes and shapes (0-d, empty, non-contiguous views of ``wide``), and ``wide``."""
+    generator = torch.Generator().manual_seed(4)
+    wide = torch.randn(4, 6, generator=generator)
+    return {"a": torch.randn(3, 5, generator=generator), "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "empty": torch.zeros(0, 3), "ids": torch.arange(7), "flags": torch.tensor([True, False, True]),
+            "half": torch.randn(5, generator=generator).bfloat16(), "transposed": wide.t(), "strided": wide[:, ::2],
+            "b": torch.randn(2, 2, 2, generator=generator, dtype=torch.float64), "no_rows": torch.zeros(0)}, wide
+
+
+def test_a_payload_copied_in_one_go_keeps_every_value_dtype_and_shape_and_is_the_actors_own():
+    payload, wide = _mixed_payload()
+    received = _OnDevice({0: payload}, torch.device("cpu"))[0]
+    assert list(received) == list(payload)
+    for name, value in payload.items():
+        got = received[name]
+        assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value), name
+        assert got.untyped_storage().data_ptr() != value.untyped_storage().data_ptr() or not value.numel(), name
+    received["transposed"].add_(1.0)  # a hook writing into its payload changes neither the source nor the others
+    assert torch.equal(payload["transposed"], wide.t()) and torch.equal(received["strided"], wide[:, ::2])
+
+
+def test_a_payload_tensor_a_method_keeps_in_its_state_is_kept_without_the_rest_of_the_payload():
+    host, shared = _tiny_host()
+    update = host.method.local_update
+
+    def keeping_update(client, state, payload):
+        result = update(client, state, payload)
+        kept = next(iter(payload))
+        return dataclasses.replace(result, state={**result.state, "kept": {kept: payload[kept]}})
+
+    host.method.local_update = keeping_update
+    host.train(0, [0], {0: shared})
+    (name, kept), = host.states[0]["kept"].items()
+    assert torch.equal(kept, shared[name])
+    assert kept.untyped_storage().nbytes() == kept.nbytes  # not a view of the payload's buffer
+
+
+def test_uploads_reach_the_host_each_in_storage_of_its_own_with_their_values():
+    storage = torch.arange(20, dtype=torch.float32)  # uploads viewing one buffer, as one copy back would leave them
+    uploads = [Upload(cid, 4, {"shared": {"w": storage[cid * 5:cid * 5 + 4].view(2, 2), "s": storage[cid * 5 + 4]}},
+                      torch.tensor(0.5 + cid)) for cid in range(2)]
+    collected = UploadCollector(presum=False, weight_scale={0: 1.0, 1: 1.0})
+    for upload in uploads:
+        collected.add(upload)
+    assert collected.up_bytes == 2 * 5 * 4
+    on_host = collected.on_host()
+    for cid, upload in enumerate(on_host):
+        assert upload.train_loss == 0.5 + cid and type(upload.train_loss) is float
+        for name, value in upload.tensors["shared"].items():
+            assert value.untyped_storage().nbytes() == value.nbytes, name
+        assert torch.equal(upload.tensors["shared"]["w"], storage[cid * 5:cid * 5 + 4].view(2, 2))
+        assert torch.equal(upload.tensors["shared"]["s"], storage[cid * 5 + 4])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_payload_crosses_to_the_gpu_and_uploads_back_with_their_values_each_upload_tensor_its_own():
+    payload, _ = _mixed_payload()
+    on_gpu = _OnDevice({0: payload}, torch.device("cuda"))[0]
+    uploads = [Upload(cid, 1, {"shared": dict(on_gpu)}, torch.tensor(0.5 + cid, device="cuda")) for cid in range(2)]
+    to_host(uploads)
+    for upload in uploads:
+        assert upload.train_loss == 0.5 + upload.client_id
+        for name, value in payload.items():
+            assert on_gpu[name].is_cuda and on_gpu[name].dtype == value.dtype and on_gpu[name].shape == value.shape
+            back = upload.tensors["shared"][name]
+            assert back.device.type == "cpu" and back.dtype == value.dtype and torch.equal(back, value), name
+            assert back.untyped_storage().nbytes() == back.nbytes, name
 
 
 def test_an_actor_reads_a_rounds_losses_after_its_last_client_has_trained(monkeypatch):

@@ -11,6 +11,7 @@ from torch import nn
 
 from rayfed.methods.tap.layers import frozen_copy, with_lora
 from rayfed.models import Backbone
+from rayfed.models.client import channel_values
 
 
 class InputAdaptor(nn.Sequential):
@@ -55,8 +56,8 @@ class ImageEncoder(nn.Module):
     def _normalized(self, images: torch.Tensor) -> torch.Tensor:
         if images.shape[1] == 1:
             images = images.expand(-1, 3, -1, -1)
-        mean = torch.as_tensor(self.mean, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
-        std = torch.as_tensor(self.std, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
+        mean = channel_values(self.mean, images.device, images.dtype)
+        std = channel_values(self.std, images.device, images.dtype)
         return (images - mean) / std
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +102,10 @@ class TextEncoder(nn.Module):
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask = _packed(ids, mask)
-        longest = max(int(mask.sum(dim=1).max()), 1)
-        windows = math.ceil(longest / self.window)
+        if ids.shape[1] <= self.window:  # one window whatever the lengths: no need to read them back to the host
+            windows = 1
+        else:
+            windows = math.ceil(max(int(mask.sum(dim=1).max()), 1) / self.window)
         length = windows * self.window
         if ids.shape[1] < length:
             pad = length - ids.shape[1]

@@ -48,6 +48,7 @@ from rayfed.models.peft.modules import select_task
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import IMAGE_KD, ClientContext, Step, TrainResult, output_distillation, scheduled_lr
+from rayfed.types import host_copies
 
 HISTORIES = ("weighted", "plain")
 # Per task key, in the order of TASK_KEYS: image-cls, image-gen, text-cls, text-gen.
@@ -152,9 +153,10 @@ class LossHistory:
             self.counts[key] = self.counts.get(key, 0) + 1
         self.microbatches += 1
 
-    def values(self) -> dict[str, float]:
+    def values(self) -> dict[str, torch.Tensor]:
+        """Each key's loss over the call, left on the device (read only where a decision needs it)."""
         divisor = (lambda key: self.microbatches) if self.mode == "weighted" else self.counts.__getitem__
-        return {key: (total / divisor(key)).item() for key, total in self.sums.items()}
+        return {key: total / divisor(key) for key, total in self.sums.items()}
 
 
 class Distillation:
@@ -232,7 +234,7 @@ class TAP(Method):
         return dict(payload or {}) if self.params.federated else state["personal"]
 
     def _train(self, client: ClientContext, params: TensorDict, groups: dict[str, list[int]], **kwargs: Any,
-               ) -> tuple[TrainResult, dict[str, float]]:
+               ) -> tuple[TrainResult, dict[str, torch.Tensor]]:
         history = LossHistory(groups, self.params.history)
         result = client.train(params, loss=history, **kwargs)
         return result, history.values()
@@ -240,7 +242,7 @@ class TAP(Method):
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
         groups = client_groups(self.tasks, client.data.tasks)
         trained, w_losses = self._train(client, self._w(state, payload), groups)
-        history = {**state["history"], **{f"w:{key}": _scalar(value) for key, value in w_losses.items()}}
+        history = {**state["history"], **{f"w:{key}": value.to(torch.float64) for key, value in w_losses.items()}}
         new_state = {**state, "history": history}
         upload = {"shared": trained.params} if self.params.federated else {}
         if not self.params.federated:
@@ -249,8 +251,9 @@ class TAP(Method):
             return LocalResult(new_state, upload, trained.loss)
 
         x = dict(state["x"])
-        replaced = [key for key, loss in w_losses.items()
-                    if loss + self.params.margin(key) < float(history.get(f"x:{key}", math.inf))]
+        losses = _read(history)  # W's losses and X's previous ones, read from the device together (one wait)
+        replaced = [key for key in w_losses
+                    if losses[f"w:{key}"] + self.params.margin(key) < losses.get(f"x:{key}", math.inf)]
         model = client.model
         assert isinstance(model, MoMEModel), "TAP trains rayfed.methods.tap.MoMEModel"
         for key in replaced:  # Eq. 4: a hard copy of o's path from the locally trained, pre-aggregation W
@@ -261,7 +264,7 @@ class TAP(Method):
             x_trained, x_losses = self._train(client, x, groups, purpose="personal:swapped", lr=lr)
         else:  # the batches, dropout and learning rate of W's update
             x_trained, x_losses = self._train(client, x, groups)
-        history.update({f"x:{key}": _scalar(value) for key, value in x_losses.items()})
+        history.update({f"x:{key}": value.to(torch.float64) for key, value in x_losses.items()})
         new_state["x"] = x_trained.params
         stats = {}
         for key, indices in groups.items():
@@ -313,5 +316,7 @@ class TAP(Method):
         return self.eval_views(state, payload)[""]
 
 
-def _scalar(value: float) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float64)
+def _read(values: TensorDict) -> dict[str, float]:
+    """0-d tensors' values, read together (one wait for the device)."""
+    on_host = host_copies(values.values())
+    return {name: float(on_host[id(value)]) for name, value in values.items()}

@@ -258,10 +258,13 @@ class MoMEModel(TrainableModule):
 
     def aligned(self, raw: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The text decoder's logits placed where the text-generation kind reads a causal LM's."""
-        longest = int((batch["labels"] != IGNORE).sum(dim=1).max())
-        if longest > raw.shape[1]:
-            raise ConfigError(f"a target of {longest} tokens is longer than the text decoder's "
-                              f"{OPTIONS_FIELD}.text_positions = {raw.shape[1]}; raise it.")
+        # Each row's target is in target_ids too (TextGeneration.encode): its width bounds every target's length
+        # without reading the labels back to the host.
+        if "target_ids" not in batch or batch["target_ids"].shape[1] > raw.shape[1]:
+            longest = int((batch["labels"] != IGNORE).sum(dim=1).max())
+            if longest > raw.shape[1]:
+                raise ConfigError(f"a target of {longest} tokens is longer than the text decoder's "
+                                  f"{OPTIONS_FIELD}.text_positions = {raw.shape[1]}; raise it.")
         return causal_from_target_logits(raw, batch)
 
     def raw_and_scored(self, batch: Batch, forward: Callable[..., torch.Tensor] | None = None,

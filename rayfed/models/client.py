@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -188,4 +189,15 @@ def _as_batch(batch: Batch | torch.Tensor) -> Batch:
 def _per_channel(value: float | tuple[float, ...], images: torch.Tensor) -> float | torch.Tensor:
     if isinstance(value, (int, float)) or len(set(value)) == 1:
         return value if isinstance(value, (int, float)) else value[0]  # a scalar: the same numbers as before
-    return torch.as_tensor(value, device=images.device, dtype=images.dtype).view(1, -1, 1, 1)
+    return channel_values(value, images.device, images.dtype)
+
+
+def channel_values(values: float | Sequence[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Per-channel ``values`` (an image mean or std) as a (1, C, 1, 1) tensor on ``device``, made once per device and
+    dtype: made in each forward, it was a copy to the GPU that the host waited for."""
+    return _channel_values(tuple(values) if isinstance(values, Sequence) else values, device, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _channel_values(values: float | tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.as_tensor(values, device=device, dtype=dtype).view(1, -1, 1, 1)

@@ -291,8 +291,9 @@ class ClientContext:
         from ``pool`` (:meth:`arrived_rows`)."""
         generator = seeding.torch_generator(self.seed, self.round, self.client_id, purpose + ":batches")
         first_column = next(iter(self.data.parts[0].train.values()))
-        return seeded_batches(self.data.num_train, self.train_config.batch_size, batches, generator, first_column.device,
-                        pool)
+        # Several tasks' rows: split on the host (_micro_batch), where the parts' sizes need no read from the GPU.
+        device = first_column.device if len(self.data.parts) == 1 else torch.device("cpu")
+        return seeded_batches(self.data.num_train, self.train_config.batch_size, batches, generator, device, pool)
 
     def arrived_rows(self) -> torch.Tensor | None:
         """In a stream, the training rows local training may draw from this round (None: all)."""
@@ -316,8 +317,12 @@ class ClientContext:
         return optimizer
 
     def _micro_batch(self, indices: torch.Tensor) -> list[tuple[Task, Batch]]:
-        return [(self.tasks[part.task], {k: v[rows].to(self.device, non_blocking=True) for k, v in part.train.items()})
-                for part, rows in self.data.split(indices)]
+        parts = []
+        for part, rows in self.data.split(indices):
+            rows = rows_on(rows, next(iter(part.train.values())).device)
+            parts.append((self.tasks[part.task],
+                          {k: v[rows].to(self.device, non_blocking=True) for k, v in part.train.items()}))
+        return parts
 
     @torch.no_grad()
     def evaluate(self, params: TensorDict) -> dict[str, float]:
@@ -415,10 +420,7 @@ def seeded_batches(num_samples: int, batch_size: int, steps: int, generator: tor
 
     def permutation() -> torch.Tensor:
         order = torch.randperm(rows, generator=generator)
-        order = order if pool is None else pool[order]
-        if device.type == "cuda":
-            return order.pin_memory().to(device, non_blocking=True)
-        return order.to(device)
+        return rows_on(order if pool is None else pool[order], device)
 
     batch_size = min(batch_size, rows)
     order = permutation()
@@ -430,3 +432,10 @@ def seeded_batches(num_samples: int, batch_size: int, steps: int, generator: tor
         yield order[position:position + batch_size]
         position += batch_size
 
+
+def rows_on(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host row indices on ``device``; to a GPU from pinned memory without waiting: a plain copy would make the host
+    wait for every step already queued."""
+    if device.type == "cuda" and rows.device.type == "cpu":
+        return rows.pin_memory().to(device, non_blocking=True)
+    return rows.to(device)
