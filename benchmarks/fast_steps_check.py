@@ -66,44 +66,56 @@ def round_uploads(config: Path | dict, overrides: Sequence[str], clients: Sequen
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-        if round_idx == 0:
-            uploads = {upload.client_id: upload.tensors for upload in done}
+        if round_idx == 0:  # with what each client keeps (its personal values, ...)
+            uploads = {upload.client_id: {**upload.tensors, **_kept_tensors(actor.states[upload.client_id])}
+                       for upload in done}
     return uploads, {name: value.cpu() for name, value in actor.initial_params.items()}, seconds
 
 
-ROUND_OFF = 1e-6  # of a float32 tensor's norm: what adding even the same update to it may round away
+def _kept_tensors(state: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    return {f"kept:{slot}": {name: value.cpu() for name, value in values.items() if isinstance(value, torch.Tensor)}
+            for slot, values in state.items() if isinstance(values, dict)}
 
 
 def largest_relative_difference(reference: Uploads, other: Uploads, initial: dict[str, torch.Tensor]) -> float:
-    """Over every uploaded floating tensor, ``|other - reference|`` over the size of what the update changed: the
-    reference's distance from the tensor's initial value (``initial``, by name; the reference itself for an upload
-    that is no parameter) plus :data:`ROUND_OFF` of the reference (L2 norms); inf where a tensor is missing, has
-    another shape, or an integer tensor differs."""
+    """Over the clients, ``|other - reference|`` over the size of what the update changed, ``|reference - initial|``
+    (``initial`` by name; zero for a tensor that is no parameter), norms over every floating tensor a client uploaded
+    or kept, together: a tensor whose whole update is round-off (a gradient that is zero but for rounding) cannot
+    decide alone. Inf where a tensor is missing, has another shape, or an integer tensor differs."""
     worst = 0.0
     for cid, slots in reference.items():
+        gap = size = 0.0
         for slot, tensors in slots.items():
             for name, value in tensors.items():
                 theirs = other.get(cid, {}).get(slot, {}).get(name)
                 if theirs is None or theirs.shape != value.shape:
                     return math.inf
                 if not value.is_floating_point():
-                    worst = max(worst, 0.0 if torch.equal(value, theirs) else math.inf)
+                    if not torch.equal(value, theirs):
+                        return math.inf
                     continue
-                gap, size = float((theirs.double() - value.double()).norm()), _moved(value, initial.get(name))
-                worst = max(worst, gap / (size + ROUND_OFF * float(value.double().norm())) if gap else 0.0)
+                gap += float((theirs.double() - value.double()).norm()) ** 2
+                size += _moved(value, initial.get(name)) ** 2
+        worst = max(worst, math.sqrt(gap / size) if gap else 0.0)
     return worst
 
 
 def largest_update(uploads: Uploads, initial: dict[str, torch.Tensor]) -> float:
-    """The largest ``|update| / |initial value|`` over the uploaded parameters: how far training moved them."""
-    return max((_moved(value, initial[name]) / max(float(initial[name].double().norm()), 1e-12)
-                for slots in uploads.values() for tensors in slots.values() for name, value in tensors.items()
-                if name in initial and value.is_floating_point() and initial[name].shape == value.shape), default=0.0)
+    """Over the clients, ``|update| / |initial values|`` of the parameters a client uploaded or kept (norms over all
+    of them together): how far training moved them."""
+    worst = 0.0
+    for slots in uploads.values():
+        pairs = [(value, initial[name]) for tensors in slots.values() for name, value in tensors.items()
+                 if name in initial and value.is_floating_point() and initial[name].shape == value.shape]
+        moved = math.sqrt(sum(_moved(value, start) ** 2 for value, start in pairs))
+        size = math.sqrt(sum(float(start.double().norm()) ** 2 for _, start in pairs))
+        worst = max(worst, moved / size if size else 0.0)
+    return worst
 
 
 def _moved(value: torch.Tensor, start: torch.Tensor | None) -> float:
     if start is None or start.shape != value.shape:
-        return float(value.double().norm())
+        return 0.0
     return float((value.double() - start.double()).norm())
 
 
@@ -117,8 +129,9 @@ def compiled_gap(config: Path | dict, clients: Sequence[int] = (0,), mode: str =
 
 
 def compare_modes(config: Path, label: str, modes: Sequence[str], clients: Sequence[int], overrides: Sequence[str],
-                  rounds: int) -> dict[str, Any]:
-    """Each mode's round seconds and its uploads' largest difference from the first mode's, relative to the update."""
+                  rounds: int, out: Path | None = None) -> dict[str, Any]:
+    """Each mode's round seconds and its uploads' largest difference from the first mode's, relative to the update;
+    written to ``out`` after each mode (a run stopped by a time limit keeps what it measured)."""
     every = [*method_overrides(config, label), *overrides]
     results: dict[str, Any] = {"config": str(config), "label": label, "clients": list(clients), "overrides": every}
     reference: Uploads | None = None
@@ -126,17 +139,23 @@ def compare_modes(config: Path, label: str, modes: Sequence[str], clients: Seque
         try:
             uploads, initial, seconds = round_uploads(config, every, clients, mode, rounds)
         except Exception as err:  # a mode that fails is a result of the check, not its end
-            results[mode] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
-            print(mode, results[mode], flush=True)
-            continue
-        row: dict[str, Any] = {"round_seconds": seconds}
-        if reference is None:
-            reference = uploads
+            row: dict[str, Any] = {"error": f"{type(err).__name__}: {_first_line(err)}"}
         else:
-            row["largest_relative_difference"] = largest_relative_difference(reference, uploads, initial)
+            row = {"round_seconds": seconds}
+            if reference is None:
+                reference = uploads
+            else:
+                row["largest_relative_difference"] = largest_relative_difference(reference, uploads, initial)
         results[mode] = row
         print(mode, row, flush=True)
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=1))
     return results
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [""])[0]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -152,10 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from torch._inductor import config as inductor_config
 
     with inductor_config.patch(compile_threads=1 if not torch.cuda.is_available() else inductor_config.compile_threads):
-        results = compare_modes(args.config, args.label, args.modes, args.clients, args.overrides, args.rounds)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
+        compare_modes(args.config, args.label, args.modes, args.clients, args.overrides, args.rounds, args.out)
 
 
 if __name__ == "__main__":
