@@ -45,19 +45,25 @@ def round_uploads(config: Path | dict, overrides: Sequence[str], clients: Sequen
     ``mode``, the model's initial trainable values, and the seconds of each of ``rounds`` rounds (every later round
     from the same payloads)."""
     from rayfed.actors.client import ClientActor
+    from rayfed.actors.driver import DriverActor
     from rayfed.architectures import architecture_of
     from rayfed.config import load_config
 
     settings = [f"train.{field}={json.dumps(value)}" for field, value in MODES[mode].items()]
-    config = load_config(config, [*overrides, "placement.executor=local", *settings])
-    architecture = architecture_of(config)[clients[0]]
-    actor = ClientActor(config.to_dict(), list(clients), architecture=architecture)
-    shared = actor.start_method(0)
-    method = actor.method
-    server = method.init_server(shared)
-    if method.pre_federation_stage:
-        server = method.before_federation(server, {architecture: actor.pre_federation(0)})
-    payloads = {cid: method.payload(server, cid) for cid in clients}
+    raw = load_config(config, [*overrides, "placement.executor=local", *settings]).to_dict()
+    owners = architecture_of(load_config(raw))
+    architecture = owners[clients[0]]
+    actor = ClientActor(raw, list(clients), architecture=architecture)
+    # One actor per other architecture, for the server's initial state and a pre-federation stage (an alignment).
+    names = list(dict.fromkeys(owners))
+    actors = [actor if name == architecture else ClientActor(raw, [owners.index(name)], architecture=name)
+              for name in names]
+    initial = [each.start_method(0) for each in actors]
+    driver = DriverActor(raw)
+    driver.start_method(0, names, *initial, *(each.task_tags() for each in actors))
+    if actor.method.pre_federation_stage:
+        driver.before_federation(names, *(each.pre_federation(0) for each in actors))
+    payloads = driver.payloads(list(clients))
     uploads: Uploads = {}
     seconds = []
     for round_idx in range(rounds):
