@@ -60,7 +60,7 @@ class TensorPenalty:
         """What a captured step bakes in: the term, its settings and its inputs' names, shapes and dtypes."""
         specs = tuple((slot, tuple((name, tuple(value.shape), value.dtype) for name, value in values.items()))
                       for slot, values in self.inputs.items())
-        return self.term.__module__, self.term.__qualname__, self.settings, specs
+        return self.term, self.settings, specs
 
 
 class GraphedStep:

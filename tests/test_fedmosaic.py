@@ -583,4 +583,7 @@ def test_a_compiled_fedmosaic_update_uploads_the_eager_updates_numbers(monkeypat
 
     # float32 sums in another order: round-off of about 1e-7 relative per operation; a wrong path, batch or lr
     # moves the update by its own size
-    assert compiled_update_gap(copy.deepcopy(HETERO), [0], monkeypatch) < 1e-4
+    run = copy.deepcopy(HETERO)  # one architecture, one step: the gated PQ-LoRA step, with less to trace
+    del run["architectures"]
+    run["train"]["local_steps"] = 1
+    assert compiled_update_gap(run, [0], monkeypatch) < 1e-4
