@@ -381,6 +381,55 @@ def test_a_compiled_step_trains_like_the_eager_one_and_compiles_once_for_every_c
             assert (result.params[name] - value).norm() <= 1e-4 * update.norm() + 1e-7, name
 
 
+def test_a_forward_that_fails_to_compile_trains_eagerly_after_one_warning(monkeypatch, caplog):
+    calls = []
+
+    def failing_compile(model, **options):
+        def compiled(*args, **kwargs):
+            calls.append(args)
+            raise torch._dynamo.exc.TorchDynamoException("cannot trace this\nmore detail")
+        return compiled
+
+    eager, start = _host(cuda_graphs=False)
+    config = dataclasses.replace(WORKLOAD, compile=True).config(clients_per_actor=3, gpus_per_actor=0)
+    compiled = ClientActor(config.to_dict(), [0, 1, 2])
+    compiled_start = compiled.start_method(0)
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    with caplog.at_level("WARNING", logger="rayfed.fast_steps"):
+        results = [compiled._context(cid, 0).train(compiled_start) for cid in (0, 1)]
+    assert len(calls) == 1  # tried once, then the model itself
+    [record] = caplog.records
+    assert record.getMessage().endswith("could not be compiled (TorchDynamoException: cannot trace this); it trains "
+                                        "eagerly.")
+    for cid, result in zip((0, 1), results):  # the eager update, up to the patch product's round-off
+        reference = eager._context(cid, 0).train(start)
+        for name, value in reference.params.items():
+            update = value - start[name]
+            assert (result.params[name] - value).norm() <= 1e-4 * update.norm() + 1e-7, name
+
+
+def test_a_forward_compiled_in_pieces_says_where_once(monkeypatch, caplog):
+    from torch._dynamo.utils import counters
+
+    def breaking_compile(model, **options):
+        def compiled(*args, **kwargs):
+            counters["graph_break"]["a value read back to the host\nmore detail"] += 1
+            return model(*args, **kwargs)
+        return compiled
+
+    config = dataclasses.replace(WORKLOAD, compile=True).config(clients_per_actor=3, gpus_per_actor=0)
+    host = ClientActor(config.to_dict(), [0, 1])
+    start = host.start_method(0)
+    monkeypatch.setattr(torch, "compile", breaking_compile)
+    counters.clear()
+    with caplog.at_level("WARNING", logger="rayfed.fast_steps"):
+        for cid in (0, 1):
+            host._context(cid, 0).train(start)
+    [record] = caplog.records
+    assert "compiles in pieces, with the code at 1 place(s) running eagerly between them (a value read back to the " \
+           "host)." in record.getMessage()
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_patch_convolution_as_a_matrix_product_equals_the_convolution(bias):
     torch.manual_seed(0)
