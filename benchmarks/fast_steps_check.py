@@ -145,7 +145,7 @@ def compare_modes(config: Path, label: str, modes: Sequence[str], clients: Seque
         try:
             uploads, initial, seconds = round_uploads(config, every, clients, mode, rounds)
         except Exception as err:  # a mode that fails is a result of the check, not its end
-            row: dict[str, Any] = {"error": f"{type(err).__name__}: {_first_line(err)}"}
+            row: dict[str, Any] = {"error": f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"}
         else:
             row = {"round_seconds": seconds}
             if reference is None:
@@ -158,10 +158,6 @@ def compare_modes(config: Path, label: str, modes: Sequence[str], clients: Seque
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=1))
     return results
-
-
-def _first_line(err: Exception) -> str:
-    return (str(err).strip().splitlines() or [""])[0]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -50,7 +50,8 @@ class FedDyn(Method):
         return LocalResult({**state, "personal": personal, "dyn_grad": grad}, {"shared": shared}, result.loss)
 
     def _dynamic_penalty(self, grad: TensorDict, anchor: TensorDict) -> TensorPenalty:
-        return TensorPenalty(_dynamic_term, {"grad": grad, "anchor": {n: anchor[n] for n in grad}}, (self.params.alpha,))
+        inputs = {"grad": grad, "anchor": {n: anchor[n] for n in grad}}
+        return TensorPenalty(_dynamic_term, inputs, (self.params.alpha,))
 
     def init_server(self, initial_shared: TensorDict) -> ServerState:
         return {"global": initial_shared, "h": {n: torch.zeros_like(v) for n, v in initial_shared.items()}}

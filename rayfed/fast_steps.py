@@ -244,9 +244,8 @@ def graphed_step(model: TrainableModule, named: dict[str, torch.Tensor], config:
             del graphs[next(iter(graphs))]
         device = next(iter(named.values())).device
         try:
-            graphs[key] = GraphedStep(model, named, config, lr,
-                                      {name: column[:batch_size].to(device) for name, column in part.train.items()}, task,
-                                      penalty)
+            batch = {name: column[:batch_size].to(device) for name, column in part.train.items()}
+            graphs[key] = GraphedStep(model, named, config, lr, batch, task, penalty)
         except RuntimeError as err:  # e.g. a forward that reads a value back to the host mid-step
             log.warning("train.cuda_graphs: the training step of this %s could not be captured as a CUDA graph "
                         "(%s); it trains eagerly.", type(model).__name__, str(err).splitlines()[0])
