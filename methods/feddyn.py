@@ -20,7 +20,7 @@ import torch
 
 from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
 from rayfed.registry import register_method
-from rayfed.training import ClientContext, Penalty
+from rayfed.training import ClientContext, TensorPenalty
 
 
 @dataclass(frozen=True)
@@ -49,18 +49,9 @@ class FedDyn(Method):
         grad = {n: g - alpha * (shared[n] - payload[n].to(g.device)) for n, g in state["dyn_grad"].items()}
         return LocalResult({**state, "personal": personal, "dyn_grad": grad}, {"shared": shared}, result.loss)
 
-    def _dynamic_penalty(self, grad: TensorDict, anchor: TensorDict) -> Penalty:
-        alpha = self.params.alpha
-        on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def penalty(params: dict[str, torch.Tensor]) -> torch.Tensor:
-            if not on_device:
-                on_device.update({n: (grad[n].to(params[n].device), anchor[n].to(params[n].device)) for n in grad})
-            return sum(
-                -(g * params[n]).sum() + 0.5 * alpha * ((params[n] - a) ** 2).sum() for n, (g, a) in on_device.items()
-            )
-
-        return penalty
+    def _dynamic_penalty(self, grad: TensorDict, anchor: TensorDict) -> TensorPenalty:
+        inputs = {"grad": grad, "anchor": {n: anchor[n] for n in grad}}
+        return TensorPenalty(_dynamic_term, inputs, (self.params.alpha,))
 
     def init_server(self, initial_shared: TensorDict) -> ServerState:
         return {"global": initial_shared, "h": {n: torch.zeros_like(v) for n, v in initial_shared.items()}}
@@ -82,3 +73,9 @@ class FedDyn(Method):
 
     def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
         return server["global"]
+
+
+def _dynamic_term(params: dict[str, torch.Tensor], inputs: dict[str, TensorDict], alpha: float) -> torch.Tensor:
+    """``-<g_m, w> + alpha/2 ||w - w_t||^2`` over the tensors with a gradient state."""
+    return sum(-(g * params[n]).sum() + 0.5 * alpha * ((params[n] - inputs["anchor"][n]) ** 2).sum()
+               for n, g in inputs["grad"].items())

@@ -115,3 +115,26 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_EXIT_STATUS[-1])
+
+
+def compiled_update_gap(run: dict, clients: list[int], monkeypatch: pytest.MonkeyPatch) -> float:
+    """How far ``clients``' first uploads under ``train.compile`` are from the eager ones, relative to the update
+    (:func:`rayfed.benchmarks.fast_steps_check.largest_relative_difference`), after checking that the step compiled
+    and that the update moved the parameters well past round-off.
+
+    Compiled with the ``aot_eager`` backend: dynamo's tracing and AOTAutograd's graphs, where a method's step could
+    go wrong (Python state baked into a graph, a hook or branch left out), without inductor's kernels, whose
+    numbers tests/test_training.py checks and whose compilation takes minutes per model on 2 cores."""
+    import functools
+
+    import torch
+
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    gap, moved = compiled_gap(run, clients)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it compiled
+    assert moved > 1e-4  # the update is far above float32 round-off
+    return gap

@@ -24,7 +24,7 @@ from rayfed.models.peft.modules import Bottleneck, MlpHead, set_adapter_mix
 from rayfed.tasks import Task
 from rayfed.training import ClientContext
 
-from conftest import load_data, method_class
+from conftest import compiled_update_gap, load_data, method_class
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "feddat"
 FEDDAT_ADAPTER = {"dim": 4, "site": "output", "activation": "relu", "init": "normal"}
@@ -436,3 +436,9 @@ def test_the_tune_config_sweeps_tau_and_the_kd_weights(tmp_path):
     sweep = _Sweep.build(load_config(CONFIGS.parent / "tune" / "feddat_kd.yaml"), tmp_path, None)
     assert {"methods.0.tau", "methods.0.alpha", "methods.0.beta"} <= set(sweep.spec.space)
     assert sweep.spec.metric.startswith("FedDAT/")
+
+
+def test_a_compiled_feddat_update_uploads_the_eager_updates_numbers(monkeypatch):
+    # float32 sums in another order: round-off of about 1e-7 relative per operation; a wrong path, batch or lr
+    # moves the update by its own size
+    assert compiled_update_gap(_run(), [0], monkeypatch) < 1e-4

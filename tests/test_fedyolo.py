@@ -17,7 +17,7 @@ from rayfed.config import ModelConfig, load_config
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.method import Upload, build_method
-from conftest import method_class
+from conftest import compiled_update_gap, method_class
 from rayfed.methods.feddyn import FedDyn, FedDynParams
 from rayfed.methods.fedyolo import FedYoloParams
 from rayfed.models import VIT_SIZES, build_backbone, build_client_model, build_task_model
@@ -461,3 +461,9 @@ def test_fedprox_with_mu_zero_is_fedavg(tiny_run):
         start = actor.start_method(index)
         uploads.append(actor.train(0, [0], {0: start})[0].tensors["shared"])
     assert all(torch.equal(uploads[0][n], uploads[1][n]) for n in uploads[0])
+
+
+def test_a_compiled_fedyolo_update_uploads_the_eager_updates_numbers(tiny_run, monkeypatch):
+    # float32 sums in another order: round-off of about 1e-7 relative per operation; a wrong path, batch or lr
+    # moves the update by its own size
+    assert compiled_update_gap(_study_run(tiny_run, ["fedyolo"]), [0], monkeypatch) < 1e-4

@@ -17,7 +17,7 @@ from rayfed.method import build_method
 
 from conftest import load_data
 from rayfed.method import Upload
-from conftest import method_class
+from conftest import compiled_update_gap, method_class
 from rayfed.methods.pfedmma import BaseNovelOptions, MultiModalAdapter, base_novel_split
 from rayfed.methods.pfedmma.adapter import attach
 from rayfed.results.derived_metrics import across_datasets, harmonic_mean
@@ -430,3 +430,15 @@ def test_base_excludes_local_scores_base_accuracy_on_other_clients_classes_only(
     expected, over_all = correct[keep].float().mean().item(), correct.float().mean().item()
     assert expected != pytest.approx(over_all)  # the two rules give different numbers on this case
     assert actor.evaluate(0, {0: None})[0]["base_acc"] == pytest.approx(expected)
+
+
+
+def test_a_compiled_pfedmma_update_uploads_the_eager_updates_numbers(monkeypatch):
+    # The shipped tiny CLIP on shape scenes, whose class names it reads (the synthetic source's prompts all tokenize
+    # alike, which leaves every logit equal and the update at round-off)
+    run = _clip_run("tiny-pretrained:clip", [{"name": "pfedmma", "rank": 4, "first_layer": 1}])
+    run["data"] = {"source": "shapes", "synthetic": {"num_samples": 1280, "styles": ["noisy"]}, "num_clients": 2,
+                   "test_fraction": 0.5, "partition": {"name": "base_novel", "options": {"shots": 2}}}
+    # float32 sums in another order: round-off of about 1e-7 relative per operation; a wrong path, batch or lr
+    # moves the update by its own size
+    assert compiled_update_gap(run, [0], monkeypatch) < 1e-4

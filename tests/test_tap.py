@@ -27,7 +27,7 @@ from rayfed.models.peft.modules import AdaptedMLP, set_adapter_mix
 from rayfed.tasks import sample_round, task_view
 from rayfed.training import ClientContext
 
-from conftest import CountedOps, method_class
+from conftest import CountedOps, compiled_update_gap, method_class
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # Four clients on the tiny pretrained FLAVA: 0 image classification, 1 text classification + image generation,
@@ -854,3 +854,10 @@ def test_the_tables_average_over_clients_as_the_paper_does(tmp_path):
     assert table["TAP"]["MMLU F1"][0] == pytest.approx(0.3)  # one client: the mean of its subjects
     assert table["TAP@pt"]["Caltech MSE"][0] == pytest.approx(0.3)
     assert replacements([tmp_path]) == {"fmnist": (2.0, 0.0)}
+
+
+def test_a_compiled_tap_update_uploads_the_eager_updates_numbers(monkeypatch):
+    # client 0: image classification, W's update and X's
+    # float32 sums in another order: round-off of about 1e-7 relative per operation; a wrong path, batch or lr
+    # moves the update by its own size
+    assert compiled_update_gap(_run(), [0], monkeypatch) < 1e-4

@@ -220,6 +220,57 @@ def test_a_graphed_step_trains_like_the_eager_one_and_each_client_starts_afresh(
         assert update.norm() > 0 and (first.params[name] - value).norm() < 0.15 * update.norm(), name
 
 
+def _shifted(values: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
+    return {name: value + by for name, value in values.items()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_graphed_step_with_a_proximal_term_trains_like_the_eager_one_for_each_clients_anchor():
+    eager, start = _host(cuda_graphs=False)
+    graphed, _ = _host(cuda_graphs=True)
+    anchors = [_shifted(start, 0.5), _shifted(start, -0.5)]  # far enough for the term to move the update
+    results = [graphed._context(0, 0).train(start, extra_loss=training.proximal_penalty(anchor, 1.0))
+               for anchor in anchors]
+    assert len(fast_steps._GRAPHS[graphed.model]) == 1  # one graph, each call's anchor copied into it
+    for anchor, result in zip(anchors, results):
+        reference = eager._context(0, 0).train(start, extra_loss=training.proximal_penalty(anchor, 1.0))
+        assert float(result.loss) == pytest.approx(float(reference.loss), rel=1e-3)  # bf16 kernels, as above
+        for name, value in reference.params.items():
+            update = value - start[name].cuda()
+            assert (result.params[name] - value).norm() < 0.15 * update.norm(), name
+    gap = sum(float((results[0].params[n] - results[1].params[n]).norm()) for n in start)
+    assert gap > 0  # the second anchor reached the graph
+
+
+def test_a_step_is_captured_only_with_the_task_loss_and_no_term_or_a_declared_tensor_term():
+    from rayfed.training.client_context import Phase, captures_step
+
+    config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0).train.model_copy(update={"cuda_graphs": True})
+    gpu, start = torch.device("cuda"), {"w": torch.ones(3)}
+    declared = training.proximal_penalty(start, 0.1)
+    assert isinstance(declared, fast_steps.TensorPenalty)
+    assert captures_step(config, gpu, [Phase()]) and captures_step(config, gpu, [Phase(extra_loss=declared)])
+    assert not captures_step(config, torch.device("cpu"), [Phase()])
+    assert not captures_step(config.model_copy(update={"cuda_graphs": False}), gpu, [Phase()])
+    for phases in ([Phase(extra_loss=lambda params: params["w"].sum())],  # undeclared: eager
+                   [Phase(loss=lambda step: step.task_loss())], [Phase(trains=["w"])], [Phase(lr=0.1)],
+                   [Phase(lr_of=lambda name: None)], [Phase(), Phase()]):
+        assert not captures_step(config, gpu, phases), phases
+
+
+def test_a_tensor_penalty_is_a_function_of_its_arguments_and_its_graph_key_holds_what_a_capture_bakes_in():
+    anchor = {"w": torch.ones(3)}
+    penalty = training.proximal_penalty(anchor, 0.1)
+    params = {"w": torch.full((3,), 3.0, requires_grad=True)}
+    assert float(penalty(params)) == pytest.approx(0.5 * 0.1 * 3 * 2.0**2)
+    assert penalty.key() == training.proximal_penalty({"w": torch.zeros(3)}, 0.1).key()  # values: refilled
+    assert penalty.key() != training.proximal_penalty(anchor, 0.2).key()  # a number baked into the graph
+    assert penalty.key() != training.proximal_penalty({"w": torch.ones(4)}, 0.1).key()
+    strength = 0.1
+    with pytest.raises(TypeError, match="closes over variables"):
+        fast_steps.TensorPenalty(lambda params, inputs: strength * params["w"].sum(), {})
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
 def test_without_a_gpu_cuda_graphs_train_eagerly_to_the_same_numbers():
     eager, eager_start = _host(cuda_graphs=False)
@@ -234,12 +285,15 @@ def test_an_actor_keeps_the_most_recently_used_graphs_one_per_trained_set_task_a
     captured = []
 
     class CountingStep:  # stands in for a captured graph: counts captures and optimizer resets
-        def __init__(self, model, named, config, lr, batch, task):
+        def __init__(self, model, named, config, lr, batch, task, penalty=None):
             self.shape, self.resets = tuple(batch["pixel_values"].shape), 0
             captured.append(self)
 
         def reset_optimizer(self):
             self.resets += 1
+
+        def load_penalty(self, penalty):
+            pass
 
     monkeypatch.setattr(fast_steps, "GraphedStep", CountingStep)
     host, _ = _host(cuda_graphs=False)
@@ -412,6 +466,55 @@ def test_a_compiled_step_trains_like_the_eager_one_and_compiles_once_for_every_c
         for name, value in reference.params.items():
             update = value - eager_start[name]
             assert (result.params[name] - value).norm() <= 1e-4 * update.norm() + 1e-7, name
+
+
+def test_a_forward_that_fails_to_compile_trains_eagerly_after_one_warning(monkeypatch, caplog):
+    calls = []
+
+    def failing_compile(model, **options):
+        def compiled(*args, **kwargs):
+            calls.append(args)
+            raise torch._dynamo.exc.TorchDynamoException("cannot trace this\nmore detail")
+        return compiled
+
+    eager, start = _host(cuda_graphs=False)
+    config = dataclasses.replace(WORKLOAD, compile=True).config(clients_per_actor=3, gpus_per_actor=0)
+    compiled = ClientActor(config.to_dict(), [0, 1, 2])
+    compiled_start = compiled.start_method(0)
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    with caplog.at_level("WARNING", logger="rayfed.training.fast_steps"):
+        results = [compiled._context(cid, 0).train(compiled_start) for cid in (0, 1)]
+    assert len(calls) == 1  # tried once, then the model itself
+    [record] = caplog.records
+    assert record.getMessage().endswith("could not be compiled (TorchDynamoException: cannot trace this); it trains "
+                                        "eagerly.")
+    for cid, result in zip((0, 1), results):  # the eager update, up to the patch product's round-off
+        reference = eager._context(cid, 0).train(start)
+        for name, value in reference.params.items():
+            update = value - start[name]
+            assert (result.params[name] - value).norm() <= 1e-4 * update.norm() + 1e-7, name
+
+
+def test_a_forward_compiled_in_pieces_says_where_once(monkeypatch, caplog):
+    from torch._dynamo.utils import counters
+
+    def breaking_compile(model, **options):
+        def compiled(*args, **kwargs):
+            counters["graph_break"]["a value read back to the host\nmore detail"] += 1
+            return model(*args, **kwargs)
+        return compiled
+
+    config = dataclasses.replace(WORKLOAD, compile=True).config(clients_per_actor=3, gpus_per_actor=0)
+    host = ClientActor(config.to_dict(), [0, 1])
+    start = host.start_method(0)
+    monkeypatch.setattr(torch, "compile", breaking_compile)
+    counters.clear()
+    with caplog.at_level("WARNING", logger="rayfed.training.fast_steps"):
+        for cid in (0, 1):
+            host._context(cid, 0).train(start)
+    [record] = caplog.records
+    assert "compiles in pieces, with the code at 1 place(s) running eagerly between them (a value read back to the " \
+           "host)." in record.getMessage()
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -59,12 +59,14 @@ class TrainConfig(Section):
     grad_clip: float | None = Field(None, gt=0, description="clip the L2 norm of the trained parameters' gradient")
     cuda_graphs: bool = Field(
         False, description="on a GPU, capture a training step once as a CUDA graph and replay it (adam/adamw, "
-        "constant schedule, no grad_clip; steps with a method's extra loss term run eagerly)"
+        "constant schedule, no grad_clip; a step with a method's own loss, several phases or an extra loss term runs "
+        "eagerly, unless the term is a rayfed.training.TensorPenalty, which is captured with it)"
     )
     compile: bool = Field(
         False, description="train through torch.compile of the model (inductor: fused kernels for the forward and "
         "backward; patch-embedding convolutions become matrix products), compiled once per model and reused by every "
-        "client it trains; the first steps of each task and batch shape pay the compilation"
+        "client it trains; the first steps of each task and batch shape pay the compilation; a forward that fails to "
+        "compile trains eagerly after one warning"
     )
     batch_clients: int = Field(
         1, ge=1, description="train up to this many of an actor's sampled clients in one forward and backward "

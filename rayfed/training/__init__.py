@@ -29,7 +29,8 @@ from torch import nn
 
 from rayfed.training.client_context import (ClientContext, LossFn, OtherTask, Penalty, Phase, StackedTrainer, Step, TrainResult,
                                    stacked_forward_batch)
-from rayfed.training.fast_steps import MAX_GRAPHS_PER_MODEL, GraphedStep, PatchMatmul, mixed_precision, trained_forward
+from rayfed.training.fast_steps import (MAX_GRAPHS_PER_MODEL, GraphedStep, PatchMatmul, TensorPenalty, mixed_precision,
+                                        trained_forward)
 from rayfed.training.optimizers import build_optimizer, local_steps, scheduled_lr
 from rayfed.training.public_pass import (PreFederation, PublicJob, PublicLoss, PublicPass, answer_mask, same_answers,
                                 token_losses)
@@ -38,7 +39,7 @@ from rayfed.types import TensorDict
 __all__ = ["MAX_GRAPHS_PER_MODEL", "ClientContext", "GraphedStep", "LossFn", "OtherTask", "PatchMatmul", "Penalty",
            "Phase", "PreFederation", "PublicJob", "PublicLoss", "PublicPass", "StackedTrainer", "Step", "TrainResult",
            "answer_mask", "build_optimizer", "distillation_loss", "local_steps", "mixed_precision", "proximal_penalty",
-           "same_answers", "scheduled_lr", "stacked_forward_batch", "token_losses", "trained_forward"]
+           "same_answers", "scheduled_lr", "stacked_forward_batch", "TensorPenalty", "token_losses", "trained_forward"]
 
 
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -64,16 +65,13 @@ def output_distillation(student: torch.Tensor, teacher: torch.Tensor, temperatur
     return distillation_loss(student, teacher, temperature)
 
 
-def proximal_penalty(anchor: TensorDict | None, strength: float) -> Penalty | None:
-    """``strength / 2 * ||w - anchor||^2`` over the parameters present in ``anchor``."""
+def proximal_penalty(anchor: TensorDict | None, strength: float) -> TensorPenalty | None:
+    """``strength / 2 * ||w - anchor||^2`` over the parameters present in ``anchor`` (tensor work alone: a CUDA
+    graph may capture it with the step)."""
     if anchor is None or strength == 0:
         return None
+    return TensorPenalty(_proximal_term, {"anchor": anchor}, (strength,))
 
-    anchor_on_device: TensorDict = {}
 
-    def penalty(params: dict[str, torch.Tensor]) -> torch.Tensor:
-        if not anchor_on_device:  # payloads arrive on the CPU; move them once, not every step
-            anchor_on_device.update({n: a.to(params[n].device) for n, a in anchor.items()})
-        return 0.5 * strength * sum(((params[n] - a) ** 2).sum() for n, a in anchor_on_device.items())
-
-    return penalty
+def _proximal_term(params: dict[str, torch.Tensor], inputs: dict[str, TensorDict], strength: float) -> torch.Tensor:
+    return 0.5 * strength * sum(((params[n] - a) ** 2).sum() for n, a in inputs["anchor"].items())

@@ -13,7 +13,7 @@ from torch import nn
 from rayfed import seeding
 from rayfed.config import StreamConfig, TrainConfig
 from rayfed.data.batches import ClientData, Columns, EvalSet, num_rows
-from rayfed.training.fast_steps import graphed_step, mixed_precision, trained_forward
+from rayfed.training.fast_steps import TensorPenalty, graphed_step, mixed_precision, trained_forward
 from rayfed.results.derived_metrics import with_derived
 from rayfed.models.client import TrainableModule
 from rayfed.models.peft.modules import select_task
@@ -23,7 +23,8 @@ from rayfed.data.streams import seen_round, training_pool
 from rayfed.tasks import Task
 from rayfed.types import Batch, Loss, TensorDict
 
-# An extra loss term computed from the live trainable parameters (e.g. a proximal term).
+# An extra loss term computed from the live trainable parameters (e.g. a proximal term); a TensorPenalty is one a
+# CUDA graph may capture with the step.
 Penalty = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 LossFn = Callable[["Step"], torch.Tensor]
 
@@ -152,6 +153,17 @@ def stacked_forward_batch(model: TrainableModule, parts: Sequence[tuple[Task, Ba
     return {name: torch.cat([batch[name] for batch in batches]) for name in first}
 
 
+def captures_step(config: TrainConfig, device: torch.device, phases: Sequence[Phase]) -> bool:
+    """Whether a train call of ``phases`` (one task, one micro-batch a step, a fresh optimizer) may run as a captured
+    CUDA graph: ``train.cuda_graphs`` on a GPU, one phase of the task loss over every trained tensor, and no extra
+    term or one its method declared capturable (a :class:`~rayfed.training.fast_steps.TensorPenalty`)."""
+    if not (config.cuda_graphs and device.type == "cuda" and len(phases) == 1):
+        return False
+    phase = phases[0]
+    return (phase.loss is None and phase.trains is None and phase.lr is None and phase.lr_of is None
+            and (phase.extra_loss is None or isinstance(phase.extra_loss, TensorPenalty)))
+
+
 class ClientContext:
     """One client as a method sees it inside its actor: its data, the model, a seeded trainer."""
 
@@ -220,10 +232,10 @@ class ClientContext:
         named = {name: p for name, p in self.model.named_parameters() if name in params}
         self.model.train()
         graphed = None
-        if (config.cuda_graphs and self.device.type == "cuda" and len(phases) == 1 and phases[0].loss is None
-                and phases[0].extra_loss is None and simple):
+        if simple and captures_step(config, self.device, phases):
             # Before seeding: a first capture runs warm-up steps, which would draw dropout masks.
-            graphed = graphed_step(self.model, named, config, base_lr, self.data, self.tasks[self.task])
+            graphed = graphed_step(self.model, named, config, base_lr, self.data, self.tasks[self.task],
+                                   phases[0].extra_loss)
         torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
         snapshots: dict[int, TensorDict] = {}
 

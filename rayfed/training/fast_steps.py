@@ -6,17 +6,19 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.utils import counters
 
 from rayfed.config import TrainConfig
 from rayfed.data.batches import ClientData, TaskData
 from rayfed.models.client import TrainableModule
 from rayfed.training.optimizers import build_optimizer
 from rayfed.tasks import Task
-from rayfed.types import Batch
+from rayfed.types import Batch, TensorDict
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,39 @@ def mixed_precision(device: torch.device, cache_enabled: bool = True) -> torch.a
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda", cache_enabled=cache_enabled)
 
 
+PenaltyTerm = Callable[..., torch.Tensor]
+
+
+class TensorPenalty:
+    """An extra loss term a method declares safe to capture in a CUDA graph with its step (``train.cuda_graphs``):
+    ``term(params, inputs, *settings)``, pure tensor work on the live trained tensors (``params``, by name) and the
+    tensors ``inputs`` (slots of named tensors: the received global model, ...), its Python numbers in ``settings``.
+
+    ``term`` must not read a value back to the host, branch on one, or keep state between calls; it is a function of
+    its arguments alone (a closure, which could hold other tensors, is refused). A captured step reads copies of
+    ``inputs`` that each train call refills, and serves only penalties with the same ``term``, ``settings`` and input
+    shapes. Any other penalty (a plain function of the parameters) runs the step eagerly, which is the safe default.
+    """
+
+    def __init__(self, term: PenaltyTerm, inputs: dict[str, TensorDict], settings: tuple[float, ...] = ()):
+        if getattr(term, "__closure__", None):
+            raise TypeError(f"TensorPenalty's term {term.__qualname__} closes over variables of its surroundings; "
+                            "pass the tensors it reads as inputs and its numbers as settings.")
+        self.term, self.inputs, self.settings = term, inputs, tuple(settings)
+        self._on_device: dict[torch.device, dict[str, TensorDict]] = {}
+
+    def __call__(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        device = next(iter(params.values())).device
+        if device not in self._on_device:  # inputs arrive on the CPU; moved once, not every step
+            self._on_device[device] = {slot: {name: value.to(device) for name, value in values.items()}
+                                       for slot, values in self.inputs.items()}
+        return self.term(params, self._on_device[device], *self.settings)
+
+    def key(self) -> tuple:
+        """What a captured step bakes in: the term, its settings and its inputs' names, shapes and dtypes."""
+        specs = tuple((slot, tuple((name, tuple(value.shape), value.dtype) for name, value in values.items()))
+                      for slot, values in self.inputs.items())
+        return self.term, self.settings, specs
 
 
 class GraphedStep:
@@ -35,16 +70,23 @@ class GraphedStep:
     The steps of a foundation model with small adapters are bound by kernel launches (about a thousand
     per step); a replay launches them all at once. Each train call loads the client's values into the
     same parameter tensors and zeroes the optimizer's state in place, which is where a fresh optimizer
-    starts; each batch is copied into the static inputs the graph reads.
+    starts; each batch is copied into the static inputs the graph reads. A :class:`TensorPenalty` is captured
+    with the step (added to the task loss outside autocast, as the eager step adds it), reading inputs of its own
+    that :meth:`load_penalty` refills for each train call.
     """
 
     def __init__(self, model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
-                 batch: Batch, task: Task):
+                 batch: Batch, task: Task, penalty: TensorPenalty | None = None):
         self.optimizer = build_optimizer(config, list(named.values()), lr, capturable=True)
         self.forward = trained_forward(model, config)
         self.batch = {name: column.clone() for name, column in batch.items()}
         self.task = task
+        self.named = named
         device = next(iter(self.batch.values())).device
+        self.penalty = penalty
+        self.penalty_inputs = {} if penalty is None else {
+            slot: {name: value.to(device, copy=True) for name, value in values.items()}
+            for slot, values in penalty.inputs.items()}
         start = {name: param.detach().clone() for name, param in named.items()}
         try:
             side = torch.cuda.Stream(device)  # warm-up off the default stream, as graph capture requires
@@ -68,9 +110,18 @@ class GraphedStep:
         device = next(iter(self.batch.values())).device
         with mixed_precision(device, cache_enabled=False):  # no cast cache under capture
             loss = self.task.kind.loss(self.forward(self.batch), self.batch)
-        loss.backward()
+        value = loss
+        if self.penalty is not None:
+            value = loss + self.penalty.term(self.named, self.penalty_inputs, *self.penalty.settings)
+        value.backward()
         self.optimizer.step()
         return loss.detach().float()
+
+    def load_penalty(self, penalty: TensorPenalty | None) -> None:
+        """Copy this train call's penalty inputs into the ones the graph reads."""
+        for slot, values in self.penalty_inputs.items():
+            for name, value in values.items():
+                value.copy_(penalty.inputs[slot][name], non_blocking=True)
 
     def reset_optimizer(self) -> None:
         for state in self.optimizer.state.values():
@@ -85,15 +136,48 @@ class GraphedStep:
         return self.loss
 
 
-@dataclass(frozen=True)
 class CompiledForward:
-    """A model's ``torch.compile``, kept in its attachments: a submodule of its model it must not become."""
+    """A model's ``torch.compile``, kept in its attachments (a submodule of its model it must not become).
 
-    module: nn.Module
+    Where the model's code stops tracing (a value read back to the host, Python the compiler cannot follow), the
+    compiled forward runs in pieces with that code eagerly between them, which the first call reports in one
+    warning. Where compiling fails, it warns once and runs the model eagerly from then on; the step that failed
+    restarts eagerly (its dropout draws are then not the eager run's)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.compiled = torch.compile(model)
+        self.eager = False
+        self.called = False
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        if self.eager:
+            return self.model(*args, **kwargs)
+        breaks = set(counters["graph_break"])
+        try:
+            outputs = self.compiled(*args, **kwargs)
+        except TorchDynamoException as err:
+            self.eager = True
+            log.warning("train.compile: the forward of this %s could not be compiled (%s: %s); it trains eagerly.",
+                        type(self.model).__name__, type(err).__name__, _first_line(err))
+            return self.model(*args, **kwargs)
+        if not self.called:
+            self.called = True
+            new = [reason for reason in counters["graph_break"] if reason not in breaks]
+            if new:
+                log.warning("train.compile: the forward of this %s compiles in pieces, with the code at %d place(s) "
+                            "running eagerly between them (%s).", type(self.model).__name__, len(new),
+                            "; ".join(_first_line(reason) for reason in new[:3]))
+        return outputs
 
 
-def trained_forward(model: TrainableModule, config: TrainConfig) -> nn.Module:
-    """What a training step calls: ``model``, or with ``train.compile`` its ``torch.compile``, built once per model.
+def _first_line(text: object) -> str:
+    return (str(text).strip().splitlines() or [""])[0][:200]
+
+
+def trained_forward(model: TrainableModule, config: TrainConfig) -> nn.Module | CompiledForward:
+    """What a training step calls: ``model``, or with ``train.compile`` its :class:`CompiledForward`, built once per
+    model.
 
     Clients' values are loaded into the same parameter tensors, which the compiled code reads as inputs, so one
     compilation (per task and batch shape) serves every client of the model. Before compiling, the model's patch
@@ -106,8 +190,8 @@ def trained_forward(model: TrainableModule, config: TrainConfig) -> nn.Module:
             if PatchMatmul.replaces(module):
                 # In place, so that parameters, hooks and every reference to the module stay as they are.
                 module.__class__ = PatchMatmul
-        compiled = model.attachments.put(CompiledForward(torch.compile(model)))
-    return compiled.module
+        compiled = model.attachments.put(CompiledForward(model))
+    return compiled
 
 
 class PatchMatmul(nn.Conv2d):
@@ -142,14 +226,16 @@ _GRAPHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, GraphedStep | None]] =
 
 
 def graphed_step(model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
-                  data: ClientData, task: Task) -> GraphedStep | None:
-    """The model's graph for this trained set, task (the forward path: heads, label space), batch shape
-    and optimizer (captured on first use, the least recently used of :data:`MAX_GRAPHS_PER_MODEL`
-    dropped), its optimizer state zeroed; None when the step cannot be captured (it then runs eagerly)."""
+                  data: ClientData, task: Task, penalty: TensorPenalty | None = None) -> GraphedStep | None:
+    """The model's graph for this trained set, task (the forward path: heads, label space), batch shape,
+    optimizer and penalty (captured on first use, the least recently used of :data:`MAX_GRAPHS_PER_MODEL`
+    dropped), its optimizer state zeroed and the penalty's inputs loaded; None when the step cannot be captured
+    (it then runs eagerly)."""
     part: TaskData = data.parts[0]
     batch_size = min(config.batch_size, data.num_train)
     shapes = tuple((name, tuple(column.shape[1:]), column.dtype) for name, column in part.train.items())
-    key = (tuple(named), task.index, batch_size, shapes, config.optimizer, config.weight_decay, lr)
+    key = (tuple(named), task.index, batch_size, shapes, config.optimizer, config.weight_decay, lr,
+           None if penalty is None else penalty.key())
     graphs = _GRAPHS.setdefault(model, {})
     if key in graphs:
         graphs[key] = graphs.pop(key)  # most recently used last
@@ -158,12 +244,13 @@ def graphed_step(model: TrainableModule, named: dict[str, torch.Tensor], config:
             del graphs[next(iter(graphs))]
         device = next(iter(named.values())).device
         try:
-            graphs[key] = GraphedStep(model, named, config, lr,
-                                      {name: column[:batch_size].to(device) for name, column in part.train.items()}, task)
+            batch = {name: column[:batch_size].to(device) for name, column in part.train.items()}
+            graphs[key] = GraphedStep(model, named, config, lr, batch, task, penalty)
         except RuntimeError as err:  # e.g. a forward that reads a value back to the host mid-step
             log.warning("train.cuda_graphs: the training step of this %s could not be captured as a CUDA graph "
                         "(%s); it trains eagerly.", type(model).__name__, str(err).splitlines()[0])
             graphs[key] = None
     if graphs[key] is not None:
         graphs[key].reset_optimizer()
+        graphs[key].load_penalty(penalty)
     return graphs[key]

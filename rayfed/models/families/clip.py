@@ -131,6 +131,7 @@ class ClipClassifier(TrainableModule):
             return self.clip.encode_image(pixels)
         return self.clip.get_image_features(pixel_values=pixels).pooler_output
 
+    @torch.compiler.disable  # the tokenizer's Python is nothing to compile (train.compile)
     def tokenize(self, texts: list[str]) -> dict[str, torch.Tensor]:
         if self.is_open_clip:
             return {"text": self.tokenizer(texts)}
@@ -150,7 +151,10 @@ class ClipClassifier(TrainableModule):
 
     @functools.cached_property
     def _tokens(self) -> list[dict[str, torch.Tensor]]:
-        return [self.tokenize(self.prompts(names)) for names in self.label_spaces]
+        # On the model's device: a training step then copies nothing from the host, which a CUDA graph cannot capture.
+        device = self.clip.logit_scale.device
+        return [{name: value.to(device) for name, value in self.tokenize(self.prompts(names)).items()}
+                for names in self.label_spaces]
 
     # Classification -----------------------------------------------------------------------
     def select_task(self, index: int) -> None:
