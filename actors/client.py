@@ -63,7 +63,9 @@ class ClientActor:
         self.federation = federation
         self.tasks = list(federation.tasks)
         self.tasks_of = {cid: federation.tasks_of(cid) for cid in self.client_ids}
-        self.backbone = build_backbone(self.model_config, torch_seed(self.config.seed, 0, SERVER, "backbone"))
+        # random weights (paper-size backbones) are drawn on the actor's device, not on its one CPU thread
+        self.backbone = build_backbone(self.model_config, torch_seed(self.config.seed, 0, SERVER, "backbone"),
+                                       self.device)
         self.data_device, self.data, self.eval_sets = resident_data(
             federation, self.client_ids, self.backbone, self.device, self.config.placement.client_state)
         self.stream = self.config.data.stream

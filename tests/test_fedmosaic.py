@@ -4,6 +4,7 @@ offline benchmark's configs."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from pathlib import Path
@@ -556,6 +557,23 @@ def test_the_alignment_features_are_float32_when_the_backbone_runs_in_bfloat16()
         prepared = actor.pre_federation(0)
     features = {name: value for name, value in prepared.items() if name.startswith(("h/", "y/"))}
     assert features and {value.dtype for value in features.values()} == {torch.float32}
+
+
+def test_the_alignment_forward_stops_before_the_output_head_and_pools_the_same_features(monkeypatch):
+    """The public rows' forward needs the PQ layers' inputs only: it never runs the LM head (128k logits a token at
+    paper size), and the pooled features are bitwise those of the whole forward."""
+    config = load_config(HETERO)
+    actor = ClientActor(config, [0, 1], architecture="small")
+    actor.start_method(0)
+    head_calls = []
+    actor.model.encoder.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
+    prepared = actor.pre_federation(0)
+    assert not head_calls
+    monkeypatch.setattr(pqlora, "output_head_skipped", lambda model: contextlib.nullcontext(StopIteration))
+    whole = actor.pre_federation(0)
+    assert head_calls  # the whole forward ran the head
+    assert prepared.keys() == whole.keys() and any(name.startswith("h/") for name in prepared)
+    assert all(torch.equal(prepared[name], whole[name]) for name in prepared)
 
 
 def test_the_cca_of_fewer_samples_than_features_is_the_covariances_cca_computed_in_the_samples_span():

@@ -226,3 +226,62 @@ def test_vilts_unpadded_patch_embedding_is_transformers_bitwise_without_reading_
     with torch.no_grad():
         masked = encoder(input_ids=ids, pixel_values=pixels, pixel_mask=torch.ones(3, size, size, dtype=torch.long))
     assert torch.equal(masked.pooler_output, ref_pooled)
+
+
+def test_a_paper_size_backbones_random_weights_are_drawn_on_the_requested_device():
+    """An actor draws a paper-size model's random weights on its own device (its GPU, not its one CPU thread);
+    ``meta`` gives the shapes without memory; without a device they are drawn as before, bitwise."""
+    meta = build_backbone(ModelConfig(backbone="vilt:B32"), seed=0, device="meta").encoder
+    assert all(param.is_meta for param in meta.parameters()) and _count(meta) == 111_595_008
+    torch.manual_seed(0)
+    default = paper_backbone("vilt:B32", layers=1).encoder
+    torch.manual_seed(0)
+    on_cpu = paper_backbone("vilt:B32", layers=1, device="cpu").encoder
+    assert all(param.device.type == "cpu" for param in on_cpu.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(default.state_dict().values(), on_cpu.state_dict().values()))
+
+
+def test_an_actor_asks_for_its_backbone_on_its_own_device(monkeypatch, tiny_run):
+    from rayfed.actors import client
+
+    asked = []
+
+    def recorded(config, seed, device=None):
+        asked.append(device)
+        return build_backbone(config, seed, device)
+
+    monkeypatch.setattr(client, "build_backbone", recorded)
+    actor = client.ClientActor(load_config(tiny_run), [0, 1])
+    assert asked == [actor.device]
+
+
+def test_the_preflight_checks_paper_size_backbones_from_their_shapes_without_drawing_their_weights(monkeypatch):
+    """The driver's preflight builds a paper-size backbone (and FedMosaic's W_s) on the meta device: billions of
+    random weights are not drawn on its CPU; the method's model is built and the tasks encoded (for LLaVA's 576 image
+    tokens), the forward is left to the actors."""
+    from rayfed.actors.client import run_methods
+    from rayfed.data.clients import build_federation
+    from rayfed.methods.fedmosaic import method as fedmosaic_method
+    from rayfed.simulation import check_model, preflight
+
+    built = []
+
+    def meta_only(config, seed, device=None):
+        assert device is not None and torch.device(device).type == "meta", f"{config.backbone} built on {device}"
+        built.append(config.backbone)
+        return build_backbone(config, seed, device)
+
+    monkeypatch.setattr(preflight, "build_backbone", meta_only)
+    monkeypatch.setattr(fedmosaic_method, "build_backbone", meta_only)
+    task = {"source": "task-groups:vqa", "kind": "text_generation", "partition": {"name": "iid"},
+            "max_text_length": 576 + 10, "options": {"group": 0, "num_samples": 8, "question_types": ["color"]}}
+    config = load_config({
+        "data": {"tasks": [{**task, "name": "a", "clients": [0]}, {**task, "name": "b", "clients": [1]}]},
+        "model": {"backbone": "llava:llama-1B", "lora": {"rank": 8, "alpha": 16}},
+        "federation": {"rounds": 1, "clients_per_round": 2},
+        "methods": [{"name": "fedmosaic", "relevance_model": "llava:llama-3B"}],  # W_s: another size, one vocabulary
+        "placement": {"executor": "local"},
+    })
+    federation = build_federation(config.data, config.seed)
+    check_model(config, federation, run_methods(config, federation))
+    assert built == ["llava:llama-1B", "llava:llama-3B"]

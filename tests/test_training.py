@@ -605,3 +605,21 @@ def test_a_clients_text_generation_tasks_are_scored_in_one_pass_with_each_tasks_
         for metric, value in values.items():
             merged = metrics[f"{name}/local_{metric}"]
             assert merged == pytest.approx(value, rel=1e-5) if metric == "perplexity" else merged == value, metric
+
+
+def test_a_models_module_lists_are_kept_across_a_slice_of_its_layers_and_made_again_after_a_registration():
+    """HF's decoders run ``self.layers[:n]`` at every forward, which registers each layer into a new ModuleList: that
+    changes no model, so the lists select_task and shares_forward walk for stay kept; a module registered into the
+    model makes them again."""
+    from torch import nn
+
+    from rayfed.modules import modules_of_type
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.ReLU()]))
+    kept = modules_of_type(model, (nn.Linear,))
+    assert len(kept) == 2
+    model[1][:1]  # what a forward of HF's decoders does
+    nn.Sequential(nn.Linear(2, 2))  # a model built elsewhere
+    assert modules_of_type(model, (nn.Linear,)) is kept
+    model[1].append(nn.Linear(2, 2))
+    assert len(modules_of_type(model, (nn.Linear,))) == 3

@@ -196,7 +196,8 @@ class FedMosaic(Method):
         if name == backbone.name:  # W_s is this backbone: the client model with its adapters off
             model.attachments.put(RelevanceSource(last_linear(model.encoder, backbone.lora_scope, self.params.last_layer)))
             return
-        relevance = build_backbone(ModelConfig(backbone=name), seed)
+        # random weights are drawn where the client's backbone is (an actor's GPU; meta in the driver's preflight)
+        relevance = build_backbone(ModelConfig(backbone=name), seed, next(backbone.encoder.parameters()).device)
         if relevance.tokenizer is None or backbone.tokenizer is None or (
                 relevance.tokenizer.get_vocab() != backbone.tokenizer.get_vocab()):
             raise ConfigError(f"methods (fedmosaic).relevance_model = {name!r} tokenizes text differently from "
@@ -412,18 +413,24 @@ def _public_features(stage: PreFederation, params: FedMosaicParams) -> TensorDic
     pooled: dict[str, list[torch.Tensor]] = {}
     outputs = params.b_features == "base_output"
     task = stage.public_task
-    with torch.no_grad(), adapters_off(model), pqlora.captured_inputs(pq_modules, outputs) as captured:
+    # batches of eval_batch_size on the actor's device, pooled there (one copy to the host at the end), the forward
+    # stopped before the output head: only the PQ layers' inputs are needed (a paper-size LM's head is 128k wide)
+    with torch.no_grad(), adapters_off(model), pqlora.captured_inputs(pq_modules, outputs) as captured, \
+            pqlora.output_head_skipped(model.encoder) as skipped:
         for first in range(0, rows, batch_size):
             batch = {name: column[first:first + batch_size].to(stage.device) for name, column in stage.public.items()}
-            task.kind.forward(model, batch)
+            try:
+                task.kind.forward(model, batch)
+            except skipped:
+                pass
             for key, values in captured.items():
-                pooled.setdefault(key, []).append(pqlora.mean_pool(values, batch["attention_mask"]).cpu())
+                pooled.setdefault(key, []).append(pqlora.mean_pool(values, batch["attention_mask"]))
     prepared: TensorDict = {}
     for key, module in pq_modules.items():
         # float32 as A and B are: a GPU's forward (bf16 weights, autocast) pools bf16 features
-        prepared[f"h/{key}"] = torch.cat(pooled[key]).float()
+        prepared[f"h/{key}"] = torch.cat(pooled[key]).cpu().float()
         if outputs:
-            prepared[f"y/{key}"] = torch.cat(pooled[key + ":out"]).float()
+            prepared[f"y/{key}"] = torch.cat(pooled[key + ":out"]).cpu().float()
         prepared[f"A/{key}"] = module.A.detach().cpu()
         prepared[f"B/{key}"] = module.B.detach().cpu()
     frozen = sum(p.numel() for p in model.encoder.parameters() if not p.requires_grad)

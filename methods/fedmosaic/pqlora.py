@@ -263,6 +263,30 @@ def captured_inputs(modules: Mapping[str, AdaptedLinear], outputs: bool = False)
             handle.remove()
 
 
+class _HeadSkipped(Exception):
+    """Raised where a forward reaches the output head that :func:`output_head_skipped` skips."""
+
+
+@contextlib.contextmanager
+def output_head_skipped(model: nn.Module) -> Iterator[type[Exception]]:
+    """While open, a forward of the HF ``model`` stops where it would enter its output head (``lm_head``: no
+    logits); it raises the yielded exception type there, which the caller catches. A model without an output head
+    runs whole."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        yield _HeadSkipped
+        return
+
+    def stop(*_: object) -> None:
+        raise _HeadSkipped
+
+    handle = head.register_forward_pre_hook(stop)
+    try:
+        yield _HeadSkipped
+    finally:
+        handle.remove()
+
+
 def mean_pool(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(batch, tokens, d) values averaged over the tokens ``mask`` (batch, tokens) keeps."""
     keep = mask.to(values.dtype).unsqueeze(-1)

@@ -53,20 +53,24 @@ class Backbone:
 
 @dataclass(frozen=True)
 class BackboneRequest:
-    """What a backbone builder is asked for: the model config, the seed of random weights, and a prefix
-    builder's argument (``B`` for ``vit:B``)."""
+    """What a backbone builder is asked for: the model config, the seed of random weights, a prefix builder's
+    argument (``B`` for ``vit:B``), and ``device``: where a builder that draws random weights may draw them (an
+    actor's GPU; ``meta``: shapes only), None for the CPU; a builder that loads weights loads them on the CPU."""
 
     config: ModelConfig
     seed: int
     argument: str | None = None
     name: str = ""
+    device: torch.device | None = None
 
 
-def build_backbone(config: ModelConfig, seed: int) -> Backbone:
-    """Build (or load) the backbone ``model.backbone`` names; random parts seeded by ``seed``; frozen."""
+def build_backbone(config: ModelConfig, seed: int, device: torch.device | str | None = None) -> Backbone:
+    """Build (or load) the backbone ``model.backbone`` names; random parts seeded by ``seed``; frozen. ``device``:
+    see :class:`BackboneRequest` (the encoder may come back there or on the CPU)."""
     resolved = resolve("backbone", config.backbone)
     torch.manual_seed(seed)
-    built = resolved.obj(BackboneRequest(config, seed, resolved.argument, resolved.name))
+    device = None if device is None else torch.device(device)
+    built = resolved.obj(BackboneRequest(config, seed, resolved.argument, resolved.name, device))
     if isinstance(built, nn.Module):
         raise ConfigError(
             f"model.backbone = {resolved.name!r} returned a bare {type(built).__name__}; a backbone builder returns "

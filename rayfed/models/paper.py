@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+
+import torch
 
 from rayfed.errors import choice_error
 from rayfed.lazy import DeferredModule
@@ -31,13 +34,14 @@ _PAPER_FAMILIES: dict[str, Callable[[str, int | None], PaperModel]] = {
 }
 
 
-def paper_backbone(name: str, layers: int | None = None) -> Backbone:
-    """The paper-size backbone ``name``, randomly initialised (see :func:`paper_model`; it also builds on the
-    meta device). FLAVA and ViLT in float32, LLaVA as ``llama:`` backbones (bfloat16 where a GPU is seen)."""
+def paper_backbone(name: str, layers: int | None = None, device: torch.device | str | None = None) -> Backbone:
+    """The paper-size backbone ``name``, randomly initialised (see :func:`paper_model`) on ``device`` (default: the
+    default device, usually the CPU, whose threads take minutes over billions of weights; ``meta``: shapes only).
+    FLAVA and ViLT in float32, LLaVA as ``llama:`` backbones (bfloat16 where a GPU is seen)."""
     model = paper_model(name, layers)
     config, tokenizer, images = model.config, model.processor.tokenizer, model.processor.image_processor
     normalization = {"image_mean": tuple(images.image_mean), "image_std": tuple(images.image_std)}
-    with _quiet_loading():
+    with _quiet_loading(), torch.device(device) if device is not None else contextlib.nullcontext():
         if isinstance(config, transformers.FlavaConfig):
             return _flava(transformers.FlavaModel(config), tokenizer, normalization)
         if isinstance(config, transformers.ViltConfig):
@@ -51,17 +55,17 @@ def paper_backbone(name: str, layers: int | None = None) -> Backbone:
 @register_backbone("flava:")
 def _random_flava(request: BackboneRequest) -> Backbone:
     """FLAVA at facebook/flava-full's size (``flava:full``), randomly initialised, offline tokenizer."""
-    return paper_backbone(request.name)
+    return paper_backbone(request.name, device=request.device)
 
 
 @register_backbone("vilt:")
 def _random_vilt(request: BackboneRequest) -> Backbone:
     """ViLT at dandelin/vilt-b32-mlm's size (``vilt:B32``), randomly initialised, offline tokenizer."""
-    return paper_backbone(request.name)
+    return paper_backbone(request.name, device=request.device)
 
 
 @register_backbone("llava:")
 def _random_llava(request: BackboneRequest) -> Backbone:
     """LLaVA-1.5 (CLIP ViT-L/14-336) on Llama-3.2 or Qwen2.5 (``llava:llama-1B``, ``llava:qwen-0.5B``, ...),
     randomly initialised, offline tokenizer; bfloat16 weights where a GPU is seen."""
-    return paper_backbone(request.name)
+    return paper_backbone(request.name, device=request.device)

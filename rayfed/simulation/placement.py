@@ -27,7 +27,9 @@ def planned_costs(config: RunConfig, num_train: Mapping[int, int] | None = None)
     if num_train is None:
         federation = build_federation(config.data, config.seed)
         num_train = {cid: federation.sizes(cid)["num_train"] for cid in range(federation.num_clients)}
-    params = {name: sum(p.numel() for p in build_backbone(architecture_model_config(config, name), 0).encoder.parameters())
+    # counted from shapes: random weights are not drawn (meta), loaded ones are loaded
+    params = {name: sum(p.numel() for p in build_backbone(architecture_model_config(config, name), 0,
+                                                          "meta").encoder.parameters())
               for name in architecture_names(config)}
     of = architecture_of(config)
     return [float(params[of[c]] * local_steps(config.train, num_train[c])) for c in range(config.data.num_clients)]

@@ -1,6 +1,8 @@
 """The model preflight: before any actor starts, build every architecture's backbone and every method's model in the
 driver process and run it, and its task's loss, on two samples of every task, so that a mistake fails here with one
-sentence rather than inside an actor."""
+sentence rather than inside an actor. A backbone of random weights whose builder can draw them on the meta device
+(the paper-size ones, billions of weights) is checked from shapes: the methods' models are built on it and the task
+kinds' checks run and two samples of every task are encoded; the forward runs on the actors."""
 
 from __future__ import annotations
 
@@ -22,13 +24,15 @@ from rayfed.tasks import Task
 
 def check_model(config: RunConfig, federation: Federation, methods: Sequence[Method]) -> None:
     """Build every architecture's backbone and every method's model once (seed 0) and run it, and its task's loss,
-    on two samples of every task it holds; a method that cannot score a task no client holds is refused."""
+    on two samples of every task it holds (shapes only where the backbone's weights come out on the meta device); a
+    method that cannot score a task no client holds is refused."""
     held = {holding.task for holding in federation.holdings}
     unheld = sorted({e.task for e in federation.shared} - held)
     of = architecture_of(config)
     for name in architecture_names(config):
         model_config = architecture_model_config(config, name)
-        backbone = build_backbone(model_config, 0)
+        backbone = build_backbone(model_config, 0, "meta")
+        shapes_only = any(p.is_meta for p in backbone.encoder.parameters())
         if name:
             backbone.config_field = f"architectures.{name}.backbone"
         clients = {c for c in range(federation.num_clients) if of[c] == name}
@@ -54,6 +58,8 @@ def check_model(config: RunConfig, federation: Federation, methods: Sequence[Met
                 )
             for holding in restricted.holdings:
                 federation.tasks[holding.task].kind.check_model(model, backbone, holding.where)
+            if shapes_only:
+                continue
             # bf16 weights (a backbone built where a GPU is seen) run here on the CPU, under autocast as on the GPU
             low_precision = any(p.dtype == torch.bfloat16 for p in model.parameters())
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=low_precision):

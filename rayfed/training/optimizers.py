@@ -58,14 +58,17 @@ def saved_optimizer_state(optimizers: list[torch.optim.Optimizer], named: dict[s
 def load_optimizer_state(optimizers: list[torch.optim.Optimizer], named: dict[str, torch.Tensor],
                          state: TensorDict) -> None:
     """Loads what :func:`saved_optimizer_state` saved into optimizers over the same parameters."""
+    by_parameter: dict[str, dict[str, torch.Tensor]] = {}  # "<phase>/<name>" -> its values, in one pass over state
+    for key, value in state.items():
+        parameter, _, field = key.rpartition("/")
+        by_parameter.setdefault(parameter, {})[field] = value
+    names = {id(p): n for n, p in named.items()}
     for phase, optimizer in enumerate(optimizers):
         saved = optimizer.state_dict()
         order = [id(p) for group in optimizer.param_groups for p in group["params"]]
-        names = {id(p): n for n, p in named.items()}
         per_param: dict[int, dict] = {}
         for position, param_id in enumerate(order):
-            prefix = f"{phase}/{names[param_id]}/"
-            values = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+            values = by_parameter.get(f"{phase}/{names[param_id]}")
             if values:
                 per_param[position] = values
         optimizer.load_state_dict({"state": per_param, "param_groups": saved["param_groups"]})

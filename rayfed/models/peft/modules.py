@@ -165,14 +165,18 @@ class TaskHeads(nn.ModuleDict):
 TASK_SELECTED_MODULES = (_TaskSelected, AdaptedOutput)  # modules that may keep a copy per task, besides TaskHeads
 
 
-# Counts module registrations anywhere in the process (attribute, add_module, ModuleDict / ModuleList items), so
-# that a model's lists of modules (modules_of_type) are walked again only after a model may have changed.
+# Counts module registrations (attribute, add_module, ModuleDict / ModuleList items) into a module that some model's
+# lists of modules (modules_of_type) were made from, so that those lists are walked again only after a model may have
+# changed. Registrations elsewhere leave them valid: a model being built, or the ModuleList that a slice makes (HF's
+# decoders run `self.layers[:n]` at every forward, which registers each layer into a new list).
 _registrations = 0
+_walked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _count_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
     global _registrations
-    _registrations += 1
+    if module in _walked:
+        _registrations += 1
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
@@ -193,7 +197,9 @@ def modules_of_type(model: nn.Module, types: tuple[type, ...]) -> list[nn.Module
         lists = (_registrations, {})
         _module_lists[model] = lists
     if types not in lists[1]:
-        lists[1][types] = [module for module in model.modules() if isinstance(module, types)]
+        walked = list(model.modules())
+        _walked.update(walked)
+        lists[1][types] = [module for module in walked if isinstance(module, types)]
     return lists[1][types]
 
 
