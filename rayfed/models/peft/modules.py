@@ -190,7 +190,7 @@ _module_lists: weakref.WeakKeyDictionary[nn.Module, tuple[int, dict[tuple[type, 
 
 def modules_of_type(model: nn.Module, types: tuple[type, ...]) -> list[nn.Module]:
     """``model``'s modules (itself included) that are instances of ``types``, in module order. The list is kept
-    for the model and made again only after a module has been registered somewhere: a large model's walk (thousands
+    for the model and made again only after a module has been registered into a walked module: a large model's walk (thousands
     of modules) would otherwise run at every task or adapter switch, several times a training step."""
     lists = _module_lists.get(model)
     if lists is None or lists[0] != _registrations:
