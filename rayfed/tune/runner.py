@@ -42,6 +42,7 @@ def tune(
     with _ray(run_config):
         sweep.check_cluster()
         tune_dir.mkdir(parents=True, exist_ok=True)
+        sweep.gpu_memory.save()
         dump_config(run_config, tune_dir / SWEEP_FILE)
         tuner = ray_tune.Tuner(
             sweep.trainable(), param_space=sweep.space.param_space(),
