@@ -25,6 +25,7 @@ packed / one at a time.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import shutil
@@ -146,6 +147,15 @@ def trials_per_hour(completed: int, wall_s: float) -> float:
     return completed / wall_s * 3600 if wall_s > 0 else 0.0
 
 
+def same_metrics(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> bool | None:
+    """Whether the trials both sweeps completed with the same values ended with the same metric (None: no such
+    trial)."""
+    done = {json.dumps(t["params"], sort_keys=True): t["metric"] for t in first if t["status"] == "completed"}
+    both = [(done[key], t["metric"]) for t in second if t["status"] == "completed"
+            and (key := json.dumps(t["params"], sort_keys=True)) in done]
+    return all(a == b for a, b in both) if both else None
+
+
 def most_at_once(spans: list[tuple[float, float]]) -> int:
     """The most of the (start, end) spans that overlap at one time."""
     events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
@@ -163,6 +173,15 @@ class ActorMemory:
         if rounds_done == sim.config.federation.rounds:
             usage = sim.executor.get([actor.resource_usage.remote() for actor in sim.actors])
             atomic_write_json(sim.run_dir / ACTOR_MEMORY_FILE, usage)
+
+
+def gpu_names() -> str | None:
+    """The GPUs' names from nvidia-smi (this process creates no CUDA context of its own); None without it."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                         check=False).stdout
+    return ", ".join(line.strip() for line in out.strip().splitlines()) or None
 
 
 class GpuSampler:
@@ -193,38 +212,51 @@ class GpuSampler:
             self._stop.wait(self.period_s)
 
 
-def run_sweep(raw: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """One sweep through ``rayfed.tune.tune``: its wall time, trials per hour and each trial's record."""
+def run_sweep(raw: dict[str, Any], out_dir: Path, budget_s: float | None = None) -> dict[str, Any]:
+    """One sweep through ``rayfed.tune.tune`` (stopped by Tune past ``budget_s`` seconds of trials): its wall time,
+    trials per hour (trials completed over the wall time) and each trial's record."""
     from rayfed.tune import tune
 
+    error = None
     with GpuSampler() as sampler:
         started = time.perf_counter()
-        result = tune(raw, out_dir=out_dir, callbacks=[ActorMemory()], verbose=0)
+        try:
+            tune(raw, out_dir=out_dir, callbacks=[ActorMemory()], verbose=0, time_budget_s=budget_s)
+        except RuntimeError as err:  # no trial completed (within the budget): the table says how far they got
+            error = str(err)
         wall_s = time.perf_counter() - started
+    tune_dir = out_dir / "tune"
+    with (tune_dir / "trials.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
     trials, spans = [], []
-    for record in result.trials:
-        summary_path = record.run_dir / "summary.json"
+    for row in rows:
+        run_dir = tune_dir / "runs" / row.pop("trial")
+        status, metric = row.pop("status"), row.pop(raw["tune"]["metric"])
+        row.pop("round")
+        summary_path = run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-        usage_path = record.run_dir / ACTOR_MEMORY_FILE
+        usage_path = run_dir / ACTOR_MEMORY_FILE
         usage = json.loads(usage_path.read_text()) if usage_path.is_file() else []
         if summary:
             end = summary_path.stat().st_mtime
             spans.append((end - summary["wall_time_s"], end))
-        trials.append({"trial": record.trial_id, "params": record.params, "status": record.status,
-                       "metric": record.metric, "wall_s": summary.get("wall_time_s"),
+        trials.append({"trial": run_dir.name, "params": row, "status": status,
+                       "metric": float(metric) if metric else None, "wall_s": summary.get("wall_time_s"),
                        "peak_gpu_mib_per_actor": [round(u["gpu_peak_bytes"] / 2**20) for u in usage],
                        "gpu_memory": summary.get("gpu_memory")})
     completed = sum(trial["status"] == "completed" for trial in trials)
-    gpu_memory = out_dir / "tune" / "gpu_memory.json"
-    return {"wall_s": wall_s, "completed": completed, "trials_per_hour": trials_per_hour(completed, wall_s),
-            "most_trials_at_once": most_at_once(spans), "most_gpu_mib_used": sampler.most_mib,
-            "measurements": json.loads(gpu_memory.read_text()) if gpu_memory.is_file() else None, "trials": trials}
+    measurements = tune_dir / "gpu_memory.json"
+    return {"wall_s": wall_s, "budget_s": budget_s, "completed": completed,
+            "trials_per_hour": trials_per_hour(completed, wall_s), "most_trials_at_once": most_at_once(spans),
+            "most_gpu_mib_used": sampler.most_mib, "error": error,
+            "measurements": json.loads(measurements.read_text()) if measurements.is_file() else None, "trials": trials}
 
 
 def run_packing_bench(workload: str, gpus: int, out_dir: Path, rounds: int = 1, steps: int = 2,
                       clients: int | None = None, samples: int | None = None,
                       packed_clients_per_actor: int | None = None, cpus: int | None = None,
-                      ways: tuple[str, ...] = ("one_at_a_time", "packed")) -> dict[str, Any]:
+                      ways: tuple[str, ...] = ("one_at_a_time", "packed"), budget_s: float | None = None
+                      ) -> dict[str, Any]:
     """Both sweeps of ``workload`` on a local Ray of ``gpus`` GPUs (and ``cpus`` CPUs; default: all); writes
     sweep_packing.json / .md into ``out_dir`` after each."""
     import ray
@@ -244,15 +276,14 @@ def run_packing_bench(workload: str, gpus: int, out_dir: Path, rounds: int = 1, 
         "workload": {"name": workload, **asdict(chosen), "gpus": gpus},
         "shortened": {"rounds": rounds, "local_steps": steps, "clients": clients, "samples_per_client_task": samples,
                       "evaluation": "once, at the end", "overrides": list(chosen.overrides)},
-        "machine": {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                    "torch": torch.__version__},
+        "machine": {"gpu": gpu_names(), "torch": torch.__version__},
         "placement": {way: configs[way]["placement"] for way in ways}, "sweeps": {},
     }
     init_local_ray(num_cpus=cpus, num_gpus=gpus, object_store_memory=4 * 10**9)
     try:
         for way in ways:
             print(f"[sweep_packing] {workload}: {way} ...", flush=True)
-            results["sweeps"][way] = run_sweep(configs[way], out_dir / way)
+            results["sweeps"][way] = run_sweep(configs[way], out_dir / way, budget_s)
             sweep = results["sweeps"][way]
             print(f"[sweep_packing] {way}: {sweep['completed']} trials in {sweep['wall_s']:.1f} s, "
                   f"{sweep['trials_per_hour']:.1f} trials/hour, at most {sweep['most_trials_at_once']} at once",
@@ -265,8 +296,11 @@ def run_packing_bench(workload: str, gpus: int, out_dir: Path, rounds: int = 1, 
 
 def _write(out_dir: Path, results: dict[str, Any]) -> None:
     sweeps = results["sweeps"]
-    if {"one_at_a_time", "packed"} <= set(sweeps) and sweeps["one_at_a_time"]["trials_per_hour"]:
-        results["packed_over_one_at_a_time"] = sweeps["packed"]["trials_per_hour"] / sweeps["one_at_a_time"]["trials_per_hour"]
+    if {"one_at_a_time", "packed"} <= set(sweeps):
+        if sweeps["one_at_a_time"]["trials_per_hour"]:
+            results["packed_over_one_at_a_time"] = (sweeps["packed"]["trials_per_hour"]
+                                                    / sweeps["one_at_a_time"]["trials_per_hour"])
+        results["same_metrics_both_ways"] = same_metrics(sweeps["one_at_a_time"]["trials"], sweeps["packed"]["trials"])
     atomic_write_json(out_dir / "sweep_packing.json", results)
     atomic_write_text(out_dir / "sweep_packing.md", markdown(results))
 
@@ -299,7 +333,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"end; {' '.join(shortened['overrides']) or 'no other overrides'}\n\n"
             + format_table(rows, ["way", "trials done", "sweep wall s", "trials/hour", "most trials at once",
                                   "GPU share an actor", "clients an actor", "most GPU MiB used (nvidia-smi, per GPU)"])
-            + ("" if ratio is None else f"\nTrials per hour, packed / one at a time: **{ratio:.2f}**\n")
+            + ("" if ratio is None else f"\nTrials per hour, packed / one at a time: **{ratio:.2f}**; the same "
+               f"trials' metrics equal both ways: {results.get('same_metrics_both_ways')}\n")
             + "\n" + format_table(trial_rows, ["way", "trial", "values", "status", "wall s", "metric",
                                                "peak GPU MiB per actor (allocated, last round)"]))
 
@@ -315,11 +350,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=None, help="samples a client and task (default: the workload's)")
     parser.add_argument("--packed-clients-per-actor", type=int, default=None, help="default: all (one actor a trial)")
     parser.add_argument("--only", choices=("one_at_a_time", "packed"), default=None, help="run one of the two sweeps")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="Tune stops a sweep past this many seconds of trials (trials/hour: those completed)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     ways = (args.only,) if args.only else ("one_at_a_time", "packed")
     results = run_packing_bench(args.workload, args.gpus, args.out, args.rounds, args.steps, args.clients,
-                                args.samples, args.packed_clients_per_actor, args.cpus, ways)
+                                args.samples, args.packed_clients_per_actor, args.cpus, ways, args.budget_s)
     print(markdown(results))
 
 

@@ -105,7 +105,7 @@ class _Sweep:
         trainable = ray_tune.with_parameters(_run_trial, sweep=self)
         return ray_tune.with_resources(trainable, resources=functools.partial(_trial_resources_for, self))
 
-    def tune_config(self) -> ray_tune.TuneConfig:
+    def tune_config(self, time_budget_s: float | None = None) -> ray_tune.TuneConfig:
         spec, seed = self.spec, self.base["seed"]
         if spec.search == "optuna":
             from ray.tune.search.optuna import OptunaSearch
@@ -126,7 +126,7 @@ class _Sweep:
             scheduler = FIFOScheduler()
         return ray_tune.TuneConfig(
             metric=spec.metric, mode=spec.mode, search_alg=search_alg, scheduler=scheduler,
-            num_samples=spec.num_samples, max_concurrent_trials=max_concurrent,
+            num_samples=spec.num_samples, max_concurrent_trials=max_concurrent, time_budget_s=time_budget_s,
             trial_dirname_creator=_trial_dirname,
             # A finished trial's process (torch already imported) runs the next trial; a stopped trial's
             # Simulation unwinds first (Tune ends it inside tune.report), killing its actors.
