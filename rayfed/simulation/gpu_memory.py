@@ -29,7 +29,7 @@ from typing import Any
 import ray
 import torch
 
-from rayfed import __version__, registry
+from rayfed import registry
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_clients, architecture_names, architecture_of, gpu_share
@@ -40,6 +40,7 @@ from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json
 from rayfed.run_methods import run_methods
 from rayfed.simulation.ray_setup import import_plugin_modules, ship_by_value, unwrap_actor_error
+from rayfed.version import __version__
 
 PROBE_STEPS = 2
 """Steps of each probed local update: the second runs with the optimizer's state allocated by the first."""
