@@ -162,7 +162,7 @@ def test_the_probe_hosts_the_slot_and_the_largest_client_of_every_task_set():
 
 def test_the_probe_runs_every_method_on_the_real_actor_code_and_reads_the_allocator_peak(monkeypatch, tiny_run):
     """On a CPU, with torch's CUDA memory calls stood in for: the probe's actor, driver, updates and evaluations."""
-    tiny_run["methods"] = ["fedavg", {"name": "ditto", "lam": 0.1}]
+    tiny_run["methods"] = ["fedavg", {"name": "ditto", "lam": 0.1, "post_train_steps": 2}]
     config = load_config(tiny_run)
     reset = []
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *device: reset.append(True))
@@ -177,11 +177,22 @@ def test_the_probe_runs_every_method_on_the_real_actor_code_and_reads_the_alloca
         trained.append((actor.label, actor.train_config.local_steps, tuple(client_ids)))
         return update(actor, round_idx, client_ids, payloads)
 
+    finished = []
+    finish = gpu_memory.ClientActor.finish
+
+    def end_of_run(actor, round_idx, payloads, post_train_steps):
+        finished.append((actor.label, tuple(actor.client_ids), post_train_steps))
+        return finish(actor, round_idx, payloads, post_train_steps)
+
     monkeypatch.setattr(gpu_memory.ClientActor, "train", train)
+    monkeypatch.setattr(gpu_memory.ClientActor, "finish", end_of_run)
     measurement = peak_memory(config, "", (0, 1))
     assert measurement == Measurement(measurement.clients, 3 * GIB, "Fake GPU", 80 * GIB) and reset
     assert set(measurement.clients) >= {0, 1}
-    assert trained == [("fedavg", 2, measurement.clients), ("ditto", 2, measurement.clients)]
+    assert trained == [("fedavg", 2, measurement.clients), ("ditto+post", 2, measurement.clients)]
+    # the end of run of one client, the same for every method
+    assert [(label, steps) for label, _, steps in finished] == [("fedavg", 0), ("ditto+post", 2)]
+    assert finished[0][1] == finished[1][1] and len(finished[0][1]) == 1 and finished[0][1][0] in measurement.clients
 
 
 def test_a_trial_gives_its_actors_the_share_its_bundles_hold(tiny_run, monkeypatch):

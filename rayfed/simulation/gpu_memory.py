@@ -5,8 +5,9 @@ costliest slot (the most clients, or the most cost with ``placement.balance_by: 
 of tasks among the architecture's clients, its client with the most training samples (a round's balanced clients
 train on any actor of their architecture, so the largest batches of every task may meet on one). For each of the
 run's methods it runs the method's pre-federation stage, a local update of :data:`PROBE_STEPS` steps of every
-hosted client (the real actor code, as a plain object) and an evaluation, and reads the allocator's peak
-(``torch.cuda.max_memory_reserved``). The share is ``(peak + placement.memory_headroom_gib) / the GPU's memory``,
+hosted client (the real actor code, as a plain object), an evaluation of every hosted client, and the end of run
+(post-FL stage and final evaluation) of the hosted client with the largest samples (bytes a training sample), and
+reads the allocator's peak (``torch.cuda.max_memory_reserved``). The share is ``(peak + placement.memory_headroom_gib) / the GPU's memory``,
 rounded up to :data:`SHARE_STEP`.
 
 A measurement is kept under a key of what sets an actor's memory (:func:`memory_key`) in a JSON file
@@ -217,15 +218,15 @@ def peak_memory(config: RunConfig, name: str, slot: tuple[int, ...],
     registry.install(plugins)
     import_plugin_modules(config)
     federation = build_federation(config.data, config.seed)
-    clients = range(federation.num_clients)
-    hosted = list(probe_clients(config, {c: federation.sizes(c)["num_train"] for c in clients},
-                                {c: federation.tasks_of(c) for c in clients}, name, slot))
+    num_train = {c: federation.sizes(c)["num_train"] for c in range(federation.num_clients)}
+    hosted = list(probe_clients(config, num_train, {c: federation.tasks_of(c) for c in num_train}, name, slot))
     methods = run_methods(config, federation)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     actor = ClientActor(config, hosted, methods, plugins, name, federation)
     driver = DriverActor(config, methods, plugins)
+    heaviest = max(hosted, key=lambda c: (actor.data[c].nbytes / max(1, num_train[c]), -c))  # the largest samples
     for index, method in enumerate(methods):
         initial = actor.start_method(index)
         actor.train_config = actor.train_config.model_copy(update={"local_steps": PROBE_STEPS, "local_epochs": None})
@@ -234,6 +235,9 @@ def peak_memory(config: RunConfig, name: str, slot: tuple[int, ...],
             driver.before_federation([name], actor.pre_federation(index))
         actor.train(0, hosted, driver.payloads(hosted, False))
         actor.evaluate(0, driver.payloads(hosted, False))
+        actor.client_ids = [heaviest]  # the end of run (post-FL stage, final evaluation) for one client alone
+        actor.finish(0, driver.payloads([heaviest], False), config.methods[index].post_train_steps)
+        actor.client_ids = hosted
     torch.cuda.synchronize()
     gpu = torch.cuda.get_device_properties(actor.device)
     return Measurement(tuple(hosted), int(torch.cuda.max_memory_reserved(actor.device)), gpu.name, int(gpu.total_memory))
