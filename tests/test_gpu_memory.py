@@ -16,7 +16,8 @@ from rayfed.architectures import actor_slots
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.simulation import gpu_memory
-from rayfed.simulation.gpu_memory import GpuMemory, Measurement, costliest_slots, peak_memory, probe_clients, probe_on_gpu
+from rayfed.simulation.gpu_memory import (GpuMemory, Measurement, costliest_slots, peak_memory, probe_clients,
+                                          probe_on_gpu)
 from rayfed.simulation.placement import fitted_slots
 from rayfed.tune import trial_resources
 
@@ -105,9 +106,10 @@ def test_an_actor_larger_than_its_gpu_is_one_sentence_naming_the_architecture_an
     with pytest.raises(ConfigError) as raised:
         GpuMemory(probe=FakeProbe(peak_gib=79.0)).shares(load_config(tiny_run))
     message = str(raised.value)
-    assert message.startswith("placement.gpus_per_actor: measured: an actor of architecture 'big' hosting 2 clients "
-                              "needs 81.0 GiB (a peak of 79.0 GiB + 2 GiB of placement.memory_headroom_gib) but the GPU "
-                              "(Fake GPU) has 80.0 GiB; lower clients_per_actor")
+    assert message.startswith(
+        "placement.gpus_per_actor: measured: an actor of architecture 'big' hosting 2 clients needs 81.0 GiB (a peak "
+        "of 79.0 GiB + 2 GiB of placement.memory_headroom_gib) but the GPU (Fake GPU) has 80.0 GiB; lower "
+        "clients_per_actor")
     assert message.count(". ") == 0 and message.endswith(".")
 
 
@@ -149,7 +151,8 @@ def test_the_costliest_slot_has_the_most_clients_or_the_most_cost():
     config = load_config(_measured())
     assert costliest_slots(config) == {"": (0, 1, 2)}
     costs = [1.0, 1.0, 1.0, 5.0, 1.0, 1.0, 1.0]
-    assert costliest_slots(load_config(_measured(balance_by="cost")), costs) == {"": (3,)}  # of (0, 1, 2), (3,), (4, 5, 6)
+    by_cost = load_config(_measured(balance_by="cost"))
+    assert costliest_slots(by_cost, costs) == {"": (3,)}  # of (0, 1, 2), (3,), (4, 5, 6)
     assert costliest_slots(load_config(_measured(gpus_per_actor=0.5))) == {}
 
 

@@ -19,7 +19,8 @@ def test_the_tap_sweep_is_its_twin_shortened_and_both_ways_differ_only_in_placem
     assert config.data.num_clients == 10 and config.federation.clients_per_round == 2
     assert (config.federation.rounds, config.federation.eval_every, config.federation.checkpoint_every) == (1, 2, 0)
     assert config.train.local_steps == 2 and config.methods[0].params["post_fl_microbatches"] == 4
-    assert {task.name: task.options["num_samples"] for task in config.data.tasks}["agnews"] == 160 * 3  # clients 1, 2, 7
+    samples = {task.name: task.options["num_samples"] for task in config.data.tasks}
+    assert samples["agnews"] == 160 * 3  # clients 1, 2, 7
     assert len(list(SearchSpace(raw["tune"]["space"], "grid").param_space().values())) == 2  # 2 x 2 trials
 
     one = build_config(one_at_a_time(raw, gpus=1))

@@ -7,8 +7,8 @@ train on any actor of their architecture, so the largest batches of every task m
 run's methods it runs the method's pre-federation stage, a local update of :data:`PROBE_STEPS` steps of every
 hosted client (the real actor code, as a plain object), an evaluation of every hosted client, and the end of run
 (post-FL stage and final evaluation) of the hosted client with the largest samples (bytes a training sample), and
-reads the allocator's peak (``torch.cuda.max_memory_reserved``). The share is ``(peak + placement.memory_headroom_gib) / the GPU's memory``,
-rounded up to :data:`SHARE_STEP`.
+reads the allocator's peak (``torch.cuda.max_memory_reserved``). The share is
+``(peak + placement.memory_headroom_gib) / the GPU's memory``, rounded up to :data:`SHARE_STEP`.
 
 A measurement is kept under a key of what sets an actor's memory (:func:`memory_key`) in a JSON file
 (:data:`CACHE_FILE`, in the run's or the sweep's folder), so a resumed run or a sweep's trials measure nothing again.
@@ -112,7 +112,8 @@ def _record(config: RunConfig, name: str, slot: tuple[int, ...], key: str, entry
             f"placement.gpus_per_actor: {MEASURED}: an actor of {_named(name)} hosting "
             f"{len(slot)} clients needs {need_gib:.1f} GiB (a peak of {entry.peak_bytes / 2**30:.1f} GiB + "
             f"{headroom:g} GiB of placement.memory_headroom_gib) but the GPU ({entry.gpu_name}) has {gpu_gib:.1f} GiB; "
-            "lower clients_per_actor or train.batch_size (raising train.grad_accum), or set placement.client_state: host."
+            "lower clients_per_actor or train.batch_size (raising train.grad_accum), or set "
+            "placement.client_state: host."
         )
     return {"gpus_per_actor": share, "peak_gib": round(entry.peak_bytes / 2**30, 3), "headroom_gib": headroom,
             "gpu": entry.gpu_name, "gpu_gib": round(gpu_gib, 3), "actor_clients": list(slot),
@@ -162,8 +163,8 @@ def memory_key(config: RunConfig, name: str, slot: tuple[int, ...]) -> str:
     kept["placement"] = {key: placement[key] for key in ("clients_per_actor", "balance_by", "client_state")}
     kept["train"] = {key: value for key, value in raw["train"].items()
                      if not _is_float(value) and key not in ("local_steps", "local_epochs")}
-    kept["methods"] = [{**entry, "params": {key: value for key, value in entry["params"].items() if not _is_float(value)}}
-                       for entry in raw["methods"]]
+    kept["methods"] = [{**entry, "params": {key: value for key, value in entry["params"].items()
+                                            if not _is_float(value)}} for entry in raw["methods"]]
     described = {"config": kept, "architecture": name, "slot": list(slot), "gpu": _gpu_kind(), "rayfed": __version__}
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -240,4 +241,5 @@ def peak_memory(config: RunConfig, name: str, slot: tuple[int, ...],
         actor.client_ids = hosted
     torch.cuda.synchronize()
     gpu = torch.cuda.get_device_properties(actor.device)
-    return Measurement(tuple(hosted), int(torch.cuda.max_memory_reserved(actor.device)), gpu.name, int(gpu.total_memory))
+    peak = torch.cuda.max_memory_reserved(actor.device)
+    return Measurement(tuple(hosted), int(peak), gpu.name, int(gpu.total_memory))

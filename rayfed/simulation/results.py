@@ -82,7 +82,8 @@ def method_results(config: RunConfig, federation: Federation, label: str, client
 
 
 def run_summary(config: RunConfig, results_dir: Path, events: list[dict[str, Any]], wall_time_s: float,
-                compute_match: dict[str, dict[str, float]], gpu_memory: dict[str, dict] | None = None) -> dict[str, Any]:
+                compute_match: dict[str, dict[str, float]],
+                gpu_memory: dict[str, dict] | None = None) -> dict[str, Any]:
     """``summary.json``: every method's results file cut to its means and groupings, with the run's config,
     communication, rounds to the target accuracy, (``train.compute_match``) each method's measured cost and
     (``gpus_per_actor: measured``) each such architecture's GPU share and what it came from."""

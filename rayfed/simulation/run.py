@@ -186,7 +186,8 @@ class Simulation:
         if measured and not in_trial:
             cache = GpuMemory(self.run_dir / CACHE_FILE if self.run_dir.is_dir() else None)
             self.gpu_memory = cache.measure(config, costs)
-        slots = fitted_slots(config, costs, {name: record["gpus_per_actor"] for name, record in self.gpu_memory.items()})
+        shares = {name: record["gpus_per_actor"] for name, record in self.gpu_memory.items()}
+        slots = fitted_slots(config, costs, shares)
         if measured and in_trial:
             self.gpu_memory = {slot.architecture: {"gpus_per_actor": slot.gpus, "from": "the trial's placement group"}
                                for slot in slots if slot.architecture in measured}
