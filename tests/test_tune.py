@@ -284,6 +284,25 @@ def test_a_measured_sweep_measures_once_and_every_trial_asks_for_the_measured_sh
 
 
 @pytest.mark.usefixtures("ray_fake_gpu")
+def test_a_measured_run_records_its_share_and_resumed_reads_the_measurement_back(tiny_run, tmp_path, monkeypatch):
+    probed = []
+
+    def probe(config, name, slot):  # (6 + 2 GiB of headroom) / 80: 0.1 of the (fake) GPU
+        probed.append(slot)
+        return Measurement(slot, 6 * 2**30, "Fake GPU", 80 * 2**30)
+
+    monkeypatch.setattr(gpu_memory, "probe_on_gpu", probe)
+    tiny_run["federation"].update(rounds=1)
+    tiny_run["placement"]["gpus_per_actor"] = "measured"
+    summary = Simulation(tiny_run, out_dir=tmp_path, progress=False).run()
+    record = summary["gpu_memory"][""]
+    assert (record["gpus_per_actor"], record["actor_clients"], record["peak_gib"]) == (0.1, [0, 1], 6.0)
+    assert probed == [(0, 1)] and (tmp_path / "gpu_memory.json").is_file()
+    assert Simulation.resume(tmp_path, progress=False).run()["gpu_memory"] == summary["gpu_memory"]
+    assert len(probed) == 1
+
+
+@pytest.mark.usefixtures("ray_fake_gpu")
 def test_a_trial_larger_than_the_cluster_is_refused_before_launching(tmp_path):
     config = _sweep({"train.lr": {"choice": [0.01]}})
     config["placement"] = {"clients_per_actor": 1, "cpus_per_actor": 0.5, "gpus_per_actor": 0.5}  # 4 actors: 2 GPUs
