@@ -314,7 +314,10 @@ def markdown(results: dict[str, Any]) -> str:
             shares = {t["gpu_memory"][name]["gpus_per_actor"] for t in sweep["trials"] if t["gpu_memory"]
                       for name in t["gpu_memory"]}
             share = f"measured: {', '.join(f'{s:g}' for s in sorted(shares)) or '-'}"
-        rows.append([way, str(sweep["completed"]), f"{sweep['wall_s']:.1f}", f"{sweep['trials_per_hour']:.1f}",
+        walls = [t["wall_s"] for t in sweep["trials"] if t["status"] == "completed" and t["wall_s"] is not None]
+        mean_wall = f"{sum(walls) / len(walls):.1f}" if walls else "-"
+        rows.append([way, str(sweep["completed"]), f"{sweep['wall_s']:.1f}", mean_wall,
+                     f"{sweep['trials_per_hour']:.1f}",
                      str(sweep["most_trials_at_once"]), str(share),
                      str(results["placement"][way]["clients_per_actor"]),
                      ", ".join(f"{mib:,}" for _, mib in sorted(sweep["most_gpu_mib_used"].items())) or "-"])
@@ -331,8 +334,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"{(shortened['clients'] or 0) - 1 if shortened['clients'] else 'all'}, "
             f"{samples} samples a client and task, evaluated once at the "
             f"end; {' '.join(shortened['overrides']) or 'no other overrides'}\n\n"
-            + format_table(rows, ["way", "trials done", "sweep wall s", "trials/hour", "most trials at once",
-                                  "GPU share an actor", "clients an actor", "most GPU MiB used (nvidia-smi, per GPU)"])
+            + format_table(rows, ["way", "trials done", "sweep wall s", "mean trial wall s", "trials/hour",
+                                  "most trials at once", "GPU share an actor", "clients an actor",
+                                  "most GPU MiB used (nvidia-smi, per GPU)"])
             + ("" if ratio is None else f"\nTrials per hour, packed / one at a time: **{ratio:.2f}**; the same "
                f"trials' metrics equal both ways: {results.get('same_metrics_both_ways')}\n")
             + "\n" + format_table(trial_rows, ["way", "trial", "values", "status", "wall s", "metric",
