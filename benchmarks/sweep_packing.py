@@ -283,11 +283,15 @@ def run_packing_bench(workload: str, gpus: int, out_dir: Path, rounds: int = 1, 
     try:
         for way in ways:
             print(f"[sweep_packing] {workload}: {way} ...", flush=True)
-            results["sweeps"][way] = run_sweep(configs[way], out_dir / way, budget_s)
-            sweep = results["sweeps"][way]
-            print(f"[sweep_packing] {way}: {sweep['completed']} trials in {sweep['wall_s']:.1f} s, "
-                  f"{sweep['trials_per_hour']:.1f} trials/hour, at most {sweep['most_trials_at_once']} at once",
-                  flush=True)
+            try:
+                sweep = results["sweeps"][way] = run_sweep(configs[way], out_dir / way, budget_s)
+            except Exception as err:  # noqa: BLE001 - the other way still runs; the error goes into the results
+                results.setdefault("failed", {})[way] = f"{type(err).__name__}: {err}"
+                print(f"[sweep_packing] {way} failed: {results['failed'][way]}", flush=True)
+            else:
+                print(f"[sweep_packing] {way}: {sweep['completed']} trials in {sweep['wall_s']:.1f} s, "
+                      f"{sweep['trials_per_hour']:.1f} trials/hour, at most {sweep['most_trials_at_once']} at once",
+                      flush=True)
             _write(out_dir, results)
     finally:
         ray.shutdown()
@@ -339,6 +343,7 @@ def markdown(results: dict[str, Any]) -> str:
                                   "most GPU MiB used (nvidia-smi, per GPU)"])
             + ("" if ratio is None else f"\nTrials per hour, packed / one at a time: **{ratio:.2f}**; the same "
                f"trials' metrics equal both ways: {results.get('same_metrics_both_ways')}\n")
+            + "".join(f"\n{way} failed: {error}\n" for way, error in results.get("failed", {}).items())
             + "\n" + format_table(trial_rows, ["way", "trial", "values", "status", "wall s", "metric",
                                                "peak GPU MiB per actor (allocated, last round)"]))
 
