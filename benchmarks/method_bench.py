@@ -34,7 +34,7 @@ import yaml
 
 from rayfed.actors.client import ClientActor, run_methods
 from rayfed.actors.driver import DriverActor
-from rayfed.architectures import actor_slots, architecture_of
+from rayfed.architectures import actor_clients, architecture_of
 from rayfed.benchmarks.overhead import synchronize
 from rayfed.config import RunConfig, load_config
 from rayfed.data.clients import build_federation
@@ -113,8 +113,8 @@ class MethodLoop:
         self.architecture_of = architecture_of(config)
         one_actor = config.model_copy(update={"placement": config.placement.model_copy(
             update={"clients_per_actor": config.data.num_clients})})
-        self.hosts = {slot.architecture: ClientActor(config, slot.client_ids, methods, (), slot.architecture, federation)
-                      for slot in actor_slots(one_actor)}
+        self.hosts = {name: ClientActor(config, client_ids, methods, (), name, federation)
+                      for name, client_ids in actor_clients(one_actor)}
         self.driver = DriverActor(config, methods)
         names = list(self.hosts)
         initial = [host.start_method(0) for host in self.hosts.values()]

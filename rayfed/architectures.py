@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from rayfed.config import RunConfig
+from rayfed.config.sections import MEASURED
 from rayfed.param_names import behind, prefixed_name
 
 T = TypeVar("T")
@@ -44,33 +45,31 @@ def architecture_of(config: RunConfig) -> list[str]:
     return [owner[client] for client in range(config.data.num_clients)]
 
 
-def actor_slots(config: RunConfig, cpus_free: float | None = None,
-                costs: Sequence[float] | None = None) -> list[ActorSlot]:
+def actor_slots(config: RunConfig, cpus_free: float | None = None, costs: Sequence[float] | None = None,
+                measured: Mapping[str, float] | None = None) -> list[ActorSlot]:
     """The run's ClientActors: per architecture (in config order), its clients in id order, packed by
-    ``clients_per_actor``.
-
-    With each client's ``costs`` (``placement.balance_by: cost``) there are as many actors, but shared out over the
-    architectures in proportion to their clients' total cost (:func:`cost_shares`), and each architecture's clients
-    are cut, in id order, into runs of about equal cost (:func:`equal_cost_runs`).
+    ``clients_per_actor`` (:func:`actor_clients`).
 
     An actor whose config leaves ``cpus_per_actor`` unset asks for 1 CPU, or, given the ``cpus_free`` of the
     Ray cluster (less the driver's), for an equal share of what the actors that set it leave, if that is less.
+    An architecture whose ``gpus_per_actor`` is ``measured`` asks for its share in ``measured``
+    (:mod:`rayfed.simulation.gpu_memory`), or for none with ``placement.executor: local``, whose actors are objects
+    of the run's own process.
     """
     placement, groups = config.placement, []
-    of = architecture_of(config)
+    packed = actor_clients(config, costs)
     for name in architecture_names(config):
         group = config.architectures[name] if name else None
-        per_actor = (group.clients_per_actor if group else None) or placement.clients_per_actor
         cpus = (group.cpus_per_actor if group else None) or placement.cpus_per_actor  # None: unset
-        gpus = group.gpus_per_actor if group and group.gpus_per_actor is not None else placement.gpus_per_actor
-        ids = [client for client in range(config.data.num_clients) if of[client] == name]
-        groups.append((name, [tuple(ids[i:i + per_actor]) for i in range(0, len(ids), per_actor)], cpus, gpus))
-    if costs is not None:
-        clients = {name: [c for chunk in chunks for c in chunk] for name, chunks, _, _ in groups}
-        shares = cost_shares({name: [costs[c] for c in ids] for name, ids in clients.items()},
-                             sum(len(chunks) for _, chunks, _, _ in groups))
-        groups = [(name, equal_cost_runs(clients[name], costs, shares[name]), cpus, gpus)
-                  for name, _, cpus, gpus in groups]
+        gpus = gpu_share(config, name)
+        if gpus == MEASURED:
+            if measured is None or name not in measured:
+                if placement.executor != "local":
+                    raise ValueError(f"architecture {name!r}: its GPU share is measured, and was not given")
+                gpus = 0.0
+            else:
+                gpus = measured[name]
+        groups.append((name, [chunk for arch, chunk in packed if arch == name], cpus, gpus))
     unset = sum(len(chunks) for _, chunks, cpus, _ in groups if cpus is None)
     share = 1.0
     if unset and cpus_free is not None:
@@ -79,6 +78,35 @@ def actor_slots(config: RunConfig, cpus_free: float | None = None,
         share = min(share, fitted) if fitted > 0 else share  # nothing left: the resource check says so
     return [ActorSlot(name, chunk, share if cpus is None else cpus, gpus)
             for name, chunks, cpus, gpus in groups for chunk in chunks]
+
+
+def gpu_share(config: RunConfig, name: str) -> float | str:
+    """Architecture ``name``'s ``gpus_per_actor`` as configured (its own, else ``placement``'s): a number or
+    ``measured``."""
+    group = config.architectures[name] if name else None
+    return group.gpus_per_actor if group and group.gpus_per_actor is not None else config.placement.gpus_per_actor
+
+
+def actor_clients(config: RunConfig, costs: Sequence[float] | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """The clients of every ClientActor with its architecture: per architecture (in config order), its clients in id
+    order, packed by ``clients_per_actor``.
+
+    With each client's ``costs`` (``placement.balance_by: cost``) there are as many actors, but shared out over the
+    architectures in proportion to their clients' total cost (:func:`cost_shares`), and each architecture's clients
+    are cut, in id order, into runs of about equal cost (:func:`equal_cost_runs`)."""
+    of = architecture_of(config)
+    chunks = {}
+    for name in architecture_names(config):
+        group = config.architectures[name] if name else None
+        per_actor = (group.clients_per_actor if group else None) or config.placement.clients_per_actor
+        ids = [client for client in range(config.data.num_clients) if of[client] == name]
+        chunks[name] = [tuple(ids[i:i + per_actor]) for i in range(0, len(ids), per_actor)]
+    if costs is not None:
+        clients = {name: [c for chunk in parts for c in chunk] for name, parts in chunks.items()}
+        shares = cost_shares({name: [costs[c] for c in ids] for name, ids in clients.items()},
+                             sum(len(parts) for parts in chunks.values()))
+        chunks = {name: equal_cost_runs(clients[name], costs, shares[name]) for name in chunks}
+    return [(name, chunk) for name, parts in chunks.items() for chunk in parts]
 
 
 def cost_shares(costs: dict[str, list[float]], actors: int) -> dict[str, int]:

@@ -19,6 +19,8 @@ from rayfed.cli import main
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.simulation import Simulation, init_local_ray
+from rayfed.simulation import gpu_memory
+from rayfed.simulation.gpu_memory import Measurement
 from rayfed.simulation.placement import fitted_slots
 from rayfed.tune import SearchSpace, TuneSpec, trial_resources, tune
 from rayfed.tune.metric import _Reporter
@@ -255,6 +257,49 @@ def test_concurrent_trials_keep_their_actors_inside_their_own_placement_group(as
         assert sum(b.get("GPU", 0.0) for bundles in record["created"].values() for b in bundles) <= 1.0
     trial_groups = {record["group"] for record in records}
     assert any(len(trial_groups & set(record["created"])) == 2 for record in records)  # 2 trials at once
+
+
+@pytest.mark.usefixtures("ray_fake_gpu")
+def test_a_measured_sweep_measures_once_and_every_trial_asks_for_the_measured_share(tmp_path, monkeypatch):
+    probed = []
+
+    def probe(config, name, slot):  # (22 + 2 GiB of headroom) / 80: 0.3 of the (fake) GPU
+        probed.append(slot)
+        return Measurement(slot, 22 * 2**30, "Fake GPU", 80 * 2**30)
+
+    monkeypatch.setattr(gpu_memory, "probe_on_gpu", probe)
+    config = _sweep({"train.lr": {"grid": [0.02, 0.01]}})  # a float: the same memory, one probe for both trials
+    config["federation"].update(rounds=1, checkpoint_every=0)
+    config["placement"]["gpus_per_actor"] = "measured"
+    (tmp_path / "placement").mkdir()
+    result = tune(config, out_dir=tmp_path / "out", callbacks=[_RecordPlacement(tmp_path / "placement")], verbose=0)
+    assert probed == [(0, 1, 2, 3)] and len(result.trials) == 2
+    assert len(json.loads((result.tune_dir / "gpu_memory.json").read_text())) == 1
+    for record in [json.loads(path.read_text()) for path in (tmp_path / "placement").iterdir()]:
+        assert record["bundles"] == [{"CPU": 0.25}, {"CPU": 0.5, "GPU": 0.3}]
+        assert record["actors"][1] == [record["group"], {"CPU": 0.5, "GPU": 0.3}]
+    for trial in result.trials:
+        summary = json.loads((trial.run_dir / "summary.json").read_text())
+        assert summary["gpu_memory"] == {"": {"gpus_per_actor": 0.3, "from": "the trial's placement group"}}
+
+
+@pytest.mark.usefixtures("ray_fake_gpu")
+def test_a_measured_run_records_its_share_and_resumed_reads_the_measurement_back(tiny_run, tmp_path, monkeypatch):
+    probed = []
+
+    def probe(config, name, slot):  # (6 + 2 GiB of headroom) / 80: 0.1 of the (fake) GPU
+        probed.append(slot)
+        return Measurement(slot, 6 * 2**30, "Fake GPU", 80 * 2**30)
+
+    monkeypatch.setattr(gpu_memory, "probe_on_gpu", probe)
+    tiny_run["federation"].update(rounds=1)
+    tiny_run["placement"]["gpus_per_actor"] = "measured"
+    summary = Simulation(tiny_run, out_dir=tmp_path, progress=False).run()
+    record = summary["gpu_memory"][""]
+    assert (record["gpus_per_actor"], record["actor_clients"], record["peak_gib"]) == (0.1, [0, 1], 6.0)
+    assert probed == [(0, 1)] and (tmp_path / "gpu_memory.json").is_file()
+    assert Simulation.resume(tmp_path, progress=False).run()["gpu_memory"] == summary["gpu_memory"]
+    assert len(probed) == 1
 
 
 @pytest.mark.usefixtures("ray_fake_gpu")

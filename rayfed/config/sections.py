@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import (BeforeValidator, Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer,
+                      model_validator)
 
 from rayfed import registry
 from rayfed.config.fields import BackboneName, MethodName, Section, is_built_method, method_class, plain_params
@@ -115,6 +116,22 @@ class SystemConfig(Section):
     late_weight: float = Field(0.5, gt=0, le=1)
 
 
+MEASURED = "measured"
+
+
+def _gpu_share(value: Any) -> Any:
+    if value == MEASURED:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:  # NaN too
+        raise ValueError(f"it must be a number >= 0 (the share of a GPU an actor asks Ray for) or '{MEASURED}' (the "
+                         "share its measured peak memory needs)")
+    return float(value)
+
+
+GpuShare = Annotated[float | Literal["measured"], BeforeValidator(_gpu_share)]
+"""A ClientActor's GPU share: a number, or ``measured`` (:mod:`rayfed.simulation.gpu_memory`)."""
+
+
 class PlacementConfig(Section):
     executor: Literal["ray", "local"] = Field(
         "ray", description="ray: every actor a Ray actor of its own; local: the same actors as objects of this "
@@ -135,7 +152,16 @@ class PlacementConfig(Section):
         None, gt=0, description="CPUs a ClientActor asks Ray for; unset: 1, or an equal share of the Ray cluster's "
         "CPUs where the run's actors would not fit (an actor trains on one thread either way)"
     )
-    gpus_per_actor: float = Field(0.0, ge=0)
+    gpus_per_actor: GpuShare = Field(
+        0.0, description="the share of a GPU each ClientActor asks Ray for (0.25: four actors a GPU), or measured: "
+        "before the actors start, one actor's peak GPU memory is measured on a whole GPU (a local update and an "
+        "evaluation of each method, rayfed.simulation.gpu_memory) and the share is (peak + memory_headroom_gib) / "
+        "the GPU's memory, rounded up to 0.01"
+    )
+    memory_headroom_gib: float = Field(
+        2.0, ge=0, description="GiB added to a measured peak (gpus_per_actor: measured): the CUDA context, which "
+        "torch's allocator does not count, and the allocator's fragmentation over a run"
+    )
     driver_cpus: float = Field(0.0, ge=0)
     client_state: Literal["auto", "host", "device"] = Field(
         "auto", description="where actors keep clients' data and state: host, device (the actor's GPU), or auto (the GPU when it fits)"
@@ -150,7 +176,8 @@ class ArchitectureConfig(Section):
     model: dict[str, Any] = Field({}, description="overrides of other model fields (lora, adapter, image_size, ...)")
     clients_per_actor: int | None = Field(None, gt=0, description="default: placement.clients_per_actor")
     cpus_per_actor: float | None = Field(None, gt=0, description="default: placement.cpus_per_actor")
-    gpus_per_actor: float | None = Field(None, ge=0, description="default: placement.gpus_per_actor (a larger model may ask for more)")
+    gpus_per_actor: GpuShare | None = Field(
+        None, description="default: placement.gpus_per_actor (a larger model may ask for more, or measured)")
 
 
 class RayConfig(Section):

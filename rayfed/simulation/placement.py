@@ -10,7 +10,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayfed.architectures import ActorSlot, actor_slots, architecture_names, architecture_of
+from rayfed.architectures import ActorSlot, actor_clients, actor_slots, architecture_names, architecture_of
 from rayfed.config import RunConfig, architecture_model_config
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
@@ -35,14 +35,22 @@ def planned_costs(config: RunConfig, num_train: Mapping[int, int] | None = None)
     return [float(params[of[c]] * local_steps(config.train, num_train[c])) for c in range(config.data.num_clients)]
 
 
-def fitted_slots(config: RunConfig, costs: Sequence[float] | None = None) -> list[ActorSlot]:
-    """The ClientActors' slots (``costs``: see :func:`planned_costs`), once checked to fit the Ray cluster (or the Tune
-    trial's placement group); outside a trial, as fitted to the cluster (see :func:`actor_slots`)."""
+def fitted_slots(config: RunConfig, costs: Sequence[float] | None = None,
+                 measured: Mapping[str, float] | None = None) -> list[ActorSlot]:
+    """The ClientActors' slots (``costs``: see :func:`planned_costs`; ``measured``: the GPU shares of the
+    architectures whose ``gpus_per_actor`` is ``measured``), once checked to fit the Ray cluster (or the Tune trial's
+    placement group, whose bundles give the measured shares); outside a trial, as fitted to the cluster (see
+    :func:`actor_slots`)."""
     placement = config.placement
-    slots = actor_slots(config, costs=costs)
     group = ray.util.get_current_placement_group()
     if group is not None:  # a Ray Tune trial: the actors must fit the bundles placed() puts them in
         bundles = group.bundle_specs
+        first: dict[str, int] = {}  # each architecture's first actor, whose bundle trial_resources sized
+        for index, (name, _) in enumerate(actor_clients(config, costs)):
+            first.setdefault(name, index)
+        from_bundles = {name: bundles[index + 1].get("GPU", 0.0) if index + 1 < len(bundles) else 0.0
+                        for name, index in first.items()}  # too few bundles: the check below says so
+        slots = actor_slots(config, costs=costs, measured={**from_bundles, **(measured or {})})
         needs = [{"CPU": placement.driver_cpus}] + [{"CPU": slot.cpus, "GPU": slot.gpus} for slot in slots]
         if len(bundles) < len(needs):
             raise ConfigError(
@@ -58,7 +66,7 @@ def fitted_slots(config: RunConfig, costs: Sequence[float] | None = None) -> lis
                 )
         return slots
     available = ray.cluster_resources()
-    slots = actor_slots(config, available.get("CPU", 0.0) - placement.driver_cpus, costs)
+    slots = actor_slots(config, available.get("CPU", 0.0) - placement.driver_cpus, costs, measured)
     for resource, extra in (("CPU", placement.driver_cpus), ("GPU", 0.0)):
         per_actor = [slot.cpus if resource == "CPU" else slot.gpus for slot in slots]
         needed = sum(per_actor) + extra

@@ -82,9 +82,11 @@ def method_results(config: RunConfig, federation: Federation, label: str, client
 
 
 def run_summary(config: RunConfig, results_dir: Path, events: list[dict[str, Any]], wall_time_s: float,
-                compute_match: dict[str, dict[str, float]]) -> dict[str, Any]:
+                compute_match: dict[str, dict[str, float]],
+                gpu_memory: dict[str, dict] | None = None) -> dict[str, Any]:
     """``summary.json``: every method's results file cut to its means and groupings, with the run's config,
-    communication, rounds to the target accuracy and (``train.compute_match``) each method's measured cost."""
+    communication, rounds to the target accuracy, (``train.compute_match``) each method's measured cost and
+    (``gpus_per_actor: measured``) each such architecture's GPU share and what it came from."""
     methods, comm, comm_params = {}, {}, {}
     for entry in config.methods:
         result = json.loads((results_dir / f"{entry.label}.json").read_text())
@@ -106,6 +108,7 @@ def run_summary(config: RunConfig, results_dir: Path, events: list[dict[str, Any
         "target_acc": target,
         "rounds_to_target": rounds,
         **({"compute_match": compute_match} if compute_match else {}),
+        **({"gpu_memory": gpu_memory} if gpu_memory else {}),
     }
 
 

@@ -16,10 +16,11 @@ from typing import Any
 import ray
 from tqdm.auto import tqdm
 
-from rayfed.architectures import actor_slots
+from rayfed.architectures import ActorSlot, actor_slots, architecture_names, gpu_share
 from rayfed.results.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.compute import matched_steps
 from rayfed.config import RunConfig, dump_config, load_config, with_full_params
+from rayfed.config.sections import MEASURED
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.executors import LocalExecutor, RayExecutor
@@ -27,6 +28,7 @@ from rayfed.io import atomic_write_json
 from rayfed.run_methods import run_methods
 from rayfed.simulation.actors import RunActors
 from rayfed.simulation.nonfinite import NonfiniteCheck
+from rayfed.simulation.gpu_memory import CACHE_FILE, GpuMemory
 from rayfed.simulation.placement import fitted_slots, planned_costs
 from rayfed.simulation.preflight import check_model
 from rayfed.simulation.ray_setup import import_plugin_modules, init_ray, is_actor_failure, unwrap_actor_error
@@ -84,6 +86,7 @@ class Simulation:
         self._results_dir, self._checkpoint_dir = self.run_dir / "results", self.run_dir / "checkpoints"
         self._resuming = resuming
         self.run_actors: RunActors | None = None
+        self.gpu_memory: dict[str, dict] = {}  # the measured GPU shares (gpus_per_actor: measured), for summary.json
 
     # Public API ------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -109,7 +112,7 @@ class Simulation:
             if owns_ray:
                 ray.shutdown()
         summary = run_summary(self.config, self._results_dir, self.log.events, time.perf_counter() - started,
-                              self.compute_match)
+                              self.compute_match, self.gpu_memory)
         atomic_write_json(self.run_dir / "summary.json", summary)
         from rayfed.results.report import write_report
 
@@ -159,21 +162,36 @@ class Simulation:
         self.config = with_full_params(self.config, [method.params for method in self.methods])
 
     def _start_executor(self) -> bool:
-        """The executor and the actors' slots (fitted to the Ray cluster); whether this run started Ray."""
+        """The executor and the actors' slots (fitted to the Ray cluster, with the measured GPU shares); whether this
+        run started Ray."""
         local = self.config.placement.executor == "local"
         costs = planned_costs(self.config, self.num_train)
         self.executor = LocalExecutor() if local else RayExecutor()
         owns_ray = not local and init_ray(self.config)
-        slots = actor_slots(self.config, costs=costs)
-        if not local:
-            try:
-                slots = fitted_slots(self.config, costs)
-            except Exception:
-                if owns_ray:
-                    ray.shutdown()
-                raise
+        try:
+            slots = actor_slots(self.config, costs=costs) if local else self._fitted_slots(costs)
+        except Exception:
+            if owns_ray:
+                ray.shutdown()
+            raise
         self.run_actors = RunActors(self.config, self.methods, self.federation, self.executor, slots)
         return owns_ray
+
+    def _fitted_slots(self, costs: list[float] | None) -> list[ActorSlot]:
+        """The slots fitted to the Ray cluster. A ``measured`` GPU share is measured here (or read from the run's
+        cache), or in a Ray Tune trial given by its bundle; either is kept for summary.json."""
+        config = self.config
+        measured = [name for name in architecture_names(config) if gpu_share(config, name) == MEASURED]
+        in_trial = ray.util.get_current_placement_group() is not None
+        if measured and not in_trial:
+            cache = GpuMemory(self.run_dir / CACHE_FILE if self.run_dir.is_dir() else None)
+            self.gpu_memory = cache.measure(config, costs)
+        shares = {name: record["gpus_per_actor"] for name, record in self.gpu_memory.items()}
+        slots = fitted_slots(config, costs, shares)
+        if measured and in_trial:
+            self.gpu_memory = {slot.architecture: {"gpus_per_actor": slot.gpus, "from": "the trial's placement group"}
+                               for slot in slots if slot.architecture in measured}
+        return slots
 
     def _match_compute(self) -> dict[str, dict[str, float]]:
         """``train.compute_match``: per method label its local update's FLOPs, cost ratio to the reference and local

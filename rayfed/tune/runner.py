@@ -28,12 +28,14 @@ def tune(
     out_dir: str | os.PathLike | None = None,
     callbacks: list[RoundCallback] | None = None,
     verbose: int = 1,
+    time_budget_s: float | None = None,
 ) -> SweepResult:
     """Run the sweep declared in ``config``'s ``tune:`` section; write results to ``<out_dir or runs/<name>>/tune``.
 
     ``callbacks`` run in every trial's Simulation (in the trial processes), each round before the
     report to Tune, so they also see the round at which a scheduler stops a trial.
-    ``verbose`` is Ray Tune's (0 silent, 1 status, 2 with every result).
+    ``verbose`` is Ray Tune's (0 silent, 1 status, 2 with every result); past ``time_budget_s`` seconds of trials
+    Tune stops the sweep (Ray Tune's ``TuneConfig.time_budget_s``).
     """
     run_config = load_config(config, overrides)
     import_plugin_modules(run_config)
@@ -42,10 +44,11 @@ def tune(
     with _ray(run_config):
         sweep.check_cluster()
         tune_dir.mkdir(parents=True, exist_ok=True)
+        sweep.gpu_memory.save()
         dump_config(run_config, tune_dir / SWEEP_FILE)
         tuner = ray_tune.Tuner(
             sweep.trainable(), param_space=sweep.space.param_space(),
-            tune_config=sweep.tune_config(), run_config=sweep.run_config(tune_dir, verbose),
+            tune_config=sweep.tune_config(time_budget_s), run_config=sweep.run_config(tune_dir, verbose),
         )
         return _finish(sweep, tune_dir, _fit(tuner))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,9 @@ from rayfed import registry
 from rayfed.config import RunConfig, apply_overrides, build_config
 from rayfed.errors import ConfigError, suggest
 from rayfed.method import build_method
+from rayfed.config.sections import MEASURED
 from rayfed.simulation import RoundCallback, Simulation, ship_by_value
+from rayfed.simulation.gpu_memory import CACHE_FILE, GpuMemory, Measurement, measures_memory
 from rayfed.tune.metric import _check_metric_name, _metric_of, _Reporter
 from rayfed.tune.resources import trial_resources
 from rayfed.tune.space import SearchSpace
@@ -38,7 +42,7 @@ class _Sweep:
     runs_dir: Path
     callbacks: tuple[RoundCallback, ...]
     max_rounds: int
-    trial_needs: dict[str, float]
+    gpu_memory: GpuMemory  # gpus_per_actor: measured, measured once per configuration of a different memory
     plugins: tuple[registry.Entry, ...] = ()  # what the driver registered, installed in every trial's process
 
     @classmethod
@@ -61,8 +65,6 @@ class _Sweep:
         space = SearchSpace(spec.space, spec.search)
         configs = _checked_configs(base, space)
         max_rounds = max(c.federation.rounds for c in configs)
-        needs = [trial_resources(c).required_resources for c in configs]
-        trial_needs = {resource: max(n.get(resource, 0.0) for n in needs) for resource in ("CPU", "GPU")}
         asha = spec.scheduler
         last_rung = asha.max_t or max_rounds
         if asha.name == "asha" and asha.grace_period is not None and asha.grace_period > last_rung:
@@ -72,12 +74,21 @@ class _Sweep:
             )
         plugins = tuple(registry.user_entries())
         ship_by_value(entry.obj for entry in plugins)
-        return cls(base, spec, space, tune_dir / RUNS_DIR, tuple(callbacks or ()), max_rounds, trial_needs, plugins)
+        return cls(base, spec, space, tune_dir / RUNS_DIR, tuple(callbacks or ()), max_rounds,
+                   GpuMemory(tune_dir / CACHE_FILE), plugins)
 
     def check_cluster(self) -> None:
-        """A trial larger than the whole cluster would wait forever: say so instead."""
+        """Measure the GPU shares of ``gpus_per_actor: measured`` for every combination of the swept values (once per
+        configuration of a different memory; a trial's share is then looked up as Tune places it, never measured
+        while trials hold the GPUs); then a trial larger than the whole cluster would wait forever: say so instead."""
+        configs = _checked_configs(self.base, self.space)
+        if any(measures_memory(config) for config in configs):
+            configs += _combinations(self.base, self.space)
+        needs = [trial_resources(config, self.gpu_memory).required_resources for config in configs]
+        self.gpu_memory.probe = _not_measured_before
         available = ray.cluster_resources()
-        for resource, needed in self.trial_needs.items():
+        for resource in ("CPU", "GPU"):
+            needed = max(need.get(resource, 0.0) for need in needs)
             if needed > available.get(resource, 0.0) + 1e-9:
                 raise ConfigError(
                     f"placement: one trial's placement group needs {needed:g} {resource} (the DriverActor's bundle "
@@ -94,7 +105,7 @@ class _Sweep:
         trainable = ray_tune.with_parameters(_run_trial, sweep=self)
         return ray_tune.with_resources(trainable, resources=functools.partial(_trial_resources_for, self))
 
-    def tune_config(self) -> ray_tune.TuneConfig:
+    def tune_config(self, time_budget_s: float | None = None) -> ray_tune.TuneConfig:
         spec, seed = self.spec, self.base["seed"]
         if spec.search == "optuna":
             from ray.tune.search.optuna import OptunaSearch
@@ -115,7 +126,7 @@ class _Sweep:
             scheduler = FIFOScheduler()
         return ray_tune.TuneConfig(
             metric=spec.metric, mode=spec.mode, search_alg=search_alg, scheduler=scheduler,
-            num_samples=spec.num_samples, max_concurrent_trials=max_concurrent,
+            num_samples=spec.num_samples, max_concurrent_trials=max_concurrent, time_budget_s=time_budget_s,
             trial_dirname_creator=_trial_dirname,
             # A finished trial's process (torch already imported) runs the next trial; a stopped trial's
             # Simulation unwinds first (Tune ends it inside tune.report), killing its actors.
@@ -158,6 +169,30 @@ def _checked_configs(base: dict[str, Any], space: SearchSpace) -> list[RunConfig
     return configs
 
 
+MEASURED_COMBINATIONS = 256
+"""At most this many combinations of the swept values are measured before a sweep (gpus_per_actor: measured);
+beyond it, each swept path's values with the others at their first."""
+
+
+def _combinations(base: dict[str, Any], space: SearchSpace) -> list[RunConfig]:
+    """The config of every combination of the swept paths' representative values (none past
+    :data:`MEASURED_COMBINATIONS`)."""
+    values = [list(swept.variations()) for swept in space.swept]
+    if math.prod(len(options) for options in values) > MEASURED_COMBINATIONS:
+        return []
+    paths = [swept.path for swept in space.swept]
+    return [_trial_config(base, dict(zip(paths, combination))) for combination in itertools.product(*values)]
+
+
+def _not_measured_before(config: RunConfig, name: str, slot: tuple[int, ...]) -> Measurement:
+    raise ConfigError(
+        f"placement.gpus_per_actor: {MEASURED}: a trial's {'architecture ' + repr(name) if name else 'model'} differs "
+        "from every configuration measured before the sweep started (the combinations of the grid and choice values "
+        "and of the ranges' bounds and middles); sweep what changes the model with grid or choice, or set "
+        "gpus_per_actor to a number."
+    )
+
+
 def _format_values(values: dict[str, Any]) -> str:
     return ", ".join(f"{path} = {value!r}" for path, value in values.items())
 
@@ -167,7 +202,7 @@ def _trial_dirname(trial: Any) -> str:
 
 
 def _trial_resources_for(sweep: _Sweep, params: dict[str, Any]) -> ray_tune.PlacementGroupFactory:
-    return trial_resources(sweep.trial_config(sweep.space.values(params)))
+    return trial_resources(sweep.trial_config(sweep.space.values(params)), sweep.gpu_memory)
 
 
 def _run_trial(params: dict[str, Any], sweep: _Sweep) -> None:
