@@ -51,7 +51,7 @@ from rayfed.methods.fedmosaic.rela import (RelevanceSource, equal_weights, last_
                                            relevance_weights)
 from rayfed.models import Backbone, ClientModel, build_backbone, build_task_model
 from rayfed.models.peft.named_adapters import adapted_modules, adapters_off
-from rayfed.param_names import adapter_of, adapter_part, adapter_tensor, components, layer_of, parent, with_adapter
+from rayfed.param_names import adapter_of, adapter_part, components, layer_of, parent, with_adapter
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase, PreFederation, Step, stacked_forward_batch
@@ -162,7 +162,8 @@ class FedMosaic(Method):
         every client (matched by block and module), the conventional layers within the architecture, the weights
         renormalized there, or equal ones (``conv_agg: equal_within_type``, ``relevance: equal``)."""
         equal = self.params.conv_agg == "equal_within_type" or self.params.relevance == "equal"
-        return Mixture(weights="relevance/weights", within_weights="relevance/within" if equal else None, across=pq_groups)
+        return Mixture(weights="relevance/weights", within_weights="relevance/within" if equal else None,
+                       across=pqlora.pq_groups)
 
     # The model ---------------------------------------------------------------------------------------------
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
@@ -348,7 +349,7 @@ class FedMosaic(Method):
         server = super().init_server(initial_shared)  # every client's rows, at its architecture's initial adapter
         layout: TensorDict = {}
         for arch in dict.fromkeys(self.architecture_of):
-            blocks = _pq_blocks(unprefixed(initial_shared, arch))
+            blocks = pqlora.pq_tensor_blocks(unprefixed(initial_shared, arch))
             layout.update(prefixed({name: torch.tensor(block) for name, block in blocks.items()}, arch))
         clients = len(self.architecture_of)
         relevance = {"weights": equal_weights(clients, self.params.self_weight)}
@@ -478,27 +479,10 @@ def _aligned_basis(layout: TensorDict, prepared: dict[str, TensorDict], pivot: s
     return aligned, report
 
 
-def _pq_blocks(names: Sequence[str]) -> dict[str, int]:
-    """Each of one architecture's P and Q tensors by its block: the rank of its layer among the PQ layers."""
-    pq = [name for name in names if pqlora.is_pq(name)]
-    layers = sorted({layer_of(name) for name in pq})
-    return {name: layers.index(layer_of(name)) for name in pq}
-
-
-def _pq_key(block: int, name: str) -> str:
-    tensor = adapter_tensor(name)
-    return f"pq/{block}/{tensor.module}/{tensor.part}"
-
-
-def pq_groups(names: Sequence[str]) -> dict[str, str]:
-    """The tensors of one architecture that mix across architectures: P and Q, matched by block, module and part."""
-    return {name: _pq_key(block, name) for name, block in _pq_blocks(names).items()}
-
-
 def _pq_stem(layout: TensorDict, arch: str, key: str) -> str:
     """The name, without ``.local_P``, of ``arch``'s PQ module at ``key`` (``<block>/<module>``)."""
     for name, block in unprefixed(layout, arch).items():
-        if adapter_part(name) == (LOCAL, "P") and _pq_key(int(block), name) == f"pq/{key}/P":
+        if adapter_part(name) == (LOCAL, "P") and pqlora.pq_key(int(block), name) == f"pq/{key}/P":
             return parent(name)
     raise KeyError(f"{arch}: no PQ module at {key}")
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from rayfed.models.peft import named_adapters
 from rayfed.models.peft.named_adapters import LINEAR_TARGETS, AdaptedLinear, LinearBuilder, Mix, Placement
-from rayfed.param_names import adapter_param, adapter_part
+from rayfed.param_names import adapter_param, adapter_part, adapter_tensor, layer_of
 
 GATE = "adapter_gate"
 
@@ -392,3 +392,21 @@ def cca_basis(pivot_features: torch.Tensor, other_features: torch.Tensor, pivot_
     pi_p, pi_o, correlations = cca_projections(pivot_features, other_features, rank, ridge)
     other_b = torch.linalg.pinv(pi_o.double()).T @ (pi_p.double().T @ pivot_b.double())
     return other_b.float().contiguous(), correlations
+
+
+def pq_tensor_blocks(names: Sequence[str]) -> dict[str, int]:
+    """Each of one architecture's P and Q tensors by its block: the rank of its layer among the PQ layers."""
+    pq = [name for name in names if is_pq(name)]
+    layers = sorted({layer_of(name) for name in pq})
+    return {name: layers.index(layer_of(name)) for name in pq}
+
+
+def pq_key(block: int, name: str) -> str:
+    """The key that matches a P or Q tensor across architectures: its block, module and part."""
+    tensor = adapter_tensor(name)
+    return f"pq/{block}/{tensor.module}/{tensor.part}"
+
+
+def pq_groups(names: Sequence[str]) -> dict[str, str]:
+    """The tensors of one architecture that mix across architectures: P and Q, matched by block, module and part."""
+    return {name: pq_key(block, name) for name, block in pq_tensor_blocks(names).items()}

@@ -33,13 +33,14 @@ import torch
 from rayfed import registry
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
-from rayfed.architectures import actor_clients, architecture_names, architecture_of, gpu_share
+from rayfed.architectures import ActorSlot, actor_clients, architecture_names, architecture_of, gpu_share
 from rayfed.config import RunConfig
 from rayfed.config.sections import MEASURED
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json
 from rayfed.run_methods import run_methods
+from rayfed.simulation.placement import fitted_slots
 from rayfed.simulation.ray_setup import import_plugin_modules, ship_by_value, unwrap_actor_error
 from rayfed.version import __version__
 
@@ -243,3 +244,19 @@ def peak_memory(config: RunConfig, name: str, slot: tuple[int, ...],
     gpu = torch.cuda.get_device_properties(actor.device)
     peak = torch.cuda.max_memory_reserved(actor.device)
     return Measurement(tuple(hosted), int(peak), gpu.name, int(gpu.total_memory))
+
+
+def fitted_slots_measured(config: RunConfig, costs: Sequence[float] | None,
+                          run_dir: Path) -> tuple[list[ActorSlot], dict[str, dict]]:
+    """The run's slots fitted to the Ray cluster, and the measured GPU shares kept for summary.json. A ``measured``
+    share is measured here (or read from the run folder's cache), or, in a Ray Tune trial, given by its bundle."""
+    measured = [name for name in architecture_names(config) if gpu_share(config, name) == MEASURED]
+    in_trial = ray.util.get_current_placement_group() is not None
+    gpu_memory: dict[str, dict] = {}
+    if measured and not in_trial:
+        gpu_memory = GpuMemory(run_dir / CACHE_FILE if run_dir.is_dir() else None).measure(config, costs)
+    slots = fitted_slots(config, costs, {name: record["gpus_per_actor"] for name, record in gpu_memory.items()})
+    if measured and in_trial:
+        gpu_memory = {slot.architecture: {"gpus_per_actor": slot.gpus, "from": "the trial's placement group"}
+                      for slot in slots if slot.architecture in measured}
+    return slots, gpu_memory

@@ -16,11 +16,10 @@ from typing import Any
 import ray
 from tqdm.auto import tqdm
 
-from rayfed.architectures import ActorSlot, actor_slots, architecture_names, gpu_share
+from rayfed.architectures import actor_slots
 from rayfed.results.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.compute import matched_steps
 from rayfed.config import RunConfig, dump_config, load_config, with_full_params
-from rayfed.config.sections import MEASURED
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.executors import LocalExecutor, RayExecutor
@@ -28,8 +27,8 @@ from rayfed.io import atomic_write_json
 from rayfed.run_methods import run_methods
 from rayfed.simulation.actors import RunActors
 from rayfed.simulation.nonfinite import NonfiniteCheck
-from rayfed.simulation.gpu_memory import CACHE_FILE, GpuMemory
-from rayfed.simulation.placement import fitted_slots, planned_costs
+from rayfed.simulation.gpu_memory import fitted_slots_measured
+from rayfed.simulation.placement import planned_costs
 from rayfed.simulation.preflight import check_model
 from rayfed.simulation.ray_setup import import_plugin_modules, init_ray, is_actor_failure, unwrap_actor_error
 from rayfed.simulation.results import MetricsLog, mean_std, method_results, run_summary
@@ -169,29 +168,16 @@ class Simulation:
         self.executor = LocalExecutor() if local else RayExecutor()
         owns_ray = not local and init_ray(self.config)
         try:
-            slots = actor_slots(self.config, costs=costs) if local else self._fitted_slots(costs)
+            if local:
+                slots = actor_slots(self.config, costs=costs)
+            else:
+                slots, self.gpu_memory = fitted_slots_measured(self.config, costs, self.run_dir)
         except Exception:
             if owns_ray:
                 ray.shutdown()
             raise
         self.run_actors = RunActors(self.config, self.methods, self.federation, self.executor, slots)
         return owns_ray
-
-    def _fitted_slots(self, costs: list[float] | None) -> list[ActorSlot]:
-        """The slots fitted to the Ray cluster. A ``measured`` GPU share is measured here (or read from the run's
-        cache), or in a Ray Tune trial given by its bundle; either is kept for summary.json."""
-        config = self.config
-        measured = [name for name in architecture_names(config) if gpu_share(config, name) == MEASURED]
-        in_trial = ray.util.get_current_placement_group() is not None
-        if measured and not in_trial:
-            cache = GpuMemory(self.run_dir / CACHE_FILE if self.run_dir.is_dir() else None)
-            self.gpu_memory = cache.measure(config, costs)
-        shares = {name: record["gpus_per_actor"] for name, record in self.gpu_memory.items()}
-        slots = fitted_slots(config, costs, shares)
-        if measured and in_trial:
-            self.gpu_memory = {slot.architecture: {"gpus_per_actor": slot.gpus, "from": "the trial's placement group"}
-                               for slot in slots if slot.architecture in measured}
-        return slots
 
     def _match_compute(self) -> dict[str, dict[str, float]]:
         """``train.compute_match``: per method label its local update's FLOPs, cost ratio to the reference and local
