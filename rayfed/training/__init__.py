@@ -27,13 +27,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rayfed.training.client_context import (ClientContext, LossFn, OtherTask, Penalty, Phase, StackedTrainer, Step, TrainResult,
-                                   stacked_forward_batch)
+from rayfed.training.client_context import (ClientContext, LossFn, OtherTask, Penalty, Phase, StackedTrainer, Step,
+                                            TrainResult, stacked_forward_batch)
 from rayfed.training.fast_steps import (MAX_GRAPHS_PER_MODEL, GraphedStep, PatchMatmul, TensorPenalty, mixed_precision,
                                         trained_forward)
 from rayfed.training.optimizers import build_optimizer, local_steps, scheduled_lr
 from rayfed.training.public_pass import (PreFederation, PublicJob, PublicLoss, PublicPass, answer_mask, same_answers,
-                                token_losses)
+                                         token_losses)
 from rayfed.types import TensorDict
 
 __all__ = ["MAX_GRAPHS_PER_MODEL", "ClientContext", "GraphedStep", "LossFn", "OtherTask", "PatchMatmul", "Penalty",

@@ -17,7 +17,8 @@ from rayfed.training.fast_steps import TensorPenalty, graphed_step, mixed_precis
 from rayfed.results.derived_metrics import with_derived
 from rayfed.models.client import TrainableModule
 from rayfed.models.peft.modules import select_task
-from rayfed.training.optimizers import build_optimizer, load_optimizer_state, local_steps, saved_optimizer_state, scheduled_lr
+from rayfed.training.optimizers import (build_optimizer, load_optimizer_state, local_steps, saved_optimizer_state,
+                                        scheduled_lr)
 from rayfed.training.scoring import Scorer
 from rayfed.data.streams import seen_round, training_pool
 from rayfed.tasks import Task
