@@ -164,6 +164,21 @@ def test_the_metric_names_runs_report_pass_the_check_before_trials():
         _check_metric_name(TuneSpec.model_validate(shipped.tune), shipped)
 
 
+def test_a_trial_that_reported_nothing_is_listed_with_the_values_ray_wrote_for_it(tmp_path):
+    """A sweep's time budget can stop a trial before its first report, or before it starts: its result then has no
+    config. The trial table lists it (from Ray's params.json when there is one) instead of failing the whole sweep."""
+    from rayfed.tune.tables import _record
+
+    space = SearchSpace({"train.lr": {"grid": [0.1, 0.01]}}, search="grid")
+    sweep = SimpleNamespace(space=space, spec=SimpleNamespace(metric="local_acc"), runs_dir=tmp_path / "runs")
+    started, never_started = tmp_path / "trial_00001", tmp_path / "trial_00002"
+    started.mkdir()
+    (started / "params.json").write_text(json.dumps({"train.lr": 0.01}))
+    for trial_dir, params in ((started, {"train.lr": 0.01}), (never_started, {})):
+        record = _record(sweep, SimpleNamespace(metrics={}, config=None, error=None, path=str(trial_dir)))
+        assert (record.params, record.status, record.metric, record.rounds) == (params, "stopped early", None, 0)
+
+
 def test_trial_resources_has_the_driver_bundle_then_one_bundle_per_client_actor(tiny_run):
     tiny_run["placement"] = {"clients_per_actor": 3, "cpus_per_actor": 2, "gpus_per_actor": 0.25,
                              "driver_cpus": 1, "strategy": "SPREAD"}

@@ -55,9 +55,19 @@ def _record(sweep: _Sweep, result: ray_tune.Result) -> TrialRecord:
     else:
         status = "completed" if metrics.get("final") else "stopped early"
     return TrialRecord(
-        trial_id=trial_id, params=sweep.space.values(result.config), metric=metrics.get(sweep.spec.metric),
+        trial_id=trial_id, params=_trial_params(sweep, result), metric=metrics.get(sweep.spec.metric),
         rounds=int(metrics.get("round", 0)), status=status, run_dir=sweep.runs_dir / trial_id,
     )
+
+
+def _trial_params(sweep: _Sweep, result: ray_tune.Result) -> dict[str, Any]:
+    """The trial's swept values. A trial that reported nothing (stopped by the sweep's time budget before its first
+    round, or never started) has no config in its result: then Ray's ``params.json`` in its folder, if written."""
+    params = result.config
+    if params is None:
+        params_file = Path(result.path) / "params.json"
+        params = json.loads(params_file.read_text()) if params_file.is_file() else None
+    return sweep.space.values(params) if params is not None else {}
 
 
 def _ordered(records: list[TrialRecord], mode: str) -> list[TrialRecord]:
