@@ -25,7 +25,7 @@ import torch
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
 from rayfed.param_names import PREFIX_SEP, split_prefix
-from rayfed.types import Loss, ServerState, TensorDict, tensor_bytes, tensor_params, tensors_to
+from rayfed.types import Loss, ServerState, TensorDict, tensor_bytes, tensor_params
 
 
 @dataclass
@@ -163,12 +163,12 @@ class PartialSum:
         self.client_ids.append(upload.client_id)
         self.num_samples += upload.num_samples
 
-    def upload(self, device: torch.device | str | None = None) -> Upload:
-        """The partial sum as one upload, its tensors moved to ``device`` (None: where they are)."""
+    def upload(self) -> Upload:
+        """The partial sum as one upload, its tensors where they were summed (the actor moves them to the host with its
+        other uploads, in one copy per dtype)."""
         return Upload(
             client_id=self.client_ids[0], num_samples=self.num_samples,
-            tensors={slot: self.sums[slot] if device is None else tensors_to(self.sums[slot], device)
-                     for slot in sorted(self.sums)},
+            tensors={slot: self.sums[slot] for slot in sorted(self.sums)},
             train_loss=float("nan"), weight_sums=self.weights, dtypes=self.dtypes,
         )
 
