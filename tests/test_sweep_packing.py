@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rayfed.benchmarks.sweep_packing import (WORKLOADS, fewer_clients, most_at_once, one_at_a_time, packed,
-                                             same_metrics, sweep_config, trials_per_hour)
+                                             same_metrics, span_s, sweep_config, trials_per_hour)
 from rayfed.config import build_config
 from rayfed.errors import ConfigError
 from rayfed.tune.space import SearchSpace
@@ -21,7 +21,7 @@ def test_the_tap_sweep_is_its_twin_shortened_and_both_ways_differ_only_in_placem
     assert config.train.local_steps == 2 and config.methods[0].params["post_fl_microbatches"] == 4
     samples = {task.name: task.options["num_samples"] for task in config.data.tasks}
     assert samples["agnews"] == 160 * 3  # clients 1, 2, 7
-    assert len(list(SearchSpace(raw["tune"]["space"], "grid").param_space().values())) == 2  # 2 x 2 trials
+    assert len(list(SearchSpace(raw["tune"]["space"], "grid").param_space().values())) == 2  # 3 x 2 trials
 
     one = build_config(one_at_a_time(raw, gpus=1))
     assert (one.placement.clients_per_actor, one.placement.gpus_per_actor) == (8, 0.5)  # 2 actors share the GPU
@@ -50,6 +50,7 @@ def test_trials_per_hour_overlap_and_equal_metrics():
     assert trials_per_hour(4, 1800.0) == 8.0 and trials_per_hour(3, 0.0) == 0.0
     assert most_at_once([(0, 10), (5, 15), (10, 20), (12, 13)]) == 3  # (5, 15), (10, 20) and (12, 13) at 12
     assert most_at_once([]) == 0
+    assert span_s([(5, 15), (10, 20), (12, 13)]) == 15 and span_s([]) == 0.0
     first = [{"params": {"lr": "0.1"}, "status": "completed", "metric": 0.5},
              {"params": {"lr": "0.2"}, "status": "error", "metric": None}]
     assert same_metrics(first, [{"params": {"lr": "0.1"}, "status": "completed", "metric": 0.5}]) is True
