@@ -69,6 +69,12 @@ class TrainConfig(Section):
         "client it trains; the first steps of each task and batch shape pay the compilation; a forward that fails to "
         "compile trains eagerly after one warning"
     )
+    autocast: Literal["bf16", "off"] = Field(
+        "bf16", description="what a GPU's training steps and evaluations compute in: bf16 (autocast to bfloat16 "
+        "around the float32 weights) or off (float32 throughout, to bound bf16 round-off; a backbone stored in "
+        "bfloat16 on a GPU, the llama: ones and the LLaVA models built on them, is refused rather than run in "
+        "float32); a CPU always computes in float32"
+    )
     batch_clients: int = Field(
         1, ge=1, description="train up to this many of an actor's sampled clients in one forward and backward "
         "(torch.func.vmap over their stacked parameters and batches) when their updates are plain (the task loss, "
