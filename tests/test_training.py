@@ -14,6 +14,7 @@ from rayfed.actors.client import ClientActor, _OnDevice
 from rayfed.actors.uploads import UploadCollector, to_host
 from rayfed.benchmarks.overhead import Workload
 from rayfed.data.batches import ClientData, TaskData
+from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.method import Upload, post_train_views
 from rayfed.models.peft.modules import select_task
@@ -205,6 +206,10 @@ def test_train_autocast_is_bf16_by_default_and_names_its_values_when_unknown():
     raw["train"]["autocast"] = "fp16"
     with pytest.raises(ConfigError, match=r"train.autocast = 'fp16' is invalid: Input should be 'bf16' or 'off'"):
         ClientActor(raw, [0])
+    for written in ("off", "'off'", "false"):  # YAML reads an unquoted off as False
+        assert load_config(config, [f"train.autocast={written}"]).train.autocast == "off"
+    with pytest.raises(ConfigError, match=r"train.autocast = True is invalid: Input should be 'bf16' or 'off'"):
+        load_config(config, ["train.autocast=on"])
 
 
 def test_mixed_precision_is_bf16_autocast_on_a_gpu_unless_train_autocast_is_off(monkeypatch):
