@@ -279,6 +279,20 @@ def test_a_graphed_step_trains_like_the_eager_one_and_each_client_starts_afresh(
         assert update.norm() > 0 and (first.params[name] - value).norm() < 0.15 * update.norm(), name
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_model_whose_step_was_captured_is_freed_with_its_actor():
+    import gc
+    import weakref
+
+    host, start = _host(cuda_graphs=True)
+    host._context(0, 0).train(start)
+    assert len(fast_steps._GRAPHS[host.model]) == 1
+    model = weakref.ref(host.model)
+    del host
+    gc.collect()
+    assert model() is None  # the graph kept for the model (a value of _GRAPHS) held no reference to it
+
+
 def _shifted(values: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
     return {name: value + by for name, value in values.items()}
 

@@ -89,7 +89,8 @@ class GraphedStep:
     def __init__(self, model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
                  batch: Batch, task: Task, penalty: TensorPenalty | None = None):
         self.optimizer = build_optimizer(config, list(named.values()), lr, capturable=True)
-        self.forward = trained_forward(model, config)
+        # Only the capture runs the forward: a replay holds no reference to the model, which keys _GRAPHS weakly.
+        forward = trained_forward(model, config)
         self.autocast = config.autocast
         self.batch = {name: column.clone() for name, column in batch.items()}
         self.task = task
@@ -107,21 +108,21 @@ class GraphedStep:
                 warnings.filterwarnings("ignore", message=".*capturable=True.*")  # uncaptured warm-up steps
                 for _ in range(3):
                     self.optimizer.zero_grad(set_to_none=True)
-                    self._forward_backward_step()
+                    self._forward_backward_step(forward)
             torch.cuda.current_stream(device).wait_stream(side)
             self.optimizer.zero_grad(set_to_none=True)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.loss = self._forward_backward_step()
+                self.loss = self._forward_backward_step(forward)
         finally:
             with torch.no_grad():  # undo the warm-up's steps
                 for name, param in named.items():
                     param.copy_(start[name])
 
-    def _forward_backward_step(self) -> torch.Tensor:
+    def _forward_backward_step(self, forward: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
         device = next(iter(self.batch.values())).device
         with mixed_precision(device, self.autocast, cache_enabled=False):  # no cast cache under capture
-            loss = self.task.kind.loss(self.forward(self.batch), self.batch)
+            loss = self.task.kind.loss(forward(self.batch), self.batch)
         value = loss
         if self.penalty is not None:
             value = loss + self.penalty.term(self.named, self.penalty_inputs, *self.penalty.settings)
