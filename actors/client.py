@@ -32,7 +32,7 @@ from rayfed.models.peft.modules import select_task
 from rayfed.run_methods import run_methods
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import task_view
-from rayfed.training import ClientContext
+from rayfed.training import ClientContext, check_precision
 from rayfed.transport import use_raw_tensor_transport
 from rayfed.types import moved_together, states_to
 
@@ -91,6 +91,7 @@ class ClientActor:
         model_config = method_model_config(self.model_config, entry, method_index)
         self.model = method_model(self.method, f"methods[{method_index}] ({entry.label})", self.backbone, model_config,
                                   self.tasks, init_seed).to(self.device)
+        check_precision(self.model, train, self.device, f"methods[{method_index}] ({entry.label})")
         self.tags = self.model.task_tags()
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
         self.param_specs = tensor_specs(initial)  # what payloads and uploads are checked against

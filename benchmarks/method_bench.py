@@ -6,7 +6,9 @@ The ideal runs the same method's code in one plain process: the run's DriverActo
 architecture as plain objects (no Ray, no actors of their own, no guests), each round's payloads, the round's
 clients' local updates, the aggregation and the method's public passes called one after another, as a
 hand-written single-GPU script of the method would. Each of its rounds runs right after rayfed's same round
-(the hosts drift by tens of percent within minutes). overhead ratio = rayfed's s/round / the ideal's.
+(the hosts drift by tens of percent within minutes). overhead ratio = rayfed's s/round / the ideal's. With
+``ideal_apart`` (``--ideal-apart``) the ideal runs all its rounds first and is released (its models, data and GPU
+memory) before rayfed's run starts, for a GPU that cannot hold both; the rounds are then not interleaved.
 
 The breakdown of a round names where the time goes: the clients' local updates (the ideal's, and the busiest of
 rayfed's actors), the method's server hooks (payloads, aggregation, public passes: RELA's weights, alignment,
@@ -19,11 +21,13 @@ rate of a plain LoRA FedAvg step on the same backbone and batch (``--reference``
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -156,6 +160,10 @@ class MethodLoop:
         return _timed(lambda: [host.evaluate(round_idx, self.driver.payloads(host.client_ids, False))
                                for host in self.hosts.values()])[1]
 
+    def models(self) -> list[weakref.ref]:
+        """Weak references to what holds most of the ideal's memory: each host's backbone and method model."""
+        return [weakref.ref(module) for host in self.hosts.values() for module in (host.backbone.encoder, host.model)]
+
     def update_profile(self, round_idx: int) -> dict[str, Any]:
         """One client's local update (the first of the round's first architecture): its FLOPs, the host syncs
         it makes (CUDA: torch's sync debug mode, one warning a sync), its peak GPU memory above what was held."""
@@ -201,16 +209,55 @@ def update_flops(host: ClientActor, client_id: int, payloads: Any, steps: int) -
     return counted[0] + (steps - 1) * (counted[1] - counted[0])
 
 
-def measure(config: RunConfig, out_dir: Path) -> dict[str, Any]:
-    """rayfed's run of ``config`` (one method), each round paired with the ideal's same round."""
+def _ideal_built(config: RunConfig) -> tuple[MethodLoop, float, dict[str, Any]]:
     ideal, built_s = _timed(lambda: MethodLoop(config))
     profile = ideal.update_profile(0)
     print(f"[bench] {config.methods[0].label}: the ideal's actors built in {built_s:.1f} s; a local update "
           f"{profile['flops'] / 1e12:.3g} TFLOP, {profile['host_syncs']} host syncs", flush=True)
-    ideal_rounds: list[dict[str, float]] = []
+    return ideal, built_s, profile
+
+
+def _ideal_run(config: RunConfig) -> tuple[dict[str, Any], list[weakref.ref]]:
+    """The ideal's whole run on its own (``ideal_apart``): its rounds, then one evaluation of every client; with
+    weak references to its models, which die when it returns."""
+    ideal, built_s, profile = _ideal_built(config)
+    rounds = []
+    for round_idx in range(config.federation.rounds):
+        rounds.append(ideal.run_round(round_idx))
+        print(f"[bench] the ideal's round {round_idx + 1}: {rounds[-1]['round_s']:.2f} s", flush=True)
+    return ({"built_s": built_s, "profile": profile, "rounds": rounds,
+             "evaluation_s": ideal.evaluation_s(config.federation.rounds)}, ideal.models())
+
+
+def _released(models: list[weakref.ref]) -> dict[str, Any]:
+    """Whether the ideal's models are gone, once collected, and the GPU memory this process still holds."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    released = all(model() is None for model in models)
+    if not released:
+        print("[bench] warning: the ideal's models are still referenced after its run; rayfed's actors share the "
+              "GPU with them", flush=True)
+    return {"ideal_released": released, "gpu_mib_held_after_ideal":
+            torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None}
+
+
+def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False) -> dict[str, Any]:
+    """rayfed's run of ``config`` (one method), each round paired with the ideal's same round; ``ideal_apart``: the
+    ideal's rounds all first, the ideal released before rayfed's run."""
+    rounds = config.federation.rounds
+    apart: dict[str, Any] = {}
+    if ideal_apart:
+        alone, models = _ideal_run(config)
+        apart = _released(models)
+        ideal = None
+        built_s, profile, ideal_rounds, ideal_evaluation = (alone["built_s"], alone["profile"], alone["rounds"],
+                                                            alone["evaluation_s"])
+    else:
+        ideal, built_s, profile = _ideal_built(config)
+        ideal_rounds = []
     usage: list[dict[str, Any]] = []
     round_times: list[list[dict[str, float]]] = []
-    rounds = config.federation.rounds
     last_round_end = 0.0
 
     def after_round(sim: Simulation, label: str, rounds_done: int) -> None:
@@ -218,10 +265,13 @@ def measure(config: RunConfig, out_dir: Path) -> dict[str, Any]:
         if rounds_done == rounds:
             usage.extend(sim.executor.get([actor.resource_usage.remote() for actor in sim.actors]))
             round_times.extend(sim.executor.get([actor.get_round_times.remote() for actor in sim.actors]))
-        ideal_rounds.append(ideal.run_round(rounds_done - 1))
         wall = next(event["wall_s"] for event in reversed(sim.log.events) if event["event"] == "round")
-        print(f"[bench] round {rounds_done}: rayfed {wall:.2f} s, the ideal "
-              f"{ideal_rounds[-1]['round_s']:.2f} s", flush=True)
+        if ideal is None:
+            print(f"[bench] round {rounds_done}: rayfed {wall:.2f} s", flush=True)
+        else:
+            ideal_rounds.append(ideal.run_round(rounds_done - 1))
+            print(f"[bench] round {rounds_done}: rayfed {wall:.2f} s, the ideal "
+                  f"{ideal_rounds[-1]['round_s']:.2f} s", flush=True)
         last_round_end = time.perf_counter()
 
     run_dir = out_dir / "run"
@@ -233,13 +283,15 @@ def measure(config: RunConfig, out_dir: Path) -> dict[str, Any]:
                for r in range(rounds)]
     label = config.methods[0].label
     clients_per_round = statistics.mean(len(e["participants"]) for e in events if e["event"] == "round")
-    ideal_evaluation = ideal.evaluation_s(rounds)
+    if ideal is not None:
+        ideal_evaluation = ideal.evaluation_s(rounds)
     timed = slice(1, None) if rounds > 1 else slice(None)  # the first round warms up both
     mean_round, ideal_round = statistics.mean(walls[timed]), statistics.mean(r["round_s"] for r in ideal_rounds[timed])
     ideal_update = statistics.mean(r["update_s"] for r in ideal_rounds[timed])
     flops_per_round = profile["flops"] * clients_per_round
     return {
         "label": label, "rounds": rounds, "clients_per_round": clients_per_round, "round_s": walls,
+        "interleaved": not ideal_apart, **apart,
         "participants": [e["participants"] for e in events if e["event"] == "round"],
         "ideal_rounds": ideal_rounds, "mean_round_s": mean_round, "mean_ideal_round_s": ideal_round,
         "overhead_ratio": mean_round / ideal_round,
@@ -266,9 +318,11 @@ def reference_config(config: RunConfig) -> RunConfig:
 
 
 def run_method_bench(workload: str | MethodWorkload, out_dir: Path, rounds: int | None = None, smoke: bool = False,
-                     overrides: tuple[str, ...] = (), reference: bool = True) -> dict[str, Any]:
+                     overrides: tuple[str, ...] = (), reference: bool = True,
+                     ideal_apart: bool = False) -> dict[str, Any]:
     """The bench of ``workload`` (or the one :data:`METHOD_WORKLOADS` names), with the plain LoRA FedAvg reference's
-    step rate beside it when ``reference``; writes ``bench.json`` and ``bench.md`` into ``out_dir``."""
+    step rate beside it when ``reference``; writes ``bench.json`` and ``bench.md`` into ``out_dir``. ``ideal_apart``:
+    see :func:`measure`."""
     if isinstance(workload, str):
         if workload not in METHOD_WORKLOADS:
             raise choice_error("--workload", workload, METHOD_WORKLOADS)
@@ -278,15 +332,16 @@ def run_method_bench(workload: str | MethodWorkload, out_dir: Path, rounds: int 
     config = workload_config(workload, rounds or workload.rounds, smoke, overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
-        "workload": {"name": name, **asdict(workload), "smoke": smoke, "overrides": list(overrides)},
+        "workload": {"name": name, **asdict(workload), "smoke": smoke, "overrides": list(overrides),
+                     "ideal_apart": ideal_apart},
         "machine": {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                     "torch": torch.__version__},
     }
     with tempfile.TemporaryDirectory(prefix=f"rayfed-bench-{name}-") as scratch:
-        results["method"] = measure(config, Path(scratch))
+        results["method"] = measure(config, Path(scratch), ideal_apart)
         atomic_write_json(out_dir / "bench.json", results)
         if reference:
-            results["reference"] = measure(reference_config(config), Path(scratch) / "reference")
+            results["reference"] = measure(reference_config(config), Path(scratch) / "reference", ideal_apart)
             results["tflops_ratio"] = results["method"]["tflops_per_s"] / results["reference"]["tflops_per_s"]
     atomic_write_json(out_dir / "bench.json", results)
     atomic_write_text(out_dir / "bench.md", markdown(results))
@@ -315,6 +370,8 @@ def markdown(results: dict[str, Any]) -> str:
     ratio = results.get("tflops_ratio")
     return (f"Workload `{workload['name']}`: {workload['smoke_config' if workload['smoke'] else 'config']}"
             f"{' ' + ' '.join(workload['overrides']) if workload['overrides'] else ''}\n\n"
-            f"Machine: {machine['gpu'] or 'CPU only'}, torch {machine['torch']}\n\n" + format_table(rows, header)
+            f"Machine: {machine['gpu'] or 'CPU only'}, torch {machine['torch']}\n\n"
+            + ("The rounds were not interleaved: the ideal ran all its rounds first and was released, then rayfed's "
+               "run.\n\n" if workload.get("ideal_apart") else "") + format_table(rows, header)
             + ("" if ratio is None else f"\nTFLOP/s of the method's local updates / a plain LoRA FedAvg step's: "
                f"{ratio:.2f}\n"))

@@ -19,6 +19,7 @@ def test_the_ideal_trains_rayfeds_clients_each_round_and_the_table_holds_both_ru
         "placement.executor=local", "data.num_clients=8", "federation.clients_per_round=4", "train.local_steps=4"))
     method, reference = results["method"], results["reference"]
     for run in (method, reference):
+        assert run["interleaved"] and "ideal_released" not in run
         assert [r["clients"] for r in run["ideal_rounds"]] == run["participants"]
         assert all(len(clients) == 4 for clients in run["participants"])
         assert run["update_profile"]["flops"] > 0 and run["ideal_evaluation_s"] > 0
@@ -30,6 +31,40 @@ def test_the_ideal_trains_rayfeds_clients_each_round_and_the_table_holds_both_ru
     assert saved["method"]["participants"] == method["participants"]
     table = (tmp_path / "bench.md").read_text()
     assert "| ditto |" in table and "| LoRA FedAvg |" in table and "a plain LoRA FedAvg step's" in table
+
+
+def test_with_the_ideal_apart_its_rounds_all_run_first_and_its_models_are_gone_before_rayfeds_run(tmp_path,
+                                                                                                    monkeypatch):
+    from rayfed.benchmarks import method_bench
+
+    order, models = [], []
+    run_round, run, weak_models = method_bench.MethodLoop.run_round, method_bench.Simulation.run, MethodLoop.models
+
+    def ideal_round(loop, round_idx):
+        order.append(("ideal", round_idx))
+        return run_round(loop, round_idx)
+
+    def rayfed_run(sim):
+        order.append(("rayfed", [model() is None for model in models]))
+        return run(sim)
+
+    def kept_models(loop):
+        models.extend(weak_models(loop))
+        return models
+
+    monkeypatch.setattr(method_bench.MethodLoop, "run_round", ideal_round)
+    monkeypatch.setattr(method_bench.MethodLoop, "models", kept_models)
+    monkeypatch.setattr(method_bench.Simulation, "run", rayfed_run)
+    results = run_method_bench(QUICK, tmp_path, rounds=2, smoke=True, reference=False, ideal_apart=True, overrides=(
+        "placement.executor=local", "data.num_clients=8", "federation.clients_per_round=4", "train.local_steps=2"))
+    assert order == [("ideal", 0), ("ideal", 1), ("rayfed", [True, True])]  # backbone and model released first
+    method = results["method"]
+    assert not method["interleaved"] and method["ideal_released"]
+    assert [r["clients"] for r in method["ideal_rounds"]] == method["participants"]
+    assert len(method["round_s"]) == 2 and method["overhead_ratio"] > 0 and method["ideal_evaluation_s"] > 0
+    assert "reference" not in results
+    assert json.loads((tmp_path / "bench.json").read_text())["workload"]["ideal_apart"]
+    assert "The rounds were not interleaved" in (tmp_path / "bench.md").read_text()
 
 
 def test_the_update_flops_extrapolated_from_one_and_two_steps_are_those_counted_over_the_whole_update():

@@ -14,6 +14,7 @@ from rayfed.actors.client import ClientActor, _OnDevice
 from rayfed.actors.uploads import UploadCollector, to_host
 from rayfed.benchmarks.overhead import Workload
 from rayfed.data.batches import ClientData, TaskData
+from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.method import Upload, post_train_views
 from rayfed.models.peft.modules import select_task
@@ -198,6 +199,64 @@ def test_cuda_graphs_refuse_what_a_captured_step_cannot_do(field, value):
         ClientActor(config, [0])
 
 
+def test_train_autocast_is_bf16_by_default_and_names_its_values_when_unknown():
+    config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0)
+    assert config.train.autocast == "bf16"
+    raw = config.to_dict()
+    raw["train"]["autocast"] = "fp16"
+    with pytest.raises(ConfigError, match=r"train.autocast = 'fp16' is invalid: Input should be 'bf16' or 'off'"):
+        ClientActor(raw, [0])
+    for written in ("off", "'off'", "false"):  # YAML reads an unquoted off as False
+        assert load_config(config, [f"train.autocast={written}"]).train.autocast == "off"
+    with pytest.raises(ConfigError, match=r"train.autocast = True is invalid: Input should be 'bf16' or 'off'"):
+        load_config(config, ["train.autocast=on"])
+
+
+def test_mixed_precision_is_bf16_autocast_on_a_gpu_unless_train_autocast_is_off(monkeypatch):
+    # A CPU-only torch disables a CUDA autocast as it is built; let it build one as on a GPU, without entering it.
+    monkeypatch.setattr(torch.cuda.amp.common, "amp_definitely_not_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    gpu = torch.device("cuda")
+    bf16 = fast_steps.mixed_precision(gpu, "bf16")
+    assert bf16.device == "cuda" and bf16._enabled and bf16.fast_dtype == torch.bfloat16
+    assert not fast_steps.mixed_precision(gpu, "off")._enabled
+    assert not fast_steps.mixed_precision(torch.device("cpu"), "bf16")._enabled
+
+
+@pytest.mark.parametrize("autocast", ["bf16", "off"])
+def test_train_autocast_reaches_every_training_step_and_evaluation(monkeypatch, autocast):
+    from rayfed.training import client_context, scoring
+
+    seen = []
+
+    def recorded(device, precision, cache_enabled=True):
+        seen.append(precision)
+        return fast_steps.mixed_precision(device, precision, cache_enabled)
+
+    for module in (client_context, scoring):
+        monkeypatch.setattr(module, "mixed_precision", recorded)
+    host, start = _tiny_host(autocast=autocast)
+    client = host._context(0, 0)
+    client.train(start)
+    trained = len(seen)
+    client.evaluate(start)
+    assert 0 < trained < len(seen) and set(seen) == {autocast}
+
+
+def test_train_autocast_off_refuses_a_model_stored_in_bf16_on_a_gpu():
+    config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0).train
+    off = config.model_copy(update={"autocast": "off"})
+    model = torch.nn.Linear(2, 2)
+    gpu = torch.device("cuda")
+    fast_steps.check_precision(model, off, gpu, "methods[0] (fedavg)")  # float32 weights: float32 steps
+    model.to(torch.bfloat16)
+    fast_steps.check_precision(model, config, gpu, "methods[0] (fedavg)")
+    fast_steps.check_precision(model, off, torch.device("cpu"), "methods[0] (fedavg)")
+    with pytest.raises(ConfigError, match=r"train.autocast = 'off' .* methods\[0\] \(fedavg\) stores weights in "
+                                          "bfloat16 on a GPU.*must be 'bf16'"):
+        fast_steps.check_precision(model, off, gpu, "methods[0] (fedavg)")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_graphed_step_trains_like_the_eager_one_and_each_client_starts_afresh():
     eager, eager_start = _host(cuda_graphs=False)
@@ -218,6 +277,20 @@ def test_a_graphed_step_trains_like_the_eager_one_and_each_client_starts_afresh(
         # Adam turns near-zero gradients (LoRA's A while B is zero) into full-size steps of either sign, so
         # compare the whole update (6% apart on an H100): a wrong lr, state or batch changes it by its own size
         assert update.norm() > 0 and (first.params[name] - value).norm() < 0.15 * update.norm(), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_model_whose_step_was_captured_is_freed_with_its_actor():
+    import gc
+    import weakref
+
+    host, start = _host(cuda_graphs=True)
+    host._context(0, 0).train(start)
+    assert len(fast_steps._GRAPHS[host.model]) == 1
+    model = weakref.ref(host.model)
+    del host
+    gc.collect()
+    assert model() is None  # the graph kept for the model (a value of _GRAPHS) held no reference to it
 
 
 def _shifted(values: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
@@ -313,6 +386,27 @@ def test_an_actor_keeps_the_most_recently_used_graphs_one_per_trained_set_task_a
     fast_steps.graphed_step(model, named, config, 0.3, host.data[0], task0)  # a fifth: the batch-5 graph goes
     assert len(captured) == 5 and first in fast_steps._GRAPHS[model].values()
     assert all(step.shape[0] != 5 for step in fast_steps._GRAPHS[model].values())
+
+
+def test_a_step_captured_under_bf16_autocast_is_not_replayed_with_train_autocast_off(monkeypatch):
+    captured = []
+
+    class RecordedStep:  # stands in for a captured graph: records the autocast it was captured under
+        def __init__(self, model, named, config, lr, batch, task, penalty=None):
+            captured.append(config.autocast)
+
+        def reset_optimizer(self):
+            pass
+
+        def load_penalty(self, penalty):
+            pass
+
+    monkeypatch.setattr(fast_steps, "GraphedStep", RecordedStep)
+    host, _ = _host(cuda_graphs=False)
+    named, off = dict(host.model.named_parameters()), host.config.train.model_copy(update={"autocast": "off"})
+    for config in (host.config.train, off, host.config.train, off):
+        fast_steps.graphed_step(host.model, named, config, 0.1, host.data[0], host.tasks[0])
+    assert captured == ["bf16", "off"]
 
 
 def test_a_step_that_cannot_be_captured_trains_eagerly_with_one_warning(monkeypatch, caplog):
@@ -592,7 +686,8 @@ def test_a_clients_text_generation_tasks_are_scored_in_one_pass_with_each_tasks_
         task = client.tasks[part.task]
         select_task(client.model, part.task)
         with torch.no_grad():
-            scorer = Scorer(client.model, client.tasks, client.device, client.train_config.eval_batch_size)
+            scorer = Scorer(client.model, client.tasks, client.device, client.train_config.eval_batch_size,
+                            client.train_config.autocast)
             one_each[task.name] = task.kind.summarize(*scorer.score(task, part.test))
     widths = {part.test["target_ids"].shape[1] for part in client.data.parts}
     assert len(widths) == 2  # the tasks' answers differ in length: the merged set pads them

@@ -39,6 +39,13 @@ class ComputeMatch(Section):
     client: int = Field(0, ge=0, description="the client whose round-1 local update is measured for every method")
 
 
+def _yaml_off(value: Any) -> Any:
+    return "off" if value is False else value  # YAML reads an unquoted off (and false) as False
+
+
+Autocast = Annotated[Literal["bf16", "off"], BeforeValidator(_yaml_off)]
+
+
 class TrainConfig(Section):
     local_steps: int | None = Field(10, gt=0, description="optimizer steps per local update")
     local_epochs: int | None = Field(None, gt=0)
@@ -68,6 +75,12 @@ class TrainConfig(Section):
         "backward; patch-embedding convolutions become matrix products), compiled once per model and reused by every "
         "client it trains; the first steps of each task and batch shape pay the compilation; a forward that fails to "
         "compile trains eagerly after one warning"
+    )
+    autocast: Autocast = Field(
+        "bf16", description="what a GPU's training steps and evaluations compute in: bf16 (autocast to bfloat16 "
+        "around the float32 weights) or off (float32 throughout, to bound bf16 round-off; a backbone stored in "
+        "bfloat16 on a GPU, the llama: ones and the LLaVA models built on them, is refused rather than run in "
+        "float32); a CPU always computes in float32"
     )
     batch_clients: int = Field(
         1, ge=1, description="train up to this many of an actor's sampled clients in one forward and backward "

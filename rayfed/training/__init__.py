@@ -29,8 +29,8 @@ from torch import nn
 
 from rayfed.training.client_context import (ClientContext, LossFn, OtherTask, Penalty, Phase, StackedTrainer, Step,
                                             TrainResult, stacked_forward_batch)
-from rayfed.training.fast_steps import (MAX_GRAPHS_PER_MODEL, GraphedStep, PatchMatmul, TensorPenalty, mixed_precision,
-                                        trained_forward)
+from rayfed.training.fast_steps import (MAX_GRAPHS_PER_MODEL, GraphedStep, PatchMatmul, TensorPenalty, check_precision,
+                                        mixed_precision, trained_forward)
 from rayfed.training.optimizers import build_optimizer, local_steps, scheduled_lr
 from rayfed.training.public_pass import (PreFederation, PublicJob, PublicLoss, PublicPass, answer_mask, same_answers,
                                          token_losses)
@@ -38,7 +38,7 @@ from rayfed.types import TensorDict
 
 __all__ = ["MAX_GRAPHS_PER_MODEL", "ClientContext", "GraphedStep", "LossFn", "OtherTask", "PatchMatmul", "Penalty",
            "Phase", "PreFederation", "PublicJob", "PublicLoss", "PublicPass", "StackedTrainer", "Step", "TrainResult",
-           "answer_mask", "build_optimizer", "distillation_loss", "local_steps", "mixed_precision", "proximal_penalty",
+           "answer_mask", "build_optimizer", "check_precision", "distillation_loss", "local_steps", "mixed_precision", "proximal_penalty",
            "same_answers", "scheduled_lr", "stacked_forward_batch", "TensorPenalty", "token_losses", "trained_forward"]
 
 

@@ -233,7 +233,7 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
         for value in stacked.values():
             value.grad = None
         try:
-            with mixed_precision(device), sdpa_kernel(ATTENTION_UNDER_VMAP):
+            with mixed_precision(device, config.autocast), sdpa_kernel(ATTENTION_UNDER_VMAP):
                 step_losses = step_fn(stacked, batch)
             # Client i's values reach only its own loss: the sum's gradient is, row by row, each client's own.
             total = step_losses.sum()

@@ -274,7 +274,7 @@ class ClientContext:
                 optimizer.zero_grad(set_to_none=True)
                 for parts, memory in zip(micro_batches, memories):
                     step_view = Step(self, parts, named, index, step, memory)
-                    with mixed_precision(self.device):
+                    with mixed_precision(self.device, self.train_config.autocast):
                         if phase.loss is None:
                             losses = step_view.part_losses()
                             value = step_view.task_loss(losses)
@@ -348,7 +348,8 @@ class ClientContext:
         seen = self.data.parts if self.stream is None else [p for p in self.data.parts if p.first_round <= seen_round(self.round)]
         others = [] if self.stream is None else [o for o in self.others if o.first_round <= seen_round(self.round)]
         # Scored together where the model allows: the own tasks and the others that need no parameters of their own.
-        scorer = Scorer(self.model, self.tasks, self.device, self.train_config.eval_batch_size)
+        scorer = Scorer(self.model, self.tasks, self.device, self.train_config.eval_batch_size,
+                        self.train_config.autocast)
         together = iter(scorer.score_tasks([(part.task, part.test) for part in seen]
                                             + [(other.task, other.test) for other in others if not other.missing]))
         own_primary: list[tuple[str, float]] = []

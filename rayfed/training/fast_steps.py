@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 from rayfed.config import TrainConfig
 from rayfed.data.batches import ClientData, TaskData
+from rayfed.errors import ConfigError
 from rayfed.models.client import TrainableModule
 from rayfed.training.optimizers import build_optimizer
 from rayfed.tasks import Task
@@ -23,9 +24,19 @@ from rayfed.types import Batch, TensorDict
 log = logging.getLogger(__name__)
 
 
-def mixed_precision(device: torch.device, cache_enabled: bool = True) -> torch.autocast:
-    """bf16 autocast on a GPU; nothing on the CPU."""
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda", cache_enabled=cache_enabled)
+def mixed_precision(device: torch.device, autocast: str, cache_enabled: bool = True) -> torch.autocast:
+    """What a step or evaluation on ``device`` computes in: with ``train.autocast`` ``autocast`` = ``bf16``, bf16
+    autocast on a GPU; with ``off``, and on the CPU, nothing (float32)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and autocast == "bf16",
+                          cache_enabled=cache_enabled)
+
+
+def check_precision(model: nn.Module, config: TrainConfig, device: torch.device, where: str) -> None:
+    """Refuse ``train.autocast: off`` for a model on a GPU that stores weights in bfloat16 (a ``llama:`` backbone):
+    its steps would not be float32, and without autocast its float32 adapters cannot run over them."""
+    if config.autocast == "off" and device.type == "cuda" and any(p.dtype == torch.bfloat16 for p in model.parameters()):
+        raise ConfigError(f"train.autocast = 'off' computes in float32, but the model of {where} stores weights in "
+                          "bfloat16 on a GPU (a llama: backbone), so train.autocast must be 'bf16' for it there.")
 
 
 PenaltyTerm = Callable[..., torch.Tensor]
@@ -78,7 +89,9 @@ class GraphedStep:
     def __init__(self, model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
                  batch: Batch, task: Task, penalty: TensorPenalty | None = None):
         self.optimizer = build_optimizer(config, list(named.values()), lr, capturable=True)
-        self.forward = trained_forward(model, config)
+        # Only the capture runs the forward: a replay holds no reference to the model, which keys _GRAPHS weakly.
+        forward = trained_forward(model, config)
+        self.autocast = config.autocast
         self.batch = {name: column.clone() for name, column in batch.items()}
         self.task = task
         self.named = named
@@ -95,21 +108,21 @@ class GraphedStep:
                 warnings.filterwarnings("ignore", message=".*capturable=True.*")  # uncaptured warm-up steps
                 for _ in range(3):
                     self.optimizer.zero_grad(set_to_none=True)
-                    self._forward_backward_step()
+                    self._forward_backward_step(forward)
             torch.cuda.current_stream(device).wait_stream(side)
             self.optimizer.zero_grad(set_to_none=True)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.loss = self._forward_backward_step()
+                self.loss = self._forward_backward_step(forward)
         finally:
             with torch.no_grad():  # undo the warm-up's steps
                 for name, param in named.items():
                     param.copy_(start[name])
 
-    def _forward_backward_step(self) -> torch.Tensor:
+    def _forward_backward_step(self, forward: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
         device = next(iter(self.batch.values())).device
-        with mixed_precision(device, cache_enabled=False):  # no cast cache under capture
-            loss = self.task.kind.loss(self.forward(self.batch), self.batch)
+        with mixed_precision(device, self.autocast, cache_enabled=False):  # no cast cache under capture
+            loss = self.task.kind.loss(forward(self.batch), self.batch)
         value = loss
         if self.penalty is not None:
             value = loss + self.penalty.term(self.named, self.penalty_inputs, *self.penalty.settings)
@@ -234,7 +247,7 @@ def graphed_step(model: TrainableModule, named: dict[str, torch.Tensor], config:
     part: TaskData = data.parts[0]
     batch_size = min(config.batch_size, data.num_train)
     shapes = tuple((name, tuple(column.shape[1:]), column.dtype) for name, column in part.train.items())
-    key = (tuple(named), task.index, batch_size, shapes, config.optimizer, config.weight_decay, lr,
+    key = (tuple(named), task.index, batch_size, shapes, config.optimizer, config.weight_decay, lr, config.autocast,
            None if penalty is None else penalty.key())
     graphs = _GRAPHS.setdefault(model, {})
     if key in graphs:

@@ -92,7 +92,7 @@ class PublicPass:
         size = self.train_config.eval_batch_size
         parts = []
         for first in range(0, len(rows), size):
-            with mixed_precision(self.device):
+            with mixed_precision(self.device, self.train_config.autocast):
                 parts.append(self._answer_logits(self._batch(rows[first:first + size])).cpu())
         return torch.cat(parts)
 
@@ -113,7 +113,7 @@ class PublicPass:
         optimizer = torch.optim.AdamW(list(named.values()), lr=lr, weight_decay=0.0)
         for chosen in run.batches:
             optimizer.zero_grad(set_to_none=True)
-            with mixed_precision(self.device):
+            with mixed_precision(self.device, self.train_config.autocast):
                 value = run.loss(loss, self._answer_logits(self._batch(chosen)), chosen)
             value.backward()
             optimizer.step()
@@ -146,7 +146,7 @@ class PublicPass:
             size = max(len(rows) for rows in chosen)
             batch = self._batch(torch.cat([torch.cat([rows, rows[:1].repeat(size - len(rows))]) for rows in chosen]))
             optimizer.zero_grad(set_to_none=True)
-            with mixed_precision(self.device):
+            with mixed_precision(self.device, self.train_config.autocast):
                 with grouped_lora(self.model, [values[index] for index in stepping]):
                     logits = self.public_task.kind.forward(self.model, batch)[:, :-1]
                 mask = answer_mask(batch)

@@ -20,19 +20,20 @@ if TYPE_CHECKING:
 
 class Scorer:
     """Scores ``model`` (with the values loaded into it) on test columns of the run's ``tasks`` (by index), in batches
-    of ``batch_size`` on ``device``."""
+    of ``batch_size`` on ``device``, under ``train.autocast`` ``autocast``."""
 
-    def __init__(self, model: nn.Module, tasks: Sequence[Task], device: torch.device, batch_size: int):
+    def __init__(self, model: nn.Module, tasks: Sequence[Task], device: torch.device, batch_size: int, autocast: str):
         self.model = model
         self.tasks = tasks
         self.device = device
         self.batch_size = batch_size
+        self.autocast = autocast
 
     def score(self, task: Task, columns: Columns) -> tuple[dict[str, float], int]:
         """The task kind's sums over ``columns``, scored in batches of ``batch_size``, and the row count."""
         sums: dict[str, float] = {}
         for batch in self._test_batches(columns):
-            with mixed_precision(self.device):
+            with mixed_precision(self.device, self.autocast):
                 scored = task.kind.score(self.model, batch)
             for name, value in scored.items():
                 sums[name] = sums.get(name, 0.0) + value
@@ -74,7 +75,7 @@ class Scorer:
         values: dict[str, list[torch.Tensor]] = {}
         batches = 0
         for batch in self._test_batches(columns):
-            with mixed_precision(self.device):
+            with mixed_precision(self.device, self.autocast):
                 for name, rows in kind.score_rows(self.model, batch).items():
                     values.setdefault(name, []).append(rows)
             batches += 1
