@@ -21,11 +21,13 @@ from rayfed.architectures import actor_slots
 from rayfed.results.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.compute import counted_flops
 from rayfed.config import ModelConfig, load_config
+from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.method import TensorDict, Upload, build_method
 from rayfed.methods.fedmosaic import FedMosaic, FedMosaicParams, linear_weight_gradient, pqlora, relevance_weights
 from rayfed.methods.fedmosaic.task_groups import answer_maps
 from rayfed.models import build_backbone
+from rayfed.run_methods import run_methods
 from rayfed.tasks import Task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,6 +327,34 @@ def test_the_aligned_basis_reaches_each_client_once_orthonormal_and_only_p_q_cro
     assert changed and all(n.endswith(("_P", "_Q")) for n in changed)
     server["stacks"][conv_key] -= 1.0
     server["stacks"][pq_key][2] -= 1.0
+
+
+def test_the_memory_probe_of_one_architecture_starts_fedmosaic_with_the_others_as_stand_ins(monkeypatch):
+    """``gpus_per_actor: measured`` probes one architecture's actor; FedMosaic mixes P and Q across architectures, so
+    its driver needs every architecture's tensors (an H200 run failed here before the stand-ins). On a CPU, with
+    torch's CUDA memory calls stood in for."""
+    from types import SimpleNamespace
+
+    from rayfed.simulation import gpu_memory
+
+    config = load_config({**HETERO, "placement": {**HETERO["placement"], "gpus_per_actor": "measured"}})
+    for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *device: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *device: 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *device: SimpleNamespace(name="Fake GPU", total_memory=80 * 2**30))
+    payloads = []
+    train = gpu_memory.ClientActor.train
+    monkeypatch.setattr(gpu_memory.ClientActor, "train", lambda actor, round_idx, client_ids, sent: (
+        payloads.append(sent), train(actor, round_idx, client_ids, sent))[1])
+    measurement = gpu_memory.peak_memory(config, "large", (2, 3))
+    assert measurement.clients == (2, 3) and measurement.peak_bytes == 2**30
+    stand_in, tags = gpu_memory.stand_in_start(config, build_federation(config.data, config.seed),
+                                               run_methods(config, build_federation(config.data, config.seed)), 0,
+                                               "small")
+    assert stand_in and all(not value.any() for value in stand_in.values())
+    assert dict(pqlora.pq_groups(list(stand_in)))  # the P and Q FedMosaic mixes across architectures
+    assert len(payloads) == 1 and set(payloads[0]) == {2, 3}
 
 
 def test_rela_weights_are_the_softmax_of_cosines_and_each_client_gets_its_own_weighted_adapter(federation):

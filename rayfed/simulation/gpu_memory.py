@@ -7,7 +7,10 @@ train on any actor of their architecture, so the largest batches of every task m
 run's methods it runs the method's pre-federation stage, a local update of :data:`PROBE_STEPS` steps of every
 hosted client (the real actor code, as a plain object), an evaluation of every hosted client, and the end of run
 (post-FL stage and final evaluation) of the hosted client with the largest samples (bytes a training sample), and
-reads the allocator's peak (``torch.cuda.max_memory_reserved``). The share is
+reads the allocator's peak (``torch.cuda.max_memory_reserved``). The probe's driver sees the run's other
+architectures as zeros of their shared parameters' shapes (:func:`stand_in_start`), so that a method mixing
+parameters across architectures (FedMosaic) starts; a pre-federation stage then runs on the probed actor alone, its
+server side needing every architecture's result. The share is
 ``(peak + placement.memory_headroom_gib) / the GPU's memory``, rounded up to :data:`SHARE_STEP`.
 
 A measurement is kept under a key of what sets an actor's memory (:func:`memory_key`) in a JSON file
@@ -34,14 +37,17 @@ from rayfed import registry
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import ActorSlot, actor_clients, architecture_names, architecture_of, gpu_share
-from rayfed.config import RunConfig
+from rayfed.config import RunConfig, architecture_model_config, method_model_config
 from rayfed.config.sections import MEASURED
-from rayfed.data.clients import build_federation
+from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json
+from rayfed.method import Method, method_model
+from rayfed.models import build_backbone
 from rayfed.run_methods import run_methods
 from rayfed.simulation.placement import fitted_slots
 from rayfed.simulation.ray_setup import import_plugin_modules, ship_by_value, unwrap_actor_error
+from rayfed.types import TensorDict
 from rayfed.version import __version__
 
 PROBE_STEPS = 2
@@ -229,12 +235,17 @@ def peak_memory(config: RunConfig, name: str, slot: tuple[int, ...],
     actor = ClientActor(config, hosted, methods, plugins, name, federation)
     driver = DriverActor(config, methods, plugins)
     heaviest = max(hosted, key=lambda c: (actor.data[c].nbytes / max(1, num_train[c]), -c))  # the largest samples
+    others = [other for other in architecture_names(config) if other != name]
     for index, method in enumerate(methods):
         initial = actor.start_method(index)
         actor.train_config = actor.train_config.model_copy(update={"local_steps": PROBE_STEPS, "local_epochs": None})
-        driver.start_method(index, [name], initial, actor.task_tags())
+        stand_ins = [stand_in_start(config, federation, methods, index, other) for other in others]
+        driver.start_method(index, [name, *others], initial, *(shared for shared, _ in stand_ins), actor.task_tags(),
+                            *(tags for _, tags in stand_ins))
         if method.pre_federation_stage:
-            driver.before_federation([name], actor.pre_federation(index))
+            prepared = actor.pre_federation(index)
+            if not others:  # the server's side needs every architecture's result; the probe hosts one
+                driver.before_federation([name], prepared)
         actor.train(0, hosted, driver.payloads(hosted, False))
         actor.evaluate(0, driver.payloads(hosted, False))
         actor.client_ids = [heaviest]  # the end of run (post-FL stage, final evaluation) for one client alone
@@ -244,6 +255,19 @@ def peak_memory(config: RunConfig, name: str, slot: tuple[int, ...],
     gpu = torch.cuda.get_device_properties(actor.device)
     peak = torch.cuda.max_memory_reserved(actor.device)
     return Measurement(tuple(hosted), int(peak), gpu.name, int(gpu.total_memory))
+
+
+def stand_in_start(config: RunConfig, federation: Federation, methods: Sequence[Method], index: int,
+                   name: str) -> tuple[TensorDict, dict[str, Any]]:
+    """Architecture ``name``'s initial shared parameters of method ``index`` as zeros (its model built on the meta
+    device where its backbone allows) and its task tags: what the probe's driver needs of an architecture the probe
+    does not host, for a method that mixes parameters across architectures."""
+    entry = config.methods[index]
+    model_config = method_model_config(architecture_model_config(config, name), entry, index)
+    model = method_model(methods[index], f"methods[{index}] ({entry.label})", build_backbone(model_config, 0, "meta"),
+                         model_config, federation.tasks, 0)
+    shared, _ = methods[index].split(dict(model.trainable_params()))
+    return {key: torch.zeros(value.shape, dtype=value.dtype) for key, value in shared.items()}, model.task_tags()
 
 
 def fitted_slots_measured(config: RunConfig, costs: Sequence[float] | None,
