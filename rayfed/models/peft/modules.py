@@ -165,11 +165,14 @@ class TaskHeads(nn.ModuleDict):
 TASK_SELECTED_MODULES = (_TaskSelected, AdaptedOutput)  # modules that may keep a copy per task, besides TaskHeads
 
 
-# Counts module registrations (attribute, add_module, ModuleDict / ModuleList items) into a module that some model's
-# lists of modules (modules_of_type) were made from, so that those lists are walked again only after a model may have
-# changed. Registrations elsewhere leave them valid: a model being built, or the ModuleList that a slice makes (HF's
-# decoders run `self.layers[:n]` at every forward, which registers each layer into a new list).
+# Count module registrations (attribute, add_module, ModuleDict / ModuleList items) and parameter registrations into a
+# module that some model's kept values (modules_of_type, mode_switch, named_parameter_table) were made from, so that
+# those are made again only after a model may have changed. Registrations elsewhere leave them valid: a model being
+# built, or the ModuleList that a slice makes (HF's decoders run `self.layers[:n]` at every forward, which registers
+# each layer into a new list). torch.func.functional_call swaps tensors into `_parameters` without a registration:
+# it restores them before it returns.
 _registrations = 0
+_parameter_registrations = 0  # and buffer registrations
 _walked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
@@ -179,28 +182,98 @@ def _count_registration(module: nn.Module, name: str, submodule: nn.Module | Non
         _registrations += 1
 
 
+def _count_parameter_registration(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    global _parameter_registrations
+    if module in _walked:
+        _parameter_registrations += 1
+
+
 torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_parameter_registration)
+torch.nn.modules.module.register_module_buffer_registration_hook(_count_parameter_registration)
 
+K = TypeVar("K")
 
-# Each model's lists of modules by types, with the registration count they were made at; weakly keyed, so the model
-# stays as it was (its copies and pickles carry no lists) and a model's lists go with it.
-_module_lists: weakref.WeakKeyDictionary[nn.Module, tuple[int, dict[tuple[type, ...], list[nn.Module]]]] = (
+# Each model's kept values by key, with the registration counts each was made at; weakly keyed, so the model stays as
+# it was (its copies and pickles carry none of them) and a model's values go with it.
+_kept_values: weakref.WeakKeyDictionary[nn.Module, dict[object, tuple[tuple[int, int], object]]] = (
     weakref.WeakKeyDictionary())
+
+
+def _kept(model: nn.Module, key: object, make: Callable[[], K], parameters: bool = False) -> K:
+    """``make()``, kept for ``model`` under ``key`` until a module (with ``parameters``: or a parameter) is registered
+    into one of its modules."""
+    stamp = (_registrations, _parameter_registrations if parameters else 0)
+    values = _kept_values.get(model)
+    if values is None:
+        values = _kept_values[model] = {}
+    entry = values.get(key)
+    if entry is None or entry[0] != stamp:
+        _walked.update(model.modules())
+        entry = values[key] = (stamp, make())
+    return entry[1]  # type: ignore[return-value]
 
 
 def modules_of_type(model: nn.Module, types: tuple[type, ...]) -> list[nn.Module]:
     """``model``'s modules (itself included) that are instances of ``types``, in module order. The list is kept
-    for the model and made again only after a module has been registered into a walked module: a large model's walk (thousands
-    of modules) would otherwise run at every task or adapter switch, several times a training step."""
-    lists = _module_lists.get(model)
-    if lists is None or lists[0] != _registrations:
-        lists = (_registrations, {})
-        _module_lists[model] = lists
-    if types not in lists[1]:
-        walked = list(model.modules())
-        _walked.update(walked)
-        lists[1][types] = [module for module in walked if isinstance(module, types)]
-    return lists[1][types]
+    for the model and made again only after a module has been registered into a walked module: a large model's walk
+    (thousands of modules) would otherwise run at every task or adapter switch, several times a training step."""
+    return _kept(model, types, lambda: [module for module in model.modules() if isinstance(module, types)])
+
+
+def named_parameter_table(model: nn.Module) -> dict[str, nn.Parameter]:
+    """``dict(model.named_parameters())``, kept for the model until a module or a parameter is registered into it (the
+    walk ran at every load of a client's values, every train call and evaluation)."""
+    return _kept(model, "named_parameters", lambda: dict(model.named_parameters()), parameters=True)
+
+
+def functional_forward(model: nn.Module, values: Mapping[str, torch.Tensor], *args: object, **kwargs: object,
+                       ) -> torch.Tensor:
+    """``torch.func.functional_call(model, values, args, kwargs, strict=False)``: the model run with ``values`` in place
+    of those parameters and buffers, a value given for a tied tensor standing for every name of it. The names tied
+    together are looked up once for the model (kept until a registration), not at every call: functional_call walks
+    every parameter and buffer of the model for them."""
+
+    def make() -> dict[str, tuple[str, ...]]:
+        names: dict[torch.Tensor, list[str]] = {}
+        for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                             *model.named_buffers(remove_duplicate=False)]:
+            names.setdefault(tensor, []).append(name)
+        return {name: tuple(tied) for tied in names.values() if len(tied) > 1 for name in tied}
+
+    tied = _kept(model, "tied_names", make, parameters=True)
+    given = dict(values)
+    for name in [name for name in values if name in tied]:
+        for other in tied[name]:
+            if other in values and values[other] is not values[name]:
+                raise ValueError(f"values for {name!r} and {other!r}, which are tied, differ; give one of them.")
+            given[other] = values[name]
+    return torch.func.functional_call(model, given, args, kwargs, tie_weights=False, strict=False)
+
+
+def mode_switch(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """How ``model.train(mode)`` reaches its modules: the modules whose ``training`` flag ``nn.Module.train`` would
+    set (``model`` and every module below it that no module with a ``train`` of its own covers), and the topmost
+    submodules with a ``train`` of their own (an HF model's), whose ``train`` covers their part."""
+
+    def make() -> tuple[list[nn.Module], list[nn.Module]]:
+        flags: list[nn.Module] = []
+        own: list[nn.Module] = []
+        seen: set[int] = set()
+        pending = [model]
+        while pending:
+            module = pending.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            if module is not model and type(module).train is not nn.Module.train:
+                own.append(module)
+                continue
+            flags.append(module)
+            pending.extend(reversed(list(module.children())))
+        return flags, own
+
+    return _kept(model, "mode_switch", make)
 
 
 def select_task(model: nn.Module, task_index: int) -> None:
