@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Self, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -16,6 +16,9 @@ from rayfed.models.peft.modules import (TASK_SELECTED_MODULES, TaskHeads, mode_s
 from rayfed.param_names import task_key
 from rayfed.tasks import Task
 from rayfed.types import Batch, TensorDict
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's from Python 3.11
 
 
 T = TypeVar("T")
