@@ -107,3 +107,30 @@ def test_a_functional_forward_replaces_every_name_of_a_tensor_tied_also_after_an
     expected = x @ value["0.weight"].T @ value["0.weight"].T
     assert torch.equal(functional_forward(model, value, x), expected)
     assert torch.equal(torch.func.functional_call(model, value, (x,)), expected)
+
+
+def test_parameters_put_in_place_without_a_registration_are_loaded_and_untied():
+    """``nn.Module._apply`` between tensor types (here from the meta device) puts new parameters in place without a
+    registration, and breaks a tie."""
+    import torch
+
+    from rayfed.models.peft.modules import functional_forward, named_parameter_table
+
+    class Chain(_Toy):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    model = Chain()
+    model.body.append(nn.Linear(2, 2, bias=False))
+    model.to_empty(device="meta")
+    model.body[1].weight = model.body[0].weight
+    x, value = torch.ones(1, 2), {"body.0.weight": torch.eye(2)}
+    functional_forward(model, {"body.0.weight": torch.eye(2, device="meta")}, x.to("meta"))  # the tie map, on meta
+    model.load_trainable({"body.0.bias": torch.ones(2, device="meta")})  # the names, on the meta device
+    model.to_empty(device="cpu")
+    assert model.body[1].weight is not model.body[0].weight
+    model.load_trainable({"body.0.bias": torch.ones(2), "body.0.weight": torch.eye(2)})
+    model.load_trainable({"body.1.weight": torch.zeros(2, 2)})  # untied: a name of its own
+    assert list(named_parameter_table(model)) == [name for name, _ in model.named_parameters()]
+    assert model.body[0].bias.tolist() == [1.0, 1.0]
+    assert torch.equal(functional_forward(model, value, x), torch.func.functional_call(model, value, (x,)))

@@ -165,12 +165,12 @@ class TaskHeads(nn.ModuleDict):
 TASK_SELECTED_MODULES = (_TaskSelected, AdaptedOutput)  # modules that may keep a copy per task, besides TaskHeads
 
 
-# Count module registrations (attribute, add_module, ModuleDict / ModuleList items) and parameter registrations into a
-# module that some model's kept values (modules_of_type, mode_switch, named_parameter_table) were made from, so that
-# those are made again only after a model may have changed. Registrations elsewhere leave them valid: a model being
-# built, or the ModuleList that a slice makes (HF's decoders run `self.layers[:n]` at every forward, which registers
-# each layer into a new list). torch.func.functional_call swaps tensors into `_parameters` without a registration:
-# it restores them before it returns.
+# Count module registrations (attribute, add_module, ModuleDict / ModuleList items), and parameter and buffer
+# registrations, into a module that some model's kept values (modules_of_type, mode_switch, the places of
+# named_parameter_table and functional_forward) were made from, so that those are made again only after a model may
+# have changed. Registrations elsewhere leave them valid: a model being built, or the ModuleList that a slice makes
+# (HF's decoders run `self.layers[:n]` at every forward, which registers each layer into a new list).
+# torch.func.functional_call swaps tensors into `_parameters` without a registration, and restores them.
 _registrations = 0
 _parameter_registrations = 0  # and buffer registrations
 _walked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -201,8 +201,8 @@ _kept_values: weakref.WeakKeyDictionary[nn.Module, dict[object, tuple[tuple[int,
 
 
 def _kept(model: nn.Module, key: object, make: Callable[[], K], parameters: bool = False) -> K:
-    """``make()``, kept for ``model`` under ``key`` until a module (with ``parameters``: or a parameter) is registered
-    into one of its modules."""
+    """``make()``, kept for ``model`` under ``key`` until a module (with ``parameters``: or a parameter or buffer) is
+    registered into one of its modules."""
     stamp = (_registrations, _parameter_registrations if parameters else 0)
     values = _kept_values.get(model)
     if values is None:
@@ -221,30 +221,61 @@ def modules_of_type(model: nn.Module, types: tuple[type, ...]) -> list[nn.Module
     return _kept(model, types, lambda: [module for module in model.modules() if isinstance(module, types)])
 
 
+# A tensor of a model: its name in the model, the module holding it and its name there.
+Place = tuple[str, nn.Module, str]
+
+
+def _places(model: nn.Module, tables: tuple[str, ...], remove_duplicate: bool) -> list[Place]:
+    """Where the model's tensors in ``tables`` (``_parameters``, ``_buffers``) live, every name of each, named and in the
+    order of ``named_parameters`` (then ``named_buffers``); a module reached by several paths is named once with
+    ``remove_duplicate``."""
+    return [(f"{prefix}.{attr}" if prefix else attr, module, attr) for table in tables
+            for prefix, module in model.named_modules(remove_duplicate=remove_duplicate)
+            for attr, tensor in getattr(module, table).items() if tensor is not None]
+
+
+def _tensor_at(place: Place) -> torch.Tensor:
+    _, module, attr = place
+    return module._parameters[attr] if attr in module._parameters else module._buffers[attr]
+
+
 def named_parameter_table(model: nn.Module) -> dict[str, nn.Parameter]:
-    """``dict(model.named_parameters())``, kept for the model until a module or a parameter is registered into it (the
-    walk ran at every load of a client's values, every train call and evaluation)."""
-    return _kept(model, "named_parameters", lambda: dict(model.named_parameters()), parameters=True)
+    """``dict(model.named_parameters())`` without the walk (it ran at every load of a client's values, every train call
+    and evaluation): the places of the parameters are kept for the model until a module or a parameter is registered
+    into it, and each is read where it lives (``nn.Module._apply`` may put a new one there without a registration, and
+    untie it)."""
+    places = _kept(model, "parameter_places", lambda: _places(model, ("_parameters",), True), parameters=True)
+    table: dict[str, nn.Parameter] = {}
+    seen: set[torch.Tensor] = set()
+    for place in places:
+        tensor = _tensor_at(place)
+        if tensor not in seen:  # a tied parameter under its first name, as named_parameters gives it
+            seen.add(tensor)
+            table[place[0]] = tensor
+    return table
 
 
 def functional_forward(model: nn.Module, values: Mapping[str, torch.Tensor], *args: object, **kwargs: object,
                        ) -> torch.Tensor:
     """``torch.func.functional_call(model, values, args, kwargs, strict=False)``: the model run with ``values`` in place
     of those parameters and buffers, a value given for a tied tensor standing for every name of it. The names tied
-    together are looked up once for the model (kept until a registration), not at every call: functional_call walks
-    every parameter and buffer of the model for them."""
+    together are looked up once for the model (kept until a registration; checked at each use, as ``nn.Module._apply``
+    may untie them), not at every call: functional_call walks every parameter and buffer of the model for them."""
 
-    def make() -> dict[str, tuple[str, ...]]:
-        names: dict[torch.Tensor, list[str]] = {}
-        for name, tensor in [*model.named_parameters(remove_duplicate=False),
-                             *model.named_buffers(remove_duplicate=False)]:
-            names.setdefault(tensor, []).append(name)
-        return {name: tuple(tied) for tied in names.values() if len(tied) > 1 for name in tied}
+    def make() -> dict[str, list[Place]]:
+        groups: dict[torch.Tensor, list[Place]] = {}
+        for place in _places(model, ("_parameters", "_buffers"), False):
+            groups.setdefault(_tensor_at(place), []).append(place)
+        return {name: group for group in groups.values() if len(group) > 1 for name, *_ in group}
 
-    tied = _kept(model, "tied_names", make, parameters=True)
+    tied = _kept(model, "tied_places", make, parameters=True)
+    if any(any(_tensor_at(place) is not _tensor_at(tied[name][0]) for place in tied[name]) for name in values
+           if name in tied):
+        _kept_values[model].pop("tied_places")
+        tied = _kept(model, "tied_places", make, parameters=True)
     given = dict(values)
     for name in [name for name in values if name in tied]:
-        for other in tied[name]:
+        for other, *_ in tied[name]:
             if other in values and values[other] is not values[name]:
                 raise ValueError(f"values for {name!r} and {other!r}, which are tied, differ; give one of them.")
             given[other] = values[name]
