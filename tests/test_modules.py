@@ -40,3 +40,97 @@ def test_a_lookup_leaves_the_model_as_it_was_and_a_copy_finds_its_own_modules():
     twin = copy.deepcopy(model)
     [found] = modules_of_type(twin, (TaskHeads,))
     assert found is twin.heads and found is not model.heads
+
+
+class _OwnTrain(nn.Sequential):
+    """A submodule with a ``train`` of its own (as an HF model has): it must get its call."""
+
+    calls: list[bool]
+
+    def train(self, mode: bool = True) -> "_OwnTrain":
+        self.calls.append(mode)
+        return super().train(mode)
+
+
+def _flags(model: nn.Module) -> list[bool]:
+    return [module.training for module in model.modules()]
+
+
+def test_a_mode_switch_sets_every_flag_nn_module_train_sets_also_of_modules_added_after_the_last_switch():
+    model = _Toy()
+    model.eval()
+    model.body.append(nn.Dropout(0.5))  # registered after the switch: a fresh module is in training mode
+    model.extra = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
+    model.eval()
+    assert not any(_flags(model))
+    model.body[0].train()  # one module on its own, then the whole model back
+    model.eval()
+    assert not any(_flags(model))
+    model.train()
+    assert all(_flags(model))
+
+
+def test_a_submodule_with_its_own_train_gets_its_call_and_covers_its_part():
+    model = _Toy()
+    own = _OwnTrain(nn.Linear(2, 2), nn.Dropout(0.5))
+    own.calls = []
+    model.body.append(own)
+    model.eval()
+    assert own.calls == [False] and not any(_flags(model))
+    model.train()
+    assert own.calls == [False, True] and all(_flags(model))
+
+
+def test_a_parameter_registered_after_a_load_is_loaded():
+    import torch
+
+    model = _Toy()
+    model.load_trainable({"body.0.bias": torch.ones(2)})
+    model.body[0].scale = nn.Parameter(torch.zeros(2))  # registered after the names were looked up
+    model.load_trainable({"body.0.scale": torch.full((2,), 3.0)})
+    assert model.body[0].scale.tolist() == [3.0, 3.0]
+    model.body[0].weight = nn.Parameter(torch.zeros(2, 2))  # a parameter replaced: the new one gets the values
+    model.load_trainable({"body.0.weight": torch.ones(2, 2)})
+    assert model.body[0].weight.sum().item() == 4.0
+
+
+def test_a_functional_forward_replaces_every_name_of_a_tensor_tied_also_after_an_earlier_call():
+    import torch
+
+    from rayfed.models.peft.modules import functional_forward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False))
+    x, value = torch.randn(3, 2), {"0.weight": torch.randn(2, 2)}
+    assert torch.equal(functional_forward(model, value, x), torch.func.functional_call(model, value, (x,)))
+    model[1].weight = model[0].weight  # tied after the first call: the value stands for both names now
+    expected = x @ value["0.weight"].T @ value["0.weight"].T
+    assert torch.equal(functional_forward(model, value, x), expected)
+    assert torch.equal(torch.func.functional_call(model, value, (x,)), expected)
+
+
+def test_parameters_put_in_place_without_a_registration_are_loaded_and_untied():
+    """``nn.Module._apply`` between tensor types (here from the meta device) puts new parameters in place without a
+    registration, and breaks a tie."""
+    import torch
+
+    from rayfed.models.peft.modules import functional_forward, named_parameter_table
+
+    class Chain(_Toy):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    model = Chain()
+    model.body.append(nn.Linear(2, 2, bias=False))
+    model.to_empty(device="meta")
+    model.body[1].weight = model.body[0].weight
+    x, value = torch.ones(1, 2), {"body.0.weight": torch.eye(2)}
+    functional_forward(model, {"body.0.weight": torch.eye(2, device="meta")}, x.to("meta"))  # the tie map, on meta
+    model.load_trainable({"body.0.bias": torch.ones(2, device="meta")})  # the names, on the meta device
+    model.to_empty(device="cpu")
+    assert model.body[1].weight is not model.body[0].weight
+    model.load_trainable({"body.0.bias": torch.ones(2), "body.0.weight": torch.eye(2)})
+    model.load_trainable({"body.1.weight": torch.zeros(2, 2)})  # untied: a name of its own
+    assert list(named_parameter_table(model)) == [name for name, _ in model.named_parameters()]
+    assert model.body[0].bias.tolist() == [1.0, 1.0]
+    assert torch.equal(functional_forward(model, value, x), torch.func.functional_call(model, value, (x,)))

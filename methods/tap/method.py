@@ -44,7 +44,7 @@ from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_fl_
 from rayfed.methods.tap.model import MoMEModel, task_outputs
 from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL, TASK_KEYS, task_key
 from rayfed.models import Backbone
-from rayfed.models.peft.modules import select_task
+from rayfed.models.peft.modules import functional_forward, select_task
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import IMAGE_KD, ClientContext, Step, TrainResult, output_distillation, scheduled_lr
@@ -198,8 +198,7 @@ class Distillation:
                 for part in missing:
                     task, batch = step.parts[part]
                     select_task(model, task.index)
-                    self.targets[self.calls, part] = torch.func.functional_call(model, self.teacher, (batch,),
-                                                                                {"raw": True}, strict=False)
+                    self.targets[self.calls, part] = functional_forward(model, self.teacher, batch, raw=True)
             model.train()
         return {part: self.targets[self.calls, part] for part in parts}
 

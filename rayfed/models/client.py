@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
 
 from rayfed.tasks import kinds
 from rayfed.models.backbone import Backbone
-from rayfed.models.peft.modules import TASK_SELECTED_MODULES, TaskHeads, modules_of_type
+from rayfed.models.peft.modules import (TASK_SELECTED_MODULES, TaskHeads, mode_switch, modules_of_type,
+                                       named_parameter_table)
 from rayfed.param_names import task_key
 from rayfed.tasks import Task
 from rayfed.types import Batch, TensorDict
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's from Python 3.11
 
 
 T = TypeVar("T")
@@ -72,9 +76,22 @@ class TrainableModule(nn.Module):
     def trainable_params(self) -> TensorDict:
         return {name: param.detach().clone() for name, param in self.named_parameters() if param.requires_grad}
 
+    def train(self, mode: bool = True) -> Self:
+        """``nn.Module.train(mode)`` (``eval()`` too) without its recursion through every module: the flags of a kept
+        list of them are set, and the submodules with a ``train`` of their own get their call (:func:`mode_switch`).
+        Trainers and teachers switch a model of thousands of modules several times a client."""
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        flags, own = mode_switch(self)
+        for module in flags:
+            object.__setattr__(module, "training", mode)  # nn.Module.__setattr__'s own end for a plain attribute
+        for module in own:
+            module.train(mode)
+        return self
+
     @torch.no_grad()
     def load_trainable(self, values: TensorDict) -> None:
-        params = dict(self.named_parameters())
+        params = named_parameter_table(self)
         for name, value in values.items():
             params[name].copy_(value)
 

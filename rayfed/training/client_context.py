@@ -16,7 +16,7 @@ from rayfed.data.batches import ClientData, Columns, EvalSet, num_rows
 from rayfed.training.fast_steps import TensorPenalty, graphed_step, mixed_precision, trained_forward
 from rayfed.results.derived_metrics import with_derived
 from rayfed.models.client import TrainableModule
-from rayfed.models.peft.modules import select_task
+from rayfed.models.peft.modules import functional_forward, named_parameter_table, select_task
 from rayfed.training.optimizers import (build_optimizer, load_optimizer_state, local_steps, saved_optimizer_state,
                                         scheduled_lr)
 from rayfed.training.scoring import Scorer
@@ -112,7 +112,7 @@ class Step:
         task, batch = self.parts[part]
         select_task(self.model, task.index)
         with torch.no_grad():
-            return torch.func.functional_call(self.model, params, (batch,), strict=False)
+            return functional_forward(self.model, params, batch)
 
     def part_losses(self, outputs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Each task's own loss on its part of the batch (from ``outputs``, else a forward of each part, or one
@@ -230,7 +230,7 @@ class ClientContext:
             return self.lockstep.train(self, params, steps, purpose, base_lr, extra_loss, pool)
         phases = list(phases) if phases is not None else [Phase(loss=loss, extra_loss=extra_loss)]
         self.model.load_trainable(params)
-        named = {name: p for name, p in self.model.named_parameters() if name in params}
+        named = {name: p for name, p in named_parameter_table(self.model).items() if name in params}
         self.model.train()
         graphed = None
         if simple and captures_step(config, self.device, phases):
