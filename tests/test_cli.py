@@ -74,13 +74,15 @@ def test_resume_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert "no config.yaml" in capsys.readouterr().err
 
 
-@pytest.mark.usefixtures("ray_local")
 def test_run_applies_overrides_and_seed(config_file, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["run", str(config_file), "federation.rounds=2", "--seed", "11", "--out", str(out), "--quiet"]) == 0
+    # the actors in this process (what the command line sets, not Ray)
+    argv = ["run", str(config_file), "federation.rounds=2", "--seed", "11", "--out", str(out), "--quiet",
+            "placement.executor=local"]
+    assert main(argv) == 0
     assert f"results: {out}" in capsys.readouterr().out
     saved = yaml.safe_load((out / "config.yaml").read_text())
-    assert saved["federation"]["rounds"] == 2 and saved["seed"] == 11
+    assert saved["federation"]["rounds"] == 2 and saved["seed"] == 11 and saved["placement"]["executor"] == "local"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["seed"] == 11 and "fedavg" in summary["methods"]
 

@@ -626,12 +626,24 @@ def test_the_cca_of_fewer_samples_than_features_is_the_covariances_cca_computed_
     assert torch.allclose(pi_o.T @ new_b, pi_p.T @ pivot_b, atol=1e-4)
 
 
-def test_a_compiled_fedmosaic_update_uploads_the_eager_updates_numbers(monkeypatch):
+def test_a_compiled_fedmosaic_update_uploads_the_eager_updates_numbers(tmp_path, monkeypatch):
     from conftest import compiled_update_gap
 
+    from rayfed import zoo
+
+    # The shipped tiny LLaVA cut to its first 2 decoder layers (dynamo traces every layer's ops): one block, so a
+    # conventional LoRA layer, then the block's last layer with PQ-LoRA
+    shallow = zoo.load("tiny-pretrained:llava")
+    decoder = shallow.model.model.language_model
+    decoder.layers = decoder.layers[:2]
+    shallow.model.config.text_config.num_hidden_layers = 2
+    shallow.model.save_pretrained(tmp_path)
+    shallow.processor.save_pretrained(tmp_path)
     # float32 sums in another order: round-off of about 1e-7 relative per operation; a wrong path, batch or lr
     # moves the update by its own size
     run = copy.deepcopy(HETERO)  # one architecture, one step: the gated PQ-LoRA step, with less to trace
     del run["architectures"]
+    run["model"]["backbone"] = f"hf:{tmp_path}"
+    run["methods"][0]["blocks"] = 1
     run["train"]["local_steps"] = 1
     assert compiled_update_gap(run, [0], monkeypatch) < 1e-4

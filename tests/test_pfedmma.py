@@ -383,12 +383,13 @@ def test_shapes_source_puts_a_colour_and_shape_covering_half_first():
     assert dataset.images.shape == (256, 32, 32, 3) and dataset.images.max() <= 1.0
 
 
-def test_simulation_reports_base_novel_metrics_with_hm_of_the_means(tiny_hf_clip, tmp_path, ray_local):
+def test_simulation_reports_base_novel_metrics_with_hm_of_the_means(tiny_hf_clip, tmp_path):
     import json
 
     from rayfed.simulation import Simulation
 
     run = _clip_run(tiny_hf_clip, ["clip_zeroshot", {"name": "pfedmma", "rank": 4, "first_layer": 3}])
+    run["placement"]["executor"] = "local"  # what the run reports, not Ray: the same actors in this process
     Simulation(run, out_dir=tmp_path / "run", progress=False).run()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     for label in ("clip_zeroshot", "pfedmma"):

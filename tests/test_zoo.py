@@ -81,7 +81,7 @@ REBUILDS: dict[str, dict[str, Any]] = {
     "vit": REDUCED,  # image encoder
     "open_clip": REDUCED,  # image-text contrastive (the kind's family that does not ship)
     # image-text fusion encoder: masked words need the image, which takes ViLT ~150 steps to start using
-    "vilt": {"train": {"steps": 200, "batch_size": 64}, "data": {"train_samples": 2048, "eval_samples": 256}},
+    "vilt": {"train": {"steps": 200, "batch_size": 32}, "data": {"train_samples": 2048, "eval_samples": 256}},
     # causal LM (Qwen2: qkv bias, and the tokenizer path AutoTokenizer would garble)
     "qwen": {"train": {"steps": 40, "batch_size": 16}, "data": {"train_samples": 512, "eval_samples": 128}},
     # multi-modal LLM, from the shipped clip-vision tower and llama-small
