@@ -6,7 +6,8 @@ import pickle
 from torch import nn
 
 from rayfed.models import TrainableModule
-from rayfed.models.peft.modules import TaskHeads, modules_of_type, select_task
+from rayfed.models.module_walks import modules_of_type
+from rayfed.models.peft.modules import TaskHeads, select_task
 from rayfed.param_names import task_key
 
 
@@ -97,7 +98,7 @@ def test_a_parameter_registered_after_a_load_is_loaded():
 def test_a_functional_forward_replaces_every_name_of_a_tensor_tied_also_after_an_earlier_call():
     import torch
 
-    from rayfed.models.peft.modules import functional_forward
+    from rayfed.models.module_walks import functional_forward
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False))
@@ -114,7 +115,7 @@ def test_parameters_put_in_place_without_a_registration_are_loaded_and_untied():
     registration, and breaks a tie."""
     import torch
 
-    from rayfed.models.peft.modules import functional_forward, named_parameter_table
+    from rayfed.models.module_walks import functional_forward, named_parameter_table
 
     class Chain(_Toy):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

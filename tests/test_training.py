@@ -708,7 +708,7 @@ def test_a_models_module_lists_are_kept_across_a_slice_of_its_layers_and_made_ag
     model makes them again."""
     from torch import nn
 
-    from rayfed.models.peft.modules import modules_of_type
+    from rayfed.models.module_walks import modules_of_type
 
     model = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.ReLU()]))
     kept = modules_of_type(model, (nn.Linear,))

@@ -44,7 +44,8 @@ from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_fl_
 from rayfed.methods.tap.model import MoMEModel, task_outputs
 from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL, TASK_KEYS, task_key
 from rayfed.models import Backbone
-from rayfed.models.peft.modules import functional_forward, select_task
+from rayfed.models.module_walks import functional_forward
+from rayfed.models.peft.modules import select_task
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import IMAGE_KD, ClientContext, Step, TrainResult, output_distillation, scheduled_lr

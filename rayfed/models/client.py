@@ -11,8 +11,8 @@ from torch import nn
 
 from rayfed.tasks import kinds
 from rayfed.models.backbone import Backbone
-from rayfed.models.peft.modules import (TASK_SELECTED_MODULES, TaskHeads, mode_switch, modules_of_type,
-                                       named_parameter_table)
+from rayfed.models.module_walks import mode_switch, modules_of_type, named_parameter_table
+from rayfed.models.peft.modules import TASK_SELECTED_MODULES, TaskHeads
 from rayfed.param_names import task_key
 from rayfed.tasks import Task
 from rayfed.types import Batch, TensorDict

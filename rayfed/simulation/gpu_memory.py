@@ -9,7 +9,7 @@ hosted client (the real actor code, as a plain object), an evaluation of every h
 (post-FL stage and final evaluation) of the hosted client with the largest samples (bytes a training sample), and
 reads the allocator's peak (``torch.cuda.max_memory_reserved``). The probe's driver sees the run's other
 architectures as zeros of their shared parameters' shapes (:func:`stand_in_start`), so that a method mixing
-parameters across architectures (FedMosaic) starts; a pre-federation stage then runs on the probed actor alone, its
+parameters across architectures starts; a pre-federation stage then runs on the probed actor alone, its
 server side needing every architecture's result. The share is
 ``(peak + placement.memory_headroom_gib) / the GPU's memory``, rounded up to :data:`SHARE_STEP`.
 

@@ -16,7 +16,8 @@ from rayfed.data.batches import ClientData, Columns, EvalSet, num_rows
 from rayfed.training.fast_steps import TensorPenalty, graphed_step, mixed_precision, trained_forward
 from rayfed.results.derived_metrics import with_derived
 from rayfed.models.client import TrainableModule
-from rayfed.models.peft.modules import functional_forward, named_parameter_table, select_task
+from rayfed.models.module_walks import functional_forward, named_parameter_table
+from rayfed.models.peft.modules import select_task
 from rayfed.training.optimizers import (build_optimizer, load_optimizer_state, local_steps, saved_optimizer_state,
                                         scheduled_lr)
 from rayfed.training.scoring import Scorer
