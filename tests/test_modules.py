@@ -16,6 +16,9 @@ class _Toy(TrainableModule):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(2, 2))
 
+    def forward(self, features):
+        return self.body(features)
+
 
 def _heads(count: int) -> TaskHeads:
     return TaskHeads({task_key(index): nn.Linear(2, 2) for index in range(count)})
@@ -41,6 +44,30 @@ def test_a_lookup_leaves_the_model_as_it_was_and_a_copy_finds_its_own_modules():
     twin = copy.deepcopy(model)
     [found] = modules_of_type(twin, (TaskHeads,))
     assert found is twin.heads and found is not model.heads
+
+
+def test_a_model_whose_walks_are_kept_is_freed_with_its_last_reference():
+    """The kept values never hold the model itself (they are weakly keyed by it): an actor's method models, and the
+    bench's ideal, are freed once dropped."""
+    import gc
+    import weakref
+
+    import torch
+
+    from rayfed.models.module_walks import functional_forward, named_parameter_table
+
+    model = _Toy()
+    model.own = nn.Parameter(torch.zeros(2))  # a parameter of the model itself
+    model.heads = _heads(1)
+    model.eval()
+    model.train()
+    assert modules_of_type(model, (_Toy,)) == [model] and set(named_parameter_table(model)) >= {"own"}
+    functional_forward(model.body, {"0.weight": torch.ones(2, 2)}, torch.ones(1, 2))
+    functional_forward(model, {"own": torch.ones(2)}, torch.ones(1, 2))
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
 
 
 class _OwnTrain(nn.Sequential):

@@ -83,6 +83,7 @@ class TrainableModule(nn.Module):
         if not isinstance(mode, bool):
             raise ValueError("training mode is expected to be boolean")
         flags, own = mode_switch(self)
+        object.__setattr__(self, "training", mode)
         for module in flags:
             object.__setattr__(module, "training", mode)  # nn.Module.__setattr__'s own end for a plain attribute
         for module in own:

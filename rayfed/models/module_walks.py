@@ -43,22 +43,24 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_count_paramete
 K = TypeVar("K")
 
 # Each model's kept values by key, with the registration counts each was made at; weakly keyed, so the model stays as
-# it was (its copies and pickles carry none of them) and a model's values go with it.
+# it was (its copies and pickles carry none of them) and a model's values go with it. A value never holds the model
+# itself (a WeakKeyDictionary's values are strong: the model would never be freed), only modules below it.
 _kept_values: weakref.WeakKeyDictionary[nn.Module, dict[object, tuple[tuple[int, int], object]]] = (
     weakref.WeakKeyDictionary())
 
 
-def _kept(model: nn.Module, key: object, make: Callable[[], K], parameters: bool = False) -> K:
-    """``make()``, kept for ``model`` under ``key`` until a module (with ``parameters``: or a parameter or buffer) is
-    registered into one of its modules."""
+def _kept(model: nn.Module, key: object, make: Callable[[list[nn.Module]], K], parameters: bool = False) -> K:
+    """``make(the model's modules)``, kept for ``model`` under ``key`` until a module (with ``parameters``: or a
+    parameter or buffer) is registered into one of its modules."""
     stamp = (_registrations, _parameter_registrations if parameters else 0)
     values = _kept_values.get(model)
     if values is None:
         values = _kept_values[model] = {}
     entry = values.get(key)
     if entry is None or entry[0] != stamp:
-        _walked.update(model.modules())
-        entry = values[key] = (stamp, make())
+        modules = list(model.modules())
+        _walked.update(modules)
+        entry = values[key] = (stamp, make(modules))
     return entry[1]  # type: ignore[return-value]
 
 
@@ -66,24 +68,26 @@ def modules_of_type(model: nn.Module, types: tuple[type, ...]) -> list[nn.Module
     """``model``'s modules (itself included) that are instances of ``types``, in module order. The list is kept
     for the model and made again only after a module has been registered into a walked module: a large model's walk
     (thousands of modules) would otherwise run at every task or adapter switch, several times a training step."""
-    return _kept(model, types, lambda: [module for module in model.modules() if isinstance(module, types)])
+    below = _kept(model, types, lambda modules: [module for module in modules[1:] if isinstance(module, types)])
+    return [model, *below] if isinstance(model, types) else below
 
 
-# A tensor of a model: its name in the model, the module holding it and its name there.
-Place = tuple[str, nn.Module, str]
+# A tensor of a model: its name in the model, the module holding it (None: the model itself) and its name there.
+Place = tuple[str, nn.Module | None, str]
 
 
 def _places(model: nn.Module, tables: tuple[str, ...], remove_duplicate: bool) -> list[Place]:
     """Where the model's tensors in ``tables`` (``_parameters``, ``_buffers``) live, every name of each, named and in the
     order of ``named_parameters`` (then ``named_buffers``); a module reached by several paths is named once with
     ``remove_duplicate``."""
-    return [(f"{prefix}.{attr}" if prefix else attr, module, attr) for table in tables
+    return [(f"{prefix}.{attr}" if prefix else attr, None if module is model else module, attr) for table in tables
             for prefix, module in model.named_modules(remove_duplicate=remove_duplicate)
             for attr, tensor in getattr(module, table).items() if tensor is not None]
 
 
-def _tensor_at(place: Place) -> torch.Tensor:
+def _tensor_at(model: nn.Module, place: Place) -> torch.Tensor:
     _, module, attr = place
+    module = model if module is None else module
     return module._parameters[attr] if attr in module._parameters else module._buffers[attr]
 
 
@@ -92,11 +96,11 @@ def named_parameter_table(model: nn.Module) -> dict[str, nn.Parameter]:
     and evaluation): the places of the parameters are kept for the model until a module or a parameter is registered
     into it, and each is read where it lives (``nn.Module._apply`` may put a new one there without a registration, and
     untie it)."""
-    places = _kept(model, "parameter_places", lambda: _places(model, ("_parameters",), True), parameters=True)
+    places = _kept(model, "parameter_places", lambda _: _places(model, ("_parameters",), True), parameters=True)
     table: dict[str, nn.Parameter] = {}
     seen: set[torch.Tensor] = set()
     for place in places:
-        tensor = _tensor_at(place)
+        tensor = _tensor_at(model, place)
         if tensor not in seen:  # a tied parameter under its first name, as named_parameters gives it
             seen.add(tensor)
             table[place[0]] = tensor
@@ -110,15 +114,15 @@ def functional_forward(model: nn.Module, values: Mapping[str, torch.Tensor], *ar
     together are looked up once for the model (kept until a registration; checked at each use, as ``nn.Module._apply``
     may untie them), not at every call: functional_call walks every parameter and buffer of the model for them."""
 
-    def make() -> dict[str, list[Place]]:
+    def make(_: list[nn.Module]) -> dict[str, list[Place]]:
         groups: dict[torch.Tensor, list[Place]] = {}
         for place in _places(model, ("_parameters", "_buffers"), False):
-            groups.setdefault(_tensor_at(place), []).append(place)
+            groups.setdefault(_tensor_at(model, place), []).append(place)
         return {name: group for group in groups.values() if len(group) > 1 for name, *_ in group}
 
     tied = _kept(model, "tied_places", make, parameters=True)
-    if any(any(_tensor_at(place) is not _tensor_at(tied[name][0]) for place in tied[name]) for name in values
-           if name in tied):
+    if any(any(_tensor_at(model, place) is not _tensor_at(model, tied[name][0]) for place in tied[name])
+           for name in values if name in tied):
         _kept_values[model].pop("tied_places")
         tied = _kept(model, "tied_places", make, parameters=True)
     given = dict(values)
@@ -131,11 +135,12 @@ def functional_forward(model: nn.Module, values: Mapping[str, torch.Tensor], *ar
 
 
 def mode_switch(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
-    """How ``model.train(mode)`` reaches its modules: the modules whose ``training`` flag ``nn.Module.train`` would
-    set (``model`` and every module below it that no module with a ``train`` of its own covers), and the topmost
-    submodules with a ``train`` of their own (an HF model's), whose ``train`` covers their part."""
+    """How ``model.train(mode)`` reaches the modules below it: those whose ``training`` flag ``nn.Module.train``
+    would set (every module below ``model`` that no module with a ``train`` of its own covers), and the topmost
+    submodules with a ``train`` of their own (an HF model's), whose ``train`` covers their part. ``model``'s own flag
+    is its caller's to set."""
 
-    def make() -> tuple[list[nn.Module], list[nn.Module]]:
+    def make(_: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
         flags: list[nn.Module] = []
         own: list[nn.Module] = []
         seen: set[int] = set()
@@ -148,7 +153,8 @@ def mode_switch(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
             if module is not model and type(module).train is not nn.Module.train:
                 own.append(module)
                 continue
-            flags.append(module)
+            if module is not model:
+                flags.append(module)
             pending.extend(reversed(list(module.children())))
         return flags, own
 
