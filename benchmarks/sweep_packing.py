@@ -350,8 +350,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"{samples} samples a client and task, evaluated once at the "
             f"end; {' '.join(shortened['overrides']) or 'no other overrides'}\n\n"
             + format_table(rows, ["way", "trials done", "sweep wall s", "mean trial wall s", "trials/hour",
-                                  "trials/hour, first trial's start to last one's end", "most trials at once", "GPU share an actor", "clients an actor",
-                                  "most GPU MiB used (nvidia-smi, per GPU)"])
+                                  "trials/hour, first trial's start to last one's end", "most trials at once",
+                                  "GPU share an actor", "clients an actor", "most GPU MiB used (nvidia-smi, per GPU)"])
             + ("" if ratio is None else f"\nTrials per hour, packed / one at a time: **{ratio:.2f}** (over the "
                f"trials' span alone: {results.get('packed_over_one_at_a_time_in_span', float('nan')):.2f}); the same "
                f"trials' metrics equal both ways: {results.get('same_metrics_both_ways')}\n")

@@ -210,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-reference", action="store_true",
                        help="a seed method's workload: skip the plain LoRA FedAvg run its TFLOP/s is compared with")
     bench.add_argument("--ideal-apart", action="store_true",
-                       help="a seed method's workload: run the ideal's rounds all first and release it (its models and "
-                       "GPU memory) before rayfed's run, for a GPU that cannot hold both; the rounds are not interleaved")
+                       help="a seed method's workload: run the ideal's rounds all first and release it (its models "
+                       "and GPU memory) before rayfed's run, for a GPU that cannot hold both; the rounds are not "
+                       "interleaved")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
     bench.set_defaults(handler=_bench)
 

@@ -77,8 +77,8 @@ Place = tuple[str, nn.Module | None, str]
 
 
 def _places(model: nn.Module, tables: tuple[str, ...], remove_duplicate: bool) -> list[Place]:
-    """Where the model's tensors in ``tables`` (``_parameters``, ``_buffers``) live, every name of each, named and in the
-    order of ``named_parameters`` (then ``named_buffers``); a module reached by several paths is named once with
+    """Where the model's tensors in ``tables`` (``_parameters``, ``_buffers``) live, every name of each, named and in
+    the order of ``named_parameters`` (then ``named_buffers``); a module reached by several paths is named once with
     ``remove_duplicate``."""
     return [(f"{prefix}.{attr}" if prefix else attr, None if module is model else module, attr) for table in tables
             for prefix, module in model.named_modules(remove_duplicate=remove_duplicate)

@@ -38,8 +38,9 @@ from rayfed.types import TensorDict
 
 __all__ = ["MAX_GRAPHS_PER_MODEL", "ClientContext", "GraphedStep", "LossFn", "OtherTask", "PatchMatmul", "Penalty",
            "Phase", "PreFederation", "PublicJob", "PublicLoss", "PublicPass", "StackedTrainer", "Step", "TrainResult",
-           "answer_mask", "build_optimizer", "check_precision", "distillation_loss", "local_steps", "mixed_precision", "proximal_penalty",
-           "same_answers", "scheduled_lr", "stacked_forward_batch", "TensorPenalty", "token_losses", "trained_forward"]
+           "answer_mask", "build_optimizer", "check_precision", "distillation_loss", "local_steps", "mixed_precision",
+           "proximal_penalty", "same_answers", "scheduled_lr", "stacked_forward_batch", "TensorPenalty", "token_losses",
+           "trained_forward"]
 
 
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -34,7 +34,8 @@ def mixed_precision(device: torch.device, autocast: str, cache_enabled: bool = T
 def check_precision(model: nn.Module, config: TrainConfig, device: torch.device, where: str) -> None:
     """Refuse ``train.autocast: off`` for a model on a GPU that stores weights in bfloat16 (a ``llama:`` backbone):
     its steps would not be float32, and without autocast its float32 adapters cannot run over them."""
-    if config.autocast == "off" and device.type == "cuda" and any(p.dtype == torch.bfloat16 for p in model.parameters()):
+    if (config.autocast == "off" and device.type == "cuda"
+            and any(param.dtype == torch.bfloat16 for param in model.parameters())):
         raise ConfigError(f"train.autocast = 'off' computes in float32, but the model of {where} stores weights in "
                           "bfloat16 on a GPU (a llama: backbone), so train.autocast must be 'bf16' for it there.")
 
