@@ -7,11 +7,14 @@ process running the round loop.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping, Sequence
+
+import torch
 
 from rayfed import registry
 from rayfed.actors.client import RoundUploads, run_methods
-from rayfed.aggregation import Mixture
+from rayfed.aggregation import ROWS, Mixture
 from rayfed.architectures import architecture_of, prefixed, unprefixed
 from rayfed.config import RunConfig, build_config
 from rayfed.data.clients import build_federation
@@ -38,6 +41,7 @@ class DriverActor:
         self.tasks_of = client_tasks(self.config.data)
         self.architecture_of = architecture_of(self.config)
         self.down_bytes = self.down_params = 0
+        self.known_finite = KnownFinite()
 
     def start_method(self, method_index: int, architectures: list[str], *initial_and_tags: dict) -> None:
         """The method's initial server state, from each architecture's initial shared parameters and task tags
@@ -104,13 +108,16 @@ class DriverActor:
         stop = self.config.federation.on_nonfinite == "stop"
         if not (nonfinite and stop):
             if isinstance(self.method.aggregation, Mixture):  # each upload into its client's rows, then the weights
+                rows_finite = self.known_finite.all(self.server[ROWS])
                 self.method.mixed_rows.store(self.server, uploads)
+                if rows_finite and not nonfinite:  # finite rows, and finite uploads (the actors read each)
+                    self.known_finite.add(self.server[ROWS])
             with raised_in(f"{type(self.method).__name__}.aggregate"):
                 server = self.method.aggregate(self.server, uploads)
             done = {part.round_idx + 1 for part in parts if part.round_idx is not None}
             self._check_server(server, "aggregate" + "".join(f", round {r}" for r in done))
             clients = sorted(cid for part in parts for cid in part.train_losses)
-            for name in nonfinite_names({0: largest_magnitudes(server)}).get(0, []):
+            for name in self.known_finite.nonfinite_names(server):
                 nonfinite[f"server tensor {name!r}"] = clients
             if not (nonfinite and stop):
                 self.server = server
@@ -149,6 +156,36 @@ class DriverActor:
 
     def set_state(self, server: ServerState) -> None:
         self.server = server
+
+
+class KnownFinite:
+    """The server tensors found finite, each until it is replaced or changed in place (its version): the check of
+    a new server state reads only the others, for a mixture what the round changed and not every client's rows
+    (gigabytes for large adapters). It finds exactly what a check of every tensor finds."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, tuple[weakref.ref, int]] = {}  # slot/name -> the tensor, its version when found finite
+
+    def _known(self, path: str, value: torch.Tensor) -> bool:
+        seen = self.found.get(path)
+        return seen is not None and seen[0]() is value and seen[1] == value._version
+
+    def all(self, values: TensorDict, slot: str = ROWS) -> bool:
+        """Whether every tensor of server slot ``slot`` (``values``) is known finite."""
+        return all(self._known(f"{slot}/{name}", value) for name, value in values.items())
+
+    def add(self, values: TensorDict, slot: str = ROWS) -> None:
+        """Take every tensor of server slot ``slot`` (``values``) as finite as it is now."""
+        self.found.update({f"{slot}/{name}": (weakref.ref(value), value._version) for name, value in values.items()})
+
+    def nonfinite_names(self, server: ServerState) -> list[str]:
+        """The ``slot/name`` of every non-finite tensor of ``server``, reading only the tensors not known finite."""
+        unknown = {slot: {name: value for name, value in values.items() if not self._known(f"{slot}/{name}", value)}
+                   for slot, values in server.items()}
+        names = nonfinite_names({0: largest_magnitudes(unknown)}).get(0, [])
+        for slot, values in unknown.items():
+            self.add({name: value for name, value in values.items() if f"{slot}/{name}" not in names}, slot)
+        return names
 
 
 def _by_path(server: ServerState) -> dict[str, object]:

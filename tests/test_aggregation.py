@@ -9,12 +9,14 @@ import copy
 import pytest
 import torch
 
+from rayfed.actors import driver as driver_module
 from rayfed.actors.client import RoundUploads
 from rayfed.actors.driver import DriverActor
-from rayfed.aggregation import Mixture
+from rayfed.aggregation import _MIX_COLUMNS, Mixture, _mixed
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.method import Method, Upload, build_method
+from rayfed.transport import _to_bytes
 
 from test_plugins import ROOT, SHORT, numbers_at_packings
 
@@ -35,11 +37,13 @@ class FixedMixture(Method):
 TWO = {"a": {"clients": [0, 1], "backbone": "tiny:vit"}, "b": {"clients": [2], "backbone": "tiny:vit"}}
 
 
-def _driver(tiny_run: dict, initial: dict[str, dict[str, torch.Tensor]]) -> DriverActor:
-    """A driver of 3 clients running FixedMixture from ``initial`` (per architecture: ``""`` alone, or a and b)."""
+def _driver(tiny_run: dict, initial: dict[str, dict[str, torch.Tensor]], method: type = FixedMixture,
+            on_nonfinite: str = "stop") -> DriverActor:
+    """A driver of 3 clients running ``method`` from ``initial`` (per architecture: ``""`` alone, or a and b)."""
     run = copy.deepcopy(tiny_run)
     run["data"]["num_clients"] = 3
-    run["methods"] = [{"name": FixedMixture}]
+    run["methods"] = [{"name": method}]
+    run["federation"]["on_nonfinite"] = on_nonfinite
     if "" not in initial:
         run["architectures"] = TWO
     config = load_config(run)
@@ -50,9 +54,10 @@ def _driver(tiny_run: dict, initial: dict[str, dict[str, torch.Tensor]]) -> Driv
     return driver
 
 
-def _round(driver: DriverActor, uploads: dict[int, dict[str, torch.Tensor]]) -> None:
+def _round(driver: DriverActor, uploads: dict[int, dict[str, torch.Tensor]],
+           nonfinite: dict[str, list[int]] | None = None) -> dict:
     sent = [Upload(cid, 1, {"shared": tensors}, 0.0) for cid, tensors in uploads.items()]
-    driver.aggregate(RoundUploads(sent, 0, 0, {cid: 0.0 for cid in uploads}))
+    return driver.aggregate(RoundUploads(sent, 0, 0, {cid: 0.0 for cid in uploads}, nonfinite=nonfinite or {}))
 
 
 def test_each_client_receives_its_row_of_w_times_the_latest_uploads(tiny_run):
@@ -110,3 +115,54 @@ def test_the_fedamp_example_gives_the_same_numbers_at_1_and_at_4_clients_per_act
     module = ast.parse((ROOT / "examples" / "fedamp.py").read_text())
     classes = [node for node in module.body if isinstance(node, ast.ClassDef)]
     assert sum(node.end_lineno - min(d.lineno for d in [node, *node.decorator_list]) + 1 for node in classes) <= 40
+
+
+@pytest.mark.parametrize("width", [1, _MIX_COLUMNS - 1, _MIX_COLUMNS, _MIX_COLUMNS + 1, 3 * _MIX_COLUMNS + 7])
+def test_a_stack_mixed_in_column_blocks_equals_one_float64_product_bitwise(width):
+    torch.manual_seed(width)
+    weights = torch.rand(4, 5, dtype=torch.float64)
+    stack = torch.randn(5, width, 3)
+    whole = (weights @ stack.flatten(1).double()).view(4, width, 3).float()
+    assert torch.equal(_mixed(weights, stack), whole)
+
+
+def test_a_payload_row_is_shipped_alone_not_with_its_stack(tiny_run):
+    driver = _driver(tiny_run, {"": {"w": torch.zeros(64)}})
+    _round(driver, {c: {"w": torch.full((64,), float(c))} for c in range(3)})
+    row = driver.payloads([1], count_bytes=False)[1]["w"]
+    assert torch.equal(row, sum(W[1, j] * torch.full((64,), float(j)) for j in range(3)))
+    assert _to_bytes(row)[1].nbytes == 64 * 4  # what Ray sends: the row's bytes, not the stack's three rows
+
+
+class InPlaceNaN(FixedMixture):
+    """Sets its own mixing matrix to NaN in place at the second aggregation (the same tensor, a new version)."""
+
+    def aggregate(self, server, uploads):
+        self.rounds = getattr(self, "rounds", 0) + 1
+        if self.rounds == 2:
+            server["mix"]["w"].fill_(float("nan"))
+        return server
+
+
+def test_the_server_check_reads_only_what_is_not_known_finite_and_finds_what_a_full_check_finds(tiny_run,
+                                                                                                 monkeypatch):
+    read: list[list[str]] = []
+    check = driver_module.largest_magnitudes
+
+    def recorded(slots):
+        read.append(sorted(f"{slot}/{name}" for slot, values in slots.items() for name in values))
+        return check(slots)
+
+    monkeypatch.setattr(driver_module, "largest_magnitudes", recorded)
+    driver = _driver(tiny_run, {"": {"w": torch.zeros(2)}}, InPlaceNaN, on_nonfinite="warn")
+    finite = {c: {"w": torch.ones(2)} for c in range(3)}
+    assert "nonfinite" not in _round(driver, finite)
+    assert read[-1] == ["mix/w", "stacks/w"]  # the first check reads everything
+    stats = _round(driver, finite)  # the rows stored from finite uploads are known finite: not read again
+    assert read[-1] == ["mix/w"] and list(stats["nonfinite"]) == ["server tensor 'mix/w'"]
+    assert list(_round(driver, finite)["nonfinite"]) == ["server tensor 'mix/w'"]  # a NaN stays reported
+    assert read[-1] == ["mix/w"]
+    nan_upload = {0: {"w": torch.full((2,), float("nan"))}}
+    stats = _round(driver, nan_upload, nonfinite={"upload tensor 'shared/w'": [0]})
+    assert read[-1] == ["mix/w", "stacks/w"]  # a round with a non-finite upload reads the rows it stored
+    assert set(stats["nonfinite"]) == {"upload tensor 'shared/w'", "server tensor 'mix/w'", "server tensor 'stacks/w'"}
