@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from rayfed import registry
-from rayfed.aggregation import presums
+from rayfed.aggregation import Mixture, presums
 from rayfed.config import RunConfig, architecture_model_config, build_config, method_model_config
 from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import raised_in
@@ -204,7 +204,9 @@ class ClientActor:
         started, self._stats = time.time(), {}
         for cid, state in zip(guests, guest_states):
             self._welcome(cid, state)
-        collected = UploadCollector(presums(self.method.aggregation), weight_scale)
+        aggregation = self.method.aggregation
+        collected = UploadCollector(presums(aggregation), weight_scale,
+                                    read_only_slot=aggregation.slot if isinstance(aggregation, Mixture) else None)
         updating = time.perf_counter()
         for upload in self._local_updates(round_idx, sorted(client_ids), payloads):
             collected.add(upload)

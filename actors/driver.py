@@ -176,7 +176,8 @@ class KnownFinite:
 
     def add(self, values: TensorDict, slot: str = ROWS) -> None:
         """Take every tensor of server slot ``slot`` (``values``) as finite as it is now."""
-        self.found.update({f"{slot}/{name}": (weakref.ref(value), value._version) for name, value in values.items()})
+        self.found.update({f"{slot}/{name}": (weakref.ref(value), value._version) for name, value in values.items()
+                           if not value.is_inference()})  # an inference tensor has no version: read at each check
 
     def nonfinite_names(self, server: ServerState) -> list[str]:
         """The ``slot/name`` of every non-finite tensor of ``server``, reading only the tensors not known finite."""

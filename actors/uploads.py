@@ -33,8 +33,10 @@ class UploadCollector:
     one partial sum as they come, on the device where they were trained: then no copy to the host, and no float64
     arithmetic on the host, per client."""
 
-    def __init__(self, presum: bool, weight_scale: dict[int, float]):
+    def __init__(self, presum: bool, weight_scale: dict[int, float], read_only_slot: str | None = None):
+        """``read_only_slot``: an upload slot the server only reads (a mixture's, which it copies into its rows)."""
         self.partial = PartialSum() if presum else None
+        self.read_only_slot = read_only_slot
         self.weight_scale = weight_scale
         self.uploads: list[Upload] = []
         self.up_bytes = self.up_params = 0
@@ -83,9 +85,12 @@ class UploadCollector:
         if self.partial is not None and self.partial.client_ids:
             uploads = [self.partial.upload()]
         to_host(uploads)
+        slot = self.read_only_slot
         for upload in uploads:
             if upload.weight_sums is not None:  # a partial sum, which the aggregation only reads (weighted_sums)
                 upload.tensors = ReadOnlyTensors(upload.tensors)
+            elif slot in upload.tensors:  # through Ray the server gets views of the object store's copy, not a copy
+                upload.tensors = {**upload.tensors, slot: ReadOnlyTensors(upload.tensors[slot])}
         return uploads
 
 

@@ -11,7 +11,7 @@ import torch
 
 from rayfed.actors import driver as driver_module
 from rayfed.actors.client import RoundUploads
-from rayfed.actors.driver import DriverActor
+from rayfed.actors.driver import DriverActor, KnownFinite
 from rayfed.aggregation import _MIX_COLUMNS, Mixture, _mixed
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
@@ -166,3 +166,14 @@ def test_the_server_check_reads_only_what_is_not_known_finite_and_finds_what_a_f
     stats = _round(driver, nan_upload, nonfinite={"upload tensor 'shared/w'": [0]})
     assert read[-1] == ["mix/w", "stacks/w"]  # a round with a non-finite upload reads the rows it stored
     assert set(stats["nonfinite"]) == {"upload tensor 'shared/w'", "server tensor 'mix/w'", "server tensor 'stacks/w'"}
+
+
+def test_an_inference_tensor_which_has_no_version_is_read_at_every_check():
+    known = KnownFinite()
+    with torch.inference_mode():
+        value = torch.ones(2)
+    server = {"slot": {"x": value}}
+    assert known.nonfinite_names(server) == []
+    with torch.inference_mode():
+        value.fill_(float("nan"))
+    assert known.nonfinite_names(server) == ["slot/x"]

@@ -8,6 +8,8 @@ import ray
 import torch
 
 from rayfed import transport
+from rayfed.actors.uploads import RoundUploads, UploadCollector
+from rayfed.method import Upload
 from rayfed.types import ReadOnlyTensors
 
 PLAIN = {
@@ -80,3 +82,18 @@ def test_read_only_tensors_arrive_as_views_of_the_object_stores_one_copy(raw_tra
             assert (received.dtype, received.shape) == (value.dtype, value.shape) and torch.equal(received, value)
     assert got[1]["w"] is got[0]["w"]
     assert got[0]["w"].data_ptr() == again[0]["w"].data_ptr()  # not a copy each: views of the stored one
+
+
+def test_a_mixtures_slot_of_a_round_arrives_as_views_and_the_other_slots_as_copies(raw_transport):
+    """What an actor sends a mixture's server (UploadCollector's ``read_only_slot``): the slot the server copies into
+    its rows crosses as views of the object store's copy, one pass less over every client's upload."""
+    collected = UploadCollector(presum=False, weight_scale={0: 1.0}, read_only_slot="shared")
+    collected.add(Upload(0, 4, {"shared": {"w": torch.randn(512, 512)}, "relevance": {"g": torch.randn(512, 512)}},
+                         torch.tensor(0.5)))
+    [upload] = collected.on_host()
+    ref = ray.put(RoundUploads([upload], 0, 0, {0: 0.5}))
+    [got], [again] = ray.get(ref).uploads, ray.get(ref).uploads
+    assert torch.equal(got.tensors["shared"]["w"], upload.tensors["shared"]["w"])
+    assert torch.equal(got.tensors["relevance"]["g"], upload.tensors["relevance"]["g"])
+    assert got.tensors["shared"]["w"].data_ptr() == again.tensors["shared"]["w"].data_ptr()
+    assert got.tensors["relevance"]["g"].data_ptr() != again.tensors["relevance"]["g"].data_ptr()
