@@ -84,8 +84,8 @@ class UploadCollector:
         uploads = self.uploads
         if self.partial is not None and self.partial.client_ids:
             uploads = [self.partial.upload()]
-        to_host(uploads)
         slot = self.read_only_slot
+        to_host(uploads, sent_only_slot=slot)
         for upload in uploads:
             if upload.weight_sums is not None:  # a partial sum, which the aggregation only reads (weighted_sums)
                 upload.tensors = ReadOnlyTensors(upload.tensors)
@@ -94,13 +94,15 @@ class UploadCollector:
         return uploads
 
 
-def to_host(uploads: Sequence[Upload]) -> None:
+def to_host(uploads: Sequence[Upload], sent_only_slot: str | None = None) -> None:
     """Each upload's tensors and training loss moved to the host, in place, all in one copy per GPU and dtype with
     one wait (:func:`rayfed.types.host_copies`); each host tensor owns its storage, so that one the server keeps,
-    pickles or checkpoints holds only its own bytes."""
+    pickles or checkpoints holds only its own bytes, except those of ``sent_only_slot`` (a slot the server copies
+    into storage of its own, which stays views of the copy)."""
     losses = [upload.train_loss for upload in uploads if isinstance(upload.train_loss, torch.Tensor)]
+    sent_only = {id(value) for upload in uploads for value in upload.tensors.get(sent_only_slot, {}).values()}
     on_host = host_copies([value for upload in uploads for values in upload.tensors.values()
-                           for value in values.values()] + losses)
+                           for value in values.values()] + losses, sent_only)
     for upload in uploads:
         upload.tensors = {slot: {name: on_host[id(value)] for name, value in values.items()}
                           for slot, values in upload.tensors.items()}

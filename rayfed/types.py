@@ -8,7 +8,7 @@ State is plain tensors so that it can be checkpointed as safetensors:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -109,10 +109,13 @@ def moved_together(tensors: Iterable[torch.Tensor], device: torch.device | str,
     return moved
 
 
-def host_copies(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+def host_copies(tensors: Iterable[torch.Tensor], sent_only: Collection[int] = ()) -> dict[int, torch.Tensor]:
     """``tensors`` on the host, detached, by the ``id`` of each, each in storage of its own (pickled or kept, a
     tensor then holds only its bytes). GPU tensors cross in one copy per GPU and dtype into pinned memory with one
-    wait per GPU, then are copied out of it; a host tensor viewing a larger storage is copied; others are kept."""
+    wait per GPU, then are copied out of it; a host tensor viewing a larger storage is copied; others are kept.
+
+    ``sent_only``: the ids of tensors that are only sent through Ray and read, never kept: they stay views of the
+    pinned copy (or of their storage), since Ray's raw transport ships a view's own bytes (one pass less over them)."""
     tensors = list({id(value): value for value in tensors}.values())
     on_gpu = [value for value in tensors if value.is_cuda]
     pinned = _gpu_to_pinned(on_gpu) if on_gpu else {}
@@ -120,7 +123,8 @@ def host_copies(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
     for value in tensors:
         source = pinned.get(id(value), value.detach())
         owns = source.device.type == "cpu" and source.untyped_storage().nbytes() == source.nbytes
-        copies[id(value)] = source if owns and id(value) not in pinned else _own_copy(source)
+        kept_as_is = id(value) in sent_only or (owns and id(value) not in pinned)
+        copies[id(value)] = source if kept_as_is else _own_copy(source)
     return copies
 
 

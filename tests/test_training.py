@@ -19,6 +19,7 @@ from rayfed.errors import ConfigError
 from rayfed.method import Upload, post_train_views
 from rayfed.models.peft.modules import select_task
 from rayfed.training.scoring import Scorer
+from rayfed.types import ReadOnlyTensors
 
 from conftest import CountedOps
 
@@ -126,6 +127,20 @@ def test_uploads_reach_the_host_each_in_storage_of_its_own_with_their_values():
             assert value.untyped_storage().nbytes() == value.nbytes, name
         assert torch.equal(upload.tensors["shared"]["w"], storage[cid * 5:cid * 5 + 4].view(2, 2))
         assert torch.equal(upload.tensors["shared"]["s"], storage[cid * 5 + 4])
+
+
+def test_a_mixtures_slot_reaches_the_host_as_views_to_be_sent_and_the_other_slots_each_in_storage_of_its_own():
+    storage = torch.arange(20, dtype=torch.float32)
+    upload = Upload(0, 4, {"shared": {"w": storage[:4]}, "relevance": {"g": storage[4:8]}}, 0.5)
+    collected = UploadCollector(presum=False, weight_scale={0: 1.0}, read_only_slot="shared")
+    collected.add(upload)
+    [on_host] = collected.on_host()
+    mixed, other = on_host.tensors["shared"]["w"], on_host.tensors["relevance"]["g"]
+    assert isinstance(on_host.tensors["shared"], ReadOnlyTensors)
+    assert not isinstance(on_host.tensors["relevance"], ReadOnlyTensors)
+    assert mixed.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()  # no copy: Ray ships its bytes
+    assert other.untyped_storage().nbytes() == other.nbytes and torch.equal(other, storage[4:8])
+    assert torch.equal(mixed, storage[:4])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
