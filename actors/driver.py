@@ -110,7 +110,7 @@ class DriverActor:
             if isinstance(self.method.aggregation, Mixture):  # each upload into its client's rows, then the weights
                 rows_finite = self.known_finite.all(self.server[ROWS])
                 self.method.mixed_rows.store(self.server, uploads)
-                if rows_finite and not nonfinite:  # finite rows, and finite uploads (the actors read each)
+                if rows_finite and not nonfinite:  # finite rows, and uploads the actors found finite
                     self.known_finite.add(self.server[ROWS])
             with raised_in(f"{type(self.method).__name__}.aggregate"):
                 server = self.method.aggregate(self.server, uploads)
