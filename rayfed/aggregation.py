@@ -234,7 +234,7 @@ def _matrix(server: ServerState, path: str) -> torch.Tensor:
 
 _MIX_COLUMNS = 1 << 14
 """Columns of a stack mixed at a time: their float64 copy and product stay in the CPU's cache, where a whole stack's
-would take four times the stack's memory, fresh each round (about 2x faster at 500 MB of rows, bitwise the same)."""
+would take four times the stack's memory (bitwise the same; ``benchmarks/mixture_server.py``)."""
 
 
 def _mixed(weights: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
