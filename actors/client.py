@@ -15,7 +15,6 @@ from contextlib import AbstractContextManager
 import torch
 
 from rayfed import registry
-from rayfed.aggregation import Mixture, presums
 from rayfed.config import RunConfig, architecture_model_config, build_config, method_model_config
 from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import raised_in
@@ -24,7 +23,7 @@ from rayfed.compute import counted_flops
 from rayfed.actors import public
 from rayfed.actors.devices import resident_data, resident_device, resource_usage, round_device
 from rayfed.actors.evaluation import ClientEvaluation
-from rayfed.actors.uploads import RoundUploads, UploadCollector, slots_to, to_host
+from rayfed.actors.uploads import RoundUploads, round_collector, slots_to, to_host
 from rayfed.method import (ClientState, LocalResult, Method, TensorDict, TensorSpecs, Upload, check_tensors,
                            method_model, tensor_bytes, tensor_specs)
 from rayfed.models import build_backbone
@@ -192,10 +191,10 @@ class ClientActor:
 
     def train_round(
         self, round_idx: int, client_ids: list[int], payloads: Payloads, weight_scale: dict[int, float],
-        guests: Sequence[int] = (), *guest_states: ClientState,
+        guests: Sequence[int] = (), *guest_states: ClientState, send_ahead: bool = False,
     ) -> RoundUploads:
-        """:meth:`train`, with the uploads collected as :class:`UploadCollector` says (summed into one partial sum
-        when the method allows it) and moved to the host once per round.
+        """:meth:`train`, with the uploads collected as :func:`round_collector` says (one partial sum when the
+        method allows it; with ``send_ahead``, a mixture's slot sent on ahead) and moved to the host once per round.
 
         ``guests`` are clients another actor of this architecture hosts, trained here this round to balance
         the round (their states given, their new states kept for :meth:`take_guest_states`); their data is
@@ -204,19 +203,18 @@ class ClientActor:
         started, self._stats = time.time(), {}
         for cid, state in zip(guests, guest_states):
             self._welcome(cid, state)
-        aggregation = self.method.aggregation
-        collected = UploadCollector(presums(aggregation), weight_scale,
-                                    read_only_slot=aggregation.slot if isinstance(aggregation, Mixture) else None)
+        collected = round_collector(self.method.aggregation, weight_scale, send_ahead)
         updating = time.perf_counter()
         for upload in self._local_updates(round_idx, sorted(client_ids), payloads):
             collected.add(upload)
         losses = collected.read_losses()
-        busy_s = time.perf_counter() - updating
+        busy_s, updated = time.perf_counter() - updating, time.time()
         nonfinite = collected.nonfinite(lambda cid: self._context(cid, round_idx).arrived_rows())
         uploads = collected.on_host()
         for cid in guests:
             self.guest_states[cid] = slots_to(self.states.pop(cid), "cpu")
-        self.round_times.append({"round": round_idx, "start": started, "end": time.time(), "update_s": busy_s})
+        self.round_times.append({"round": round_idx, "start": started, "updated": updated, "end": time.time(),
+                                 "update_s": busy_s})
         return RoundUploads(uploads, collected.up_bytes, collected.up_params, losses, self._stats, busy_s, nonfinite,
                             round_idx)
 
@@ -276,8 +274,9 @@ class ClientActor:
         return resource_usage(self.device, len(self.client_ids), self.states, self.data)
 
     def get_round_times(self) -> list[dict[str, float]]:
-        """Per train_round call: its wall-clock start and end (time.time()) and the seconds spent in the clients'
-        local updates, so a benchmark can tell training from the rest of a round."""
+        """Per train_round call: its wall-clock start, the end of its local updates (``updated``) and its end
+        (time.time()), and the seconds spent in the clients' local updates, so a benchmark can tell training from the
+        rest of a round (after ``updated``: the uploads' copy to the host and their checks)."""
         return self.round_times
 
     def get_states(self) -> dict[int, ClientState]:

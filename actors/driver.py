@@ -7,6 +7,7 @@ process running the round loop.
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -14,6 +15,7 @@ import torch
 
 from rayfed import registry
 from rayfed.actors.client import RoundUploads, run_methods
+from rayfed.actors.uploads import fetch_sent_slots
 from rayfed.aggregation import ROWS, Mixture
 from rayfed.architectures import architecture_of, prefixed, unprefixed
 from rayfed.config import RunConfig, build_config
@@ -41,7 +43,9 @@ class DriverActor:
         self.tasks_of = client_tasks(self.config.data)
         self.architecture_of = architecture_of(self.config)
         self.down_bytes = self.down_params = 0
+        self.store_bytes = 0  # what a round's payloads put into Ray's object store (each distinct tensor once a call)
         self.known_finite = KnownFinite()
+        self.call_times: list[dict[str, float]] = []  # see get_call_times
 
     def start_method(self, method_index: int, architectures: list[str], *initial_and_tags: dict) -> None:
         """The method's initial server state, from each architecture's initial shared parameters and task tags
@@ -58,7 +62,7 @@ class DriverActor:
         self._check_server(self.server, "init_server")
         # A later server state's tensor of a (slot, name) init_server gave keeps its shape and dtype.
         self.server_specs = tensor_specs(_by_path(self.server))
-        self.down_bytes = self.down_params = 0
+        self.down_bytes = self.down_params = self.store_bytes = 0
 
     def before_federation(self, architectures: list[str], *prepared: TensorDict) -> None:
         """The method's server-side stage before round 1, given what its pre-federation stage returned on
@@ -82,7 +86,7 @@ class DriverActor:
     def payloads(self, client_ids: list[int], count_bytes: bool = True) -> dict[int, TensorDict | None]:
         """What each client receives: the method's payload, restricted to the client's architecture and its
         tasks' view, under the client's own parameter names (read-only: the actor copies it to where it trains)."""
-        payloads = ReadOnlyTensors()
+        started, payloads = time.time(), ReadOnlyTensors()
         for cid in client_ids:
             architecture = self.architecture_of[cid]
             with raised_in(f"{type(self.method).__name__}.payload for client {cid}"):
@@ -91,6 +95,9 @@ class DriverActor:
         if count_bytes:
             self.down_bytes += sum(tensor_bytes(p) for p in payloads.values())
             self.down_params += sum(tensor_params(p) for p in payloads.values())
+            distinct = {id(value): value for p in payloads.values() if p for value in p.values()}
+            self.store_bytes += sum(tensor_bytes(value) for value in distinct.values())
+        self.call_times.append({"call": "payloads", "start": started, "end": time.time()})
         return payloads
 
     def aggregate(self, *parts: RoundUploads) -> dict[str, float | None]:
@@ -99,6 +106,10 @@ class DriverActor:
 
         With ``federation.on_nonfinite: stop`` and a non-finite upload or loss, the method does not aggregate (the
         run stops), and a non-finite new server state is not kept."""
+        times = {"call": "aggregate", "start": time.time()}
+        fetch_sent_slots([upload for part in parts for upload in part.uploads])
+        times["fetch_s"] = time.time() - times["start"]
+        store_bytes = self.store_bytes + sum(tensor_bytes(upload.tensors) for part in parts for upload in part.uploads)
         uploads = sorted((u.under_server_names(self.architecture_of[u.client_id]) for part in parts for u in part.uploads),
                          key=lambda u: u.client_id)
         nonfinite: dict[str, list[int]] = {}
@@ -108,12 +119,16 @@ class DriverActor:
         stop = self.config.federation.on_nonfinite == "stop"
         if not (nonfinite and stop):
             if isinstance(self.method.aggregation, Mixture):  # each upload into its client's rows, then the weights
+                storing = time.time()
                 rows_finite = self.known_finite.all(self.server[ROWS])
                 self.method.mixed_rows.store(self.server, uploads)
                 if rows_finite and not nonfinite:  # finite rows, and uploads the actors found finite
                     self.known_finite.add(self.server[ROWS])
+                times["store_s"] = time.time() - storing
+            aggregating = time.time()
             with raised_in(f"{type(self.method).__name__}.aggregate"):
                 server = self.method.aggregate(self.server, uploads)
+            times["aggregate_s"] = time.time() - aggregating
             done = {part.round_idx + 1 for part in parts if part.round_idx is not None}
             self._check_server(server, "aggregate" + "".join(f", round {r}" for r in done))
             clients = sorted(cid for part in parts for cid in part.train_losses)
@@ -129,6 +144,7 @@ class DriverActor:
             "down_params": self.down_params,
             "train_loss": sum(losses) / len(losses) if losses else None,
             "actor_busy_s": [round(part.busy_s, 4) for part in parts],
+            "store_bytes": store_bytes,  # the payloads and uploads as they crossed Ray's object store
         }
         client_stats: dict[str, float] = {}
         for part in parts:
@@ -138,8 +154,16 @@ class DriverActor:
             stats["client_stats"] = dict(sorted(client_stats.items()))
         if nonfinite:
             stats["nonfinite"] = nonfinite
-        self.down_bytes = self.down_params = 0
+        self.down_bytes = self.down_params = self.store_bytes = 0
+        self.call_times.append({**times, "end": time.time()})
         return stats
+
+    def get_call_times(self) -> list[dict[str, float]]:
+        """Per payloads and aggregate call: its wall-clock start and end (time.time()); an aggregation's also the
+        seconds of fetching the upload slots sent on ahead (``fetch_s``), storing a mixture's rows (``store_s``) and
+        the method's aggregate (``aggregate_s``). Ray serializes a call's result after its end, so a benchmark can
+        place the server's work and the transfers around it in a round."""
+        return self.call_times
 
     def _check_server(self, server: ServerState, hook: str) -> None:
         """One sentence if ``server`` (what ``hook`` returned) holds something other than tensors, or a tensor whose

@@ -258,13 +258,17 @@ def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False) -> dict
         ideal_rounds = []
     usage: list[dict[str, Any]] = []
     round_times: list[list[dict[str, float]]] = []
+    server_times: list[dict[str, float]] = []
+    round_ends: list[float] = []
     last_round_end = 0.0
 
     def after_round(sim: Simulation, label: str, rounds_done: int) -> None:
         nonlocal last_round_end
+        round_ends.append(time.time())
         if rounds_done == rounds:
             usage.extend(sim.executor.get([actor.resource_usage.remote() for actor in sim.actors]))
             round_times.extend(sim.executor.get([actor.get_round_times.remote() for actor in sim.actors]))
+            server_times.extend(sim.executor.get(sim.driver.get_call_times.remote()))
         wall = next(event["wall_s"] for event in reversed(sim.log.events) if event["event"] == "round")
         if ideal is None:
             print(f"[bench] round {rounds_done}: rayfed {wall:.2f} s", flush=True)
@@ -289,13 +293,15 @@ def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False) -> dict
     mean_round, ideal_round = statistics.mean(walls[timed]), statistics.mean(r["round_s"] for r in ideal_rounds[timed])
     ideal_update = statistics.mean(r["update_s"] for r in ideal_rounds[timed])
     flops_per_round = profile["flops"] * clients_per_round
+    timelines = [round_timeline(end - wall, end, previous, round_times, server_times, index)
+                 for index, (wall, end, previous) in enumerate(zip(walls, round_ends, [0.0, *round_ends]))]
     return {
         "label": label, "rounds": rounds, "clients_per_round": clients_per_round, "round_s": walls,
         "interleaved": not ideal_apart, **apart,
         "participants": [e["participants"] for e in events if e["event"] == "round"],
         "ideal_rounds": ideal_rounds, "mean_round_s": mean_round, "mean_ideal_round_s": ideal_round,
         "overhead_ratio": mean_round / ideal_round,
-        "mean_update_s": statistics.mean(updates[timed]), "mean_ideal_update_s": ideal_update,
+        "mean_update_s": statistics.mean(updates[timed]), "mean_ideal_update_s": ideal_update, "timelines": timelines,
         "mean_ideal_server_s": statistics.mean(r["server_s"] for r in ideal_rounds[timed]),
         "mean_ideal_public_pass_s": statistics.mean(r["public_pass_s"] for r in ideal_rounds[timed]),
         "end_of_run_s": end_of_run, "ideal_evaluation_s": ideal_evaluation,
@@ -304,6 +310,38 @@ def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False) -> dict
         "peak_gpu_mib_per_actor": max((u["gpu_peak_bytes"] for u in usage), default=0) / 2**20,
         "peak_host_mib_per_actor": max((u["rss_bytes"] for u in usage), default=0) / 2**20,
         "metrics": {k: v for k, v in summary["methods"][label]["mean"].items() if "/" not in k},
+    }
+
+
+def round_timeline(start: float, end: float, after: float, actor_times: list[list[dict[str, float]]],
+                   server_times: list[dict[str, float]], round_idx: int) -> dict[str, Any]:
+    """Where rayfed's round ``round_idx`` (wall-clock ``start`` to ``end``; its server calls are those between
+    ``after``, the previous round's end, and ``end``) went, in seconds from its start: the
+    DriverActor's payload calls (their sum, when the last ended), when the ClientActors' train_round calls started
+    (their payloads arrived), ended their updates and returned, when the aggregation's call started (every upload
+    arrived), the seconds it fetched the upload slots sent on ahead, stored a mixture's rows and ran the method's
+    aggregate, and when it ended.
+    (``ClientActor.get_round_times``, ``DriverActor.get_call_times``.)"""
+    calls = [call for times in actor_times for call in times if call["round"] == round_idx]
+    payloads = [call for call in server_times if call["call"] == "payloads" and after < call["start"] <= end]
+    [aggregation] = [call for call in server_times if call["call"] == "aggregate" and after < call["start"] <= end]
+
+    def since(moment: float) -> float:
+        return round(moment - start, 4)
+
+    return {
+        "round": round_idx + 1, "wall_s": round(end - start, 4),
+        "payloads_s": round(sum(call["end"] - call["start"] for call in payloads), 4),
+        "payloads_done_at": since(max(call["end"] for call in payloads)),
+        "actors_started_at": sorted(since(call["start"]) for call in calls),
+        "actors_updated_at": sorted(since(call["updated"]) for call in calls),
+        "actors_ended_at": sorted(since(call["end"]) for call in calls),
+        "busiest_update_s": max(call["update_s"] for call in calls),
+        "aggregation_at": since(aggregation["start"]),
+        "fetch_s": round(aggregation.get("fetch_s", 0.0), 4),
+        "store_s": round(aggregation.get("store_s", 0.0), 4),
+        "aggregate_s": round(aggregation.get("aggregate_s", 0.0), 4),
+        "aggregation_done_at": since(aggregation["end"]),
     }
 
 
@@ -374,4 +412,24 @@ def markdown(results: dict[str, Any]) -> str:
             + ("The rounds were not interleaved: the ideal ran all its rounds first and was released, then rayfed's "
                "run.\n\n" if workload.get("ideal_apart") else "") + format_table(rows, header)
             + ("" if ratio is None else f"\nTFLOP/s of the method's local updates / a plain LoRA FedAvg step's: "
-               f"{ratio:.2f}\n"))
+               f"{ratio:.2f}\n") + timeline_markdown(results["method"]))
+
+
+TIMELINE_HEADER = ["round", "s", "payloads s (done at)", "actors start at", "updates end at", "actors end at",
+                   "aggregation at", "fetch / store / aggregate s", "aggregation done at"]
+
+
+def timeline_markdown(run: dict[str, Any]) -> str:
+    """rayfed's rounds of ``run`` as :func:`round_timeline` places them, a row each."""
+    def spread(moments: list[float]) -> str:
+        return f"{moments[0]:.2f}" if moments[0] == moments[-1] else f"{moments[0]:.2f}-{moments[-1]:.2f}"
+
+    rows = [[str(t["round"]), f"{t['wall_s']:.2f}", f"{t['payloads_s']:.2f} ({t['payloads_done_at']:.2f})",
+             spread(t["actors_started_at"]), spread(t["actors_updated_at"]), spread(t["actors_ended_at"]),
+             f"{t['aggregation_at']:.2f}", f"{t['fetch_s']:.2f} / {t['store_s']:.2f} / {t['aggregate_s']:.2f}",
+             f"{t['aggregation_done_at']:.2f}"] for t in run.get("timelines", [])]
+    if not rows:
+        return ""
+    return ("\nrayfed's rounds of the method, in seconds from each round's start (the actors' train_round calls "
+            "start once their payloads arrive; the aggregation once every upload has):\n\n"
+            + format_table(rows, TIMELINE_HEADER))

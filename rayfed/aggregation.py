@@ -249,7 +249,7 @@ def _mixed(weights: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
 
 class MixedRows:
     """A mixture's index for one run: which stack and row hold each server-named tensor of each client, and the
-    last mixed stacks, kept until the weights or a stack change (one client's payload at a time would otherwise
+    last mixed stacks, each kept until the weights or its rows change (one client's payload at a time would otherwise
     read every stack once per client)."""
 
     def __init__(self, mixture: Mixture, architecture_of: Sequence[str], initial_shared: TensorDict, label: str):
@@ -280,7 +280,8 @@ class MixedRows:
                 raise ConfigError(f"method {label!r} mixes group {key!r} across architectures, but {problem}; every "
                                   "architecture needs one tensor of each group, of one shape.")
         self.across = set(groups)
-        self._cache: tuple[list[tuple[torch.Tensor, int]], TensorDict] | None = None
+        self._matrices: tuple[tuple, dict[str | None, torch.Tensor]] | None = None  # see _mixing_matrices
+        self._mixed: dict[str, tuple[tuple, torch.Tensor]] = {}  # stack -> its inputs as seen, the mixed stack
 
     def initial_rows(self, initial_shared: TensorDict) -> TensorDict:
         """Every stack with each client's row at its architecture's initial value."""
@@ -310,35 +311,51 @@ class MixedRows:
                 key, row = self._row(name, upload.client_id)
                 stacks[key][row] = value.to(stacks[key].dtype)
 
-    def _mixed_stacks(self, server: ServerState) -> TensorDict:
+    def _mixing_matrices(self, server: ServerState) -> dict[str | None, torch.Tensor]:
+        """The float64 matrices that mix the stacks: ``None`` -> ``W`` (the groups mixed across architectures), each
+        architecture -> its block of the within matrix, each row renormalized (a row of no weight: the client's own)."""
         weights = _matrix(server, self.mixture.weights)
         within = _matrix(server, self.mixture.within_weights) if self.mixture.within_weights else weights
-        stacks = server[ROWS]
-        inputs = [weights, within, *stacks.values()]
-        if self._cache is not None:
-            seen, mixed = self._cache
-            if len(seen) == len(inputs) and all(a is b and v == b._version for (a, v), b in zip(seen, inputs)):
-                return mixed
-        all_clients, within = weights.double(), within.double()
-        within_arch = {}
+        if self._matrices is not None and _unchanged(self._matrices[0], (weights, within)):
+            return self._matrices[1]
+        matrices: dict[str | None, torch.Tensor] = {None: weights.double()}
+        within_all = within.double()
         for arch, rows in self.rows_of.items():
-            block = within[rows][:, rows]
+            block = within_all[rows][:, rows]
             totals = block.sum(dim=1, keepdim=True)
-            within_arch[arch] = torch.where(totals > 0, block / totals, torch.eye(len(rows), dtype=torch.float64))
-        mixed: TensorDict = {}
-        for arch, names in self.names_of.items():
-            for name in names:
-                key = self.stack_of[name]
-                if key not in mixed:
-                    mixed[key] = _mixed(all_clients if key in self.across else within_arch[arch], stacks[key])
-        self._cache = ([(tensor, tensor._version) for tensor in inputs], mixed)
+            matrices[arch] = torch.where(totals > 0, block / totals, torch.eye(len(rows), dtype=torch.float64))
+        self._matrices = (_seen((weights, within)), matrices)
+        return matrices
+
+    def _mixed_stack(self, server: ServerState, key: str, architecture: str) -> torch.Tensor:
+        """Stack ``key`` mixed (``architecture``: the one its rows belong to, unless it mixes across them), kept until
+        its matrix or its rows change: a round's payloads mix each stack once, and only the stacks of the
+        architectures they are asked for."""
+        matrix = self._mixing_matrices(server)[None if key in self.across else architecture]
+        stack = server[ROWS][key]
+        kept = self._mixed.get(key)
+        if kept is not None and _unchanged(kept[0], (matrix, stack)):
+            return kept[1]
+        mixed = _mixed(matrix, stack)
+        self._mixed[key] = (_seen((matrix, stack)), mixed)
         return mixed
 
     def payload(self, server: ServerState, client_id: int) -> TensorDict:
         """Client ``client_id``'s mixture of every tensor of its architecture, under the server's names."""
-        mixed = self._mixed_stacks(server)
-        payload: TensorDict = {}
-        for name in self.names_of[self.architecture_of[client_id]]:
+        architecture, payload = self.architecture_of[client_id], {}
+        for name in self.names_of[architecture]:
             key, row = self._row(name, client_id)
-            payload[name] = mixed[key][row]  # a view: Ray ships the row's bytes alone, and an actor copies it
+            # a view: Ray ships the row's bytes alone, and an actor copies it
+            payload[name] = self._mixed_stack(server, key, architecture)[row]
         return payload
+
+
+def _seen(tensors: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, int], ...]:
+    """Each tensor with its version: what :func:`_unchanged` compares with later (holding the tensors keeps each
+    identity unique)."""
+    return tuple((tensor, tensor._version) for tensor in tensors)
+
+
+def _unchanged(seen: tuple[tuple[torch.Tensor, int], ...], tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are the tensors :func:`_seen` was given, none changed in place since."""
+    return len(seen) == len(tensors) and all(a is b and version == b._version for (a, version), b in zip(seen, tensors))

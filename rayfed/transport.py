@@ -26,6 +26,11 @@ def use_raw_tensor_transport() -> None:
         ray.util.register_serializer(ReadOnlyTensors, serializer=_pack_read_only, deserializer=_unpack_read_only)
 
 
+def in_ray_actor() -> bool:
+    """Whether this process runs a Ray actor (not the driver script, nor an actor of the local executor)."""
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 def _to_bytes(tensor: torch.Tensor) -> tuple[Any, ...]:
     if (tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.requires_grad
             or tensor.is_quantized or tensor.is_conj() or tensor.is_neg()):

@@ -166,16 +166,28 @@ def _host_to_gpu(tensors: list[torch.Tensor], device: torch.device) -> dict[int,
 
 def _gpu_to_pinned(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """GPU tensors on the host: views of one pinned copy per GPU and dtype, made with one wait per GPU."""
+    pinned_views, copied = pinned_copies(tensors)
+    for done in copied:
+        done.synchronize()
+    return pinned_views
+
+
+def pinned_copies(tensors: Iterable[torch.Tensor]) -> tuple[dict[int, torch.Tensor], list[torch.cuda.Event]]:
+    """GPU tensors on the host, by the ``id`` of each: views of one pinned copy per GPU and dtype, queued on each
+    GPU's current stream without waiting for it; the views hold their values once every event returned (one a GPU)
+    has completed."""
     pinned_views, gpus = {}, set()
-    for (gpu, dtype), group in _by_kind(tensors).items():
+    for (gpu, dtype), group in _by_kind(list({id(value): value for value in tensors}.values())).items():
         flat = _gathered(group)
         pinned = torch.empty(flat.numel(), dtype=dtype, pin_memory=True)
         pinned.copy_(flat, non_blocking=True)
         gpus.add(gpu)
         pinned_views.update(_split_like(pinned, group))
+    copied = []
     for gpu in gpus:
-        torch.cuda.current_stream(gpu).synchronize()
-    return pinned_views
+        copied.append(torch.cuda.Event())
+        copied[-1].record(torch.cuda.current_stream(gpu))
+    return pinned_views, copied
 
 
 def _own_host_copies(pinned: dict[int, torch.Tensor], tensors: list[torch.Tensor],

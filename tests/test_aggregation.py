@@ -134,6 +134,34 @@ def test_a_payload_row_is_shipped_alone_not_with_its_stack(tiny_run):
     assert _to_bytes(row)[1].nbytes == 64 * 4  # what Ray sends: the row's bytes, not the stack's three rows
 
 
+def test_payloads_mix_only_their_architectures_stacks_each_once_until_its_rows_or_the_weights_change(tiny_run,
+                                                                                                    monkeypatch):
+    from rayfed import aggregation
+
+    mixed_rows = []
+
+    def counted(weights, stack):
+        mixed_rows.append(len(weights))  # a's within block is 2 x 2, b's 1 x 1, the group's 3 x 3
+        return _mixed(weights, stack)
+
+    monkeypatch.setattr(aggregation, "_mixed", counted)
+    driver = _driver(tiny_run, {"a": {"w": torch.zeros(2), "p": torch.zeros(2)},
+                                "b": {"w": torch.zeros(3), "q": torch.ones(2)}})
+    driver.payloads([2], count_bytes=False)  # b's client first: b's w and the group, not a's w
+    assert sorted(mixed_rows) == [1, 3]
+    driver.payloads([0, 1], count_bytes=False)  # then a's w alone: the group is mixed already
+    assert sorted(mixed_rows) == [1, 2, 3]
+    _round(driver, {2: {"w": torch.ones(3), "q": torch.zeros(2)}})  # b's rows and the group's change, a's w stays
+    mixed_rows.clear()
+    after = driver.payloads([0, 1, 2], count_bytes=False)
+    assert sorted(mixed_rows) == [1, 3]
+    assert torch.equal(after[2]["w"], torch.ones(3)) and torch.equal(after[0]["p"], torch.zeros(2))
+    driver.get_state()["mix"]["w"].mul_(1.0)  # the weights changed in place (same values, a new version)
+    mixed_rows.clear()
+    driver.payloads([0], count_bytes=False)
+    assert sorted(mixed_rows) == [2, 3]
+
+
 class InPlaceNaN(FixedMixture):
     """Sets its own mixing matrix to NaN in place at the second aggregation (the same tensor, a new version)."""
 

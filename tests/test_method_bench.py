@@ -7,7 +7,8 @@ import json
 import pytest
 
 from rayfed.benchmarks.method_bench import (
-    METHOD_WORKLOADS, MethodLoop, MethodWorkload, reference_config, run_method_bench, update_flops, workload_config,
+    METHOD_WORKLOADS, MethodLoop, MethodWorkload, reference_config, round_timeline, run_method_bench, update_flops,
+    workload_config,
 )
 from rayfed.errors import ConfigError
 
@@ -27,10 +28,36 @@ def test_the_ideal_trains_rayfeds_clients_each_round_and_the_table_holds_both_ru
     assert method["update_profile"]["flops"] > reference["update_profile"]["flops"]
     assert results["tflops_ratio"] == pytest.approx(method["tflops_per_s"] / reference["tflops_per_s"])
     assert method["label"] == "ditto" and reference["label"] == "fedavg"
+    for timeline in method["timelines"]:  # in one process each call runs when it is made, one after another
+        [started], [updated], [ended] = (timeline[f"actors_{when}_at"] for when in ("started", "updated", "ended"))
+        assert timeline["payloads_done_at"] <= started < updated <= ended <= timeline["aggregation_at"]
+        assert timeline["aggregation_at"] < timeline["aggregation_done_at"] < timeline["wall_s"]
+        assert timeline["store_s"] == 0 and timeline["aggregate_s"] > 0  # Ditto's mean; no mixture rows
+    assert [t["round"] for t in method["timelines"]] == [1, 2]
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["method"]["participants"] == method["participants"]
     table = (tmp_path / "bench.md").read_text()
     assert "| ditto |" in table and "| LoRA FedAvg |" in table and "a plain LoRA FedAvg step's" in table
+    assert "in seconds from each round's start" in table and table.count("\n| 2 |") == 1
+
+
+def test_a_round_timeline_places_the_server_calls_of_its_own_round_only():
+    actor_times = [[{"round": 0, "start": 10.5, "updated": 12.0, "end": 12.5, "update_s": 1.4}],
+                   [{"round": 0, "start": 10.7, "updated": 11.8, "end": 12.2, "update_s": 1.0},
+                    {"round": 1, "start": 20.0, "updated": 21.0, "end": 21.5, "update_s": 1.0}]]
+    server_times = [{"call": "payloads", "start": 9.98, "end": 10.4},  # began before the round's estimated start
+                    {"call": "payloads", "start": 10.4, "end": 10.5},
+                    {"call": "aggregate", "start": 13.0, "fetch_s": 0.1, "store_s": 0.5, "aggregate_s": 0.2,
+                     "end": 13.8},
+                    {"call": "payloads", "start": 19.0, "end": 19.5},  # the next round's
+                    {"call": "aggregate", "start": 22.0, "end": 22.1}]
+    timeline = round_timeline(10.0, 14.0, 9.0, actor_times, server_times, 0)
+    assert timeline["payloads_s"] == pytest.approx(0.52) and timeline["payloads_done_at"] == pytest.approx(0.5)
+    assert timeline["actors_started_at"] == [0.5, 0.7] and timeline["actors_ended_at"] == [2.2, 2.5]
+    assert timeline["busiest_update_s"] == 1.4 and timeline["aggregation_at"] == 3.0
+    assert timeline["store_s"] == pytest.approx(0.5) and timeline["aggregate_s"] == pytest.approx(0.2)
+    assert timeline["fetch_s"] == pytest.approx(0.1)
+    assert timeline["aggregation_done_at"] == pytest.approx(3.8) and timeline["wall_s"] == 4.0
 
 
 def test_with_the_ideal_apart_its_rounds_all_run_first_and_its_models_are_gone_before_rayfeds_run(tmp_path,

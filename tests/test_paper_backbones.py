@@ -151,8 +151,9 @@ def test_an_unknown_size_is_one_sentence_listing_the_sizes(name, allowed):
 def test_the_offline_twin_of_drake_static_is_the_paper_config_on_paper_size_models_and_synthetic_tasks():
     twin = load_config(ROOT / "configs" / "fedmosaic" / "paper_drake_static_offline.yaml")
     paper = load_config(ROOT / "configs" / "fedmosaic" / "paper_drake_static.yaml")
-    assert (twin.federation, twin.train, twin.model.lora, twin.placement, twin.data.stream) == (
-        paper.federation, paper.train, paper.model.lora, paper.placement, paper.data.stream)
+    assert (twin.federation, twin.train, twin.model.lora, twin.placement, twin.ray, twin.data.stream) == (
+        paper.federation, paper.train, paper.model.lora, paper.placement, paper.ray, paper.data.stream)
+    assert twin.ray.object_store_memory == 24 * 10**9  # a round's payloads and uploads, about 10 GB, fit
     assert [task.clients for task in twin.data.tasks] == [task.clients for task in paper.data.tasks]
     assert {name: (arch.clients, arch.backbone) for name, arch in twin.architectures.items()} == {
         "llama1b": (paper.architectures["llama1b"].clients, "llava:llama-1B"),

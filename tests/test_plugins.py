@@ -107,7 +107,7 @@ def test_an_error_in_a_users_hook_in_process_notes_the_hook_the_client_and_the_r
 
 
 def test_an_error_raised_on_an_actor_keeps_its_traceback_unless_it_is_a_config_error():
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import OwnerDiedError, RayActorError, RayTaskError
 
     from rayfed.simulation import is_actor_failure, unwrap_actor_error
 
@@ -119,6 +119,9 @@ def test_an_error_raised_on_an_actor_keeps_its_traceback_unless_it_is_a_config_e
     assert isinstance(wrapped, ValueError) and 'File "mine.py", line 3' in str(wrapped)
     assert wrapped.__notes__ == []  # the note is in the remote traceback once already
     assert is_actor_failure(RayActorError()) and not is_actor_failure(RayActorError(actor_init_failed=True))
+    # the DriverActor fetching an upload sent on ahead by an actor that died since: the run restores, as for the actor
+    owner_died = OwnerDiedError("ab" * 14, "", "")
+    assert is_actor_failure(RayTaskError("aggregate", "traceback", owner_died).as_instanceof_cause())
 
 
 def test_a_class_given_by_import_path_or_object_or_name_is_the_same_method(tmp_path, monkeypatch):

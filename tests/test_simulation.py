@@ -104,6 +104,64 @@ def test_balanced_rounds_move_clients_between_actors_without_changing_a_number(r
     assert _results(pinned) == _results(reference["summary"])
 
 
+def test_the_actor_busiest_last_round_gets_its_payloads_first(tiny_run, tmp_path, monkeypatch):
+    """The DriverActor makes one actor's payloads after another's: the actor whose local updates took longest in the
+    last round (in the first round, the one training the most clients) is served first."""
+    import time
+
+    from rayfed.actors.client import ClientActor
+
+    order, train_round, local_updates = [], ClientActor.train_round, ClientActor._local_updates
+
+    def recorded(actor, round_idx, client_ids, *args, **kwargs):
+        order.append((round_idx, tuple(client_ids)))
+        return train_round(actor, round_idx, client_ids, *args, **kwargs)
+
+    def slow_on_client_2(actor, round_idx, client_ids, payloads):
+        if 2 in client_ids:
+            time.sleep(0.3)  # the actor of one client trains longest
+        yield from local_updates(actor, round_idx, client_ids, payloads)
+
+    monkeypatch.setattr(ClientActor, "train_round", recorded)
+    monkeypatch.setattr(ClientActor, "_local_updates", slow_on_client_2)
+    tiny_run["placement"]["executor"] = "local"  # actors of clients 0, 1 and of client 2
+    tiny_run["data"]["num_clients"] = 3
+    tiny_run["federation"].update({"rounds": 3, "clients_per_round": 3})
+    _run(tiny_run, tmp_path)
+    assert order == [(0, (0, 1)), (0, (2,)), (1, (2,)), (1, (0, 1)), (2, (2,)), (2, (0, 1))]
+
+
+def test_uploads_go_on_ahead_only_after_a_round_that_took_at_most_half_the_object_store():
+    """A ray.put that does not fit is spilled to disk and read back: then the uploads return with the round's call."""
+    from rayfed.executors import LocalExecutor
+    from rayfed.simulation.actors import RunActors
+
+    actors = RunActors(None, [], None, LocalExecutor(), [])
+    assert not actors.sends_ahead()  # in this process: no object store
+    actors.object_store = 1000.0
+    assert not actors.sends_ahead()  # a method's first round: its size is not known yet
+    actors.store_bytes = 500
+    assert actors.sends_ahead()
+    actors.store_bytes = 501
+    assert not actors.sends_ahead()
+
+
+def test_a_round_larger_than_rays_object_store_is_said_once_with_the_setting_to_raise(tiny_run, tmp_path,
+                                                                                       monkeypatch, capsys):
+    from rayfed.simulation import ray_setup
+
+    monkeypatch.setattr(ray_setup, "smallest_object_store", lambda: 1000.0)  # smaller than any round here
+    tiny_run["federation"].update({"rounds": 2, "eval_every": 2})
+    _run(tiny_run, tmp_path)
+    said = [line for line in capsys.readouterr().out.splitlines() if "object store" in line]
+    assert len(said) == 1 and said[0].startswith("[rayfed] fedavg: round 1's payloads and uploads took")
+    assert "which holds 0.00 GB" in said[0] and "raise ray.object_store_memory" in said[0]
+    rounds = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line)["event"] == "round"]
+    for event in rounds:  # 3 clients on 2 actors: the global model once a payload call, two float64 partial sums
+        assert len(event["participants"]) == 3 and event["store_bytes"] == 2 * event["down_bytes"]
+
+
 def test_actors_share_the_drivers_data_through_the_object_store(tiny_run, tmp_path):
     """The federation is built once, by the driver: every actor reads the same object-store copy (read-only
     views), not a dataset built again per actor."""

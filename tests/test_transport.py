@@ -8,7 +8,7 @@ import ray
 import torch
 
 from rayfed import transport
-from rayfed.actors.uploads import RoundUploads, UploadCollector
+from rayfed.actors.uploads import RoundUploads, SlotSender, UploadCollector, fetch_sent_slots
 from rayfed.method import Upload
 from rayfed.types import ReadOnlyTensors
 
@@ -97,3 +97,27 @@ def test_a_mixtures_slot_of_a_round_arrives_as_views_and_the_other_slots_as_copi
     assert torch.equal(got.tensors["relevance"]["g"], upload.tensors["relevance"]["g"])
     assert got.tensors["shared"]["w"].data_ptr() == again.tensors["shared"]["w"].data_ptr()
     assert got.tensors["relevance"]["g"].data_ptr() != again.tensors["relevance"]["g"].data_ptr()
+
+
+def test_a_sent_slot_goes_into_the_object_store_as_its_client_finishes_and_the_server_fetches_views(raw_transport):
+    """With a SlotSender (a mixture's actor on Ray) each client's read-only slot is put into the object store on a
+    thread while the next client trains; the round's uploads then carry its ObjectRef, which the server fetches."""
+    put_before_round_end = []
+    sender = SlotSender(lambda tensors: put_before_round_end.append(sorted(tensors)) or ray.put(tensors))
+    collected = UploadCollector(presum=False, weight_scale={0: 1.0, 1: 1.0}, read_only_slot="shared", sender=sender)
+    sent = {cid: {"w": torch.randn(512, 512), "b": torch.randn(3)} for cid in (0, 1)}
+    for cid in (0, 1):
+        collected.add(Upload(cid, 4, {"shared": sent[cid], "relevance": {"g": torch.randn(4)}}, torch.tensor(0.5)))
+    collected.sending[1].result()  # both puts done before the round ends
+    assert put_before_round_end == [["b", "w"], ["b", "w"]]
+    uploads = collected.on_host()
+    assert all(isinstance(upload.tensors["shared"], ray.ObjectRef) for upload in uploads)
+    assert all(isinstance(upload.tensors["relevance"]["g"], torch.Tensor) for upload in uploads)
+    assert collected.up_bytes == 2 * (512 * 512 + 3 + 4) * 4  # what the clients sent, counted as they came
+    arrived = ray.get(ray.put(RoundUploads(uploads, 0, 0, {0: 0.5, 1: 0.5}))).uploads
+    fetch_sent_slots(arrived)
+    again = ray.get(uploads[0].tensors["shared"])
+    for upload in arrived:
+        assert isinstance(upload.tensors["shared"], ReadOnlyTensors)
+        assert all(torch.equal(upload.tensors["shared"][name], sent[upload.client_id][name]) for name in ("w", "b"))
+    assert arrived[0].tensors["shared"]["w"].data_ptr() == again["w"].data_ptr()  # views of the stored copy

@@ -184,6 +184,9 @@ def paper(name: str, clients: int, small: tuple[int, ...], folder: str, stream: 
                      "relevance_model": PAPER_MODELS["llava-llama3.2-1b"]},
                     {"name": "fedmosaic", "relevance_model": PAPER_MODELS["llava-llama3.2-1b"]}],
         "placement": {"clients_per_actor": 1, "cpus_per_actor": 4, "gpus_per_actor": 1},
+        # A round's payloads and uploads (about 10 GB for the LLaVA mix) cross a local Ray's object store, whose
+        # default of 1 GB would spill them to disk (benchmarks/README.md, FedMosaic at paper size).
+        "ray": {"object_store_memory": 24 * 10**9},
     }
 
 

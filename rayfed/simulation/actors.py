@@ -17,7 +17,7 @@ from rayfed.data.clients import Federation
 from rayfed.executors import LocalExecutor, RayExecutor
 from rayfed.method import ClientState, Method, TensorDict
 from rayfed.simulation.placement import placed
-from rayfed.simulation.ray_setup import ship_by_value
+from rayfed.simulation.ray_setup import ship_by_value, smallest_object_store
 
 
 class RunActors:
@@ -31,6 +31,9 @@ class RunActors:
         self.clients: list[Any] = []
         self.driver: Any = None
         self.host_of: dict[int, int] = {}
+        self.busy_s: dict[int, float] = {}  # each actor's local updates in its last round of the method (run_round)
+        self.store_bytes: int | None = None  # what the method's last round put through Ray's object store
+        self.object_store: float | None = None  # the bytes of the smallest node's object store (None: local)
         self._federation_ref: Any = None
 
     def start(self) -> None:
@@ -57,6 +60,14 @@ class RunActors:
             self.host_of.update({cid: actor_index for cid in slot.client_ids})
         self.driver = executor.actor(DriverActor, placed({"num_cpus": placement.driver_cpus}, bundle_index=0),
                                      config, methods, plugins)
+        self.object_store = None if executor.local else smallest_object_store()
+
+    def sends_ahead(self) -> bool:
+        """Whether the actors send a mixture's uploads on ahead this round: when the last round's payloads and uploads
+        took at most half of the smallest object store. A ``ray.put`` that does not fit is spilled to disk and read
+        back, slower than the upload returned with the round's call (``benchmarks/mixture_server.py``)."""
+        store, used = self.object_store, self.store_bytes
+        return store is not None and used is not None and 2 * used <= store
 
     def stop(self) -> None:
         for actor in [*self.clients, self.driver]:
@@ -77,6 +88,7 @@ class RunActors:
         (compute matching)."""
         if not self.clients:
             self.start()
+        self.busy_s, self.store_bytes = {}, None
         initial = [actor.start_method.remote(method_index, local_steps) for actor in self.clients]
         first = self.first_of_each_architecture()
         tags = [self.clients[first[name]].task_tags.remote() for name in first]

@@ -13,6 +13,7 @@ from unittest import mock
 
 import ray
 from ray import cloudpickle
+from tqdm.auto import tqdm
 
 from rayfed import registry
 from rayfed.config import RunConfig
@@ -30,6 +31,31 @@ def init_ray(config: RunConfig) -> bool:
     init_local_ray(num_cpus=config.ray.num_cpus, num_gpus=config.ray.num_gpus,
                    object_store_memory=config.ray.object_store_memory)
     return True
+
+
+def smallest_object_store() -> float | None:
+    """The bytes of the smallest object store among the Ray cluster's alive nodes (None outside Ray)."""
+    if not ray.is_initialized():
+        return None
+    stores = [node["Resources"].get("object_store_memory", 0) for node in ray.nodes() if node.get("Alive")]
+    return min((store for store in stores if store), default=None)
+
+
+class ObjectStoreCheck:
+    """Says once a method when a round's payloads and uploads outgrew Ray's object store: Ray then spills them to
+    disk and reads them back, seconds a round at paper size, and nothing else tells why the rounds are slow."""
+
+    def __init__(self) -> None:
+        self.said: set[str] = set()  # the methods already told
+
+    def __call__(self, label: str, rounds_done: int, store_bytes: int) -> None:
+        store = None if label in self.said else smallest_object_store()
+        if store and store_bytes > store:
+            self.said.add(label)
+            tqdm.write(f"[rayfed] {label}: round {rounds_done}'s payloads and uploads took {store_bytes / 1e9:.2f} GB "
+                       f"of Ray's object store, which holds {store / 1e9:.2f} GB (on its smallest node); Ray spills "
+                       "what does not fit to disk and reads it back, seconds a round; raise ray.object_store_memory "
+                       f"(a local Ray's) or the nodes' object store above {store_bytes / 1e9:.2f} GB.")
 
 
 def keep_loopback() -> Any:

@@ -50,13 +50,18 @@ def run_round(actors: RunActors, method_index: int, round_idx: int, num_train: d
     # and the guests' new states are handed back only after every actor's round is queued: otherwise one actor's
     # round would queue behind another's.
     states = {cid: clients[host_of[cid]].client_state.remote(cid) for actor in assignment for cid in guests[actor]}
-    upload_refs = []
-    for actor_index, client_ids in assignment.items():
+    # The DriverActor makes the payloads one call after another: the actor that was busiest last round (the most
+    # clients, in the first) gets its payloads first. The uploads still reach the aggregation in actor order.
+    first = sorted(assignment, key=lambda actor: (-actors.busy_s.get(actor, 0.0), -len(assignment[actor])))
+    send_ahead, trained = actors.sends_ahead(), {}
+    for actor_index in first:
+        client_ids = assignment[actor_index]
         payload_ref = driver.payloads.remote(client_ids)
         weight_scale = {cid: plan.weight_scale[cid] for cid in client_ids}
-        upload_refs.append(clients[actor_index].train_round.remote(
+        trained[actor_index] = clients[actor_index].train_round.remote(
             round_idx, client_ids, payload_ref, weight_scale, guests[actor_index],
-            *(states[cid] for cid in guests[actor_index])))
+            *(states[cid] for cid in guests[actor_index]), send_ahead=send_ahead)
+    upload_refs = [trained[actor_index] for actor_index in assignment]
     hosts_to_update = []
     for actor_index in assignment:
         if guests[actor_index]:
@@ -64,6 +69,8 @@ def run_round(actors: RunActors, method_index: int, round_idx: int, num_train: d
             hosts_to_update += [clients[host].put_states.remote(moved)
                                 for host in sorted({host_of[cid] for cid in guests[actor_index]})]
     stats = actors.executor.get(driver.aggregate.remote(*upload_refs))
+    actors.busy_s.update(zip(assignment, stats["actor_busy_s"]))
+    actors.store_bytes = stats["store_bytes"]
     actors.executor.get(hosts_to_update)
     if "nonfinite" not in stats:
         actors.public_passes(method_index, round_idx)

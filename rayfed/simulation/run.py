@@ -30,7 +30,8 @@ from rayfed.simulation.nonfinite import NonfiniteCheck
 from rayfed.simulation.gpu_memory import fitted_slots_measured
 from rayfed.simulation.placement import planned_costs
 from rayfed.simulation.preflight import check_model
-from rayfed.simulation.ray_setup import import_plugin_modules, init_ray, is_actor_failure, unwrap_actor_error
+from rayfed.simulation.ray_setup import (ObjectStoreCheck, import_plugin_modules, init_ray, is_actor_failure,
+                                        unwrap_actor_error)
 from rayfed.simulation.results import MetricsLog, mean_std, method_results, run_summary
 from rayfed.simulation.rounds import run_round
 
@@ -86,6 +87,7 @@ class Simulation:
         self._resuming = resuming
         self.run_actors: RunActors | None = None
         self.gpu_memory: dict[str, dict] = {}  # the measured GPU shares (gpus_per_actor: measured), for summary.json
+        self.object_store_check = ObjectStoreCheck()
 
     # Public API ------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -244,6 +246,8 @@ class Simulation:
             if "nonfinite" in stats:
                 self.nonfinite(entry.label, f"in round {rounds_done}", stats["nonfinite"])
             wall = time.perf_counter() - started
+            if not self.executor.local:
+                self.object_store_check(entry.label, rounds_done, stats["store_bytes"])
             done.count(counters, wall)
             self.log.append(done.event(entry.label, rounds_done, wall))
             postfix = {"loss": "-" if stats["train_loss"] is None else f"{stats['train_loss']:.3f}"}
