@@ -185,7 +185,7 @@ def pinned_copies(tensors: Iterable[torch.Tensor]) -> tuple[dict[int, torch.Tens
         pinned_views.update(_split_like(pinned, group))
     copied = []
     for gpu in gpus:
-        copied.append(torch.cuda.Event())
+        copied.append(torch.cuda.Event(blocking=True))  # a thread that waits on it sleeps rather than spins a CPU
         copied[-1].record(torch.cuda.current_stream(gpu))
     return pinned_views, copied
 
