@@ -148,9 +148,9 @@ def test_uploads_go_on_ahead_only_after_a_round_that_took_at_most_half_the_objec
 
 def test_a_round_larger_than_rays_object_store_is_said_once_with_the_setting_to_raise(tiny_run, tmp_path,
                                                                                        monkeypatch, capsys):
-    from rayfed.simulation import ray_setup
+    from rayfed.simulation import actors
 
-    monkeypatch.setattr(ray_setup, "smallest_object_store", lambda: 1000.0)  # smaller than any round here
+    monkeypatch.setattr(actors, "smallest_object_store", lambda: 1000.0)  # smaller than any round here
     tiny_run["federation"].update({"rounds": 2, "eval_every": 2})
     _run(tiny_run, tmp_path)
     said = [line for line in capsys.readouterr().out.splitlines() if "object store" in line]

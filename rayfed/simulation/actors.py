@@ -60,7 +60,7 @@ class RunActors:
             self.host_of.update({cid: actor_index for cid in slot.client_ids})
         self.driver = executor.actor(DriverActor, placed({"num_cpus": placement.driver_cpus}, bundle_index=0),
                                      config, methods, plugins)
-        self.object_store = None if executor.local else smallest_object_store()
+        self.object_store = None if executor.local else smallest_object_store()  # read once: a GCS call
 
     def sends_ahead(self) -> bool:
         """Whether the actors send a mixture's uploads on ahead this round: when the last round's payloads and uploads

@@ -48,9 +48,9 @@ class ObjectStoreCheck:
     def __init__(self) -> None:
         self.said: set[str] = set()  # the methods already told
 
-    def __call__(self, label: str, rounds_done: int, store_bytes: int) -> None:
-        store = None if label in self.said else smallest_object_store()
-        if store and store_bytes > store:
+    def __call__(self, label: str, rounds_done: int, store_bytes: int, store: float | None) -> None:
+        """``store``: the bytes of the smallest node's object store (:func:`smallest_object_store`; None: no Ray)."""
+        if store and store_bytes > store and label not in self.said:
             self.said.add(label)
             tqdm.write(f"[rayfed] {label}: round {rounds_done}'s payloads and uploads took {store_bytes / 1e9:.2f} GB "
                        f"of Ray's object store, which holds {store / 1e9:.2f} GB (on its smallest node); Ray spills "

@@ -246,8 +246,7 @@ class Simulation:
             if "nonfinite" in stats:
                 self.nonfinite(entry.label, f"in round {rounds_done}", stats["nonfinite"])
             wall = time.perf_counter() - started
-            if not self.executor.local:
-                self.object_store_check(entry.label, rounds_done, stats["store_bytes"])
+            self.object_store_check(entry.label, rounds_done, stats["store_bytes"], self.run_actors.object_store)
             done.count(counters, wall)
             self.log.append(done.event(entry.label, rounds_done, wall))
             postfix = {"loss": "-" if stats["train_loss"] is None else f"{stats['train_loss']:.3f}"}
