@@ -217,16 +217,16 @@ def _ideal_built(config: RunConfig) -> tuple[MethodLoop, float, dict[str, Any]]:
     return ideal, built_s, profile
 
 
-def _ideal_run(config: RunConfig) -> tuple[dict[str, Any], list[weakref.ref]]:
-    """The ideal's whole run on its own (``ideal_apart``): its rounds, then one evaluation of every client; with
-    weak references to its models, which die when it returns."""
+def _ideal_run(config: RunConfig, evaluate: bool = True) -> tuple[dict[str, Any], list[weakref.ref]]:
+    """The ideal's whole run on its own (``ideal_apart``, ``ideal_only``): its rounds, then (``evaluate``) one
+    evaluation of every client; with weak references to its models, which die when it returns."""
     ideal, built_s, profile = _ideal_built(config)
     rounds = []
     for round_idx in range(config.federation.rounds):
         rounds.append(ideal.run_round(round_idx))
         print(f"[bench] the ideal's round {round_idx + 1}: {rounds[-1]['round_s']:.2f} s", flush=True)
-    return ({"built_s": built_s, "profile": profile, "rounds": rounds,
-             "evaluation_s": ideal.evaluation_s(config.federation.rounds)}, ideal.models())
+    evaluation_s = ideal.evaluation_s(config.federation.rounds) if evaluate else None
+    return {"built_s": built_s, "profile": profile, "rounds": rounds, "evaluation_s": evaluation_s}, ideal.models()
 
 
 def _released(models: list[weakref.ref]) -> dict[str, Any]:
@@ -286,24 +286,22 @@ def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False) -> dict
     updates = [max((t["update_s"] for times in round_times for t in times if t["round"] == r), default=0.0)
                for r in range(rounds)]
     label = config.methods[0].label
-    clients_per_round = statistics.mean(len(e["participants"]) for e in events if e["event"] == "round")
     if ideal is not None:
         ideal_evaluation = ideal.evaluation_s(rounds)
     timed = slice(1, None) if rounds > 1 else slice(None)  # the first round warms up both
-    mean_round, ideal_round = statistics.mean(walls[timed]), statistics.mean(r["round_s"] for r in ideal_rounds[timed])
-    ideal_update = statistics.mean(r["update_s"] for r in ideal_rounds[timed])
+    means = _ideal_means(ideal_rounds)
+    mean_round, ideal_round, ideal_update = (statistics.mean(walls[timed]), means["mean_ideal_round_s"],
+                                             means["mean_ideal_update_s"])
+    clients_per_round = means["clients_per_round"]
     flops_per_round = profile["flops"] * clients_per_round
     timelines = [round_timeline(end - wall, end, previous, round_times, server_times, index)
                  for index, (wall, end, previous) in enumerate(zip(walls, round_ends, [0.0, *round_ends]))]
     return {
-        "label": label, "rounds": rounds, "clients_per_round": clients_per_round, "round_s": walls,
+        "label": label, "rounds": rounds, "round_s": walls,
         "interleaved": not ideal_apart, **apart,
         "participants": [e["participants"] for e in events if e["event"] == "round"],
-        "ideal_rounds": ideal_rounds, "mean_round_s": mean_round, "mean_ideal_round_s": ideal_round,
-        "overhead_ratio": mean_round / ideal_round,
-        "mean_update_s": statistics.mean(updates[timed]), "mean_ideal_update_s": ideal_update, "timelines": timelines,
-        "mean_ideal_server_s": statistics.mean(r["server_s"] for r in ideal_rounds[timed]),
-        "mean_ideal_public_pass_s": statistics.mean(r["public_pass_s"] for r in ideal_rounds[timed]),
+        "ideal_rounds": ideal_rounds, "mean_round_s": mean_round, **means, "overhead_ratio": mean_round / ideal_round,
+        "mean_update_s": statistics.mean(updates[timed]), "timelines": timelines,
         "end_of_run_s": end_of_run, "ideal_evaluation_s": ideal_evaluation,
         "update_profile": profile, "ideal_build_s": built_s, "tflops_per_s": flops_per_round / ideal_update / 1e12,
         "rayfed_tflops_per_s": flops_per_round / mean_round / 1e12,
@@ -311,6 +309,29 @@ def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False) -> dict
         "peak_host_mib_per_actor": max((u["rss_bytes"] for u in usage), default=0) / 2**20,
         "metrics": {k: v for k, v in summary["methods"][label]["mean"].items() if "/" not in k},
     }
+
+
+def measure_ideal(config: RunConfig) -> dict[str, Any]:
+    """The ideal's rounds of ``config`` alone (``ideal_only``): no rayfed run and no evaluation, for the TFLOP/s of
+    the method's local updates at the cost of its rounds only."""
+    alone, models = _ideal_run(config, evaluate=False)
+    rounds, profile = alone["rounds"], alone["profile"]
+    means = _ideal_means(rounds)
+    return {
+        "label": config.methods[0].label, "rounds": len(rounds), "ideal_only": True, **_released(models),
+        "ideal_rounds": rounds, **means, "update_profile": profile, "ideal_build_s": alone["built_s"],
+        "tflops_per_s": profile["flops"] * means["clients_per_round"] / means["mean_ideal_update_s"] / 1e12,
+        "peak_gpu_mib_per_actor": None,
+    }
+
+
+def _ideal_means(ideal_rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """The ideal's mean seconds a round and clients a round, over its rounds after the first (a warm-up) when it
+    ran more than one: the timed rounds (a method may train other clients in its first, pFedMMA all of them)."""
+    timed = ideal_rounds[1:] if len(ideal_rounds) > 1 else ideal_rounds
+    return {"clients_per_round": statistics.mean(len(r["clients"]) for r in timed),
+            **{f"mean_ideal_{part}_s": statistics.mean(r[f"{part}_s"] for r in timed)
+               for part in ("round", "update", "server", "public_pass")}}
 
 
 def round_timeline(start: float, end: float, after: float, actor_times: list[list[dict[str, float]]],
@@ -357,10 +378,13 @@ def reference_config(config: RunConfig) -> RunConfig:
 
 def run_method_bench(workload: str | MethodWorkload, out_dir: Path, rounds: int | None = None, smoke: bool = False,
                      overrides: tuple[str, ...] = (), reference: bool = True,
-                     ideal_apart: bool = False) -> dict[str, Any]:
+                     ideal_apart: bool = False, ideal_only: bool = False) -> dict[str, Any]:
     """The bench of ``workload`` (or the one :data:`METHOD_WORKLOADS` names), with the plain LoRA FedAvg reference's
     step rate beside it when ``reference``; writes ``bench.json`` and ``bench.md`` into ``out_dir``. ``ideal_apart``:
-    see :func:`measure`."""
+    see :func:`measure`; ``ideal_only``: the ideal's rounds alone (:func:`measure_ideal`), for the TFLOP/s ratio."""
+    if ideal_only and ideal_apart:
+        raise ConfigError("--ideal-only runs no rayfed run to keep the ideal apart from; give one of --ideal-only "
+                          "and --ideal-apart.")
     if isinstance(workload, str):
         if workload not in METHOD_WORKLOADS:
             raise choice_error("--workload", workload, METHOD_WORKLOADS)
@@ -371,15 +395,18 @@ def run_method_bench(workload: str | MethodWorkload, out_dir: Path, rounds: int 
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "workload": {"name": name, **asdict(workload), "smoke": smoke, "overrides": list(overrides),
-                     "ideal_apart": ideal_apart},
+                     "ideal_apart": ideal_apart, "ideal_only": ideal_only},
         "machine": {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                     "torch": torch.__version__},
     }
     with tempfile.TemporaryDirectory(prefix=f"rayfed-bench-{name}-") as scratch:
-        results["method"] = measure(config, Path(scratch), ideal_apart)
+        def run(run_config: RunConfig, scratch_dir: Path) -> dict[str, Any]:
+            return measure_ideal(run_config) if ideal_only else measure(run_config, scratch_dir, ideal_apart)
+
+        results["method"] = run(config, Path(scratch))
         atomic_write_json(out_dir / "bench.json", results)
         if reference:
-            results["reference"] = measure(reference_config(config), Path(scratch) / "reference", ideal_apart)
+            results["reference"] = run(reference_config(config), Path(scratch) / "reference")
             results["tflops_ratio"] = results["method"]["tflops_per_s"] / results["reference"]["tflops_per_s"]
     atomic_write_json(out_dir / "bench.json", results)
     atomic_write_text(out_dir / "bench.md", markdown(results))
@@ -397,10 +424,11 @@ def markdown(results: dict[str, Any]) -> str:
             run = results[role]
             profile = run["update_profile"]
             syncs = profile["host_syncs"]
-            rows.append([run["label"] if role == "method" else "LoRA FedAvg", *(f"{run[k]:.3g}" for k in ROW_KEYS),
+            rows.append([run["label"] if role == "method" else "LoRA FedAvg",
+                         *("-" if run.get(k) is None else f"{run[k]:.3g}" for k in ROW_KEYS),
                          "-" if syncs is None else str(syncs),
                          "-" if profile["peak_gpu_bytes"] is None else f"{profile['peak_gpu_bytes'] / 2**20:.0f}",
-                         f"{run['peak_gpu_mib_per_actor']:.0f}"])
+                         "-" if run["peak_gpu_mib_per_actor"] is None else f"{run['peak_gpu_mib_per_actor']:.0f}"])
     header = ["method", "s/round", "ideal s/round", "overhead", "updates s (busiest actor)", "ideal updates s",
               "ideal server hooks s", "ideal public passes s", "end of run s", "ideal evaluation s", "TFLOP/s",
               "host syncs/update", "peak GPU MiB/client", "peak GPU MiB/actor"]
@@ -410,7 +438,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"{' ' + ' '.join(workload['overrides']) if workload['overrides'] else ''}\n\n"
             f"Machine: {machine['gpu'] or 'CPU only'}, torch {machine['torch']}\n\n"
             + ("The rounds were not interleaved: the ideal ran all its rounds first and was released, then rayfed's "
-               "run.\n\n" if workload.get("ideal_apart") else "") + format_table(rows, header)
+               "run.\n\n" if workload.get("ideal_apart") else "")
+            + ("Only the ideal ran (--ideal-only): no rayfed run, no evaluation.\n\n" if workload.get("ideal_only")
+               else "") + format_table(rows, header)
             + ("" if ratio is None else f"\nTFLOP/s of the method's local updates / a plain LoRA FedAvg step's: "
                f"{ratio:.2f}\n") + timeline_markdown(results["method"]))
 

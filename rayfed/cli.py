@@ -92,7 +92,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.workload in METHOD_WORKLOADS:
         run_method_bench(args.workload, Path(args.out), rounds=args.rounds, smoke=args.smoke,
                          overrides=tuple(args.overrides), reference=not args.no_reference,
-                         ideal_apart=args.ideal_apart)
+                         ideal_apart=args.ideal_apart, ideal_only=args.ideal_only)
         print((Path(args.out) / "bench.md").read_text())
         print(f"results: {args.out}/bench.json, {args.out}/bench.md")
         return 0
@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a seed method's workload: run the ideal's rounds all first and release it (its models "
                        "and GPU memory) before rayfed's run, for a GPU that cannot hold both; the rounds are not "
                        "interleaved")
+    bench.add_argument("--ideal-only", action="store_true",
+                       help="a seed method's workload: run only the ideal's rounds (no rayfed run, no evaluation), "
+                       "for the TFLOP/s of its local updates against the LoRA FedAvg reference's")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
     bench.set_defaults(handler=_bench)
 

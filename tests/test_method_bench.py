@@ -11,6 +11,7 @@ from rayfed.benchmarks.method_bench import (
     workload_config,
 )
 from rayfed.errors import ConfigError
+from rayfed.method import Method
 
 QUICK = MethodWorkload("configs/quickstart.yaml", "ditto", "configs/quickstart.yaml", "ditto")
 
@@ -92,6 +93,34 @@ def test_with_the_ideal_apart_its_rounds_all_run_first_and_its_models_are_gone_b
     assert "reference" not in results
     assert json.loads((tmp_path / "bench.json").read_text())["workload"]["ideal_apart"]
     assert "The rounds were not interleaved" in (tmp_path / "bench.md").read_text()
+
+
+def test_with_the_ideal_only_no_rayfed_run_starts_and_both_runs_give_their_update_rate(tmp_path, monkeypatch):
+    from rayfed.benchmarks import method_bench
+
+    def no_rayfed_run(sim):
+        raise AssertionError("--ideal-only started rayfed's run")
+
+    def every_client_first(method, round_idx, sampled, num_clients):  # as pFedMMA's first round
+        return list(range(num_clients)) if round_idx == 0 else sampled
+
+    monkeypatch.setattr(method_bench.Simulation, "run", no_rayfed_run)
+    monkeypatch.setattr(Method, "participants", every_client_first)
+    results = run_method_bench(QUICK, tmp_path, rounds=3, ideal_only=True, overrides=(
+        "placement.executor=local", "data.num_clients=8", "federation.clients_per_round=4", "train.local_steps=2"))
+    method, reference = results["method"], results["reference"]
+    for run in (method, reference):
+        assert run["ideal_only"] and run["ideal_released"]
+        assert [len(r["clients"]) for r in run["ideal_rounds"]] == [8, 4, 4]
+        assert run["mean_ideal_update_s"] == pytest.approx(sum(r["update_s"] for r in run["ideal_rounds"][1:]) / 2)
+        # the rate of the timed rounds: their 4 clients' updates, not the first round's 8
+        assert run["clients_per_round"] == 4 and run["tflops_per_s"] == pytest.approx(
+            run["update_profile"]["flops"] * 4 / run["mean_ideal_update_s"] / 1e12)
+    assert results["tflops_ratio"] == pytest.approx(method["tflops_per_s"] / reference["tflops_per_s"])
+    table = (tmp_path / "bench.md").read_text()
+    assert "Only the ideal ran" in table and "| ditto | - | " in table and "a plain LoRA FedAvg step's" in table
+    with pytest.raises(ConfigError, match="--ideal-only .*--ideal-apart"):
+        run_method_bench(QUICK, tmp_path, ideal_only=True, ideal_apart=True)
 
 
 def test_the_update_flops_extrapolated_from_one_and_two_steps_are_those_counted_over_the_whole_update():

@@ -100,6 +100,9 @@ def test_open_clip_image_tower_with_lora_on_its_mlp(tmp_path):
     model = build_client_model(backbone, config, 10, seed=0)
     lora = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
     assert lora == 12 * 8 * ((768 + 3072) + (3072 + 768))  # rank 8 on c_fc (768->3072) and c_proj in 12 blocks
+    default = build_client_model(backbone, config.model_copy(update={"lora": LoraConfig(rank=8)}), 10, seed=0)
+    lora = sum(p.numel() for n, p in default.named_parameters() if p.requires_grad and "lora_" in n)
+    assert lora == 12 * 8 * ((768 + 768) + (768 + 3072) + (3072 + 768))  # and on the attention's out_proj
 
     weights = tmp_path / "clip.safetensors"
     full = open_clip.create_model("ViT-B-16", pretrained=None)

@@ -15,7 +15,8 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     targets: tuple[str, ...] | None = Field(
         None, description="names of the linear modules LoRA goes on; default: the backbone family's attention "
-        "query and value (ViT q_proj/v_proj, ViLT/FLAVA query/value, LLMs q_proj/v_proj)"
+        "query and value (ViT q_proj/v_proj, ViLT/FLAVA query/value, LLMs q_proj/v_proj); an open_clip image tower's "
+        "out_proj, c_fc and c_proj (its query and value are fused in torch's MultiheadAttention)"
     )
 
 

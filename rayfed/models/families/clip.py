@@ -243,9 +243,14 @@ def _prompt_length(model: ClipClassifier, names: Sequence[str]) -> int:
 
 
 # The open_clip image tower as an engine backbone --------------------------------------------------------
+# An open_clip block's query and value sit in torch's MultiheadAttention's fused in_proj, not in linear layers, so
+# LoRA's default goes on every linear layer of the blocks: the attention's output and the MLP's two.
+OPEN_CLIP_LORA_TARGETS = ("out_proj", "c_fc", "c_proj")
+
+
 def _image_tower(visual: nn.Module, name: str) -> Backbone:
     image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
-    return Backbone(visual, visual.output_dim, image_size, 3, name=name)
+    return Backbone(visual, visual.output_dim, image_size, 3, name=name, lora_targets=OPEN_CLIP_LORA_TARGETS)
 
 
 @register_backbone("open_clip:")
