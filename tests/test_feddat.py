@@ -319,6 +319,18 @@ def test_packing_clients_into_actors_does_not_change_feddat():
     assert {"local_acc", "local_acc@dat", "local_acc@local"} <= set(metrics[0])
 
 
+def test_an_evaluation_draws_vilts_patch_order_from_its_own_stream_and_leaves_the_process_generator(started):
+    actor, shared = started
+    payloads = {cid: shared for cid in actor.client_ids}
+    torch.manual_seed(1)
+    first = actor.evaluate(0, payloads)
+    torch.manual_seed(2)
+    torch.rand(7)  # the process's generator elsewhere: another actor's history, another packing
+    before = torch.random.get_rng_state()
+    assert actor.evaluate(0, payloads) == first
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
 def test_feddat_needs_the_adapter_module():
     run = _run()
     run["model"]["module"] = "lora"

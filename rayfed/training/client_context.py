@@ -342,7 +342,16 @@ class ClientContext:
     def evaluate(self, params: TensorDict) -> dict[str, float]:
         """The metrics of each of the client's tasks on its own test data (personalization), ``local_<metric>``
         (``<task>/local_<metric>`` for a client holding several tasks), and on each shared evaluation set
-        ``<set>_<metric>``; plus the metrics derived from these (:mod:`rayfed.results.derived_metrics`)."""
+        ``<set>_<metric>``; plus the metrics derived from these (:mod:`rayfed.results.derived_metrics`).
+
+        A model that draws in evaluation (ViLT's patch order, from the host's generator) draws from this client's
+        and round's own stream, and the process's generator is left as it was: the numbers do not depend on what
+        the actor ran before (the packing, an earlier view)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, "evaluation"))
+            return self._evaluate(params)
+
+    def _evaluate(self, params: TensorDict) -> dict[str, float]:
         self.model.load_trainable(params)
         self.model.eval()
         metrics: dict[str, float] = {}
