@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 import yaml
 
@@ -242,6 +243,51 @@ def _released(models: list[weakref.ref]) -> dict[str, Any]:
             torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None}
 
 
+def rayfed_run(config: RunConfig, run_dir: Path, each_round: Callable[[int, float], None] | None = None,
+               ) -> dict[str, Any]:
+    """rayfed's run of ``config`` (one method) into ``run_dir``: each round's wall seconds, clients, timeline
+    (:func:`round_timeline`) and busiest actor's local updates; the actors' resource usage; the Ray cluster's GPUs
+    and those its actors held; the end of the run (its final evaluation and post-FL stage, results written); the
+    method's mean metrics. ``each_round(rounds_done, wall_s)`` runs after each round, before the next starts."""
+    rounds = config.federation.rounds
+    seen: dict[str, Any] = {"usage": [], "round_times": [], "server_times": [], "round_ends": []}
+    last_round_end = 0.0
+
+    def after_round(sim: Simulation, label: str, rounds_done: int) -> None:
+        nonlocal last_round_end
+        seen["round_ends"].append(time.time())
+        if rounds_done == rounds:
+            executor = sim.executor
+            seen["usage"] = executor.get([actor.resource_usage.remote() for actor in sim.actors])
+            seen["round_times"] = executor.get([actor.get_round_times.remote() for actor in sim.actors])
+            seen["server_times"] = executor.get(sim.driver.get_call_times.remote())
+            seen["actors"] = len(sim.actors)
+            if ray.is_initialized():
+                seen["cluster_gpus"] = ray.cluster_resources().get("GPU", 0.0)
+                seen["actor_gpus"] = seen["cluster_gpus"] - ray.available_resources().get("GPU", 0.0)
+        if each_round is not None:
+            wall = next(event["wall_s"] for event in reversed(sim.log.events) if event["event"] == "round")
+            each_round(rounds_done, wall)
+        last_round_end = time.perf_counter()
+
+    summary = Simulation(config, out_dir=run_dir, callbacks=[after_round], progress=False, check_model=False).run()
+    end_of_run = time.perf_counter() - last_round_end
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    walls = [e["wall_s"] for e in events if e["event"] == "round"]
+    ends = seen["round_ends"]
+    label = config.methods[0].label
+    return {
+        "round_s": walls, "participants": [e["participants"] for e in events if e["event"] == "round"],
+        "timelines": [round_timeline(end - wall, end, previous, seen["round_times"], seen["server_times"], index)
+                      for index, (wall, end, previous) in enumerate(zip(walls, ends, [0.0, *ends]))],
+        "busiest_update_s": [max((t["update_s"] for times in seen["round_times"] for t in times if t["round"] == r),
+                                 default=0.0) for r in range(rounds)],
+        "usage": seen["usage"], "actors": seen.get("actors"),
+        "cluster_gpus": seen.get("cluster_gpus"), "actor_gpus": seen.get("actor_gpus"), "end_of_run_s": end_of_run,
+        "metrics": {k: v for k, v in summary["methods"][label]["mean"].items() if "/" not in k},
+    }
+
+
 def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False) -> dict[str, Any]:
     """rayfed's run of ``config`` (one method), each round paired with the ideal's same round; ``ideal_apart``: the
     ideal's rounds all first, the ideal released before rayfed's run."""
@@ -256,35 +302,17 @@ def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False) -> dict
     else:
         ideal, built_s, profile = _ideal_built(config)
         ideal_rounds = []
-    usage: list[dict[str, Any]] = []
-    round_times: list[list[dict[str, float]]] = []
-    server_times: list[dict[str, float]] = []
-    round_ends: list[float] = []
-    last_round_end = 0.0
 
-    def after_round(sim: Simulation, label: str, rounds_done: int) -> None:
-        nonlocal last_round_end
-        round_ends.append(time.time())
-        if rounds_done == rounds:
-            usage.extend(sim.executor.get([actor.resource_usage.remote() for actor in sim.actors]))
-            round_times.extend(sim.executor.get([actor.get_round_times.remote() for actor in sim.actors]))
-            server_times.extend(sim.executor.get(sim.driver.get_call_times.remote()))
-        wall = next(event["wall_s"] for event in reversed(sim.log.events) if event["event"] == "round")
+    def each_round(rounds_done: int, wall: float) -> None:
         if ideal is None:
             print(f"[bench] round {rounds_done}: rayfed {wall:.2f} s", flush=True)
         else:
             ideal_rounds.append(ideal.run_round(rounds_done - 1))
             print(f"[bench] round {rounds_done}: rayfed {wall:.2f} s, the ideal "
                   f"{ideal_rounds[-1]['round_s']:.2f} s", flush=True)
-        last_round_end = time.perf_counter()
 
-    run_dir = out_dir / "run"
-    summary = Simulation(config, out_dir=run_dir, callbacks=[after_round], progress=False, check_model=False).run()
-    end_of_run = time.perf_counter() - last_round_end  # the final evaluation (and post-FL stage), results written
-    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    walls = [e["wall_s"] for e in events if e["event"] == "round"]
-    updates = [max((t["update_s"] for times in round_times for t in times if t["round"] == r), default=0.0)
-               for r in range(rounds)]
+    ran = rayfed_run(config, out_dir / "run", each_round)
+    walls = ran["round_s"]
     label = config.methods[0].label
     if ideal is not None:
         ideal_evaluation = ideal.evaluation_s(rounds)
@@ -294,20 +322,19 @@ def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False) -> dict
                                              means["mean_ideal_update_s"])
     clients_per_round = means["clients_per_round"]
     flops_per_round = profile["flops"] * clients_per_round
-    timelines = [round_timeline(end - wall, end, previous, round_times, server_times, index)
-                 for index, (wall, end, previous) in enumerate(zip(walls, round_ends, [0.0, *round_ends]))]
+    usage = ran["usage"]
     return {
         "label": label, "rounds": rounds, "round_s": walls,
         "interleaved": not ideal_apart, **apart,
-        "participants": [e["participants"] for e in events if e["event"] == "round"],
+        "participants": ran["participants"],
         "ideal_rounds": ideal_rounds, "mean_round_s": mean_round, **means, "overhead_ratio": mean_round / ideal_round,
-        "mean_update_s": statistics.mean(updates[timed]), "timelines": timelines,
-        "end_of_run_s": end_of_run, "ideal_evaluation_s": ideal_evaluation,
+        "mean_update_s": statistics.mean(ran["busiest_update_s"][timed]), "timelines": ran["timelines"],
+        "end_of_run_s": ran["end_of_run_s"], "ideal_evaluation_s": ideal_evaluation,
         "update_profile": profile, "ideal_build_s": built_s, "tflops_per_s": flops_per_round / ideal_update / 1e12,
         "rayfed_tflops_per_s": flops_per_round / mean_round / 1e12,
         "peak_gpu_mib_per_actor": max((u["gpu_peak_bytes"] for u in usage), default=0) / 2**20,
         "peak_host_mib_per_actor": max((u["rss_bytes"] for u in usage), default=0) / 2**20,
-        "metrics": {k: v for k, v in summary["methods"][label]["mean"].items() if "/" not in k},
+        "metrics": ran["metrics"],
     }
 
 
@@ -376,6 +403,25 @@ def reference_config(config: RunConfig) -> RunConfig:
     return load_config(config, ["methods=[fedavg]", "model.module=lora", f"model.lora={json.dumps(lora)}"])
 
 
+def resolved_workload(workload: str | MethodWorkload) -> tuple[str, MethodWorkload]:
+    """A workload given by name (one of :data:`METHOD_WORKLOADS`) or as itself, with its name."""
+    if isinstance(workload, MethodWorkload):
+        return workload.label, workload
+    if workload not in METHOD_WORKLOADS:
+        raise choice_error("--workload", workload, METHOD_WORKLOADS)
+    return workload, METHOD_WORKLOADS[workload]
+
+
+def results_header(name: str, workload: MethodWorkload, smoke: bool, overrides: tuple[str, ...],
+                   **options: Any) -> dict[str, Any]:
+    """bench.json's first keys: what ran (the workload, its overrides and the bench's ``options``) and where."""
+    return {
+        "workload": {"name": name, **asdict(workload), "smoke": smoke, "overrides": list(overrides), **options},
+        "machine": {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                    "num_gpus": torch.cuda.device_count(), "torch": torch.__version__},
+    }
+
+
 def run_method_bench(workload: str | MethodWorkload, out_dir: Path, rounds: int | None = None, smoke: bool = False,
                      overrides: tuple[str, ...] = (), reference: bool = True,
                      ideal_apart: bool = False, ideal_only: bool = False) -> dict[str, Any]:
@@ -385,20 +431,10 @@ def run_method_bench(workload: str | MethodWorkload, out_dir: Path, rounds: int 
     if ideal_only and ideal_apart:
         raise ConfigError("--ideal-only runs no rayfed run to keep the ideal apart from; give one of --ideal-only "
                           "and --ideal-apart.")
-    if isinstance(workload, str):
-        if workload not in METHOD_WORKLOADS:
-            raise choice_error("--workload", workload, METHOD_WORKLOADS)
-        name, workload = workload, METHOD_WORKLOADS[workload]
-    else:
-        name = workload.label
+    name, workload = resolved_workload(workload)
     config = workload_config(workload, rounds or workload.rounds, smoke, overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {
-        "workload": {"name": name, **asdict(workload), "smoke": smoke, "overrides": list(overrides),
-                     "ideal_apart": ideal_apart, "ideal_only": ideal_only},
-        "machine": {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                    "torch": torch.__version__},
-    }
+    results = results_header(name, workload, smoke, overrides, ideal_apart=ideal_apart, ideal_only=ideal_only)
     with tempfile.TemporaryDirectory(prefix=f"rayfed-bench-{name}-") as scratch:
         def run(run_config: RunConfig, scratch_dir: Path) -> dict[str, Any]:
             return measure_ideal(run_config) if ideal_only else measure(run_config, scratch_dir, ideal_apart)
@@ -432,17 +468,28 @@ def markdown(results: dict[str, Any]) -> str:
     header = ["method", "s/round", "ideal s/round", "overhead", "updates s (busiest actor)", "ideal updates s",
               "ideal server hooks s", "ideal public passes s", "end of run s", "ideal evaluation s", "TFLOP/s",
               "host syncs/update", "peak GPU MiB/client", "peak GPU MiB/actor"]
-    workload, machine = results["workload"], results["machine"]
+    workload = results["workload"]
     ratio = results.get("tflops_ratio")
-    return (f"Workload `{workload['name']}`: {workload['smoke_config' if workload['smoke'] else 'config']}"
-            f"{' ' + ' '.join(workload['overrides']) if workload['overrides'] else ''}\n\n"
-            f"Machine: {machine['gpu'] or 'CPU only'}, torch {machine['torch']}\n\n"
+    return (header_markdown(results)
             + ("The rounds were not interleaved: the ideal ran all its rounds first and was released, then rayfed's "
                "run.\n\n" if workload.get("ideal_apart") else "")
             + ("Only the ideal ran (--ideal-only): no rayfed run, no evaluation.\n\n" if workload.get("ideal_only")
                else "") + format_table(rows, header)
             + ("" if ratio is None else f"\nTFLOP/s of the method's local updates / a plain LoRA FedAvg step's: "
                f"{ratio:.2f}\n") + timeline_markdown(results["method"]))
+
+
+def header_markdown(results: dict[str, Any]) -> str:
+    """bench.md's first lines: the workload with its overrides, and the machine (:func:`results_header`)."""
+    workload, machine = results["workload"], results["machine"]
+    return (f"Workload `{workload['name']}`: {workload['smoke_config' if workload['smoke'] else 'config']}"
+            f"{' ' + ' '.join(workload['overrides']) if workload['overrides'] else ''}\n\n"
+            f"Machine: {machine_name(machine)}, torch {machine['torch']}\n\n")
+
+
+def machine_name(machine: dict[str, Any]) -> str:
+    gpus = machine.get("num_gpus", 1)
+    return "CPU only" if not machine["gpu"] else f"{gpus} x {machine['gpu']}" if gpus > 1 else machine["gpu"]
 
 
 TIMELINE_HEADER = ["round", "s", "payloads s (done at)", "actors start at", "updates end at", "actors end at",

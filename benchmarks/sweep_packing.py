@@ -125,11 +125,10 @@ def fewer_clients(data: dict[str, Any], clients: int, samples: int | None) -> di
 
 def one_at_a_time(raw: dict[str, Any], gpus: int) -> dict[str, Any]:
     """The sweep run one trial at a time, each trial's actors sharing out every GPU."""
+    from rayfed.benchmarks.gpu_scaling import spread_share
     from rayfed.config import build_config
-    from rayfed.architectures import actor_clients
 
-    actors = len(actor_clients(build_config({**raw, "tune": None})))
-    share = min(1.0, math.floor(gpus / actors * 100) / 100)
+    share = spread_share(build_config({**raw, "tune": None}), gpus)
     placement = {**raw.get("placement", {}), "gpus_per_actor": share}
     return {**raw, "placement": placement, "tune": {**raw["tune"], "max_concurrent_trials": 1}}
 

@@ -89,10 +89,21 @@ def _bench(args: argparse.Namespace) -> int:
     from rayfed.benchmarks.method_bench import METHOD_WORKLOADS, run_method_bench
     from rayfed.benchmarks.overhead import run_bench, workload_named
 
-    if args.workload in METHOD_WORKLOADS:
+    if args.gpu_counts is not None:
+        if args.workload not in METHOD_WORKLOADS:
+            raise ConfigError(f"--gpu-counts is for a seed method's workload ({', '.join(METHOD_WORKLOADS)}); "
+                              f"--workload {args.workload} sweeps the GPU counts itself.")
+        if args.ideal_apart or args.ideal_only:
+            raise ConfigError("--gpu-counts runs no ideal; give it without --ideal-apart and --ideal-only.")
+        from rayfed.benchmarks.gpu_scaling import run_gpu_scaling
+
+        run_gpu_scaling(args.workload, Path(args.out), args.gpu_counts, rounds=args.rounds, smoke=args.smoke,
+                        overrides=tuple(args.overrides))
+    elif args.workload in METHOD_WORKLOADS:
         run_method_bench(args.workload, Path(args.out), rounds=args.rounds, smoke=args.smoke,
                          overrides=tuple(args.overrides), reference=not args.no_reference,
                          ideal_apart=args.ideal_apart, ideal_only=args.ideal_only)
+    if args.workload in METHOD_WORKLOADS:
         print((Path(args.out) / "bench.md").read_text())
         print(f"results: {args.out}/bench.json, {args.out}/bench.md")
         return 0
@@ -216,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ideal-only", action="store_true",
                        help="a seed method's workload: run only the ideal's rounds (no rayfed run, no evaluation), "
                        "for the TFLOP/s of its local updates against the LoRA FedAvg reference's")
+    bench.add_argument("--gpu-counts", type=int, nargs="+", metavar="N",
+                       help="a seed method's workload: rayfed's run alone on each of these GPU counts of this host "
+                       "(a fresh Ray instance each), the speed-up over the first count; no ideal "
+                       "(benchmarks/gpu_scaling.py)")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
     bench.set_defaults(handler=_bench)
 

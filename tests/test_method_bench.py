@@ -161,3 +161,45 @@ def test_an_unknown_workload_and_a_missing_label_say_what_is_allowed(tmp_path):
         run_method_bench("fedmosiac", tmp_path)
     with pytest.raises(ConfigError, match=r"no method is labelled 'nope'"):
         workload_config(MethodWorkload("configs/quickstart.yaml", "nope", "configs/quickstart.yaml", "nope"), 2)
+
+
+def test_each_gpu_count_gets_a_ray_instance_of_that_many_gpus_spread_over_the_actors_and_the_same_numbers(tmp_path):
+    from rayfed.benchmarks.gpu_scaling import run_gpu_scaling
+
+    results = run_gpu_scaling(QUICK, tmp_path, [2, 1], rounds=2, overrides=(
+        "data.num_clients=4", "federation.clients_per_round=2", "train.local_steps=2", "placement.clients_per_actor=2",
+        "placement.cpus_per_actor=1", "ray.num_cpus=2"))
+    scaling = results["scaling"]
+    one, two = scaling["runs"]  # in increasing order
+    assert (one["gpus"], two["gpus"]) == (1, 2) and one["actors"] == two["actors"] == 2
+    # two actors share one GPU, or take one each; the Ray instance saw the count and the actors held their shares
+    assert (one["gpus_per_actor"], two["gpus_per_actor"]) == (0.5, 1.0)
+    assert (one["cluster_gpus"], one["actor_gpus"], two["cluster_gpus"], two["actor_gpus"]) == (1, 1, 2, 2)
+    assert one["speedup"] == 1 and two["speedup"] == pytest.approx(one["mean_round_s"] / two["mean_round_s"])
+    assert one["mean_round_s"] == one["round_s"][1] and len(two["timelines"]) == 2
+    assert scaling["same_metrics"] and one["metrics"] == two["metrics"] and one["metrics"]["local_acc"] > 0
+    assert scaling["logical_gpus"] and results["workload"]["gpu_counts"] == [2, 1]
+    table = (tmp_path / "bench.md").read_text()
+    assert "| 2 | 2 | 1.0 |" in table and "Ray's logical GPUs" in table and table.count("in seconds from each") == 2
+
+
+def test_gpu_counts_a_host_cannot_give_or_a_run_without_its_own_ray_are_refused(tmp_path, monkeypatch, capsys):
+    from rayfed.benchmarks.gpu_scaling import check_gpu_counts, spread_share
+    from rayfed.cli import main
+
+    config = workload_config(QUICK, rounds=2, overrides=("data.num_clients=8", "federation.clients_per_round=4",
+                                                        "placement.clients_per_actor=2"))
+    assert check_gpu_counts(config, [4, 1, 4]) == [1, 4]
+    assert [spread_share(config, gpus) for gpus in (1, 3, 4, 8)] == [0.25, 0.75, 1.0, 1.0]
+    with pytest.raises(ConfigError, match=r"--gpu-counts must be GPU counts >= 1"):
+        check_gpu_counts(config, [0, 1])
+    local = workload_config(QUICK, rounds=2, overrides=("placement.executor=local",))
+    with pytest.raises(ConfigError, match=r"needs placement.executor: ray and no ray.address; got executor 'local'"):
+        check_gpu_counts(local, [1])
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"asks for 4 GPUs but this host has 2; give counts from 1 to 2"):
+        check_gpu_counts(config, [1, 4])
+    for flags, refusal in ((["--workload", "gpu"], "is for a seed method's workload"),
+                           (["--workload", "fedmosaic", "--ideal-only"], "runs no ideal")):
+        assert main(["bench", *flags, "--gpu-counts", "1", "2", "--out", str(tmp_path)]) == 2
+        assert refusal in capsys.readouterr().err
