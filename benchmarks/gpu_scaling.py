@@ -5,8 +5,9 @@ on one). No ideal runs beside it: what is compared is rayfed with itself.
 Each count gets a fresh local Ray instance that sees that many GPUs (``ray.num_gpus``), so actors cannot spread to
 the others. Each actor asks for the share that spreads the run's actors over those GPUs, ``min(1, GPUs / actors)``,
 unless ``--set placement.gpus_per_actor=...`` gives one for every count (a number, or ``measured``: probed at each
-count). With ``placement.balance_by: cost`` and equal shares each GPU carries about the same cost (parameters x
-steps). Every count trains the same clients the same way, so the metrics must agree (``same_metrics``).
+count); an architecture with a ``gpus_per_actor`` of its own keeps it. With ``placement.balance_by: cost`` and equal
+shares each GPU carries about the same cost (parameters x steps). Every count trains the same clients the same way,
+so the metrics must agree (``same_metrics``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rayfed.architectures import actor_clients
+from rayfed.architectures import actor_clients, architecture_names, gpu_share
 from rayfed.benchmarks.method_bench import (
     MethodWorkload, header_markdown, rayfed_run, resolved_workload, results_header, timeline_markdown, workload_config,
 )
@@ -69,7 +70,8 @@ def measure_gpu_counts(config: RunConfig, gpu_counts: Sequence[int], out_dir: Pa
         ran = rayfed_run(run_config, out_dir / f"gpus_{gpus}", each_round)
         timed = slice(1, None) if len(ran["round_s"]) > 1 else slice(None)  # the first round warms up
         runs.append({
-            "gpus": gpus, "gpus_per_actor": run_config.placement.gpus_per_actor, "actors": ran["actors"],
+            "gpus": gpus, "actors": ran["actors"],
+            "gpus_per_actor": {name: gpu_share(run_config, name) for name in architecture_names(run_config)},
             "cluster_gpus": ran["cluster_gpus"], "actor_gpus": ran["actor_gpus"], "round_s": ran["round_s"],
             "mean_round_s": statistics.mean(ran["round_s"][timed]),
             "mean_update_s": statistics.mean(ran["busiest_update_s"][timed]), "end_of_run_s": ran["end_of_run_s"],
@@ -86,7 +88,7 @@ def measure_gpu_counts(config: RunConfig, gpu_counts: Sequence[int], out_dir: Pa
 def markdown(scaling: dict[str, Any]) -> str:
     """One row per GPU count."""
     runs = scaling["runs"]
-    rows = [[str(run["gpus"]), str(run["actors"]), str(run["gpus_per_actor"]), f"{run['mean_round_s']:.3g}",
+    rows = [[str(run["gpus"]), str(run["actors"]), _shares(run["gpus_per_actor"]), f"{run['mean_round_s']:.3g}",
              f"{run['speedup']:.2f}", f"{run['mean_update_s']:.3g}", f"{run['end_of_run_s']:.3g}",
              f"{run['peak_gpu_mib_per_actor']:.0f}"] for run in runs]
     header = ["GPUs", "actors", "GPU share an actor", "s/round", f"x {runs[0]['gpus']} GPU(s)",
@@ -97,6 +99,13 @@ def markdown(scaling: dict[str, Any]) -> str:
     if not scaling["same_metrics"]:
         notes.append("**The metrics differ between GPU counts**: the packing changed the results.")
     return "\n\n".join(notes) + "\n\n" + format_table(rows, header)
+
+
+def _shares(shares: dict[str, float | str]) -> str:
+    """Each architecture's GPU share an actor (one value where every architecture has the same)."""
+    if len(set(shares.values())) == 1:
+        return str(next(iter(shares.values())))
+    return ", ".join(f"{name} {share}" for name, share in shares.items())
 
 
 def run_gpu_scaling(workload: str | MethodWorkload, out_dir: Path, gpu_counts: Sequence[int], rounds: int | None = None,

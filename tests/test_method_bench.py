@@ -173,7 +173,7 @@ def test_each_gpu_count_gets_a_ray_instance_of_that_many_gpus_spread_over_the_ac
     one, two = scaling["runs"]  # in increasing order
     assert (one["gpus"], two["gpus"]) == (1, 2) and one["actors"] == two["actors"] == 2
     # two actors share one GPU, or take one each; the Ray instance saw the count and the actors held their shares
-    assert (one["gpus_per_actor"], two["gpus_per_actor"]) == (0.5, 1.0)
+    assert (one["gpus_per_actor"], two["gpus_per_actor"]) == ({"": 0.5}, {"": 1.0})
     assert (one["cluster_gpus"], one["actor_gpus"], two["cluster_gpus"], two["actor_gpus"]) == (1, 1, 2, 2)
     assert one["speedup"] == 1 and two["speedup"] == pytest.approx(one["mean_round_s"] / two["mean_round_s"])
     assert one["mean_round_s"] == one["round_s"][1] and len(two["timelines"]) == 2
