@@ -13,12 +13,14 @@ so the metrics must agree (``same_metrics``).
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 
 from rayfed.architectures import actor_clients, architecture_names, gpu_share
@@ -43,10 +45,12 @@ def check_gpu_counts(config: RunConfig, gpu_counts: Sequence[int]) -> list[int]:
     own Ray instance, is refused in one sentence."""
     if not gpu_counts or min(gpu_counts) < 1:
         raise ConfigError(f"--gpu-counts must be GPU counts >= 1, e.g. 1 4; got {list(gpu_counts)}.")
-    if config.placement.executor != "ray" or config.ray.address is not None:
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    if config.placement.executor != "ray" or address or ray.is_initialized():
         raise ConfigError("--gpu-counts starts a local Ray instance for each count, so it needs placement.executor: "
-                          f"ray and no ray.address; got executor {config.placement.executor!r}, address "
-                          f"{config.ray.address!r}.")
+                          "ray, no ray.address or RAY_ADDRESS, and no Ray already started in this process; got "
+                          f"executor {config.placement.executor!r}, address {address!r}"
+                          f"{', Ray started' if ray.is_initialized() else ''}.")
     present = torch.cuda.device_count()
     if present and max(gpu_counts) > present:
         raise ConfigError(f"--gpu-counts asks for {max(gpu_counts)} GPUs but this host has {present}; give counts "

@@ -164,11 +164,13 @@ def test_an_unknown_workload_and_a_missing_label_say_what_is_allowed(tmp_path):
 
 
 def test_each_gpu_count_gets_a_ray_instance_of_that_many_gpus_spread_over_the_actors_and_the_same_numbers(tmp_path):
+    from conftest import ray_paused
     from rayfed.benchmarks.gpu_scaling import run_gpu_scaling
 
-    results = run_gpu_scaling(QUICK, tmp_path, [2, 1], rounds=2, overrides=(
-        "data.num_clients=4", "federation.clients_per_round=2", "train.local_steps=2", "placement.clients_per_actor=2",
-        "placement.cpus_per_actor=1", "ray.num_cpus=2"))
+    with ray_paused():  # each count starts its own Ray
+        results = run_gpu_scaling(QUICK, tmp_path, [2, 1], rounds=2, overrides=(
+            "data.num_clients=4", "federation.clients_per_round=2", "train.local_steps=2",
+            "placement.clients_per_actor=2", "placement.cpus_per_actor=1", "ray.num_cpus=2"))
     scaling = results["scaling"]
     one, two = scaling["runs"]  # in increasing order
     assert (one["gpus"], two["gpus"]) == (1, 2) and one["actors"] == two["actors"] == 2
@@ -187,6 +189,8 @@ def test_gpu_counts_a_host_cannot_give_or_a_run_without_its_own_ray_are_refused(
     from rayfed.benchmarks.gpu_scaling import check_gpu_counts, spread_share
     from rayfed.cli import main
 
+    ray_started = False  # the session's Ray (ray_local) may be up: each check but one sees none
+    monkeypatch.setattr("ray.is_initialized", lambda: ray_started)
     config = workload_config(QUICK, rounds=2, overrides=("data.num_clients=8", "federation.clients_per_round=4",
                                                         "placement.clients_per_actor=2"))
     assert check_gpu_counts(config, [4, 1, 4]) == [1, 4]
@@ -194,8 +198,17 @@ def test_gpu_counts_a_host_cannot_give_or_a_run_without_its_own_ray_are_refused(
     with pytest.raises(ConfigError, match=r"--gpu-counts must be GPU counts >= 1"):
         check_gpu_counts(config, [0, 1])
     local = workload_config(QUICK, rounds=2, overrides=("placement.executor=local",))
-    with pytest.raises(ConfigError, match=r"needs placement.executor: ray and no ray.address; got executor 'local'"):
+    with pytest.raises(ConfigError, match=r"needs placement.executor: ray, no ray.address .*got executor 'local'"):
         check_gpu_counts(local, [1])
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    with pytest.raises(ConfigError, match=r"got executor 'ray', address '10.0.0.1:6379'"):
+        check_gpu_counts(config, [1])
+    monkeypatch.delenv("RAY_ADDRESS")
+    ray_started = True  # a Ray this process started: its GPUs are not the count's
+    with pytest.raises(ConfigError, match=r"no Ray already started in this process; got executor 'ray', address "
+                                          r"None, Ray started"):
+        check_gpu_counts(config, [1])
+    ray_started = False
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
     with pytest.raises(ConfigError, match=r"asks for 4 GPUs but this host has 2; give counts from 1 to 2"):
         check_gpu_counts(config, [1, 4])
