@@ -348,7 +348,9 @@ class ClientContext:
         and round's own stream, and the process's generator is left as it was: the numbers do not depend on what
         the actor ran before (the packing, an earlier view)."""
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, "evaluation"))
+            # the host's generator alone: torch.manual_seed would also reseed every GPU's, which fork_rng leaves changed
+            torch.random.default_generator.manual_seed(
+                seeding.torch_seed(self.seed, self.round, self.client_id, "evaluation"))
             return self._evaluate(params)
 
     def _evaluate(self, params: TensorDict) -> dict[str, float]:
