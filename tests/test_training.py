@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -206,12 +207,13 @@ def test_states_kept_on_the_host_train_on_the_gpu_for_the_round_and_come_back_as
             assert all(torch.equal(host_upload.tensors[slot][name], value) for name, value in values.items())
 
 
-@pytest.mark.parametrize("field, value", [("optimizer", "sgd"), ("grad_clip", 1.0)])
-def test_cuda_graphs_refuse_what_a_captured_step_cannot_do(field, value):
-    config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0).to_dict()
-    config["train"].update({"cuda_graphs": True, field: value})
-    with pytest.raises(ConfigError, match=f"train.cuda_graphs needs train.{field} in"):
-        ClientActor(config, [0])
+def test_cuda_graphs_refuse_an_optimizer_a_captured_step_cannot_run_and_take_any_schedule_and_clipping():
+    config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0)
+    with pytest.raises(ConfigError, match=r"train.cuda_graphs needs train.optimizer in \['adam', 'adamw'\], not 'sgd'"):
+        load_config(config, ["train.cuda_graphs=true", "train.optimizer=sgd"])
+    taken = load_config(config, ["train.cuda_graphs=true", "train.optimizer=adamw", "train.grad_clip=1.0",
+                                 "train.schedule=round_warmup"]).train
+    assert taken.cuda_graphs and taken.grad_clip == 1.0 and taken.schedule == "round_warmup"
 
 
 def test_train_autocast_is_bf16_by_default_and_names_its_values_when_unknown():
@@ -330,6 +332,30 @@ def test_a_graphed_step_with_a_proximal_term_trains_like_the_eager_one_for_each_
     assert gap > 0  # the second anchor reached the graph
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_graphed_step_clips_follows_the_schedule_and_feeds_a_recorded_loss_like_the_eager_one():
+    # A clip this tight scales every gradient below Adam's eps, so that clipping moves the update by its own size.
+    schedule = {"grad_clip": 1e-7, "schedule": "round_warmup", "warmup_rounds": 4, "warmup_start_lr": 1e-3}
+    eager, start = _tiny_host(optimizer="adamw", lr=1e-2, **schedule)
+    graphed, _ = _tiny_host(optimizer="adamw", lr=1e-2, cuda_graphs=True, **schedule)
+    for round_idx in (1, 3):  # two rates, one graph
+        recorders = _TaskLosses(), _TaskLosses()
+        reference = eager._context(0, round_idx).train(start, loss=recorders[0])
+        result = graphed._context(0, round_idx).train(start, loss=recorders[1])
+        assert len(fast_steps._GRAPHS[graphed.model]) == 1
+        assert float(result.loss) == pytest.approx(float(reference.loss), rel=1e-3)  # bf16 kernels, as above
+        recorded = [float(loss) for _, losses in recorders[1].seen for loss in losses]
+        # bf16 logits: about 1e-3 apart; another step's batch is several percent away
+        assert recorded == pytest.approx([float(loss) for _, losses in recorders[0].seen for loss in losses], rel=5e-3)
+        assert len(set(recorded)) == len(recorded) == WORKLOAD.local_steps  # each step's own loss, not the last one
+        for name, value in reference.params.items():
+            update = value - start[name].cuda()
+            assert update.norm() > 0 and (result.params[name] - value).norm() < 0.15 * update.norm(), name
+    unclipped = _tiny_host(optimizer="adamw", lr=1e-2, **{**schedule, "grad_clip": None})[0]._context(0, 3).train(start)
+    assert any((unclipped.params[n] - reference.params[n]).norm() > (reference.params[n] - start[n].cuda()).norm()
+               for n in start)  # the clipping took part
+
+
 def test_a_step_is_captured_only_with_the_task_loss_and_no_term_or_a_declared_tensor_term():
     from rayfed.training.client_context import Phase, captures_step
 
@@ -340,10 +366,46 @@ def test_a_step_is_captured_only_with_the_task_loss_and_no_term_or_a_declared_te
     assert captures_step(config, gpu, [Phase()]) and captures_step(config, gpu, [Phase(extra_loss=declared)])
     assert not captures_step(config, torch.device("cpu"), [Phase()])
     assert not captures_step(config.model_copy(update={"cuda_graphs": False}), gpu, [Phase()])
+    assert captures_step(config, gpu, [Phase(loss=_TaskLosses(), extra_loss=declared)])  # a declared recording loss
     for phases in ([Phase(extra_loss=lambda params: params["w"].sum())],  # undeclared: eager
                    [Phase(loss=lambda step: step.task_loss())], [Phase(trains=["w"])], [Phase(lr=0.1)],
                    [Phase(lr_of=lambda name: None)], [Phase(), Phase()]):
         assert not captures_step(config, gpu, phases), phases
+
+
+class _TaskLosses(training.RecordedTaskLoss):
+    """Keeps each micro-batch's part losses and row counts."""
+
+    def __init__(self):
+        self.seen: list[tuple[list[int], list[torch.Tensor]]] = []
+
+    def record(self, step, losses):
+        self.seen.append(([len(batch["labels"]) for _, batch in step.parts], [loss.detach() for loss in losses]))
+
+
+def test_a_recorded_task_loss_trains_as_the_task_loss_and_sees_every_steps_losses():
+    host, start = _tiny_host(optimizer="adamw", lr=1e-2)
+    plain = host._context(0, 1).train(start)
+    recorder = _TaskLosses()
+    recorded = host._context(0, 1).train(start, loss=recorder)
+    assert all(torch.equal(recorded.params[name], plain.params[name]) for name in start)
+    steps = WORKLOAD.local_steps
+    assert [rows for rows, _ in recorder.seen] == [[WORKLOAD.batch_size]] * steps
+    assert float(sum(losses[0] for _, losses in recorder.seen) / steps) == pytest.approx(float(plain.loss), rel=1e-6)
+
+
+def test_a_steps_learning_rate_follows_the_schedule_only_in_a_local_update():
+    from rayfed.training.client_context import step_lr
+
+    config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0).train
+    warmup = config.model_copy(update={"schedule": "round_warmup", "warmup_rounds": 4, "warmup_start_lr": 0.01})
+    assert step_lr(warmup, 0.05, 2, 6, 3, "train") == pytest.approx(0.03)  # halfway from 0.01 to 0.05
+    assert step_lr(warmup, 0.05, 9, 6, 3, "train") == 0.05
+    assert step_lr(warmup, 0.05, 2, 6, 3, "post_train") == 0.05  # another purpose keeps its given rate
+    assert step_lr(config, 0.05, 2, 6, 3, "train") == 0.05
+    cosine = config.model_copy(update={"schedule": "warmup_cosine", "warmup_steps": 4, "decay_steps": 20})
+    assert [step_lr(cosine, 1.0, 0, 6, step, "train") for step in range(2)] == [0.25, 0.5]
+    assert step_lr(cosine, 1.0, 1, 6, 0, "train") == pytest.approx(0.5 * (1 + math.cos(math.pi * 2 / 16)))
 
 
 def test_a_tensor_penalty_is_a_function_of_its_arguments_and_its_graph_key_holds_what_a_capture_bakes_in():
@@ -373,7 +435,7 @@ def test_an_actor_keeps_the_most_recently_used_graphs_one_per_trained_set_task_a
     captured = []
 
     class CountingStep:  # stands in for a captured graph: counts captures and optimizer resets
-        def __init__(self, model, named, config, lr, batch, task, penalty=None):
+        def __init__(self, model, named, config, batch, task, penalty=None):
             self.shape, self.resets = tuple(batch["pixel_values"].shape), 0
             captured.append(self)
 
@@ -390,24 +452,28 @@ def test_an_actor_keeps_the_most_recently_used_graphs_one_per_trained_set_task_a
     part = host.data[0].parts[0]
     small = ClientData([TaskData(0, {name: column[:5] for name, column in part.train.items()}, part.test)])
     task0, task1 = host.tasks[0], dataclasses.replace(host.tasks[0], index=1)
-    first = fast_steps.graphed_step(model, named, config, 0.1, host.data[0], task0)
-    assert fast_steps.graphed_step(model, named, config, 0.1, host.data[1], task0) is first and first.resets == 2
+    first = fast_steps.graphed_step(model, named, config, host.data[0], task0)
+    assert fast_steps.graphed_step(model, named, config, host.data[1], task0) is first and first.resets == 2
     assert first.shape[0] == config.batch_size
-    assert fast_steps.graphed_step(model, named, config, 0.1, small, task0).shape[0] == 5  # a batch of all 5
-    fast_steps.graphed_step(model, named, config, 0.1, host.data[0], task1)
-    fast_steps.graphed_step(model, named, config, 0.2, host.data[0], task0)
+    assert fast_steps.graphed_step(model, named, config, small, task0).shape[0] == 5  # a batch of all 5
+    fast_steps.graphed_step(model, named, config, host.data[0], task1)
+    clipped = config.model_copy(update={"grad_clip": 1.0})  # clipping is captured with the step
+    fast_steps.graphed_step(model, named, clipped, host.data[0], task0)
     assert len(captured) == 4 and len(fast_steps._GRAPHS[model]) == training.MAX_GRAPHS_PER_MODEL
-    fast_steps.graphed_step(model, named, config, 0.1, host.data[0], task0)  # used last: stays
-    fast_steps.graphed_step(model, named, config, 0.3, host.data[0], task0)  # a fifth: the batch-5 graph goes
+    fast_steps.graphed_step(model, named, config, host.data[0], task0)  # used last: stays
+    decayed = config.model_copy(update={"weight_decay": 0.1})
+    fast_steps.graphed_step(model, named, decayed, host.data[0], task0)  # a fifth: the batch-5 graph goes
     assert len(captured) == 5 and first in fast_steps._GRAPHS[model].values()
     assert all(step.shape[0] != 5 for step in fast_steps._GRAPHS[model].values())
+    other_rate = config.model_copy(update={"schedule": "round_warmup", "lr": 0.5})  # a step sets its rate
+    assert fast_steps.graphed_step(model, named, other_rate, host.data[0], task0) is first and len(captured) == 5
 
 
 def test_a_step_captured_under_bf16_autocast_is_not_replayed_with_train_autocast_off(monkeypatch):
     captured = []
 
     class RecordedStep:  # stands in for a captured graph: records the autocast it was captured under
-        def __init__(self, model, named, config, lr, batch, task, penalty=None):
+        def __init__(self, model, named, config, batch, task, penalty=None):
             captured.append(config.autocast)
 
         def reset_optimizer(self):
@@ -420,7 +486,7 @@ def test_a_step_captured_under_bf16_autocast_is_not_replayed_with_train_autocast
     host, _ = _host(cuda_graphs=False)
     named, off = dict(host.model.named_parameters()), host.config.train.model_copy(update={"autocast": "off"})
     for config in (host.config.train, off, host.config.train, off):
-        fast_steps.graphed_step(host.model, named, config, 0.1, host.data[0], host.tasks[0])
+        fast_steps.graphed_step(host.model, named, config, host.data[0], host.tasks[0])
     assert captured == ["bf16", "off"]
 
 
@@ -436,7 +502,7 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_with_one_warning(monkeypa
     named = dict(host.model.named_parameters())
     with caplog.at_level("WARNING", logger="rayfed.training"):
         for cid in (0, 1):
-            assert fast_steps.graphed_step(host.model, named, host.config.train, 0.1, host.data[cid], host.tasks[0]) is None
+            assert fast_steps.graphed_step(host.model, named, host.config.train, host.data[cid], host.tasks[0]) is None
     assert len(attempts) == 1
     [record] = caplog.records
     assert "could not be captured" in record.getMessage() and "stream is capturing);" in record.getMessage()

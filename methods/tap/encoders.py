@@ -82,6 +82,17 @@ def _packed(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.
     return ids.gather(1, order), mask.gather(1, order)
 
 
+def attention_bias(mask: torch.Tensor) -> torch.Tensor:
+    """transformers' 4D attention bias of a padding mask for FLAVA's eager attention (0 where a token is seen, float32's
+    lowest where it is padding; float32, the dtype of the text embeddings' LayerNorm under autocast too), made on the
+    device. transformers' own reads the mask back to the host to skip an all-ones mask (a host sync per forward) and
+    otherwise copies a host scalar, which a captured step (``train.cuda_graphs``) cannot hold. Adding the zeros of an
+    all-ones mask leaves the attention scores as they are, bitwise."""
+    padding = (mask == 0)[:, None, None, :]
+    bias = torch.zeros(padding.shape, device=mask.device).masked_fill(padding, torch.finfo(torch.float32).min)
+    return bias.expand(-1, -1, mask.shape[1], -1)
+
+
 class TextEncoder(nn.Module):
     """Token ids -> tokens (B, S, D): FLAVA's frozen text transformer with LoRA on query/value, or ViLT's frozen
     word + position + type embeddings; then Linear + LayerNorm. A text longer than the encoder's position table
@@ -114,7 +125,7 @@ class TextEncoder(nn.Module):
         size = len(ids)
         flat_ids, flat_mask = ids.reshape(size * windows, self.window), mask.reshape(size * windows, self.window)
         if self.family == "flava":
-            tokens = self.backbone(input_ids=flat_ids, attention_mask=flat_mask).last_hidden_state
+            tokens = self.backbone(input_ids=flat_ids, attention_mask=attention_bias(flat_mask)).last_hidden_state
         else:
             tokens = self.backbone(input_ids=flat_ids, token_type_ids=torch.zeros_like(flat_ids))
         tokens = tokens.reshape(size, length, -1)

@@ -48,7 +48,8 @@ from rayfed.models.module_walks import functional_forward
 from rayfed.models.peft.modules import select_task
 from rayfed.registry import register_method
 from rayfed.tasks import Task
-from rayfed.training import IMAGE_KD, ClientContext, Step, TrainResult, output_distillation, scheduled_lr
+from rayfed.training import (IMAGE_KD, ClientContext, RecordedTaskLoss, Step, TrainResult, output_distillation,
+                              scheduled_lr)
 from rayfed.types import host_copies
 
 HISTORIES = ("weighted", "plain")
@@ -122,10 +123,10 @@ def client_groups(tasks: Sequence[Task], held: Sequence[int]) -> dict[str, list[
     return groups
 
 
-class LossHistory:
+class LossHistory(RecordedTaskLoss):
     """A training loss function (the default task loss) that also records each TAP task's loss over the call:
     ``weighted``: (1 / #micro-batches) sum_mb lambda_o,mb l_o,mb (the code's), ``plain``: the mean over the
-    micro-batches holding o of o's own loss."""
+    micro-batches holding o of o's own loss. A captured step may run it (``train.cuda_graphs``)."""
 
     def __init__(self, groups: dict[str, list[int]], mode: str):
         self.key_of = {index: key for key, indices in groups.items() for index in indices}
@@ -133,11 +134,6 @@ class LossHistory:
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
         self.microbatches = 0
-
-    def __call__(self, step: Step) -> torch.Tensor:
-        losses = step.part_losses()
-        self.record(step, losses)
-        return step.task_loss(losses)
 
     def record(self, step: Step, losses: Sequence[torch.Tensor]) -> None:
         rows = {id(batch): len(next(iter(batch.values()))) for _, batch in step.parts}

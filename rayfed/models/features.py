@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -53,12 +55,19 @@ def _lm_inputs(inputs: Batch) -> Batch:
     return {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values") if k in inputs}
 
 
+@functools.lru_cache(maxsize=None)
+def _empty_text(bos: int, eos: int, device: torch.device) -> torch.Tensor:
+    """The token ids of an empty text, made once per device: made in each forward, they were a copy from the host,
+    which the host waits for and a captured step (``train.cuda_graphs``) cannot hold."""
+    return torch.tensor([[bos, eos]], device=device)
+
+
 def _text_and_image(encoder: nn.Module, inputs: Batch) -> Batch:
     config = encoder.config
     present = inputs["input_ids"] if "input_ids" in inputs else inputs["pixel_values"]
     size, device = len(present), present.device
     if "input_ids" not in inputs:
-        ids = torch.tensor([[config.bos_token_id or 1, config.eos_token_id or 2]], device=device).expand(size, -1)
+        ids = _empty_text(config.bos_token_id or 1, config.eos_token_id or 2, device).expand(size, -1)
         inputs = {**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if "pixel_values" not in inputs:
         inputs = {**inputs, "pixel_values": torch.zeros(size, config.num_channels, config.image_size, config.image_size,

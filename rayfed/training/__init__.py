@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rayfed.training.client_context import (ClientContext, LossFn, OtherTask, Penalty, Phase, StackedTrainer, Step,
-                                            TrainResult, stacked_forward_batch)
+from rayfed.training.client_context import (ClientContext, LossFn, OtherTask, Penalty, Phase, RecordedTaskLoss,
+                                            StackedTrainer, Step, TrainResult, stacked_forward_batch)
 from rayfed.training.fast_steps import (MAX_GRAPHS_PER_MODEL, GraphedStep, PatchMatmul, TensorPenalty, check_precision,
                                         mixed_precision, trained_forward)
 from rayfed.training.optimizers import build_optimizer, local_steps, scheduled_lr
@@ -37,7 +37,7 @@ from rayfed.training.public_pass import (PreFederation, PublicJob, PublicLoss, P
 from rayfed.types import TensorDict
 
 __all__ = ["MAX_GRAPHS_PER_MODEL", "ClientContext", "GraphedStep", "LossFn", "OtherTask", "PatchMatmul", "Penalty",
-           "Phase", "PreFederation", "PublicJob", "PublicLoss", "PublicPass", "StackedTrainer", "Step", "TrainResult",
+           "Phase", "PreFederation", "PublicJob", "PublicLoss", "PublicPass", "RecordedTaskLoss", "StackedTrainer", "Step", "TrainResult",
            "answer_mask", "build_optimizer", "check_precision", "distillation_loss", "local_steps", "mixed_precision",
            "proximal_penalty", "same_answers", "scheduled_lr", "stacked_forward_batch", "TensorPenalty", "token_losses",
            "trained_forward"]

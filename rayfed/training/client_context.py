@@ -155,15 +155,40 @@ def stacked_forward_batch(model: TrainableModule, parts: Sequence[tuple[Task, Ba
     return {name: torch.cat([batch[name] for batch in batches]) for name in first}
 
 
+class RecordedTaskLoss:
+    """A loss function that is the task loss and also sees each micro-batch's per-task losses (a method's loss
+    history over the call). Unlike any other loss function, a captured CUDA graph may run it: the graph computes the task
+    loss, and :meth:`record` gets each replay's losses. ``record`` must only keep what it is given (detached
+    tensors, which it may sum); it is not part of the backward."""
+
+    def __call__(self, step: Step) -> torch.Tensor:
+        losses = step.part_losses()
+        self.record(step, losses)
+        return step.task_loss(losses)
+
+    def record(self, step: Step, losses: Sequence[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
 def captures_step(config: TrainConfig, device: torch.device, phases: Sequence[Phase]) -> bool:
     """Whether a train call of ``phases`` (one task, one micro-batch a step, a fresh optimizer) may run as a captured
-    CUDA graph: ``train.cuda_graphs`` on a GPU, one phase of the task loss over every trained tensor, and no extra
-    term or one its method declared capturable (a :class:`~rayfed.training.fast_steps.TensorPenalty`)."""
+    CUDA graph: ``train.cuda_graphs`` on a GPU, one phase over every trained tensor of the task loss (or a
+    :class:`RecordedTaskLoss`), and no extra term or one its method declared capturable (a
+    :class:`~rayfed.training.fast_steps.TensorPenalty`)."""
     if not (config.cuda_graphs and device.type == "cuda" and len(phases) == 1):
         return False
     phase = phases[0]
-    return (phase.loss is None and phase.trains is None and phase.lr is None and phase.lr_of is None
+    return ((phase.loss is None or isinstance(phase.loss, RecordedTaskLoss)) and phase.trains is None
+            and phase.lr is None and phase.lr_of is None
             and (phase.extra_loss is None or isinstance(phase.extra_loss, TensorPenalty)))
+
+
+def step_lr(config: TrainConfig, base_lr: float, round_idx: int, steps: int, step: int, purpose: str) -> float:
+    """The learning rate of step ``step`` (of ``steps``) of a train call at ``base_lr``: on ``train.schedule`` for
+    a client's local update (purpose ``train``), else ``base_lr`` throughout."""
+    if config.schedule == "constant" or purpose != "train":
+        return base_lr
+    return scheduled_lr(config, base_lr, round_idx, round_idx * steps + step)
 
 
 class ClientContext:
@@ -236,8 +261,7 @@ class ClientContext:
         graphed = None
         if simple and captures_step(config, self.device, phases):
             # Before seeding: a first capture runs warm-up steps, which would draw dropout masks.
-            graphed = graphed_step(self.model, named, config, base_lr, self.data, self.tasks[self.task],
-                                   phases[0].extra_loss)
+            graphed = graphed_step(self.model, named, config, self.data, self.tasks[self.task], phases[0].extra_loss)
         torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
         snapshots: dict[int, TensorDict] = {}
 
@@ -253,12 +277,18 @@ class ClientContext:
         # Summed on the device: reading each step's loss would make the host wait for the GPU every step.
         total_loss = torch.zeros((), device=self.device)
         if graphed is not None:
-            part = self.data.parts[0]
+            part, recorder = self.data.parts[0], phases[0].loss
             for taken, indices in enumerate(batches, start=1):
-                total_loss += graphed.step({k: v[indices] for k, v in part.train.items()})
+                batch = {k: v[indices] for k, v in part.train.items()}
+                loss = graphed.step(batch, step_lr(config, base_lr, self.round, steps, taken - 1, purpose))
+                total_loss += loss
+                if recorder is not None:  # the graph's loss is overwritten by the next replay
+                    recorder.record(Step(self, [(self.tasks[part.task], batch)], named, 0, taken - 1, {}),
+                                    [loss.clone()])
                 snapshot(taken)
-            return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1),
-                               snapshots=snapshots)
+            mean_loss = total_loss / max(steps, 1)
+            return TrainResult({n: p.detach().clone() for n, p in named.items()}, mean_loss,
+                               {} if recorder is not None else {part.task: mean_loss}, snapshots=snapshots)
         optimizers = [self._optimizer(phase, named, base_lr) for phase in phases]
         if optimizer_state is not None:
             load_optimizer_state(optimizers, named, optimizer_state)
@@ -268,7 +298,7 @@ class ClientContext:
             if config.schedule != "constant" and purpose == "train":
                 for optimizer in optimizers:
                     for group in optimizer.param_groups:
-                        group["lr"] = scheduled_lr(config, group["base_lr"], self.round, self.round * steps + step)
+                        group["lr"] = step_lr(config, group["base_lr"], self.round, steps, step, purpose)
             micro_batches = [self._micro_batch(next(batches)) for _ in range(config.grad_accum)]
             memories: list[dict] = [{} for _ in micro_batches]
             for index, (phase, optimizer) in enumerate(zip(phases, optimizers)):

@@ -82,21 +82,27 @@ class GraphedStep:
     The steps of a foundation model with small adapters are bound by kernel launches (about a thousand
     per step); a replay launches them all at once. Each train call loads the client's values into the
     same parameter tensors and zeroes the optimizer's state in place, which is where a fresh optimizer
-    starts; each batch is copied into the static inputs the graph reads. A :class:`TensorPenalty` is captured
-    with the step (added to the task loss outside autocast, as the eager step adds it), reading inputs of its own
-    that :meth:`load_penalty` refills for each train call.
+    starts; each batch is copied into the static inputs the graph reads, and each step's learning rate into the
+    tensor the optimizer reads (so a schedule, or another call's rate, replays the same graph). ``train.grad_clip``
+    is captured with the step. A :class:`TensorPenalty` is captured with it too (added to the task loss outside
+    autocast, as the eager step adds it), reading inputs of its own that :meth:`load_penalty` refills for each
+    train call.
     """
 
-    def __init__(self, model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
+    def __init__(self, model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig,
                  batch: Batch, task: Task, penalty: TensorPenalty | None = None):
-        self.optimizer = build_optimizer(config, list(named.values()), lr, capturable=True)
+        device = next(iter(batch.values())).device
+        # float32: what the fused kernel computes with when given a float rate, so the steps are the eager ones
+        self.lr = torch.zeros((), dtype=torch.float32, device=device)
+        self.lr_value = 0.0
+        self.optimizer = build_optimizer(config, list(named.values()), self.lr, capturable=True)
+        self.grad_clip = config.grad_clip
         # Only the capture runs the forward: a replay holds no reference to the model, which keys _GRAPHS weakly.
         forward = trained_forward(model, config)
         self.autocast = config.autocast
         self.batch = {name: column.clone() for name, column in batch.items()}
         self.task = task
         self.named = named
-        device = next(iter(self.batch.values())).device
         self.penalty = penalty
         self.penalty_inputs = {} if penalty is None else {
             slot: {name: value.to(device, copy=True) for name, value in values.items()}
@@ -128,6 +134,8 @@ class GraphedStep:
         if self.penalty is not None:
             value = loss + self.penalty.term(self.named, self.penalty_inputs, *self.penalty.settings)
         value.backward()
+        if self.grad_clip is not None:
+            nn.utils.clip_grad_norm_(list(self.named.values()), self.grad_clip)
         self.optimizer.step()
         return loss.detach().float()
 
@@ -142,10 +150,14 @@ class GraphedStep:
             for value in state.values():
                 value.zero_()
 
-    def step(self, batch: Batch) -> torch.Tensor:
-        """One step on ``batch``; returns its loss (a tensor on the GPU, valid until the next step)."""
+    def step(self, batch: Batch, lr: float) -> torch.Tensor:
+        """One step on ``batch`` at learning rate ``lr``; returns its loss (a tensor on the GPU, valid until the next
+        step)."""
         for name, column in batch.items():
             self.batch[name].copy_(column, non_blocking=True)
+        if lr != self.lr_value:  # a fill on the device, queued: no wait for the host
+            self.lr.fill_(lr)
+            self.lr_value = lr
         self.graph.replay()
         return self.loss
 
@@ -239,17 +251,17 @@ MAX_GRAPHS_PER_MODEL = 4  # each graph keeps a step's activations in a memory po
 _GRAPHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, GraphedStep | None]] = weakref.WeakKeyDictionary()
 
 
-def graphed_step(model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig, lr: float,
+def graphed_step(model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig,
                   data: ClientData, task: Task, penalty: TensorPenalty | None = None) -> GraphedStep | None:
     """The model's graph for this trained set, task (the forward path: heads, label space), batch shape,
-    optimizer and penalty (captured on first use, the least recently used of :data:`MAX_GRAPHS_PER_MODEL`
-    dropped), its optimizer state zeroed and the penalty's inputs loaded; None when the step cannot be captured
-    (it then runs eagerly)."""
+    optimizer, gradient clipping and penalty (captured on first use, the least recently used of
+    :data:`MAX_GRAPHS_PER_MODEL` dropped), its optimizer state zeroed and the penalty's inputs loaded; None when the
+    step cannot be captured (it then runs eagerly). The learning rate is not part of it: each step sets it."""
     part: TaskData = data.parts[0]
     batch_size = min(config.batch_size, data.num_train)
     shapes = tuple((name, tuple(column.shape[1:]), column.dtype) for name, column in part.train.items())
-    key = (tuple(named), task.index, batch_size, shapes, config.optimizer, config.weight_decay, lr, config.autocast,
-           None if penalty is None else penalty.key())
+    key = (tuple(named), task.index, batch_size, shapes, config.optimizer, config.weight_decay, config.grad_clip,
+           config.autocast, None if penalty is None else penalty.key())
     graphs = _GRAPHS.setdefault(model, {})
     if key in graphs:
         graphs[key] = graphs.pop(key)  # most recently used last
@@ -259,7 +271,7 @@ def graphed_step(model: TrainableModule, named: dict[str, torch.Tensor], config:
         device = next(iter(named.values())).device
         try:
             batch = {name: column[:batch_size].to(device) for name, column in part.train.items()}
-            graphs[key] = GraphedStep(model, named, config, lr, batch, task, penalty)
+            graphs[key] = GraphedStep(model, named, config, batch, task, penalty)
         except RuntimeError as err:  # e.g. a forward that reads a value back to the host mid-step
             log.warning("train.cuda_graphs: the training step of this %s could not be captured as a CUDA graph "
                         "(%s); it trains eagerly.", type(model).__name__, str(err).splitlines()[0])

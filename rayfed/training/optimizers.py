@@ -32,8 +32,10 @@ def scheduled_lr(config: TrainConfig, base_lr: float, round_idx: int, global_ste
 
 
 def build_optimizer(
-    config: TrainConfig, params: list[torch.Tensor] | list[dict], lr: float, capturable: bool = False,
+    config: TrainConfig, params: list[torch.Tensor] | list[dict], lr: float | torch.Tensor, capturable: bool = False,
 ) -> torch.optim.Optimizer:
+    """The optimizer ``train.optimizer`` names over ``params``; ``lr`` a tensor on the device for a captured step,
+    which reads the rate it holds at each replay."""
     tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
     # One fused kernel per step on the GPU instead of a few per tensor: the steps are launch-bound.
     fused = all(p.is_cuda for p in tensors) or None

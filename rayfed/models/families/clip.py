@@ -25,7 +25,7 @@ from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError, choice_error
 from rayfed.lazy import DeferredModule
 from rayfed.models.backbone import Backbone, BackboneRequest
-from rayfed.models.client import TrainableModule
+from rayfed.models.client import TrainableModule, channel_values
 from rayfed.registry import register_backbone
 from rayfed.types import Batch
 from rayfed.zoo.registry import ZooModel
@@ -121,8 +121,7 @@ class ClipClassifier(TrainableModule):
         if images.shape[-2:] != (self.image_size, self.image_size):
             images = nn.functional.interpolate(images, size=(self.image_size, self.image_size), mode="bicubic",
                                                align_corners=False)  # fmt: skip
-        mean = torch.as_tensor(self.mean, device=images.device).view(1, 3, 1, 1)
-        std = torch.as_tensor(self.std, device=images.device).view(1, 3, 1, 1)
+        mean, std = (channel_values(values, images.device, torch.float32) for values in (self.mean, self.std))
         return (images - mean) / std
 
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
