@@ -393,6 +393,12 @@ def test_a_recorded_task_loss_trains_as_the_task_loss_and_sees_every_steps_losse
     assert [rows for rows, _ in recorder.seen] == [[WORKLOAD.batch_size]] * steps
     assert float(sum(losses[0] for _, losses in recorder.seen) / steps) == pytest.approx(float(plain.loss), rel=1e-6)
 
+    class Unrecorded(training.RecordedTaskLoss):  # a recording loss must say what it keeps
+        pass
+
+    with pytest.raises(TypeError, match="abstract method 'record'|abstract methods? record"):
+        Unrecorded()
+
 
 def test_a_steps_learning_rate_follows_the_schedule_only_in_a_local_update():
     from rayfed.training.client_context import step_lr

@@ -37,7 +37,8 @@ from rayfed.training.public_pass import (PreFederation, PublicJob, PublicLoss, P
 from rayfed.types import TensorDict
 
 __all__ = ["MAX_GRAPHS_PER_MODEL", "ClientContext", "GraphedStep", "LossFn", "OtherTask", "PatchMatmul", "Penalty",
-           "Phase", "PreFederation", "PublicJob", "PublicLoss", "PublicPass", "RecordedTaskLoss", "StackedTrainer", "Step", "TrainResult",
+           "Phase", "PreFederation", "PublicJob", "PublicLoss", "PublicPass", "RecordedTaskLoss", "StackedTrainer",
+           "Step", "TrainResult",
            "answer_mask", "build_optimizer", "check_precision", "distillation_loss", "local_steps", "mixed_precision",
            "proximal_penalty", "same_answers", "scheduled_lr", "stacked_forward_batch", "TensorPenalty", "token_losses",
            "trained_forward"]

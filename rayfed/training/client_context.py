@@ -3,6 +3,7 @@ seeded trainer, and what a loss function sees of one micro-batch (:class:`Step`)
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -155,19 +156,20 @@ def stacked_forward_batch(model: TrainableModule, parts: Sequence[tuple[Task, Ba
     return {name: torch.cat([batch[name] for batch in batches]) for name in first}
 
 
-class RecordedTaskLoss:
+class RecordedTaskLoss(ABC):
     """A loss function that is the task loss and also sees each micro-batch's per-task losses (a method's loss
-    history over the call). Unlike any other loss function, a captured CUDA graph may run it: the graph computes the task
-    loss, and :meth:`record` gets each replay's losses. ``record`` must only keep what it is given (detached
-    tensors, which it may sum); it is not part of the backward."""
+    history over the call). Unlike any other loss function, a captured CUDA graph may run it: the graph computes
+    the task loss, and :meth:`record` gets each replay's losses. ``record`` must only keep what it is given
+    (detached tensors, which it may sum); it is not part of the backward."""
 
     def __call__(self, step: Step) -> torch.Tensor:
         losses = step.part_losses()
         self.record(step, losses)
         return step.task_loss(losses)
 
+    @abstractmethod
     def record(self, step: Step, losses: Sequence[torch.Tensor]) -> None:
-        raise NotImplementedError
+        """Keep the losses of ``step``'s parts, in the order of ``step.parts``."""
 
 
 def captures_step(config: TrainConfig, device: torch.device, phases: Sequence[Phase]) -> bool:
