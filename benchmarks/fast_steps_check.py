@@ -23,7 +23,9 @@ from typing import Any
 import torch
 import yaml
 
-MODES = {"eager": {}, "compile": {"compile": True}, "cuda_graphs": {"cuda_graphs": True},
+# Each mode sets both fields: a config's own (TAP's offline configs turn CUDA graphs on) must not leak into another.
+MODES = {"eager": {"compile": False, "cuda_graphs": False}, "compile": {"compile": True, "cuda_graphs": False},
+         "cuda_graphs": {"compile": False, "cuda_graphs": True},
          "compile+cuda_graphs": {"compile": True, "cuda_graphs": True}}
 Uploads = dict[int, dict[str, dict[str, torch.Tensor]]]
 

@@ -87,6 +87,19 @@ def method_class(name: str) -> type:
 _EXIT_STATUS: list[int] = []
 
 
+def made_instances(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list:
+    """Every instance of the class ``owner.<name>`` made from now on: a subclass that keeps them, patched in."""
+    made: list = []
+
+    class Kept(getattr(owner, name)):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(owner, name, Kept)
+    return made
+
+
 class CountedOps(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the ops named ``names`` (aten schema names) run while it is active."""
 

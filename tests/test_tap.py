@@ -28,7 +28,7 @@ from rayfed.models.peft.modules import AdaptedMLP, set_adapter_mix
 from rayfed.tasks import sample_round, task_view
 from rayfed.training import ClientContext
 
-from conftest import CountedOps, compiled_update_gap, method_class
+from conftest import CountedOps, compiled_update_gap, made_instances, method_class
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # Four clients on the tiny pretrained FLAVA: 0 image classification, 1 text classification + image generation,
@@ -875,16 +875,21 @@ def test_a_captured_tap_update_uploads_the_eager_updates_numbers_within_bf16_rou
     from rayfed.benchmarks.fast_steps_check import compiled_gap
     from rayfed.training import fast_steps
 
-    captured = []
-
-    class CountedStep(fast_steps.GraphedStep):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            captured.append(self)
-
-    monkeypatch.setattr(fast_steps, "GraphedStep", CountedStep)
+    captured = made_instances(monkeypatch, fast_steps, "GraphedStep")
     gap, moved = compiled_gap(_run(), [0, 2, 3], mode="cuda_graphs")
     assert len(captured) == 3  # one graph a task, shared by W's and X's steps at their own learning rates
     # bf16 kernels picked under capture (and attention over an explicit all-ones mask) round differently; a wrong
     # lr, clip, batch or loss history moves the update by its own size
     assert moved > 1e-4 and gap < 0.15
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_multi_task_clients_tap_update_replays_its_parts_and_uploads_the_eager_numbers(monkeypatch):
+    # client 1: text classification + image generation, each step's batch split between them in changing shares
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+    from rayfed.training import fast_steps
+
+    captured = made_instances(monkeypatch, fast_steps, "_GraphedPart")
+    gap, moved = compiled_gap(_run(), [1], mode="cuda_graphs")
+    assert len(captured) >= 2  # a graph per (task, rows): at least one for each task
+    assert moved > 1e-4 and gap < 0.15  # bf16 round-off, as for one-task clients

@@ -297,6 +297,29 @@ def test_a_graphed_step_trains_like_the_eager_one_and_each_client_starts_afresh(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_after_a_capture_fails_dropout_draws_eagerly_and_an_earlier_graph_that_draws_still_replays():
+    """A forward that reads a value back to the host cannot be captured; its step then trains eagerly. Left as
+    torch.cuda.graph leaves it, the device's generator would stay in capture mode and both of these would raise."""
+    device = torch.device("cuda")
+    stream = torch.cuda.current_stream(device)
+    ones = torch.ones(4096, device=device)
+    earlier = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(earlier):
+        kept = torch.nn.functional.dropout(ones, 0.5)
+    with pytest.raises(RuntimeError):
+        with fast_steps.eager_after_a_failed_capture(device), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.nn.functional.dropout(ones, 0.5)
+            float(ones.sum())  # a host read: not allowed under capture
+    assert torch.cuda.current_stream(device) == stream
+    eager = torch.nn.functional.dropout(ones, 0.5)
+    earlier.replay()
+    first = kept.clone()
+    earlier.replay()
+    assert 0 < int((eager == 0).sum()) < len(ones)
+    assert not torch.equal(kept, first)  # each replay draws anew
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_model_whose_step_was_captured_is_freed_with_its_actor():
     import gc
     import weakref
@@ -354,6 +377,39 @@ def test_a_graphed_step_clips_follows_the_schedule_and_feeds_a_recorded_loss_lik
     unclipped = _tiny_host(optimizer="adamw", lr=1e-2, **{**schedule, "grad_clip": None})[0]._context(0, 3).train(start)
     assert any((unclipped.params[n] - reference.params[n]).norm() > (reference.params[n] - start[n].cuda()).norm()
                for n in start)  # the clipping took part
+
+
+def test_a_task_whose_part_cannot_be_captured_is_not_tried_again_and_its_calls_train_eagerly(monkeypatch):
+    """A part whose capture fails (its forward reads a value back to the host) would fail for every row count:
+    its task is not tried again, and a call holding it trains eagerly; the other tasks' parts still replay."""
+    from types import SimpleNamespace
+
+    tried = []
+
+    class Part:  # stands for a capture: fails for task 1
+        def __init__(self, forward, task, batch, share, config, owner):
+            tried.append((task.index, len(batch["x"])))
+            if task.index == 1:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            self.reached = frozenset()
+
+    monkeypatch.setattr(fast_steps, "_GraphedPart", Part)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", len(tried)))
+    host, _ = _tiny_host()
+    model, config = host.model, host.config.train
+    parts = fast_steps.GraphedParts({"w": torch.zeros(3)})
+    first, second = SimpleNamespace(index=0, name="a"), SimpleNamespace(index=1, name="b")
+
+    def rows(count: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.zeros(count, 2)}
+
+    assert parts.capture(model, config, [(first, rows(2), 4)])
+    pool = parts.pool
+    assert not parts.capture(model, config, [(first, rows(1), 4), (second, rows(3), 4)])
+    assert parts.pool != pool  # the failed capture's pool is left behind
+    assert not parts.capture(model, config, [(second, rows(2), 4)])
+    assert parts.capture(model, config, [(first, rows(2), 4), (first, rows(1), 4)])
+    assert tried == [(0, 2), (0, 1), (1, 3)]  # neither task 1 again nor a part captured before
 
 
 def test_a_step_is_captured_only_with_the_task_loss_and_no_term_or_a_declared_tensor_term():

@@ -13,8 +13,9 @@ from torch import nn
 
 from rayfed import seeding
 from rayfed.config import StreamConfig, TrainConfig
-from rayfed.data.batches import ClientData, Columns, EvalSet, num_rows
-from rayfed.training.fast_steps import TensorPenalty, graphed_step, mixed_precision, trained_forward
+from rayfed.data.batches import ClientData, Columns, EvalSet, TaskData, num_rows
+from rayfed.training.fast_steps import (GraphedParts, TensorPenalty, graphed_parts, graphed_step, mixed_precision,
+                                        trained_forward)
 from rayfed.results.derived_metrics import with_derived
 from rayfed.models.client import TrainableModule
 from rayfed.models.module_walks import functional_forward, named_parameter_table
@@ -185,6 +186,16 @@ def captures_step(config: TrainConfig, device: torch.device, phases: Sequence[Ph
             and (phase.extra_loss is None or isinstance(phase.extra_loss, TensorPenalty)))
 
 
+def captures_parts(config: TrainConfig, device: torch.device, phases: Sequence[Phase], model: TrainableModule,
+                   tasks: Sequence[int]) -> bool:
+    """Whether a train call of ``phases`` that :func:`captures_step` would take but for its micro-batches (a client
+    holding several tasks, ``train.grad_accum`` > 1) or its kept optimizer state may replay its parts' forwards and
+    backwards as CUDA graphs (:class:`~rayfed.training.fast_steps.GraphedParts`): no extra term, and tasks that do
+    not share one forward (stacked, they draw other dropout masks than one part at a time)."""
+    return (captures_step(config, device, phases) and phases[0].extra_loss is None
+            and not (len(tasks) > 1 and model.shares_forward(list(tasks))))
+
+
 def step_lr(config: TrainConfig, base_lr: float, round_idx: int, steps: int, step: int, purpose: str) -> float:
     """The learning rate of step ``step`` (of ``steps``) of a train call at ``base_lr``: on ``train.schedule`` for
     a client's local update (purpose ``train``), else ``base_lr`` throughout."""
@@ -260,10 +271,15 @@ class ClientContext:
         self.model.load_trainable(params)
         named = {name: p for name, p in named_parameter_table(self.model).items() if name in params}
         self.model.train()
-        graphed = None
+        graphed, parted = None, None
+        batches = self.batch_order(steps * config.grad_accum, purpose, pool)
+        # Before seeding: a first capture runs warm-up steps, which would draw dropout masks.
         if simple and captures_step(config, self.device, phases):
-            # Before seeding: a first capture runs warm-up steps, which would draw dropout masks.
             graphed = graphed_step(self.model, named, config, self.data, self.tasks[self.task], phases[0].extra_loss)
+        elif captures_parts(config, self.device, phases, self.model, self.data.tasks) and (pool is None or len(pool)):
+            orders = list(batches)
+            parted = graphed_parts(self.model, named, config, self._parts_of(orders))
+            batches = iter(orders)
         torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
         snapshots: dict[int, TensorDict] = {}
 
@@ -275,7 +291,6 @@ class ClientContext:
             for taken in snapshot_steps:
                 snapshot(taken)
             return TrainResult({n: p.detach().clone() for n, p in named.items()}, float("nan"), snapshots=snapshots)
-        batches = self.batch_order(steps * config.grad_accum, purpose, pool)
         # Summed on the device: reading each step's loss would make the host wait for the GPU every step.
         total_loss = torch.zeros((), device=self.device)
         if graphed is not None:
@@ -305,23 +320,13 @@ class ClientContext:
             memories: list[dict] = [{} for _ in micro_batches]
             for index, (phase, optimizer) in enumerate(zip(phases, optimizers)):
                 optimizer.zero_grad(set_to_none=True)
-                for parts, memory in zip(micro_batches, memories):
-                    step_view = Step(self, parts, named, index, step, memory)
-                    with mixed_precision(self.device, self.train_config.autocast):
-                        if phase.loss is None:
-                            losses = step_view.part_losses()
-                            value = step_view.task_loss(losses)
-                            if index == 0:
-                                _add_task_losses(task_sums, task_counts, parts, losses)
-                        else:
-                            value = phase.loss(step_view)
-                    if index == 0:
-                        total_loss += value.detach().float() / config.grad_accum
-                    if phase.extra_loss is not None:
-                        value = value + phase.extra_loss(named)
-                    if config.grad_accum > 1:
-                        value = value / config.grad_accum
-                    value.backward()
+                if parted is not None:
+                    values = self._replay_parts(parted, phase, micro_batches, named, step, task_sums, task_counts)
+                else:
+                    values = self._backward(phase, index, micro_batches, memories, named, step, task_sums, task_counts)
+                if index == 0:
+                    for value in values:
+                        total_loss += value.float() / config.grad_accum
                 trained = [p for group in optimizer.param_groups for p in group["params"]]
                 if config.grad_clip is not None:
                     nn.utils.clip_grad_norm_(trained, config.grad_clip)
@@ -331,6 +336,59 @@ class ClientContext:
         state = saved_optimizer_state(optimizers, named) if keep_optimizer_state else None
         return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1),
                            task_losses, state, snapshots)
+
+    def _parts_of(self, orders: Sequence[torch.Tensor]) -> list[tuple[Task, Batch, int]]:
+        """A batch of each (task, rows) among the parts of the micro-batches ``orders``, with the micro-batch's rows."""
+        wanted: dict[tuple[int, int, int], tuple[Task, Batch, int]] = {}
+        for indices in orders:
+            for part, rows in self.data.split(indices):
+                key = (part.task, len(rows), len(indices))
+                if key not in wanted:
+                    wanted[key] = (self.tasks[part.task], self._part_batch(part, rows), len(indices))
+        return list(wanted.values())
+
+    def _backward(self, phase: Phase, index: int, micro_batches: list[list[tuple[Task, Batch]]],
+                  memories: list[dict], named: dict[str, torch.Tensor], step: int,
+                  task_sums: dict[int, torch.Tensor], task_counts: dict[int, int]) -> list[torch.Tensor]:
+        """Phase ``index``'s forwards and backwards over one step's micro-batches; each micro-batch's loss
+        (detached, before an extra term), the first phase's task losses added to ``task_sums``."""
+        config = self.train_config
+        values = []
+        for parts, memory in zip(micro_batches, memories):
+            step_view = Step(self, parts, named, index, step, memory)
+            with mixed_precision(self.device, config.autocast):
+                if phase.loss is None:
+                    losses = step_view.part_losses()
+                    value = step_view.task_loss(losses)
+                    if index == 0:
+                        _add_task_losses(task_sums, task_counts, parts, losses)
+                else:
+                    value = phase.loss(step_view)
+            values.append(value.detach())
+            if phase.extra_loss is not None:
+                value = value + phase.extra_loss(named)
+            if config.grad_accum > 1:
+                value = value / config.grad_accum
+            value.backward()
+        return values
+
+    def _replay_parts(self, parted: GraphedParts, phase: Phase, micro_batches: list[list[tuple[Task, Batch]]],
+                      named: dict[str, torch.Tensor], step: int,
+                      task_sums: dict[int, torch.Tensor], task_counts: dict[int, int]) -> list[torch.Tensor]:
+        """:meth:`_backward` of a one-phase step (the task loss or a :class:`RecordedTaskLoss`) as the parts'
+        graphs, the step's gradients handed to the parameters for the eager optimizer step."""
+        parted.start_step()
+        values = []
+        for parts in micro_batches:
+            losses = parted.add_gradients(parts)
+            step_view = Step(self, parts, named, 0, step, {})
+            if phase.loss is None:
+                _add_task_losses(task_sums, task_counts, parts, losses)
+            else:
+                phase.loss.record(step_view, losses)
+            values.append(step_view.task_loss(losses))
+        parted.hand_gradients(micro_batches)
+        return values
 
     def batch_order(self, batches: int, purpose: str, pool: torch.Tensor | None) -> Iterator[torch.Tensor]:
         """The rows of each of ``batches`` micro-batches of a train call, seeded by (round, client, purpose), drawn
@@ -363,12 +421,11 @@ class ClientContext:
         return optimizer
 
     def _micro_batch(self, indices: torch.Tensor) -> list[tuple[Task, Batch]]:
-        parts = []
-        for part, rows in self.data.split(indices):
-            rows = rows_on(rows, next(iter(part.train.values())).device)
-            parts.append((self.tasks[part.task],
-                          {k: v[rows].to(self.device, non_blocking=True) for k, v in part.train.items()}))
-        return parts
+        return [(self.tasks[part.task], self._part_batch(part, rows)) for part, rows in self.data.split(indices)]
+
+    def _part_batch(self, part: TaskData, rows: torch.Tensor) -> Batch:
+        rows = rows_on(rows, next(iter(part.train.values())).device)
+        return {k: v[rows].to(self.device, non_blocking=True) for k, v in part.train.items()}
 
     @torch.no_grad()
     def evaluate(self, params: TensorDict) -> dict[str, float]:

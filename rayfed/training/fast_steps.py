@@ -3,10 +3,11 @@ a step captured once as a CUDA graph and replayed (``train.cuda_graphs``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from rayfed.config import TrainConfig
 from rayfed.data.batches import ClientData, TaskData
 from rayfed.errors import ConfigError
 from rayfed.models.client import TrainableModule
+from rayfed.models.peft.modules import select_task
 from rayfed.training.optimizers import build_optimizer
 from rayfed.tasks import Task
 from rayfed.types import Batch, TensorDict
@@ -75,6 +77,22 @@ class TensorPenalty:
         return self.term, self.settings, specs
 
 
+@contextlib.contextmanager
+def eager_after_a_failed_capture(device: torch.device) -> Iterator[None]:
+    """Around a capture: if it fails, put back what ``torch.cuda.graph`` leaves behind, so that the eager step that
+    follows, and the graphs captured before, run. A failed capture leaves its side stream current and the device's
+    random generator in capture mode, where the next dropout mask drawn outside a capture, and every replay of a graph
+    that draws, raises ("Offset increment outside graph capture"); a capture that succeeds ends that mode."""
+    stream = torch.cuda.current_stream(device)
+    try:
+        yield
+    except Exception:
+        torch.cuda.set_stream(stream)
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.empty(1, device=device).zero_()
+        raise
+
+
 class GraphedStep:
     """One training step (forward, loss, backward, optimizer step) of one model, trained set, task and batch
     shape, captured once as a CUDA graph and replayed for every client that trains the same set.
@@ -119,7 +137,7 @@ class GraphedStep:
             torch.cuda.current_stream(device).wait_stream(side)
             self.optimizer.zero_grad(set_to_none=True)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            with eager_after_a_failed_capture(device), torch.cuda.graph(self.graph):
                 self.loss = self._forward_backward_step(forward)
         finally:
             with torch.no_grad():  # undo the warm-up's steps
@@ -160,6 +178,132 @@ class GraphedStep:
             self.lr_value = lr
         self.graph.replay()
         return self.loss
+
+
+class GraphedParts:
+    """The forward, loss and backward of each part of a step's micro-batches (one task's rows of a client holding
+    several tasks, or one of ``train.grad_accum`` micro-batches), captured as a CUDA graph per (task, rows) and
+    replayed; the optimizer step, the clip and the schedule run eagerly, as without graphs.
+
+    A part's graph adds the gradient of its loss, times its share of the micro-batch's rows (and over
+    ``train.grad_accum``), into gradient tensors every part shares: the eager step's gradient of the weighted sum,
+    part by part, with the same dropout draws in the same order (a backward draws none). :meth:`hand_gradients`
+    gives a parameter the step's gradient only where a part of the step reaches it, so that the optimizer skips the
+    others as it does eagerly. The graphs share one memory pool: they never run at once, each leaves what it computes
+    in tensors made outside the pool (its loss, the gradients), and each capture's warm-up runs first, outside the
+    pool, so that what a forward caches (a per-device constant) is made there. A task whose part cannot be captured
+    (its forward reads a value back to the host, e.g. to choose how many windows of a long text to encode) trains
+    eagerly from then on."""
+
+    def __init__(self, named: dict[str, torch.Tensor]):
+        self.named = named
+        device = next(iter(named.values())).device
+        self.buffers: list[torch.Tensor] = []  # one per dtype: a step zeroes each in one kernel
+        self.gradients: dict[str, torch.Tensor] = {}
+        for dtype in dict.fromkeys(param.dtype for param in named.values()):
+            members = [(name, param) for name, param in named.items() if param.dtype == dtype]
+            buffer = torch.zeros(sum(param.numel() for _, param in members), dtype=dtype, device=device)
+            self.buffers.append(buffer)
+            for (name, param), flat in zip(members, buffer.split([param.numel() for _, param in members])):
+                self.gradients[name] = flat.view_as(param)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.parts: dict[tuple, _GraphedPart] = {}
+        self.uncapturable: set[int] = set()  # tasks whose forward could not be captured (it reads a value back)
+
+    @staticmethod
+    def key(task: Task, batch: Batch, total: int) -> tuple:
+        rows = len(next(iter(batch.values())))
+        return (task.index, rows, total, tuple((name, tuple(column.shape[1:]), column.dtype)
+                                                for name, column in batch.items()))
+
+    def capture(self, model: TrainableModule, config: TrainConfig, wanted: Sequence[tuple[Task, Batch, int]]) -> bool:
+        """Capture the parts of ``wanted`` (a part's task, a batch of its rows, the micro-batch's rows) not yet
+        captured, the least recently used dropped past :data:`MAX_PARTS_PER_MODEL`; whether all of them can run
+        (False: one could not be captured, and the call trains eagerly)."""
+        if any(task.index in self.uncapturable for task, _, _ in wanted):
+            return False
+        keys = [self.key(*part) for part in wanted]
+        for key in keys:
+            if key in self.parts:
+                self.parts[key] = self.parts.pop(key)  # most recently used last
+        for key, (task, batch, total) in zip(keys, wanted):
+            if key in self.parts:
+                continue
+            while len(self.parts) >= MAX_PARTS_PER_MODEL and next(iter(self.parts)) not in keys:
+                del self.parts[next(iter(self.parts))]
+            share = len(next(iter(batch.values()))) / total
+            try:
+                select_task(model, task.index)
+                self.parts[key] = _GraphedPart(trained_forward(model, config), task, batch, share, config, self)
+            except RuntimeError as err:  # e.g. a forward that reads a value back to the host mid-step
+                log.warning("train.cuda_graphs: the training step of task %s of this %s could not be captured as a "
+                            "CUDA graph (%s); its clients train eagerly.", task.name, type(model).__name__,
+                            str(err).splitlines()[0])
+                self.uncapturable.add(task.index)
+                self.pool = torch.cuda.graph_pool_handle()  # the failed capture left the pool's allocation open
+                return False
+        return True
+
+    def start_step(self) -> None:
+        for buffer in self.buffers:
+            buffer.zero_()
+
+    def add_gradients(self, parts: Sequence[tuple[Task, Batch]]) -> list[torch.Tensor]:
+        """Replay each part of one micro-batch on its rows, adding its gradient; the parts' losses."""
+        total = sum(len(next(iter(batch.values()))) for _, batch in parts)
+        return [self.parts[self.key(task, batch, total)].run(batch) for task, batch in parts]
+
+    def hand_gradients(self, micro_batches: Sequence[Sequence[tuple[Task, Batch]]]) -> None:
+        """Give the trained parameters the gradients of a step over ``micro_batches``: those no part reaches none."""
+        reached: set[str] = set()
+        for parts in micro_batches:
+            total = sum(len(next(iter(batch.values()))) for _, batch in parts)
+            for task, batch in parts:
+                reached |= self.parts[self.key(task, batch, total)].reached
+        for name, param in self.named.items():
+            param.grad = self.gradients[name] if name in reached else None
+
+
+class _GraphedPart:
+    """One part's graph (see :class:`GraphedParts`): the rows it reads, the loss it leaves, the parameters it reaches."""
+
+    def __init__(self, forward: Callable[[Batch], torch.Tensor], task: Task, batch: Batch, share: float,
+                 config: TrainConfig, owner: GraphedParts):
+        device = next(iter(batch.values())).device
+        self.batch = {name: column.clone() for name, column in batch.items()}
+        names, params = list(owner.named), list(owner.named.values())
+
+        def gradients(wrt: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+            with mixed_precision(device, config.autocast, cache_enabled=False):  # no cast cache under capture
+                loss = task.kind.loss(forward(self.batch), self.batch)
+                value = loss if share == 1 else loss * share  # Step.task_loss's terms
+            if config.grad_accum > 1:
+                value = value / config.grad_accum
+            return loss.detach(), torch.autograd.grad(value, wrt, allow_unused=True)
+
+        side = torch.cuda.Stream(device)  # warm-up off the default stream, as graph capture requires
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                loss, grads = gradients(params)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.reached = frozenset(name for name, grad in zip(names, grads) if grad is not None)
+        wrt = [param for name, param in zip(names, params) if name in self.reached]
+        targets = [owner.gradients[name] for name in names if name in self.reached]
+        self.loss = torch.zeros_like(loss)  # outside the pool, as the gradients are
+        self.graph = torch.cuda.CUDAGraph()
+        with eager_after_a_failed_capture(device), torch.cuda.graph(self.graph, pool=owner.pool):
+            loss, grads = gradients(wrt)
+            for target, grad in zip(targets, grads):
+                target.add_(grad)
+            self.loss.copy_(loss)
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """The part on ``batch``'s rows; its loss (a copy: the next replay overwrites the graph's)."""
+        for name, column in batch.items():
+            self.batch[name].copy_(column, non_blocking=True)
+        self.graph.replay()
+        return self.loss.clone()
 
 
 class CompiledForward:
@@ -248,7 +392,9 @@ class PatchMatmul(nn.Conv2d):
 
 
 MAX_GRAPHS_PER_MODEL = 4  # each graph keeps a step's activations in a memory pool of its own
+MAX_PARTS_PER_MODEL = 64  # the parts share one pool: each a graph and a batch of rows past it
 _GRAPHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, GraphedStep | None]] = weakref.WeakKeyDictionary()
+_PARTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, GraphedParts]] = weakref.WeakKeyDictionary()
 
 
 def graphed_step(model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig,
@@ -280,3 +426,21 @@ def graphed_step(model: TrainableModule, named: dict[str, torch.Tensor], config:
         graphs[key].reset_optimizer()
         graphs[key].load_penalty(penalty)
     return graphs[key]
+
+
+def graphed_parts(model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig,
+                  wanted: Sequence[tuple[Task, Batch, int]]) -> GraphedParts | None:
+    """The model's captured parts for this trained set (:class:`GraphedParts`), with every part of ``wanted`` (a
+    task, a batch of its rows, the rows of its micro-batch) captured; None when one cannot be (the call then trains
+    eagerly)."""
+    key = (tuple((name, tuple(param.shape), param.dtype) for name, param in named.items()), config.autocast,
+           config.compile)
+    families = _PARTS.setdefault(model, {})
+    if key in families:
+        families[key] = families.pop(key)
+    else:
+        if len(families) == MAX_GRAPHS_PER_MODEL:
+            del families[next(iter(families))]
+        families[key] = GraphedParts(named)
+    parts = families[key]
+    return parts if parts.capture(model, config, wanted) else None
