@@ -242,7 +242,7 @@ def test_mixed_precision_is_bf16_autocast_on_a_gpu_unless_train_autocast_is_off(
 
 @pytest.mark.parametrize("autocast", ["bf16", "off"])
 def test_train_autocast_reaches_every_training_step_and_evaluation(monkeypatch, autocast):
-    from rayfed.training import client_context, scoring
+    from rayfed.training import scoring, steps
 
     seen = []
 
@@ -250,7 +250,7 @@ def test_train_autocast_reaches_every_training_step_and_evaluation(monkeypatch, 
         seen.append(precision)
         return fast_steps.mixed_precision(device, precision, cache_enabled)
 
-    for module in (client_context, scoring):
+    for module in (steps, scoring):
         monkeypatch.setattr(module, "mixed_precision", recorded)
     host, start = _tiny_host(autocast=autocast)
     client = host._context(0, 0)
@@ -413,7 +413,7 @@ def test_a_task_whose_part_cannot_be_captured_is_not_tried_again_and_its_calls_t
 
 
 def test_a_step_is_captured_only_with_the_task_loss_and_no_term_or_a_declared_tensor_term():
-    from rayfed.training.client_context import Phase, captures_step
+    from rayfed.training.steps import Phase, captures_step
 
     config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0).train.model_copy(update={"cuda_graphs": True})
     gpu, start = torch.device("cuda"), {"w": torch.ones(3)}
@@ -457,7 +457,7 @@ def test_a_recorded_task_loss_trains_as_the_task_loss_and_sees_every_steps_losse
 
 
 def test_a_steps_learning_rate_follows_the_schedule_only_in_a_local_update():
-    from rayfed.training.client_context import step_lr
+    from rayfed.training.steps import step_lr
 
     config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0).train
     warmup = config.model_copy(update={"schedule": "round_warmup", "warmup_rounds": 4, "warmup_start_lr": 0.01})

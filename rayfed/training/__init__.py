@@ -15,8 +15,8 @@ may instead pass
 and ``train.grad_accum`` micro-batches make one optimizer step; ``train.schedule`` may key the learning
 rate to the round.
 
-The machinery lives by job, a module of this package each: ``client_context`` (the client, its train calls and their
-steps), ``optimizers`` (optimizers and learning-rate schedules), ``fast_steps`` (bf16, ``torch.compile`` and CUDA
+The machinery lives by job, a module of this package each: ``client_context`` (the client and its train calls),
+``steps`` (one step as a loss function sees it, its forwards and backwards, which steps a CUDA graph runs), ``optimizers`` (optimizers and learning-rate schedules), ``fast_steps`` (bf16, ``torch.compile`` and CUDA
 graphs), ``scoring`` (test sets scored batch by batch), ``public_pass`` (the server-side stages on public data) and
 ``batching`` (several clients' steps stacked into one forward). This module holds the loss terms methods add to a task
 loss, and re-exports the rest.
@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rayfed.training.client_context import (ClientContext, LossFn, OtherTask, Penalty, Phase, RecordedTaskLoss,
-                                            StackedTrainer, Step, TrainResult, stacked_forward_batch)
+from rayfed.training.client_context import ClientContext, OtherTask, StackedTrainer, TrainResult
+from rayfed.training.steps import LossFn, Penalty, Phase, RecordedTaskLoss, Step, stacked_forward_batch
 from rayfed.training.fast_steps import (MAX_GRAPHS_PER_MODEL, GraphedStep, PatchMatmul, TensorPenalty, check_precision,
                                         mixed_precision, trained_forward)
 from rayfed.training.optimizers import build_optimizer, local_steps, scheduled_lr
