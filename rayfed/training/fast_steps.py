@@ -433,8 +433,9 @@ def graphed_parts(model: TrainableModule, named: dict[str, torch.Tensor], config
     """The model's captured parts for this trained set (:class:`GraphedParts`), with every part of ``wanted`` (a
     task, a batch of its rows, the rows of its micro-batch) captured; None when one cannot be (the call then trains
     eagerly)."""
+    # What every part's graph bakes in besides its own key: the trained set, precision, compilation, accumulation.
     key = (tuple((name, tuple(param.shape), param.dtype) for name, param in named.items()), config.autocast,
-           config.compile)
+           config.compile, config.grad_accum)
     families = _PARTS.setdefault(model, {})
     if key in families:
         families[key] = families.pop(key)
