@@ -207,6 +207,32 @@ def test_the_text_encoder_reads_nothing_back_and_gives_transformers_numbers_with
         assert torch.equal(*outputs)
 
 
+def test_a_long_texts_windows_are_a_host_choice_that_a_captured_forward_takes_without_reading(actor):
+    # train.cuda_graphs: a part's graph is kept per choice (GraphedParts.key) and captured under making_choices
+    _start(actor)
+    model = actor.model
+    encoder = model.encoders["text"]
+    part = actor.data[3].parts[0]  # client 3: text classification
+    task, batch = part.task, {k: v[:4] for k, v in part.train.items()}
+    window, short = encoder.window, batch["input_ids"].shape[1]
+    ids = batch["input_ids"].repeat(1, math.ceil(2.5 * window / short))[:, : int(2.5 * window)]
+    mask = torch.zeros_like(ids)
+    mask[:, : window + 3] = 1  # the longest text: two windows of the three the columns could hold
+    long = {**batch, "input_ids": ids, "attention_mask": mask}
+    assert model.host_choices(task, long) == 2 and model.host_choices(task, batch) == 1
+    assert model.host_choices(0, {"pixel_values": torch.zeros(1, 3, 8, 8)}) is None  # no text, no choice
+    model.select_task(task)
+    outputs = []
+    for chosen in (False, True):
+        torch.manual_seed(0)  # the same dropout draws
+        with torch.no_grad(), model.making_choices(2 if chosen else None), CountedOps() as reads:
+            outputs.append(model(long))
+        assert (reads.count == 0) == chosen
+    assert torch.equal(*outputs) and encoder.fixed_windows is None
+    with model.making_choices(3):  # a choice is taken as made: all three windows
+        assert encoder(ids, mask)[0].shape[1] == 3 * window
+
+
 def test_image_normalization_makes_its_mean_and_std_once_per_device_and_dtype(actor):
     _start(actor)
     image_encoder = actor.model.encoders["image"]
@@ -893,3 +919,22 @@ def test_a_multi_task_clients_tap_update_replays_its_parts_and_uploads_the_eager
     gap, moved = compiled_gap(_run(), [1], mode="cuda_graphs")
     assert len(captured) >= 2  # a graph per (task, rows): at least one for each task
     assert moved > 1e-4 and gap < 0.15  # bf16 round-off, as for one-task clients
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_client_of_long_texts_replays_a_part_per_window_count_and_uploads_the_eager_numbers(monkeypatch):
+    # client 4: two multiple-choice subjects as text generation, 40-token prompts: one to three of FLAVA's 16-position
+    # windows, chosen per batch from its longest prompt (MoMEModel.host_choices), outside the graphs
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+    from rayfed.training import fast_steps
+
+    run = _run()
+    run["data"]["tasks"] += [{"name": subject, "source": "multimodal:multiple-choice", "kind": "text_generation",
+                              "options": {"num_samples": 32, "subjects": [subject]}, "max_text_length": 40,
+                              "clients": [4]} for subject in ("colors", "shapes")]
+    run["model"]["client_options"]["text_positions"] = 16
+    families = made_instances(monkeypatch, fast_steps, "GraphedParts")
+    gap, moved = compiled_gap(run, [4], mode="cuda_graphs")
+    windows = [key[-1] for family in families for key in family.parts]
+    assert len(windows) >= 2 and all(count in (1, 2, 3) for count in windows)  # each part's own window count
+    assert moved > 1e-4 and gap < 0.15

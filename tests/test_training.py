@@ -297,17 +297,25 @@ def test_a_graphed_step_trains_like_the_eager_one_and_each_client_starts_afresh(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_after_a_capture_fails_dropout_draws_eagerly_and_an_earlier_graph_that_draws_still_replays():
+@pytest.mark.parametrize("capture", ["torch.cuda.graph", "capturing"])
+def test_after_a_capture_fails_dropout_draws_eagerly_and_an_earlier_graph_that_draws_still_replays(capture):
     """A forward that reads a value back to the host cannot be captured; its step then trains eagerly. Left as
-    torch.cuda.graph leaves it, the device's generator would stay in capture mode and both of these would raise."""
+    torch.cuda.graph leaves it, the device's generator would stay in capture mode and both of these would raise.
+    The parts' own capture (fast_steps.capturing: no device-wide synchronize first) is left the same way."""
     device = torch.device("cuda")
     stream = torch.cuda.current_stream(device)
     ones = torch.ones(4096, device=device)
+
+    def graph(into: torch.cuda.CUDAGraph):
+        if capture == "capturing":
+            return fast_steps.capturing(into, torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+        return torch.cuda.graph(into)
+
     earlier = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(earlier):
+    with graph(earlier):
         kept = torch.nn.functional.dropout(ones, 0.5)
     with pytest.raises(RuntimeError):
-        with fast_steps.eager_after_a_failed_capture(device), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        with fast_steps.eager_after_a_failed_capture(device), graph(torch.cuda.CUDAGraph()):
             torch.nn.functional.dropout(ones, 0.5)
             float(ones.sum())  # a host read: not allowed under capture
     assert torch.cuda.current_stream(device) == stream
@@ -387,7 +395,7 @@ def test_a_task_whose_part_cannot_be_captured_is_not_tried_again_and_its_calls_t
     tried = []
 
     class Part:  # stands for a capture: fails for task 1
-        def __init__(self, forward, task, batch, share, config, owner):
+        def __init__(self, forward, task, batch, total, config, owner):
             tried.append((task.index, len(batch["x"])))
             if task.index == 1:
                 raise RuntimeError("operation not permitted when stream is capturing")
@@ -396,20 +404,40 @@ def test_a_task_whose_part_cannot_be_captured_is_not_tried_again_and_its_calls_t
     monkeypatch.setattr(fast_steps, "_GraphedPart", Part)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", len(tried)))
     host, _ = _tiny_host()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)  # after the imports that annotate with it
     model, config = host.model, host.config.train
     parts = fast_steps.GraphedParts({"w": torch.zeros(3)})
     first, second = SimpleNamespace(index=0, name="a"), SimpleNamespace(index=1, name="b")
 
-    def rows(count: int) -> dict[str, torch.Tensor]:
-        return {"x": torch.zeros(count, 2)}
+    def capture(*wanted: tuple[SimpleNamespace, int]) -> bool:
+        batches = [(task, {"x": torch.zeros(rows, 2)}, 4) for task, rows in wanted]
+        keys = [parts.key(model, *part) for part in batches]
+        return parts.capture(model, config, keys, {k: part for k, part in zip(keys, batches) if k not in parts.parts})
 
-    assert parts.capture(model, config, [(first, rows(2), 4)])
+    assert capture((first, 2))
     pool = parts.pool
-    assert not parts.capture(model, config, [(first, rows(1), 4), (second, rows(3), 4)])
+    assert not capture((first, 1), (second, 3))
     assert parts.pool != pool  # the failed capture's pool is left behind
-    assert not parts.capture(model, config, [(second, rows(2), 4)])
-    assert parts.capture(model, config, [(first, rows(2), 4), (first, rows(1), 4)])
+    assert not capture((second, 2))
+    assert capture((first, 2), (first, 1))
     assert tried == [(0, 2), (0, 1), (1, 3)]  # neither task 1 again nor a part captured before
+
+
+def test_the_parts_of_a_task_read_their_rows_from_one_copy_of_its_inputs(monkeypatch):
+    """A graph per row count, one static copy of a task's micro-batch inputs: each part reads its first rows."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    parts = fast_steps.GraphedParts({"w": torch.zeros(3)})
+    task, other = SimpleNamespace(index=0), SimpleNamespace(index=1)
+    rows = torch.arange(12.0).reshape(6, 2)
+    three, two = parts.static_rows(task, {"x": rows[:3]}, 6), parts.static_rows(task, {"x": rows[3:5]}, 6)
+    assert three["x"].data_ptr() == two["x"].data_ptr() and torch.equal(two["x"], rows[3:5])
+    assert torch.equal(three["x"][2], rows[2])  # past the rows the later copy wrote
+    elsewhere = [parts.static_rows(other, {"x": rows[:2]}, 6), parts.static_rows(task, {"x": rows[:2]}, 4),
+                 parts.static_rows(task, {"x": rows[:2].long()}, 6)]  # another task, micro-batch size, dtype
+    assert len({view["x"].data_ptr() for view in elsewhere} | {two["x"].data_ptr()}) == 4
 
 
 def test_a_step_is_captured_only_with_the_task_loss_and_no_term_or_a_declared_tensor_term():

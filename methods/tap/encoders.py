@@ -4,7 +4,9 @@ LoRA) between a trainable input adaptor (images) and a trainable projection to t
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -110,13 +112,27 @@ class TextEncoder(nn.Module):
         self.window = config.max_position_embeddings
         self.proj = nn.Linear(config.hidden_size, width)
         self.layer_norm = nn.LayerNorm(width)
+        self.fixed_windows: int | None = None  # while a CUDA graph is captured (taking_windows)
+
+    def windows(self, mask: torch.Tensor) -> int:
+        """How many windows encode the longest text of ``mask``: read back to the host when texts may be longer
+        than one window."""
+        if mask.shape[1] <= self.window:  # one window whatever the lengths: no need to read them
+            return 1
+        return math.ceil(max(int(mask.sum(dim=1).max()), 1) / self.window)
+
+    @contextlib.contextmanager
+    def taking_windows(self, windows: int) -> Iterator[None]:
+        """Encode ``windows`` windows in the forwards within, whatever the lengths (nothing read back)."""
+        self.fixed_windows = windows
+        try:
+            yield
+        finally:
+            self.fixed_windows = None
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = self.fixed_windows or self.windows(mask)
         ids, mask = _packed(ids, mask)
-        if ids.shape[1] <= self.window:  # one window whatever the lengths: no need to read them back to the host
-            windows = 1
-        else:
-            windows = math.ceil(max(int(mask.sum(dim=1).max()), 1) / self.window)
         length = windows * self.window
         if ids.shape[1] < length:
             pad = length - ids.shape[1]

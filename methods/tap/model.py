@@ -36,6 +36,7 @@ task's forward path (what TAP's replacement copies).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -65,6 +66,14 @@ def _masked_mean(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _key(name: str) -> str:
     """A domain name usable as a module key."""
     return name.replace(".", "_")
+
+
+def _text_inputs(key: str, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token ids and mask the text encoder reads: for text generation the prompt alone (``input_ids`` holds
+    prompt + target)."""
+    if key == "text_generation":
+        return batch["prompt_ids"], batch["prompt_mask"]
+    return batch["input_ids"], batch["attention_mask"]
 
 
 class MoMEModel(TrainableModule):
@@ -211,11 +220,17 @@ class MoMEModel(TrainableModule):
         if IMAGE in self.task_modalities[task]:
             encoded[IMAGE] = self.encoders[IMAGE](batch["pixel_values"])
         if TEXT in self.task_modalities[task]:
-            if self.keys[task] == "text_generation":  # the prompt only: input_ids holds prompt + target
-                encoded[TEXT] = self.encoders[TEXT](batch["prompt_ids"], batch["prompt_mask"])
-            else:
-                encoded[TEXT] = self.encoders[TEXT](batch["input_ids"], batch["attention_mask"])
+            encoded[TEXT] = self.encoders[TEXT](*_text_inputs(self.keys[task], batch))
         return encoded
+
+    def host_choices(self, task_index: int, batch: Batch) -> int | None:
+        """How many windows the text encoder encodes for this batch's longest text (None: the task reads no text)."""
+        if TEXT not in self.task_modalities[task_index]:
+            return None
+        return self.encoders[TEXT].windows(_text_inputs(self.keys[task_index], batch)[1])
+
+    def making_choices(self, choices: int | None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if choices is None else self.encoders[TEXT].taking_windows(choices)
 
     def features(self, batch: Batch | torch.Tensor) -> torch.Tensor:
         """The pooled features (B, D): the mean of the four paths of every input modality."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
@@ -100,6 +101,19 @@ class TrainableModule(nn.Module):
         """Whether these tasks' batches run through one and the same forward, so that they may be stacked into
         one batch (training a step's tasks together, scoring their test sets together)."""
         return False
+
+    def host_choices(self, task_index: int, batch: Batch) -> Hashable:
+        """What the forward of task ``task_index`` on ``batch`` decides from the batch's values read back to the host
+        (e.g. how many windows of a long text to encode), which a CUDA graph cannot hold: a captured part of a step
+        is kept per choice and captured under :meth:`making_choices` (``train.cuda_graphs``). Default: None, no
+        such decision."""
+        return None
+
+    @contextlib.contextmanager
+    def making_choices(self, choices: Hashable) -> Iterator[None]:
+        """Forwards within take ``choices`` (of :meth:`host_choices`) as made, reading nothing back to decide them.
+        Default: nothing to take."""
+        yield
 
     def raw_and_scored(self, batch: Batch, forward: Callable[..., torch.Tensor] | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from rayfed.models.peft.modules import select_task
 from rayfed.training.optimizers import build_optimizer, load_optimizer_state, local_steps, saved_optimizer_state
 from rayfed.training.scoring import Scorer
 from rayfed.training.steps import (LossFn, Penalty, Phase, Step, captures_parts, captures_step, eager_pass,
-                                   parts_to_capture, replayed_pass, step_lr)
+                                   captured_part_keys, replayed_pass, step_lr)
 from rayfed.data.streams import seen_round, training_pool
 from rayfed.tasks import Task
 from rayfed.types import Batch, Loss, TensorDict
@@ -111,14 +111,15 @@ class ClientContext:
         self.model.load_trainable(params)
         named = {name: p for name, p in named_parameter_table(self.model).items() if name in params}
         self.model.train()
-        graphed, parted = None, None
+        graphed, parted, part_keys = None, None, None
         batches = self.batch_order(steps * config.grad_accum, purpose, pool)
         # Before seeding: a first capture runs warm-up steps, which would draw dropout masks.
         if simple and captures_step(config, self.device, phases):
             graphed = graphed_step(self.model, named, config, self.data, self.tasks[self.task], phases[0].extra_loss)
         elif captures_parts(config, self.device, phases, self.model, self.data.tasks) and (pool is None or len(pool)):
             orders = list(batches)
-            parted = graphed_parts(self.model, named, config, parts_to_capture(self, orders))
+            parted = graphed_parts(self.model, named, config)
+            part_keys = captured_part_keys(self, parted, orders)
             batches = iter(orders)
         torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
         snapshots: dict[int, TensorDict] = {}
@@ -160,8 +161,10 @@ class ClientContext:
             memories: list[dict] = [{} for _ in micro_batches]
             for index, (phase, optimizer) in enumerate(zip(phases, optimizers)):
                 optimizer.zero_grad(set_to_none=True)
-                if parted is not None:
-                    values = replayed_pass(self, parted, phase, micro_batches, named, step, task_sums, task_counts)
+                if part_keys is not None:
+                    keys = part_keys[step * config.grad_accum:(step + 1) * config.grad_accum]
+                    values = replayed_pass(self, parted, phase, micro_batches, keys, named, step, task_sums,
+                                           task_counts)
                 else:
                     values = eager_pass(self, phase, index, micro_batches, memories, named, step, task_sums, task_counts)
                 if index == 0:

@@ -182,18 +182,21 @@ class GraphedStep:
 
 class GraphedParts:
     """The forward, loss and backward of each part of a step's micro-batches (one task's rows of a client holding
-    several tasks, or one of ``train.grad_accum`` micro-batches), captured as a CUDA graph per (task, rows) and
-    replayed; the optimizer step, the clip and the schedule run eagerly, as without graphs.
+    several tasks, or one of ``train.grad_accum`` micro-batches), captured as a CUDA graph per (task, rows, the
+    model's :meth:`~rayfed.models.TrainableModule.host_choices`) and replayed; the optimizer step, the clip and the
+    schedule run eagerly, as without graphs.
 
     A part's graph adds the gradient of its loss, times its share of the micro-batch's rows (and over
     ``train.grad_accum``), into gradient tensors every part shares: the eager step's gradient of the weighted sum,
     part by part, with the same dropout draws in the same order (a backward draws none). :meth:`hand_gradients`
     gives a parameter the step's gradient only where a part of the step reaches it, so that the optimizer skips the
     others as it does eagerly. The graphs share one memory pool: they never run at once, each leaves what it computes
-    in tensors made outside the pool (its loss, the gradients), and each capture's warm-up runs first, outside the
-    pool, so that what a forward caches (a per-device constant) is made there. A task whose part cannot be captured
-    (its forward reads a value back to the host, e.g. to choose how many windows of a long text to encode) trains
-    eagerly from then on."""
+    in tensors made outside the pool (its loss, the gradients), and a task's first capture runs a warm-up first,
+    outside the pool, so that what a forward caches (a per-device constant) is made there. The parts of one task read
+    their rows from the first rows of the same inputs (:meth:`static_rows`). Each capture goes through
+    :func:`capturing`, without the device-wide synchronize of ``torch.cuda.graph``: a client's first rounds capture
+    dozens of parts. A task whose part cannot be captured (its forward reads a value back to the host that its model
+    does not declare a choice) trains eagerly from then on."""
 
     def __init__(self, named: dict[str, torch.Tensor]):
         self.named = named
@@ -207,34 +210,51 @@ class GraphedParts:
             for (name, param), flat in zip(members, buffer.split([param.numel() for _, param in members])):
                 self.gradients[name] = flat.view_as(param)
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)  # every warm-up and capture: what a stream sets up once is kept
         self.parts: dict[tuple, _GraphedPart] = {}
         self.uncapturable: set[int] = set()  # tasks whose forward could not be captured (it reads a value back)
+        self.reached: set[str] = set()  # the parameters this step's parts reached so far
+        # by task, whatever the rows: the parameters its path reaches and its loss's dtype (from a first warm-up)
+        self.warmed: dict[int, tuple[frozenset[str], torch.dtype]] = {}
+        self.inputs: dict[tuple, Batch] = {}  # by (task, micro-batch rows, columns): what its parts' rows are views of
+
+    def static_rows(self, task: Task, batch: Batch, total: int) -> Batch:
+        """``batch`` copied into the first rows of the inputs every part of its task and columns reads (a graph per
+        row count, one copy of the inputs)."""
+        specs = tuple((name, tuple(column.shape[1:]), column.dtype) for name, column in batch.items())
+        key = (task.index, total, specs)
+        if key not in self.inputs:
+            self.inputs[key] = {name: column.new_empty((total, *column.shape[1:])) for name, column in batch.items()}
+        rows = len(next(iter(batch.values())))
+        views = {name: column[:rows] for name, column in self.inputs[key].items()}
+        for name, column in batch.items():
+            views[name].copy_(column)
+        return views
 
     @staticmethod
-    def key(task: Task, batch: Batch, total: int) -> tuple:
+    def key(model: TrainableModule, task: Task, batch: Batch, total: int) -> tuple:
+        """A part's graph: its task, rows, the micro-batch's rows, its columns' shapes and its model's host choices."""
         rows = len(next(iter(batch.values())))
         return (task.index, rows, total, tuple((name, tuple(column.shape[1:]), column.dtype)
-                                                for name, column in batch.items()))
+                                                for name, column in batch.items()), model.host_choices(task.index, batch))
 
-    def capture(self, model: TrainableModule, config: TrainConfig, wanted: Sequence[tuple[Task, Batch, int]]) -> bool:
-        """Capture the parts of ``wanted`` (a part's task, a batch of its rows, the micro-batch's rows) not yet
-        captured, the least recently used dropped past :data:`MAX_PARTS_PER_MODEL`; whether all of them can run
-        (False: one could not be captured, and the call trains eagerly)."""
-        if any(task.index in self.uncapturable for task, _, _ in wanted):
+    def capture(self, model: TrainableModule, config: TrainConfig, used: Sequence[tuple],
+                wanted: dict[tuple, tuple[Task, Batch, int]]) -> bool:
+        """Capture the parts of ``wanted`` (by key: a part's task, a batch of its rows, the micro-batch's rows), the
+        least recently used of those not in ``used`` (the call's keys) dropped past :data:`MAX_PARTS_PER_MODEL`;
+        whether every part of the call can run (False: one could not be captured, and the call trains eagerly)."""
+        if any(task.index in self.uncapturable for task, _, _ in wanted.values()):
             return False
-        keys = [self.key(*part) for part in wanted]
-        for key in keys:
+        for key in dict.fromkeys(used):
             if key in self.parts:
                 self.parts[key] = self.parts.pop(key)  # most recently used last
-        for key, (task, batch, total) in zip(keys, wanted):
-            if key in self.parts:
-                continue
-            while len(self.parts) >= MAX_PARTS_PER_MODEL and next(iter(self.parts)) not in keys:
+        for key, (task, batch, total) in wanted.items():
+            while len(self.parts) >= MAX_PARTS_PER_MODEL and next(iter(self.parts)) not in used:
                 del self.parts[next(iter(self.parts))]
-            share = len(next(iter(batch.values()))) / total
             try:
                 select_task(model, task.index)
-                self.parts[key] = _GraphedPart(trained_forward(model, config), task, batch, share, config, self)
+                with model.making_choices(key[-1]):
+                    self.parts[key] = _GraphedPart(trained_forward(model, config), task, batch, total, config, self)
             except RuntimeError as err:  # e.g. a forward that reads a value back to the host mid-step
                 log.warning("train.cuda_graphs: the training step of task %s of this %s could not be captured as a "
                             "CUDA graph (%s); its clients train eagerly.", task.name, type(model).__name__,
@@ -247,30 +267,48 @@ class GraphedParts:
     def start_step(self) -> None:
         for buffer in self.buffers:
             buffer.zero_()
+        self.reached = set()
 
-    def add_gradients(self, parts: Sequence[tuple[Task, Batch]]) -> list[torch.Tensor]:
-        """Replay each part of one micro-batch on its rows, adding its gradient; the parts' losses."""
-        total = sum(len(next(iter(batch.values()))) for _, batch in parts)
-        return [self.parts[self.key(task, batch, total)].run(batch) for task, batch in parts]
+    def add_gradients(self, parts: Sequence[tuple[Task, Batch]], keys: Sequence[tuple]) -> list[torch.Tensor]:
+        """Replay each part of one micro-batch (its key in ``keys``) on its rows, adding its gradient; the parts'
+        losses."""
+        losses = []
+        for (_, batch), key in zip(parts, keys):
+            part = self.parts[key]
+            self.reached |= part.reached
+            losses.append(part.run(batch))
+        return losses
 
-    def hand_gradients(self, micro_batches: Sequence[Sequence[tuple[Task, Batch]]]) -> None:
-        """Give the trained parameters the gradients of a step over ``micro_batches``: those no part reaches none."""
-        reached: set[str] = set()
-        for parts in micro_batches:
-            total = sum(len(next(iter(batch.values()))) for _, batch in parts)
-            for task, batch in parts:
-                reached |= self.parts[self.key(task, batch, total)].reached
+    def hand_gradients(self) -> None:
+        """Give the trained parameters the gradients of the step: those no part of it reached none."""
         for name, param in self.named.items():
-            param.grad = self.gradients[name] if name in reached else None
+            param.grad = self.gradients[name] if name in self.reached else None
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: tuple, stream: torch.cuda.Stream) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool, stream)`` without what it does first: synchronize the device and empty the
+    allocator's cache (and the host's pinned one). A client's first rounds capture dozens of small parts, each of which
+    would otherwise stall the device and make every allocation after it a fresh ``cudaMalloc``."""
+    device_stream = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(device_stream)
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool)
+        try:
+            yield
+        finally:
+            graph.capture_end()
+    device_stream.wait_stream(stream)
 
 
 class _GraphedPart:
     """One part's graph (see :class:`GraphedParts`): the rows it reads, the loss it leaves, the parameters it reaches."""
 
-    def __init__(self, forward: Callable[[Batch], torch.Tensor], task: Task, batch: Batch, share: float,
+    def __init__(self, forward: Callable[[Batch], torch.Tensor], task: Task, batch: Batch, total: int,
                  config: TrainConfig, owner: GraphedParts):
         device = next(iter(batch.values())).device
-        self.batch = {name: column.clone() for name, column in batch.items()}
+        self.batch = owner.static_rows(task, batch, total)
+        share = len(next(iter(batch.values()))) / total
         names, params = list(owner.named), list(owner.named.values())
 
         def gradients(wrt: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
@@ -281,18 +319,21 @@ class _GraphedPart:
                 value = value / config.grad_accum
             return loss.detach(), torch.autograd.grad(value, wrt, allow_unused=True)
 
-        side = torch.cuda.Stream(device)  # warm-up off the default stream, as graph capture requires
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
+        if task.index not in owner.warmed:
+            # A task's first part: one warm-up on the capture's stream (off the default one, as capture requires)
+            # finds the parameters its path reaches and makes, outside the pool, what a first forward or backward
+            # sets up (a per-device constant, the stream's cuBLAS workspace); its later parts reuse both.
+            owner.stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(owner.stream):
                 loss, grads = gradients(params)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.reached = frozenset(name for name, grad in zip(names, grads) if grad is not None)
+            torch.cuda.current_stream(device).wait_stream(owner.stream)
+            owner.warmed[task.index] = frozenset(n for n, grad in zip(names, grads) if grad is not None), loss.dtype
+        self.reached, loss_dtype = owner.warmed[task.index]
         wrt = [param for name, param in zip(names, params) if name in self.reached]
         targets = [owner.gradients[name] for name in names if name in self.reached]
-        self.loss = torch.zeros_like(loss)  # outside the pool, as the gradients are
+        self.loss = torch.zeros((), dtype=loss_dtype, device=device)  # outside the pool, as the gradients are
         self.graph = torch.cuda.CUDAGraph()
-        with eager_after_a_failed_capture(device), torch.cuda.graph(self.graph, pool=owner.pool):
+        with eager_after_a_failed_capture(device), capturing(self.graph, owner.pool, owner.stream):
             loss, grads = gradients(wrt)
             for target, grad in zip(targets, grads):
                 target.add_(grad)
@@ -392,7 +433,7 @@ class PatchMatmul(nn.Conv2d):
 
 
 MAX_GRAPHS_PER_MODEL = 4  # each graph keeps a step's activations in a memory pool of its own
-MAX_PARTS_PER_MODEL = 64  # the parts share one pool: each a graph and a batch of rows past it
+MAX_PARTS_PER_MODEL = 256  # the parts share one pool and their task's inputs: each a graph past them
 _GRAPHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, GraphedStep | None]] = weakref.WeakKeyDictionary()
 _PARTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, GraphedParts]] = weakref.WeakKeyDictionary()
 
@@ -428,11 +469,8 @@ def graphed_step(model: TrainableModule, named: dict[str, torch.Tensor], config:
     return graphs[key]
 
 
-def graphed_parts(model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig,
-                  wanted: Sequence[tuple[Task, Batch, int]]) -> GraphedParts | None:
-    """The model's captured parts for this trained set (:class:`GraphedParts`), with every part of ``wanted`` (a
-    task, a batch of its rows, the rows of its micro-batch) captured; None when one cannot be (the call then trains
-    eagerly)."""
+def graphed_parts(model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig) -> GraphedParts:
+    """The model's captured parts for this trained set (:class:`GraphedParts`), made on first use."""
     # What every part's graph bakes in besides its own key: the trained set, precision, compilation, accumulation.
     key = (tuple((name, tuple(param.shape), param.dtype) for name, param in named.items()), config.autocast,
            config.compile, config.grad_accum)
@@ -443,5 +481,4 @@ def graphed_parts(model: TrainableModule, named: dict[str, torch.Tensor], config
         if len(families) == MAX_GRAPHS_PER_MODEL:
             del families[next(iter(families))]
         families[key] = GraphedParts(named)
-    parts = families[key]
-    return parts if parts.capture(model, config, wanted) else None
+    return families[key]

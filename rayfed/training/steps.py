@@ -1,6 +1,6 @@
 """One step of a train call as a loss function sees it (:class:`Step`, its :class:`Phase`), and its forwards and
-backwards: eager (:func:`eager_pass`) or as the captured graphs of its parts (:func:`replayed_pass`), with which
-calls a CUDA graph may run (:func:`captures_step`, :func:`captures_parts`)."""
+backwards: eager (:func:`eager_pass`) or as the captured graphs of its parts (:func:`replayed_pass`,
+:func:`captured_part_keys`), with which calls a CUDA graph may run (:func:`captures_step`, :func:`captures_parts`)."""
 
 from __future__ import annotations
 
@@ -194,15 +194,21 @@ def step_lr(config: TrainConfig, base_lr: float, round_idx: int, steps: int, ste
     return scheduled_lr(config, base_lr, round_idx, round_idx * steps + step)
 
 
-def parts_to_capture(client: StepClient, orders: Sequence[torch.Tensor]) -> list[tuple[Task, Batch, int]]:
-    """A batch of each (task, rows) among the parts of the micro-batches ``orders``, with the micro-batch's rows."""
-    wanted: dict[tuple[int, int, int], tuple[Task, Batch, int]] = {}
+def captured_part_keys(client: StepClient, parted: GraphedParts,
+                       orders: Sequence[torch.Tensor]) -> list[list[tuple]] | None:
+    """The keys of the parts of each micro-batch of ``orders`` (:meth:`GraphedParts.key`), with every part not yet
+    captured captured; None when one cannot be (the call then trains eagerly)."""
+    keys: list[list[tuple]] = []
+    wanted: dict[tuple, tuple[Task, Batch, int]] = {}  # a batch kept only for a part not yet captured
     for indices in orders:
+        keys.append([])
         for part, rows in client.data.split(indices):
-            key = (part.task, len(rows), len(indices))
-            if key not in wanted:
-                wanted[key] = (client.tasks[part.task], client.part_batch(part, rows), len(indices))
-    return list(wanted.values())
+            task, batch = client.tasks[part.task], client.part_batch(part, rows)
+            key = parted.key(client.model, task, batch, len(indices))
+            keys[-1].append(key)
+            if key not in parted.parts and key not in wanted:
+                wanted[key] = (task, batch, len(indices))
+    return keys if parted.capture(client.model, client.train_config, [k for ks in keys for k in ks], wanted) else None
 
 
 def eager_pass(client: StepClient, phase: Phase, index: int, micro_batches: list[list[tuple[Task, Batch]]],
@@ -232,21 +238,23 @@ def eager_pass(client: StepClient, phase: Phase, index: int, micro_batches: list
 
 
 def replayed_pass(client: StepClient, parted: GraphedParts, phase: Phase,
-                  micro_batches: list[list[tuple[Task, Batch]]], named: dict[str, torch.Tensor], step: int,
+                  micro_batches: list[list[tuple[Task, Batch]]], keys: list[list[tuple]],
+                  named: dict[str, torch.Tensor], step: int,
                   task_sums: dict[int, torch.Tensor], task_counts: dict[int, int]) -> list[torch.Tensor]:
-    """:func:`eager_pass` of a one-phase step (the task loss or a :class:`RecordedTaskLoss`) as the parts'
-    graphs, the step's gradients handed to the parameters for the eager optimizer step."""
+    """:func:`eager_pass` of a one-phase step (the task loss or a :class:`RecordedTaskLoss`) as the parts' graphs
+    (each micro-batch's parts' keys in ``keys``), the step's gradients handed to the parameters for the eager optimizer
+    step."""
     parted.start_step()
     values = []
-    for parts in micro_batches:
-        losses = parted.add_gradients(parts)
+    for parts, part_keys in zip(micro_batches, keys):
+        losses = parted.add_gradients(parts, part_keys)
         step_view = Step(client, parts, named, 0, step, {})
         if phase.loss is None:
             add_task_losses(task_sums, task_counts, parts, losses)
         else:
             phase.loss.record(step_view, losses)
         values.append(step_view.task_loss(losses))
-    parted.hand_gradients(micro_batches)
+    parted.hand_gradients()
     return values
 
 
