@@ -38,6 +38,13 @@ from rayfed.types import moved_together, states_to
 Payloads = dict[int, TensorDict | None]
 
 
+def set_process_options(config: RunConfig) -> None:
+    """What torch keeps per process, as the run asks: the actor's CPU threads, and whether attention may run on
+    cuDNN's kernels (``train.cudnn_attention``)."""
+    torch.set_num_threads(max(1, int(config.placement.cpus_per_actor or 1)))
+    torch.backends.cuda.enable_cudnn_sdp(config.train.cudnn_attention)
+
+
 class ClientActor:
     def __init__(
         self, config: RunConfig | dict, client_ids: Sequence[int], methods: Sequence[Method] | None = None,
@@ -51,7 +58,7 @@ class ClientActor:
         registry.install(plugins)
         use_raw_tensor_transport()
         self.config: RunConfig = config if isinstance(config, RunConfig) else build_config(config)
-        torch.set_num_threads(max(1, int(self.config.placement.cpus_per_actor or 1)))
+        set_process_options(self.config)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.client_ids = list(client_ids)
         self.architecture = architecture

@@ -895,18 +895,24 @@ def test_a_compiled_tap_update_uploads_the_eager_updates_numbers(monkeypatch):
     assert compiled_update_gap(_run(), [0], monkeypatch) < 1e-4
 
 
+# The replayed TAP updates below are checked in float32, where an H100 gave bitwise the eager uploads (gap 0). Under
+# bf16 autocast they are 0.02-0.36 of the update apart (with cuDNN's attention 0.07 and less; eager runs repeat
+# bitwise): the kernels a capture picks round differently, and AdamW turns the round-off of a near-zero gradient
+# into a step of the learning rate's size.
+FLOAT32 = ["train.autocast=off"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_a_captured_tap_update_uploads_the_eager_updates_numbers_within_bf16_round_off(monkeypatch):
+def test_a_captured_tap_update_uploads_the_eager_updates_numbers(monkeypatch):
     # clients 0, 2, 3: one task each (image classification, VQA, text classification), W's update and X's
     from rayfed.benchmarks.fast_steps_check import compiled_gap
     from rayfed.training import fast_steps
 
     captured = made_instances(monkeypatch, fast_steps, "GraphedStep")
-    gap, moved = compiled_gap(_run(), [0, 2, 3], mode="cuda_graphs")
+    gap, moved = compiled_gap(_run(), [0, 2, 3], mode="cuda_graphs", overrides=FLOAT32)
     assert len(captured) == 3  # one graph a task, shared by W's and X's steps at their own learning rates
-    # bf16 kernels picked under capture (and attention over an explicit all-ones mask) round differently; a wrong
-    # lr, clip, batch or loss history moves the update by its own size
-    assert moved > 1e-4 and gap < 0.15
+    # a wrong lr, clip, batch or loss history moves the update by its own size
+    assert moved > 1e-4 and gap < 1e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -916,9 +922,9 @@ def test_a_multi_task_clients_tap_update_replays_its_parts_and_uploads_the_eager
     from rayfed.training import fast_steps
 
     captured = made_instances(monkeypatch, fast_steps, "_GraphedPart")
-    gap, moved = compiled_gap(_run(), [1], mode="cuda_graphs")
+    gap, moved = compiled_gap(_run(), [1], mode="cuda_graphs", overrides=FLOAT32)
     assert len(captured) >= 2  # a graph per (task, rows): at least one for each task
-    assert moved > 1e-4 and gap < 0.15  # bf16 round-off, as for one-task clients
+    assert moved > 1e-4 and gap < 1e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -934,7 +940,7 @@ def test_a_client_of_long_texts_replays_a_part_per_window_count_and_uploads_the_
                               "clients": [4]} for subject in ("colors", "shapes")]
     run["model"]["client_options"]["text_positions"] = 16
     families = made_instances(monkeypatch, fast_steps, "GraphedParts")
-    gap, moved = compiled_gap(run, [4], mode="cuda_graphs")
+    gap, moved = compiled_gap(run, [4], mode="cuda_graphs", overrides=FLOAT32)
     windows = [key[-1] for family in families for key in family.parts]
     assert len(windows) >= 2 and all(count in (1, 2, 3) for count in windows)  # each part's own window count
-    assert moved > 1e-4 and gap < 0.15
+    assert moved > 1e-4 and gap < 1e-3

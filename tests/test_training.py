@@ -229,6 +229,19 @@ def test_train_autocast_is_bf16_by_default_and_names_its_values_when_unknown():
         load_config(config, ["train.autocast=on"])
 
 
+@pytest.mark.parametrize("cudnn_attention", [False, True])
+def test_an_actor_lets_attention_use_cudnn_only_when_train_cudnn_attention_says_so(cudnn_attention):
+    # A process-wide switch of torch's (each ClientActor is a process of its own on Ray): put back after the test.
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(not cudnn_attention)
+    try:
+        assert WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0).train.cudnn_attention is False
+        _tiny_host(cudnn_attention=cudnn_attention)
+        assert torch.backends.cuda.cudnn_sdp_enabled() is cudnn_attention
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 def test_mixed_precision_is_bf16_autocast_on_a_gpu_unless_train_autocast_is_off(monkeypatch):
     # A CPU-only torch disables a CUDA autocast as it is built; let it build one as on a GPU, without entering it.
     monkeypatch.setattr(torch.cuda.amp.common, "amp_definitely_not_available", lambda: False)

@@ -85,6 +85,12 @@ class TrainConfig(Section):
         "bfloat16 on a GPU, the llama: ones and the LLaVA models built on them, is refused rather than run in "
         "float32); a CPU always computes in float32"
     )
+    cudnn_attention: bool = Field(
+        False, description="on a GPU, let torch's scaled_dot_product_attention choose cuDNN's kernels, as torch does "
+        "by default on Hopper GPUs: cuDNN builds a plan for every new shape of an attention (about 70 ms a forward on "
+        "an H100, in each actor), which a run whose clients, tasks and texts give many shapes pays many times over; "
+        "false: the flash, memory-efficient and math kernels, whose first call of a shape costs under a millisecond"
+    )
     batch_clients: int = Field(
         1, ge=1, description="train up to this many of an actor's sampled clients in one forward and backward "
         "(torch.func.vmap over their stacked parameters and batches) when their updates are plain (the task loss, "
