@@ -680,6 +680,28 @@ def test_gradient_accumulation_over_two_micro_batches_is_one_step_on_both():
     assert float(a.loss) == pytest.approx(float(b.loss), rel=1e-5)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+def test_a_cpu_optimizer_steps_every_tensor_at_once_to_bitwise_the_per_tensor_steps(optimizer):
+    config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0).train.model_copy(
+        update={"optimizer": optimizer, "momentum": 0.9 if optimizer == "sgd" else 0.0, "weight_decay": 0.01})
+    per_tensor = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer]
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(4, 64), (64, 4), (64,), (10, 64)]
+    start = [torch.randn(shape, generator=generator) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator) * scale for shape in shapes] for scale in (1.0, 1e-3, 1e-6)]
+    ours, theirs = ([torch.nn.Parameter(value.clone()) for value in start] for _ in range(2))
+    stepped = training.build_optimizer(config, ours, 3e-3)
+    reference = per_tensor(theirs, lr=3e-3, weight_decay=0.01, foreach=False,
+                           **({"momentum": 0.9} if optimizer == "sgd" else {}))
+    assert stepped.defaults["foreach"]
+    for step_grads in grads:
+        for params, optim in ((ours, stepped), (theirs, reference)):
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.clone()
+            optim.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
 def test_optimizer_state_is_kept_across_calls_when_asked():
     host, start = _tiny_host()
     first = host._context(0, 0).train(start, steps=2, keep_optimizer_state=True)

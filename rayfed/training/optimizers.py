@@ -37,12 +37,16 @@ def build_optimizer(
     """The optimizer ``train.optimizer`` names over ``params``; ``lr`` a tensor on the device for a captured step,
     which reads the rate it holds at each replay."""
     tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
-    # One fused kernel per step on the GPU instead of a few per tensor: the steps are launch-bound.
+    # One fused kernel per step on the GPU instead of a few per tensor: the steps are launch-bound. Elsewhere the
+    # foreach update: the same operations on each tensor, bitwise, looped in C++ rather than in Python (torch's
+    # default off a GPU), which a CPU step of a small model's many LoRA tensors otherwise waits on.
     fused = all(p.is_cuda for p in tensors) or None
+    foreach = None if fused else True
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay, fused=fused)
+        return torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay, fused=fused,
+                               foreach=foreach)
     adam = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
-    return adam(params, lr=lr, weight_decay=config.weight_decay, fused=fused, capturable=capturable)
+    return adam(params, lr=lr, weight_decay=config.weight_decay, fused=fused, foreach=foreach, capturable=capturable)
 
 
 def saved_optimizer_state(optimizers: list[torch.optim.Optimizer], named: dict[str, torch.Tensor]) -> TensorDict:
