@@ -87,8 +87,8 @@ class TrainConfig(Section):
     )
     cudnn_attention: bool = Field(
         False, description="on a GPU, let torch's scaled_dot_product_attention choose cuDNN's kernels, as torch does "
-        "by default on Hopper GPUs: cuDNN builds a plan for every new shape of an attention (about 70 ms a forward on "
-        "an H100, in each actor), which a run whose clients, tasks and texts give many shapes pays many times over; "
+        "by default on Hopper GPUs: cuDNN builds a plan for every new shape of an attention (70 ms to 2 s on an H100, "
+        "in each actor), which a run whose clients, tasks and texts give many shapes pays many times over; "
         "false: the flash, memory-efficient and math kernels, whose first call of a shape costs under a millisecond"
     )
     batch_clients: int = Field(
