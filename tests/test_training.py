@@ -207,13 +207,29 @@ def test_states_kept_on_the_host_train_on_the_gpu_for_the_round_and_come_back_as
             assert all(torch.equal(host_upload.tensors[slot][name], value) for name, value in values.items())
 
 
-def test_cuda_graphs_refuse_an_optimizer_a_captured_step_cannot_run_and_take_any_schedule_and_clipping():
+def test_cuda_graphs_take_any_optimizer_schedule_and_clipping():
     config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0)
-    with pytest.raises(ConfigError, match=r"train.cuda_graphs needs train.optimizer in \['adam', 'adamw'\], not 'sgd'"):
-        load_config(config, ["train.cuda_graphs=true", "train.optimizer=sgd"])
-    taken = load_config(config, ["train.cuda_graphs=true", "train.optimizer=adamw", "train.grad_clip=1.0",
-                                 "train.schedule=round_warmup"]).train
-    assert taken.cuda_graphs and taken.grad_clip == 1.0 and taken.schedule == "round_warmup"
+    for optimizer in ("sgd", "adam", "adamw"):
+        taken = load_config(config, ["train.cuda_graphs=true", f"train.optimizer={optimizer}", "train.grad_clip=1.0",
+                                     "train.schedule=round_warmup"]).train
+        assert taken.cuda_graphs and taken.optimizer == optimizer and taken.schedule == "round_warmup"
+
+
+def test_sgd_from_a_zeroed_momentum_buffer_takes_a_fresh_sgds_first_step_exactly():
+    """What a replayed SGD step relies on: its optimizer state is zeroed for each train call, not emptied."""
+    torch.manual_seed(0)
+    start, grads = torch.randn(5, 7), [torch.randn(5, 7) for _ in range(3)]
+    params = []
+    for zeroed in (False, True):
+        param = start.clone().requires_grad_(True)
+        optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9, weight_decay=0.01, foreach=True)
+        if zeroed:
+            optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
+        for grad in grads:
+            param.grad = grad.clone()
+            optimizer.step()
+        params.append(param.detach())
+    assert torch.equal(params[0], params[1])
 
 
 def test_train_autocast_is_bf16_by_default_and_names_its_values_when_unknown():
@@ -307,6 +323,23 @@ def test_a_graphed_step_trains_like_the_eager_one_and_each_client_starts_afresh(
         # Adam turns near-zero gradients (LoRA's A while B is zero) into full-size steps of either sign, so
         # compare the whole update (6% apart on an H100): a wrong lr, state or batch changes it by its own size
         assert update.norm() > 0 and (first.params[name] - value).norm() < 0.15 * update.norm(), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_graphed_sgd_step_with_momentum_trains_like_a_fresh_eager_sgd_in_each_call():
+    train = {"optimizer": "sgd", "momentum": 0.9, "weight_decay": 0.01, "lr": 0.05, "autocast": "off"}
+    eager, start = _tiny_host(**train)
+    graphed, _ = _tiny_host(cuda_graphs=True, **train)
+    first = graphed._context(0, 0).train(start)
+    graphed._context(1, 0).train(start)
+    again = graphed._context(0, 0).train(start)  # the same graph, its momentum buffers zeroed
+    assert len(fast_steps._GRAPHS[graphed.model]) == 1
+    reference = eager._context(0, 0).train(start)
+    for name, value in reference.params.items():
+        assert torch.equal(again.params[name], first.params[name])
+        update = value - start[name].cuda()
+        # float32: a momentum buffer carried over from the previous call would move the update by about its size
+        assert update.norm() > 0 and (first.params[name] - value).norm() < 1e-3 * update.norm(), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

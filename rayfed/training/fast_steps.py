@@ -164,6 +164,8 @@ class GraphedStep:
                 value.copy_(penalty.inputs[slot][name], non_blocking=True)
 
     def reset_optimizer(self) -> None:
+        # A fresh SGD's first step sets its momentum buffer to the gradient; the captured later step computes
+        # momentum * buffer + gradient, which from a zeroed buffer is that gradient exactly (torch's dampening 0).
         for state in self.optimizer.state.values():
             for value in state.values():
                 value.zero_()

@@ -35,7 +35,8 @@ def build_optimizer(
     config: TrainConfig, params: list[torch.Tensor] | list[dict], lr: float | torch.Tensor, capturable: bool = False,
 ) -> torch.optim.Optimizer:
     """The optimizer ``train.optimizer`` names over ``params``; ``lr`` a tensor on the device for a captured step,
-    which reads the rate it holds at each replay."""
+    which reads the rate it holds at each replay (with ``capturable``: Adam's step count on the device too; torch's
+    fused SGD runs under capture as it is)."""
     tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
     # One fused kernel per step on the GPU instead of a few per tensor: the steps are launch-bound. Elsewhere the
     # foreach update: the same operations on each tensor, bitwise, looped in C++ rather than in Python (torch's
