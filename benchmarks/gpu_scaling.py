@@ -3,10 +3,10 @@ for the speed-up over the first count (issue 34's goal: FedMosaic's mixed-size c
 on one). No ideal runs beside it: what is compared is rayfed with itself.
 
 Each count gets a fresh local Ray instance that sees that many GPUs (``ray.num_gpus``), so actors cannot spread to
-the others. Each actor asks for the share that spreads the run's actors over those GPUs, ``min(1, GPUs / actors)``,
+the others. Each actor asks for the share that spreads the run's actors over those GPUs, ``1 / ceil(actors / GPUs)``,
 unless ``--set placement.gpus_per_actor=...`` gives one for every count (a number, or ``measured``: probed at each
 count); an architecture with a ``gpus_per_actor`` of its own keeps it. With ``placement.balance_by: cost`` and equal
-shares each GPU carries about the same cost (parameters x steps). Every count trains the same clients the same way,
+shares each actor carries about the same cost (parameters x steps). Every count trains the same clients the same way,
 so the metrics must agree (``same_metrics``).
 """
 
@@ -34,10 +34,11 @@ from rayfed.results.report import format_table
 
 
 def spread_share(config: RunConfig, gpus: int) -> float:
-    """The GPU share of each of ``config``'s ClientActors that spreads them over ``gpus`` GPUs (at most a whole one),
-    rounded down to a hundredth so that the shares fit."""
-    actors = len(actor_clients(config))
-    return min(1.0, math.floor(gpus / actors * 100) / 100)
+    """The GPU share of each of ``config``'s ClientActors that spreads them over ``gpus`` GPUs (at most a whole one):
+    the most actors a GPU then holds share it evenly (Ray keeps a share below 1 on one GPU), rounded down to a
+    hundredth so that the shares fit."""
+    actors_a_gpu = math.ceil(len(actor_clients(config)) / gpus)
+    return math.floor(100 / actors_a_gpu) / 100
 
 
 def check_gpu_counts(config: RunConfig, gpu_counts: Sequence[int]) -> list[int]:

@@ -4,7 +4,7 @@ The same sweep (a paper config's offline twin, its method alone, a grid of its h
 same GPUs and the same Ray instance:
 
 - **one at a time**: the twin's own ``clients_per_actor``, each actor's GPU share spread so that a trial has every
-  GPU (``min(1, GPUs / actors)``), ``tune.max_concurrent_trials: 1``;
+  GPU (``1 / ceil(actors / GPUs)``), ``tune.max_concurrent_trials: 1``;
 - **packed**: ``placement.gpus_per_actor: measured`` (``rayfed.simulation.gpu_memory``: one probe before the
   sweep, then every trial asks for the measured share), ``--packed-clients-per-actor`` clients an actor (default:
   all, one actor a trial), and as many trials at once as the GPUs and CPUs hold.

@@ -19,7 +19,7 @@ from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.method import Method
 from rayfed.simulation import Simulation
-from rayfed.simulation.placement import fitted_slots
+from rayfed.simulation.placement import fitted_slots, gpus_holding
 from rayfed.tasks import sample_round
 
 TWO_SIZES = {
@@ -194,6 +194,32 @@ def test_the_resource_check_fits_unset_cpus_to_the_cluster_and_refuses_set_ones_
                                           r"the Ray cluster has 2; raise placement\.clients_per_actor or lower "
                                           r"placement\.cpus_per_actor\.$"):
         fitted_slots(simulation.config)
+
+
+def test_the_resource_check_refuses_gpu_shares_whose_sum_fits_but_whose_pieces_do_not(tiny_run, tmp_path, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray.util, "get_current_placement_group", lambda: None)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 3.0})
+    tiny_run["placement"] = {"clients_per_actor": 1, "gpus_per_actor": 0.75}  # 4 ClientActors: 3.0 GPUs in all
+    simulation = Simulation(tiny_run, out_dir=tmp_path, progress=False)
+    with pytest.raises(ConfigError, match=r"^placement: 4 ClientActors x 0\.75 GPU take 4 GPUs, as Ray gives a share "
+                                          r"below 1 a place on one GPU, but the Ray cluster has 3; lower "
+                                          r"placement\.gpus_per_actor \(to 0\.5 here\) or raise "
+                                          r"placement\.clients_per_actor\.$"):
+        fitted_slots(simulation.config)
+    tiny_run["placement"]["gpus_per_actor"] = 0.5
+    simulation = Simulation(tiny_run, out_dir=tmp_path, progress=False)
+    assert [slot.gpus for slot in fitted_slots(simulation.config)] == [0.5] * 4
+
+
+def test_gpus_holding_packs_shares_below_one_a_gpu_each_and_whole_shares_apart():
+    assert gpus_holding([]) == gpus_holding([0.0, 0.0]) == 0
+    assert gpus_holding([0.8] * 5) == 5  # the sum, 4.0, would fit 4 GPUs
+    assert gpus_holding([0.5] * 5) == 3
+    assert gpus_holding([0.6, 0.4, 0.6, 0.4]) == 2  # largest first: 0.6 + 0.4 twice
+    assert gpus_holding([0.7, 0.3, 0.3, 0.7]) == 2
+    assert gpus_holding([2.0, 1.0, 0.25, 0.25, 0.25, 0.25, 0.01]) == 5
 
 
 def test_packing_by_cost_gives_a_costlier_architecture_more_actors_and_cuts_runs_of_equal_cost():

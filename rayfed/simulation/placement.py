@@ -4,6 +4,7 @@ clients."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -71,14 +72,40 @@ def fitted_slots(config: RunConfig, costs: Sequence[float] | None = None,
         per_actor = [slot.cpus if resource == "CPU" else slot.gpus for slot in slots]
         needed = sum(per_actor) + extra
         if needed > available.get(resource, 0.0) + 1e-9:
-            each = f"{per_actor[0]:g}" if len(set(per_actor)) == 1 else "their"
             raise ConfigError(
-                f"placement: {len(slots)} ClientActors x {each} {resource} (+ {extra:g} for the driver) "
+                f"placement: {len(slots)} ClientActors x {_each(per_actor)} {resource} (+ {extra:g} for the driver) "
                 f"need {needed:g} {resource} but the Ray cluster has {available.get(resource, 0.0):g}; "
                 "raise placement.clients_per_actor or lower placement."
                 f"{'cpus' if resource == 'CPU' else 'gpus'}_per_actor."
             )
+    shares = [slot.gpus for slot in slots]
+    gpus, holding = int(available.get("GPU", 0.0) + 1e-9), gpus_holding(shares)
+    if holding > gpus:  # the sum fits, the pieces do not: Ray would wait for a place forever
+        even = math.floor(100 / math.ceil(len(shares) / max(gpus, 1))) / 100  # the largest equal share that fits
+        fitting = f" (to {even:g} here)" if len(set(shares)) == 1 else ""
+        raise ConfigError(
+            f"placement: {len(slots)} ClientActors x {_each(shares)} GPU take {holding} GPUs, as Ray gives a share "
+            f"below 1 a place on one GPU, but the Ray cluster has {gpus}; lower placement.gpus_per_actor{fitting} "
+            "or raise placement.clients_per_actor."
+        )
     return slots
+
+
+def _each(per_actor: Sequence[float]) -> str:
+    return f"{per_actor[0]:g}" if len(set(per_actor)) == 1 else "their"
+
+
+def gpus_holding(shares: Sequence[float]) -> int:
+    """How many GPUs actors asking for ``shares`` of a GPU take: a share of 1 or more that many whole GPUs, a share
+    below 1 a place on one GPU (Ray does not split it over two), packed largest first, each into the first GPU with room."""
+    loads: list[float] = []
+    for share in sorted((share for share in shares if 0 < share < 1), reverse=True):
+        room = next((index for index, load in enumerate(loads) if load + share <= 1 + 1e-9), None)
+        if room is None:
+            loads.append(share)
+        else:
+            loads[room] += share
+    return sum(math.ceil(share) for share in shares if share >= 1) + len(loads)
 
 
 def placed(options: dict[str, Any], bundle_index: int) -> dict[str, Any]:

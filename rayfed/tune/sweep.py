@@ -23,6 +23,7 @@ from rayfed.method import build_method
 from rayfed.config.sections import MEASURED
 from rayfed.simulation import RoundCallback, Simulation, ship_by_value
 from rayfed.simulation.gpu_memory import CACHE_FILE, GpuMemory, Measurement, measures_memory
+from rayfed.simulation.placement import gpus_holding
 from rayfed.tune.metric import _check_metric_name, _metric_of, _Reporter
 from rayfed.tune.resources import trial_resources
 from rayfed.tune.space import SearchSpace
@@ -84,17 +85,25 @@ class _Sweep:
         configs = _checked_configs(self.base, self.space)
         if any(measures_memory(config) for config in configs):
             configs += _combinations(self.base, self.space)
-        needs = [trial_resources(config, self.gpu_memory).required_resources for config in configs]
+        groups = [trial_resources(config, self.gpu_memory) for config in configs]
         self.gpu_memory.probe = _not_measured_before
         available = ray.cluster_resources()
         for resource in ("CPU", "GPU"):
-            needed = max(need.get(resource, 0.0) for need in needs)
+            needed = max(group.required_resources.get(resource, 0.0) for group in groups)
             if needed > available.get(resource, 0.0) + 1e-9:
                 raise ConfigError(
                     f"placement: one trial's placement group needs {needed:g} {resource} (the DriverActor's bundle "
                     f"plus one per ClientActor) but the Ray cluster has {available.get(resource, 0.0):g}; raise "
                     f"placement.clients_per_actor or lower placement.{resource.lower()}s_per_actor."
                 )
+        gpus = int(available.get("GPU", 0.0) + 1e-9)
+        holding = max(gpus_holding([bundle.get("GPU", 0.0) for bundle in group.bundles]) for group in groups)
+        if holding > gpus:
+            raise ConfigError(
+                f"placement: one trial's placement group takes {holding} GPUs, as Ray gives a bundle's share below 1 "
+                f"a place on one GPU, but the Ray cluster has {gpus}; lower placement.gpus_per_actor or raise "
+                "placement.clients_per_actor."
+            )
 
     def trial_config(self, values: dict[str, Any]) -> RunConfig:
         """The run config of one trial, given config path -> value."""
