@@ -12,7 +12,6 @@ so the metrics must agree (``same_metrics``).
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import tempfile
@@ -31,14 +30,13 @@ from rayfed.config import RunConfig, load_config
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.results.report import format_table
+from rayfed.simulation.placement import even_gpu_share
 
 
 def spread_share(config: RunConfig, gpus: int) -> float:
-    """The GPU share of each of ``config``'s ClientActors that spreads them over ``gpus`` GPUs (at most a whole one):
-    the most actors a GPU then holds share it evenly (Ray keeps a share below 1 on one GPU), rounded down to a
-    hundredth so that the shares fit."""
-    actors_a_gpu = math.ceil(len(actor_clients(config)) / gpus)
-    return math.floor(100 / actors_a_gpu) / 100
+    """The GPU share of each of ``config``'s ClientActors that spreads them over ``gpus`` GPUs: the largest equal
+    share that fits (Ray keeps a share below 1 on one GPU)."""
+    return even_gpu_share(len(actor_clients(config)), gpus)
 
 
 def check_gpu_counts(config: RunConfig, gpu_counts: Sequence[int]) -> list[int]:

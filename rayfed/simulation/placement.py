@@ -81,8 +81,7 @@ def fitted_slots(config: RunConfig, costs: Sequence[float] | None = None,
     shares = [slot.gpus for slot in slots]
     gpus, holding = int(available.get("GPU", 0.0) + 1e-9), gpus_holding(shares)
     if holding > gpus:  # the sum fits, the pieces do not: Ray would wait for a place forever
-        even = math.floor(100 / math.ceil(len(shares) / max(gpus, 1))) / 100  # the largest equal share that fits
-        fitting = f" (to {even:g} here)" if len(set(shares)) == 1 else ""
+        fitting = f" (to {even_gpu_share(len(shares), gpus):g} here)" if len(set(shares)) == 1 else ""
         raise ConfigError(
             f"placement: {len(slots)} ClientActors x {_each(shares)} GPU take {holding} GPUs, as Ray gives a share "
             f"below 1 a place on one GPU, but the Ray cluster has {gpus}; lower placement.gpus_per_actor{fitting} "
@@ -95,9 +94,16 @@ def _each(per_actor: Sequence[float]) -> str:
     return f"{per_actor[0]:g}" if len(set(per_actor)) == 1 else "their"
 
 
+def even_gpu_share(actors: int, gpus: int) -> float:
+    """The largest equal GPU share (at most a whole GPU) with which ``actors`` actors fit ``gpus`` GPUs: the most
+    actors a GPU then holds share it evenly, rounded down to a hundredth."""
+    return math.floor(100 / math.ceil(actors / max(gpus, 1))) / 100
+
+
 def gpus_holding(shares: Sequence[float]) -> int:
     """How many GPUs actors asking for ``shares`` of a GPU take: a share of 1 or more that many whole GPUs, a share
-    below 1 a place on one GPU (Ray does not split it over two), packed largest first, each into the first GPU with room."""
+    below 1 a place on one GPU (Ray does not split it over two), packed largest first, each into the first GPU with
+    room."""
     loads: list[float] = []
     for share in sorted((share for share in shares if 0 < share < 1), reverse=True):
         room = next((index for index, load in enumerate(loads) if load + share <= 1 + 1e-9), None)
