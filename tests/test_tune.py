@@ -335,9 +335,10 @@ def test_a_trial_whose_gpu_shares_fit_in_sum_but_not_one_to_a_gpu_is_refused_bef
     config = _sweep({"train.lr": {"choice": [0.01]}})
     config["placement"] = {"clients_per_actor": 1, "cpus_per_actor": 0.5, "gpus_per_actor": 0.6}  # 4 actors: 2.4 GPU
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 3.0})
-    with pytest.raises(ConfigError, match=r"^placement: one trial's placement group takes 4 GPUs, as Ray gives a "
-                                          r"bundle's share below 1 a place on one GPU, but the Ray cluster has 3; "
-                                          r"lower placement.gpus_per_actor or raise placement.clients_per_actor.$"):
+    with pytest.raises(ConfigError, match=r"^placement: 4 ClientActors of one trial x 0\.6 GPU take 4 GPUs, as Ray "
+                                          r"gives a share below 1 a place on one GPU, but the Ray cluster has 3; "
+                                          r"lower placement\.gpus_per_actor \(to 0\.5 here\) or raise "
+                                          r"placement\.clients_per_actor\.$"):
         tune(config, out_dir=tmp_path, verbose=0)
     assert not (tmp_path / "tune").exists()
 

@@ -78,20 +78,26 @@ def fitted_slots(config: RunConfig, costs: Sequence[float] | None = None,
                 "raise placement.clients_per_actor or lower placement."
                 f"{'cpus' if resource == 'CPU' else 'gpus'}_per_actor."
             )
-    shares = [slot.gpus for slot in slots]
-    gpus, holding = int(available.get("GPU", 0.0) + 1e-9), gpus_holding(shares)
-    if holding > gpus:  # the sum fits, the pieces do not: Ray would wait for a place forever
-        fitting = f" (to {even_gpu_share(len(shares), gpus):g} here)" if len(set(shares)) == 1 else ""
-        raise ConfigError(
-            f"placement: {len(slots)} ClientActors x {_each(shares)} GPU take {holding} GPUs, as Ray gives a share "
-            f"below 1 a place on one GPU, but the Ray cluster has {gpus}; lower placement.gpus_per_actor{fitting} "
-            "or raise placement.clients_per_actor."
-        )
+    refuse_split_gpu_shares([slot.gpus for slot in slots], available.get("GPU", 0.0), "ClientActors")
     return slots
 
 
 def _each(per_actor: Sequence[float]) -> str:
     return f"{per_actor[0]:g}" if len(set(per_actor)) == 1 else "their"
+
+
+def refuse_split_gpu_shares(shares: Sequence[float], cluster_gpus: float, holders: str) -> None:
+    """Refuse the GPU ``shares`` of ``holders`` (actors, or a trial's bundles) when their sum fits the cluster's GPUs
+    but the pieces do not: Ray keeps a share below 1 on one GPU, and would wait for a place forever."""
+    gpus, holding = int(cluster_gpus + 1e-9), gpus_holding(shares)
+    if holding > gpus:
+        asking = [share for share in shares if share > 0]
+        fitting = f" (to {even_gpu_share(len(asking), gpus):g} here)" if len(set(asking)) == 1 else ""
+        raise ConfigError(
+            f"placement: {len(asking)} {holders} x {_each(asking)} GPU take {holding} GPUs, as Ray gives a share "
+            f"below 1 a place on one GPU, but the Ray cluster has {gpus}; lower placement.gpus_per_actor{fitting} "
+            "or raise placement.clients_per_actor."
+        )
 
 
 def even_gpu_share(actors: int, gpus: int) -> float:

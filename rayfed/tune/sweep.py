@@ -23,7 +23,7 @@ from rayfed.method import build_method
 from rayfed.config.sections import MEASURED
 from rayfed.simulation import RoundCallback, Simulation, ship_by_value
 from rayfed.simulation.gpu_memory import CACHE_FILE, GpuMemory, Measurement, measures_memory
-from rayfed.simulation.placement import gpus_holding
+from rayfed.simulation.placement import refuse_split_gpu_shares
 from rayfed.tune.metric import _check_metric_name, _metric_of, _Reporter
 from rayfed.tune.resources import trial_resources
 from rayfed.tune.space import SearchSpace
@@ -96,14 +96,9 @@ class _Sweep:
                     f"plus one per ClientActor) but the Ray cluster has {available.get(resource, 0.0):g}; raise "
                     f"placement.clients_per_actor or lower placement.{resource.lower()}s_per_actor."
                 )
-        gpus = int(available.get("GPU", 0.0) + 1e-9)
-        holding = max(gpus_holding([bundle.get("GPU", 0.0) for bundle in group.bundles]) for group in groups)
-        if holding > gpus:
-            raise ConfigError(
-                f"placement: one trial's placement group takes {holding} GPUs, as Ray gives a bundle's share below 1 "
-                f"a place on one GPU, but the Ray cluster has {gpus}; lower placement.gpus_per_actor or raise "
-                "placement.clients_per_actor."
-            )
+        for group in groups:
+            refuse_split_gpu_shares([bundle.get("GPU", 0.0) for bundle in group.bundles], available.get("GPU", 0.0),
+                                    "ClientActors of one trial")
 
     def trial_config(self, values: dict[str, Any]) -> RunConfig:
         """The run config of one trial, given config path -> value."""
