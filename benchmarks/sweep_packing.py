@@ -62,14 +62,15 @@ class SweepWorkload:
 WORKLOADS: dict[str, SweepWorkload] = {
     # TAP's replacement margins (x1, x2, x4 of the paper's) and KD temperature (docs/tap.md) on the FLAVA-full twin;
     # one client of each of its ten client patterns (clients 10-29 repeat 0-9). Six trials: two waves of the three
-    # that one H200 holds at once.
+    # that one H200 holds at once. One at a time, a trial keeps the twin's placement of its measurements (8 clients
+    # an actor: 2 actors for 10 clients); the paper config now hosts all 30 clients on one measured actor.
     "tap": SweepWorkload(
         "configs/tap/paper_flava_offline.yaml", "TAP",
         {"methods.0.margins": {"grid": [[0.01, 0.005, 0.005, 0.01], [0.02, 0.01, 0.01, 0.02],
                                         [0.04, 0.02, 0.02, 0.04]]},
          "methods.0.kd_temperature": {"grid": [1.0, 2.0]}},
         ("methods.0.post_fl_microbatches=4", "methods.0.two_p=false", "methods.0.no_kd=false",
-         "methods.0.alt_kd_weights=null"), clients=10, samples=160),
+         "methods.0.alt_kd_weights=null", "placement.clients_per_actor=8"), clients=10, samples=160),
     # FedMosaic's N_B (PQ-LoRA blocks, which change the model: each value is measured) on the LLaVA mix's twin.
     "fedmosaic": SweepWorkload(
         "configs/fedmosaic/paper_drake_static_offline.yaml", "fedmosaic", {"methods.0.blocks": {"grid": [2, 4]}},

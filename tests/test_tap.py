@@ -819,12 +819,17 @@ def test_the_paper_text_datasets_get_the_papers_templates(tmp_path):
     mmlu = datasets.Dataset.from_dict({"question": ["Is it?"], "subject": ["professional_law"],
                                        "choices": [["yes", "no", "maybe", "never"]], "answer": [2]})
     columns = tap_columns("mmlu", mmlu[:])
-    assert columns["text"][0] == ("The following is a multiple-choice question about professional law. Choose the "
+    # the authors' code's subject words (law, medicine, ethics) and lettered options and concepts
+    assert columns["text"][0] == ("The following is a multiple-choice question about law. Choose the "
                                   "correct answer from the options below. Question: Is it? Options: A. yes B. no "
                                   "C. maybe D. never")
-    assert columns["target"][0] == "Correct answer on professional law: C. maybe"
+    assert columns["target"][0] == "Correct answer on law: C. maybe"
+    moral = tap_columns("mmlu", {**mmlu[:], "subject": ["moral_scenarios"]})
+    assert moral["target"][0] == "Correct answer on ethics: C. maybe"
+    other = tap_columns("mmlu", {**mmlu[:], "subject": ["high_school_physics"]})
+    assert other["target"][0] == "Correct answer on high school physics: C. maybe"
     gen = tap_columns("common_gen", {"concepts": [["dog", "run"]], "target": ["A dog runs."]})
-    assert gen["text"][0].endswith("Concepts: dog, run") and gen["target"][0] == "Description: A dog runs."
+    assert gen["text"][0].endswith("Concepts: A. dog B. run") and gen["target"][0] == "Description: A dog runs."
     news = tap_columns("ag_news", {"title": ["T"], "description": ["D"], "label": [3]})
     assert news["text"][0] == "T\nD" and news["label"].tolist() == [2]
     image = np.zeros((8, 8, 3), np.uint8)

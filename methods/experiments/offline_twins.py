@@ -70,7 +70,10 @@ SAMPLES = {"hf:uoft-cs/cifar100": 60_000, "hf:uoft-cs/cifar10": 60_000, "hf:doma
            "hf:office_caltech10": 2_533}
 NATURAL_GROUPS = {"hf:flwrlabs/celeba": (787, 7), "hf:flwrlabs/femnist": (532, 27)}  # clients, samples each
 DOMAINS = {"hf:domainnet": 6, "hf:office_caltech10": 4}
-HUB_KEYS = ("source", "path", "split", "image_column", "label_column", "text_column", "target_column", "resize")
+# What only the real dataset has: where it is, its columns, its images' size and how many of its rows are read (a
+# subset, one frame a clip); the twin's synthetic source has the paper's shapes and sizes of its own.
+HUB_KEYS = ("source", "path", "split", "image_column", "label_column", "text_column", "target_column", "resize",
+            "max_samples", "one_per_group")
 
 
 def synthetic_images(source: str, num_samples: int, writers: int | None = None) -> dict[str, Any]:

@@ -19,6 +19,9 @@ TAP_DATASETS: dict[str, tuple[str, str]] = {  # recipe -> (hub name, default spl
     "common_gen": ("allenai/common_gen", "train"),
 }
 AG_NEWS_CLASSES = ("World", "Sports", "Business", "Sci/Tech")
+# The subject word of an MMLU prompt: the authors' code names its three subjects "law", "medicine" and "ethics"
+# (Table 23's {SUBJECT}); any other subject is its own name in words.
+MMLU_SUBJECT_WORDS = {"professional_law": "law", "professional_medicine": "medicine", "moral_scenarios": "ethics"}
 
 
 def _rgb(image: Any, size: int | None) -> np.ndarray:
@@ -31,6 +34,11 @@ def _rgb(image: Any, size: int | None) -> np.ndarray:
     return np.asarray(image, dtype=np.float32) / 255.0
 
 
+def _lettered(items: list[str]) -> str:
+    """``A. first B. second ...``: the authors' code letters MMLU's options and CommonGen's concepts alike."""
+    return " ".join(f"{chr(ord('A') + index)}. {item}" for index, item in enumerate(items))
+
+
 def tap_columns(recipe: str, rows: Any, subset: str = "", image_size: int | None = 64) -> dict[str, Any]:
     """The columns of one of :data:`TAP_DATASETS` (a ``datasets.Dataset``) in the paper's form."""
     if recipe == "ag_news":  # title + "\n" + description; labels 1..4 -> 0..3
@@ -40,8 +48,9 @@ def tap_columns(recipe: str, rows: Any, subset: str = "", image_size: int | None
         text, target = [], []
         for question, subject, choices, answer in zip(rows["question"], rows["subject"], rows["choices"],
                                                       rows["answer"]):
-            subject = (subject or subset).replace("_", " ")
-            options = " ".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", choices))
+            subject = subject or subset
+            subject = MMLU_SUBJECT_WORDS.get(subject, subject.replace("_", " "))
+            options = _lettered(choices)
             text.append(f"The following is a multiple-choice question about {subject}. Choose the correct answer from "
                         f"the options below. Question: {question} Options: {options}")
             target.append(f"Correct answer on {subject}: {'ABCD'[answer]}. {choices[answer]}")
@@ -51,7 +60,7 @@ def tap_columns(recipe: str, rows: Any, subset: str = "", image_size: int | None
                 "text": [f"Answer the question based on the image. Question: {q}" for q in rows["question"]],
                 "target": [f"Answer: {a}" for a in rows["multiple_choice_answer"]]}
     if recipe == "common_gen":
-        return {"text": [f"Generate an appropriate description from the concepts below. Concepts: {', '.join(c)}"
+        return {"text": [f"Generate an appropriate description from the concepts below. Concepts: {_lettered(c)}"
                          for c in rows["concepts"]],
                 "target": [f"Description: {t}" for t in rows["target"]]}
     raise ConfigError(f"tap:{recipe} is not a TAP dataset; allowed: {', '.join('tap:' + r for r in TAP_DATASETS)}.")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Sequence
 
 import torch
@@ -65,9 +66,18 @@ def load_clip(backbone: str, pretrained: str | None) -> ZooModel:
     return loaded
 
 
+_CAMEL_CASE_BOUNDARY = re.compile(r"(?<=[a-z])(?=[A-Z])")
+
+
+def class_name_words(name: str) -> str:
+    """A class name as the words of a prompt: underscores as spaces and CamelCase split (``ApplyEyeMakeup`` ->
+    ``Apply Eye Makeup``, as CoOp-style code renames UCF101's classes); names already in words stay as they are."""
+    return _CAMEL_CASE_BOUNDARY.sub(" ", name.replace("_", " "))
+
+
 def class_prompt(name: str, template: str = PROMPT_TEMPLATE) -> str:
-    """``"a photo of a {name}."`` with underscores as spaces."""
-    return template.format(name.replace("_", " "))
+    """``"a photo of a {name}."`` with the name in words (:func:`class_name_words`)."""
+    return template.format(class_name_words(name))
 
 
 class ClipClassifier(TrainableModule):
