@@ -406,6 +406,13 @@ def test_shards_without_subset_uses_whole_classes(digits: ArrayDataset) -> None:
     assert all(len(np.unique(digits.labels[c])) == 2 for c in clients)
 
 
+def test_shards_with_fewer_client_slots_than_classes_leave_the_other_classes_out(digits: ArrayDataset) -> None:
+    clients = partition(digits.labels, 4, "shards", seed=0, classes_per_client=2, samples_per_client=20)
+    held = [set(digits.labels[indices]) for indices in clients]
+    assert all(len(classes) == 2 for classes in held) and len(set().union(*held)) == 8  # 2 of the 10 classes unheld
+    assert all(len(indices) == 20 for indices in clients)
+
+
 def test_shards_errors(digits: ArrayDataset) -> None:
     with pytest.raises(DataError, match=r"data\.partition\.classes_per_client = 11 is invalid"):
         partition(digits.labels, 5, "shards", seed=0, classes_per_client=11)

@@ -252,6 +252,8 @@ def _shards(request: PartitionRequest) -> list[np.ndarray]:
     for label in classes:
         holders = [client for client, held in enumerate(client_classes) if label in held]
         members = split_rng.permutation(np.flatnonzero(labels == label))
+        if not holders:  # fewer client slots than classes: this class is no client's
+            continue
         for client, part in zip(holders, np.array_split(members, len(holders))):
             if len(part) == 0:
                 raise DataError(
