@@ -476,3 +476,24 @@ def test_the_data_command_prints_every_client_of_a_paper_config(hub, tmp_path, c
     clients = [line.split()[0] for line in table if line.split() and line.split()[0].isdigit()]
     assert clients == [str(client) for client in range(30)]
     assert (tmp_path / "data.png").is_file()
+
+
+# GPU shares measured, not guessed ----------------------------------------------------------------------------------
+# Shares backed by a recorded peak (benchmarks/README.md, the twins at paper size): GiB an actor held.
+RECORDED_PEAK_GIB = {"pfedmma/cifar10.yaml": 3.5, "pfedmma/cifar100.yaml": 3.5}  # an actor of all 100 CLIP clients
+SMALLEST_GPU_GIB = 78  # an H100's usable memory
+
+
+def test_no_paper_config_guesses_its_gpu_share():
+    """Each paper config asks for the share its actor measures, a whole GPU, or a share that holds a recorded peak
+    (plus placement.memory_headroom_gib) on an 80 GB card: TAP's 4 actors at 0.25 ran out of memory."""
+    from rayfed.config import PlacementConfig
+
+    headroom = PlacementConfig().memory_headroom_gib
+    for path in paper_configs():
+        share = yaml.safe_load(path.read_text())["placement"]["gpus_per_actor"]
+        name = _name(path)
+        if share in ("measured", 1):
+            continue
+        assert name in RECORDED_PEAK_GIB, f"{name} guesses gpus_per_actor = {share}"
+        assert share * SMALLEST_GPU_GIB >= RECORDED_PEAK_GIB[name] + headroom, name
