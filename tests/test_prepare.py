@@ -343,3 +343,21 @@ def test_presplit_deals_each_of_the_datasets_splits_over_the_clients_and_refuses
         partition(np.zeros(3, dtype=np.int64), 1, "presplit", seed=0, groups=np.array(["train", "val", "test"]))
     with pytest.raises(DataError, match="client 0 has no test samples"):
         partition(np.zeros(2, dtype=np.int64), 1, "presplit", seed=0, groups=np.array(["train", "train"]))
+
+
+def test_what_the_sources_lack_is_downloaded_from_the_hub_and_only_the_files_asked_for_are_read(tmp_path, monkeypatch):
+    from rayfed.methods.pfedmma.prepare import OFFICE_CALTECH10
+
+    snapshot = tmp_path / "snapshot"  # the hub's cache folder of the repository, with a file asked for earlier
+    feature_shift_source(snapshot, OFFICE_CALTECH10.domains, OFFICE_CALTECH10.classes, "office_caltech_10", True)
+    _zip(snapshot / "other" / "office_caltech_10_dataset.zip", {"amazon_train.pkl": b"not FedBN's"})
+    asked = []
+
+    def snapshot_download(repo_id: str, repo_type: str, allow_patterns: list[str]) -> str:
+        asked.append((repo_id, repo_type, allow_patterns))
+        return str(snapshot)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", snapshot_download)
+    assert main(["prepare", "office-caltech10", "--out", str(tmp_path / "out")]) == 0
+    assert asked == [("Jemary/FedBN_Dataset", "dataset", ["office_caltech_10_dataset.zip"])]
+    assert datasets.load_from_disk(str(tmp_path / "out")).num_rows == 200

@@ -142,34 +142,33 @@ def write_samples(folder: Path, files: SourceFiles, samples: list[Sample], with_
     return multi_image
 
 
-def _scenario(request: PrepareRequest, bench: Benchmark, out: Path) -> tuple[Any, str]:
+def _scenario(request: PrepareRequest, bench: Benchmark, files: SourceFiles, out: Path) -> tuple[Any, str]:
     name = f"{bench.scenario}.json"
-    files = request.files()
     found = files.find(name)
     url = SCENARIO_URL.format(bench.scenario)
     if found is None:
         request.step(f"downloading {url}")
-        files = SourceFiles([url_file(url, out / DOWNLOADS, "download it yourself and pass it with --source")])
+        files.add(url_file(url, out / DOWNLOADS, "download it yourself and pass it with --source"))
         found = files.require(name, f"take it from {url}")
     return files.read_json(found, f"take it from {url}"), found.name
 
 
-def _task_files(request: PrepareRequest, bench: Benchmark, tasks: set[tuple[str, int]]) -> SourceFiles:
-    """The sources, with the hub's archives of the datasets they lack downloaded."""
-    files = request.files()
+def _download_tasks(request: PrepareRequest, bench: Benchmark, files: SourceFiles, tasks: set[tuple[str, int]]) -> None:
+    """Add to ``files`` the hub's archives of the datasets they lack."""
     lacking = sorted({dataset for dataset, k in tasks if files.find(f"{dataset}/train/dataset-{k}.json", whole=True) is None})
     if not lacking:
-        return files
+        return
     request.step(f"downloading {', '.join(f'{d}.tar' for d in lacking)} from the hub dataset {bench.repo}")
     get_it = (f"download them from https://huggingface.co/datasets/{bench.repo} (one <dataset>.tar each) and pass "
               "their folder with --source")
-    return request.files(hub_files(bench.repo, [p for d in lacking for p in (f"{d}.tar", f"{d}/*")], get_it))
+    for path in hub_files(bench.repo, [p for d in lacking for p in (f"{d}.tar", f"{d}/*")], get_it):
+        files.add(path)
 
 
-def task_samples(request: PrepareRequest, bench: Benchmark, clients: list[dict[str, Any]]
-                 ) -> tuple[SourceFiles, dict[tuple[int, int], list[Sample]]]:
+def task_samples(request: PrepareRequest, bench: Benchmark, files: SourceFiles, clients: list[dict[str, Any]]
+                 ) -> dict[tuple[int, int], list[Sample]]:
     """Every task's samples (train, then test), each file and image found before anything is written."""
-    files = _task_files(request, bench, {task[:2] for client in clients for task in client["tasks"]})
+    _download_tasks(request, bench, files, {task[:2] for client in clients for task in client["tasks"]})
     tasks = {}
     for client in clients:
         for t, (dataset, k, _) in enumerate(client["tasks"]):
@@ -177,42 +176,41 @@ def task_samples(request: PrepareRequest, bench: Benchmark, clients: list[dict[s
                    "with --source")
             tasks[client["client"], t] = [sample for split in ("train", "test") for sample in read_samples(
                 files, files.require(f"{dataset}/{split}/dataset-{k}.json", fix, whole=True), split, fix)]
-    return files, tasks
+    return tasks
 
 
-def public_samples(request: PrepareRequest) -> tuple[SourceFiles, list[Sample]]:
+def public_samples(request: PrepareRequest, files: SourceFiles) -> list[Sample]:
     """D_p: ``PUBLIC_SAMPLES`` image samples of LLaVA-v1.5's mixture drawn with ``PUBLIC_SEED``, images found."""
     get_it = f"take it from https://huggingface.co/datasets/{PUBLIC_REPO} and pass it with --source"
-    downloaded: list[Path] = []
-    files = request.files()
     if files.find(PUBLIC_JSON) is None:
         request.step(f"downloading {PUBLIC_JSON} from the hub dataset {PUBLIC_REPO}")
-        downloaded.append(hub_files(PUBLIC_REPO, [PUBLIC_JSON], get_it))
-        files = request.files(*downloaded)
+        for path in hub_files(PUBLIC_REPO, [PUBLIC_JSON], get_it):
+            files.add(path)
     found = files.require(PUBLIC_JSON, get_it)
     mixture = files.read_json(found, get_it)
     with_image = [sample for sample in mixture if isinstance(sample, dict) and "image" in sample]
     chosen = [with_image[i] for i in np.random.default_rng(PUBLIC_SEED).permutation(len(with_image))[:PUBLIC_SAMPLES]]
     if any(str(sample["image"]).startswith("ocr_vqa/") and files.find(sample["image"]) is None for sample in chosen):
         request.step(f"downloading {OCR_VQA_ARCHIVE} from the hub dataset {BENCHMARKS['drake'].repo}")
-        downloaded.append(hub_files(BENCHMARKS["drake"].repo, [OCR_VQA_ARCHIVE], "pass it with --source"))
-        files = request.files(*downloaded)
+        for path in hub_files(BENCHMARKS["drake"].repo, [OCR_VQA_ARCHIVE], "pass it with --source"):
+            files.add(path)
     samples = []
     for index, sample in enumerate(chosen):
         folder = str(sample.get("image")).split("/")[0]
         where = PUBLIC_IMAGES.get(folder, "the LLaVA-v1.5 instruction data's image sources")
         samples.append(parse_sample(files, sample, f"{PUBLIC_JSON}: sample {sample.get('id', index)}", "", get_it,
                                     image_fix=f"its images are at {where}; pass that archive or its folder with --source"))
-    return files, samples
+    return samples
 
 
 def build(request: PrepareRequest, bench: Benchmark) -> None:
     out = request.folder(bench.out)
-    data, name = _scenario(request, bench, out)
+    files = request.files()
+    data, name = _scenario(request, bench, files, out)
     clients = read_scenario(data, bench, name)
     request.step(f"scenario {bench.scenario}: {len(clients)} clients, {TASKS_PER_CLIENT} tasks each")
-    files, tasks = task_samples(request, bench, clients)
-    public_files, public = public_samples(request)
+    tasks = task_samples(request, bench, files, clients)
+    public = public_samples(request, files)
     request.step(f"every file found; writing {out}")
     for client in clients:
         for t, (dataset, k, extra) in enumerate(client["tasks"]):
@@ -222,7 +220,7 @@ def build(request: PrepareRequest, bench: Benchmark) -> None:
             extra.update(dataset=dataset, subset_id=k, **counts, multi_image=multi)
             request.step(f"client{client['client']}/task{t} ({dataset} {k}): {counts['train']:,} train + "
                          f"{counts['test']:,} test samples{', multi-image' if multi else ''}")
-    write_samples(out / PUBLIC_FOLDER, public_files, public, with_split=False)
+    write_samples(out / PUBLIC_FOLDER, files, public, with_split=False)
     request.step(f"{PUBLIC_FOLDER}: {len(public):,} samples")
     manifest = {"scenario": bench.scenario, "commit": SCENARIO_COMMIT, "clients": [
         {"client": c["client"], "model": c["model"], "tasks": [extra for _, _, extra in c["tasks"]]} for c in clients]}

@@ -87,7 +87,8 @@ def build(request: PrepareRequest, bench: FeatureShift) -> None:
     files = request.files()
     if any(files.find(name) is None for name in names):
         request.step(f"downloading {bench.archive} from the hub dataset {FEDBN_REPO}")
-        files = request.files(hub_files(FEDBN_REPO, [bench.archive], "pass it with --source"))
+        for path in hub_files(FEDBN_REPO, [bench.archive], "pass it with --source"):
+            files.add(path)
     rows = []
     for domain in bench.domains:
         get_images = f"its images are in {bench.images.format(domain=domain)}; pass it with --source"

@@ -2,7 +2,7 @@
 
 A preparer is a function of a :class:`PrepareRequest`, registered with ``rayfed.register_preparer(NAME)`` beside the
 paper whose configs read what it writes. It finds the files it needs in the user's ``--source`` folders and archives
-(:class:`SourceFiles`), downloads what is public and missing (:func:`hub_files`, :func:`url_file`), checks them,
+(:class:`SourceFiles`), downloads what is public and missing (:func:`hub_files`, :func:`url_file`; ``SourceFiles.add``), checks them,
 says in one sentence what is missing and where to get it (:class:`DataError`), and writes ``save_to_disk`` folders
 (:func:`write_dataset`), one progress line a step (:meth:`PrepareRequest.step`).
 
@@ -12,6 +12,7 @@ Archives (zip, tar) are read in place, member by member, so that a benchmark nee
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import json
 import os
@@ -76,20 +77,29 @@ class SourceFiles:
     end of its path: ``coco/train2017/1.jpg`` finds ``train2017/1.jpg`` of ``train2017.zip``."""
 
     def __init__(self, roots: Sequence[Path]) -> None:
-        self.roots = tuple(roots)
+        self.roots: list[Path] = []
         self._by_name: dict[str, list[Found]] = defaultdict(list)
         self._open: dict[Path, zipfile.ZipFile | tarfile.TarFile] = {}
-        for root in self.roots:
-            if root.is_dir():
-                for folder, _, names in os.walk(root, followlinks=True):
-                    for name in sorted(names):
-                        self._add(Path(folder) / name, root)
-            elif root.is_file():
-                self._add(root, root.parent)
-            else:
-                raise DataError(f"--source {root} is neither a folder nor a file.")
+        self._seen: set[Path] = set()  # files indexed, resolved: one reached twice (a link, a root again) counts once
+        for root in roots:
+            self.add(root)
+
+    def add(self, root: Path) -> None:
+        """Index the files of folder or file ``root`` too."""
+        self.roots.append(root)
+        if root.is_dir():
+            for folder, _, names in os.walk(root, followlinks=True):
+                for name in sorted(names):
+                    self._add(Path(folder) / name, root)
+        elif root.is_file():
+            self._add(root, root.parent)
+        else:
+            raise DataError(f"--source {root} is neither a folder nor a file.")
 
     def _add(self, file: Path, root: Path) -> None:
+        if file.resolve() in self._seen:
+            return
+        self._seen.add(file.resolve())
         if file.name.endswith(ARCHIVES):
             self._add_archive(file)
         else:
@@ -183,20 +193,23 @@ class PrepareRequest:
         """One progress line."""
         print(f"{self.name}: {text}", flush=True)
 
-    def files(self, *downloaded: Path) -> SourceFiles:
-        """The files of ``--source`` and of ``downloaded``."""
-        return SourceFiles([*self.sources, *downloaded])
+    def files(self) -> SourceFiles:
+        """The files of ``--source``."""
+        return SourceFiles(self.sources)
 
 
-def hub_files(repo: str, patterns: Sequence[str], get_it: str) -> Path:
-    """The local folder of hub dataset ``repo``'s files matching ``patterns`` (downloaded into the hub's cache)."""
+def hub_files(repo: str, patterns: Sequence[str], get_it: str) -> list[Path]:
+    """Hub dataset ``repo``'s files matching ``patterns`` (shell patterns of their paths), downloaded into the hub's
+    cache."""
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id=repo, repo_type="dataset", allow_patterns=list(patterns)))
+        folder = Path(snapshot_download(repo_id=repo, repo_type="dataset", allow_patterns=list(patterns)))
     except Exception as err:  # offline, gated, no such repository: all reported the same way
         raise DataError(f"{', '.join(patterns)} could not be downloaded from the hub dataset {repo} "
                         f"({type(err).__name__}); {get_it}.") from err
+    files = (path for path in sorted(folder.rglob("*")) if path.is_file())
+    return [path for path in files if any(fnmatch.fnmatch(path.relative_to(folder).as_posix(), p) for p in patterns)]
 
 
 def url_file(url: str, folder: Path, get_it: str) -> Path:
