@@ -71,15 +71,23 @@ def _llava_sample(dataset: str, k: int, split: str, index: int, images: int = 1)
     return sample, {path.removeprefix("dataset/"): _png(index + 10 * k + i) for i, path in enumerate(paths)}
 
 
-def drake_source(root: Path, multi_image: tuple[str, int] | None = None) -> list[list[tuple[str, int]]]:
+BENCHMARKS = {  # the scenario file, its clients and those on the 1B model, and a paper config reading it
+    "drake": ("DRAKE_hetero_llava_llama_1B_3B", 10, (0, 1, 8, 9), "paper_drake_static.yaml", "DRAKE_ROOT"),
+    "hflb": ("HFLB_hetero_llava_llama_1B_3B", 9, (0, 1, 5), "paper_hflb_dynamic.yaml", "HFLB_ROOT"),
+}
+
+
+def drake_source(root: Path, multi_image: tuple[str, int] | None = None, benchmark: str = "drake"
+                 ) -> list[list[tuple[str, int]]]:
     """The miniature under ``root``; each client's (dataset, k) tasks. ``multi_image``: that task's first sample has
     two images."""
-    tasks = [[(DRAKE_DATASETS[(c + t) % 5], (c + 2 * t) % 4) for t in range(4)] for c in range(10)]
+    scenario_name, clients, small, _, _ = BENCHMARKS[benchmark]
+    tasks = [[(DRAKE_DATASETS[(c + t) % 5], (c + 2 * t) % 4) for t in range(4)] for c in range(clients)]
     scenario = [{"client_id": c, "datasets": [{"dataset": d, "subset_id": k, "type": "multi-choice"} for d, k in held],
-                 "model_id": "thkim0305/llama3.2_1B_vl" if c in (0, 1, 8, 9) else "thkim0305/llama3.2_3B_vl"}
+                 "model_id": "thkim0305/llama3.2_1B_vl" if c in small else "thkim0305/llama3.2_3B_vl"}
                 for c, held in enumerate(tasks)]
     (root / "scenarios").mkdir(parents=True)
-    (root / "scenarios" / "DRAKE_hetero_llava_llama_1B_3B.json").write_text(json.dumps(scenario, indent=4))
+    (root / "scenarios" / f"{scenario_name}.json").write_text(json.dumps(scenario, indent=4))
     for dataset in DRAKE_DATASETS:
         members: dict[str, bytes] = {}
         for k in range(4):
@@ -109,12 +117,15 @@ def drake_source(root: Path, multi_image: tuple[str, int] | None = None) -> list
     return tasks
 
 
-def test_drake_converts_and_the_paper_config_loads_every_client_and_task(tmp_path, capsys, monkeypatch):
-    tasks = drake_source(tmp_path / "src")
+@pytest.mark.parametrize("benchmark", BENCHMARKS)
+def test_drake_and_hflb_convert_and_the_paper_config_loads_every_client_and_task(benchmark, tmp_path, capsys,
+                                                                                 monkeypatch):
+    _, clients, small, config_name, variable = BENCHMARKS[benchmark]
+    tasks = drake_source(tmp_path / "src", benchmark=benchmark)
     monkeypatch.chdir(tmp_path)
-    assert main(["prepare", "drake", "--out", "drake", "--source", str(tmp_path / "src")]) == 0
+    assert main(["prepare", benchmark, "--out", "drake", "--source", str(tmp_path / "src")]) == 0
     out = capsys.readouterr().out
-    assert "client9/task3" in out and "export DRAKE_ROOT=drake" in out
+    assert f"client{clients - 1}/task3" in out and f"export {variable}=drake" in out
     task = datasets.load_from_disk(str(tmp_path / "drake" / "client2" / "task1"))
     assert task.features["image"] == datasets.Image() and task.num_rows == TRAIN + TEST
     assert task["split"] == ["train"] * TRAIN + ["test"] * TEST
@@ -127,14 +138,13 @@ def test_drake_converts_and_the_paper_config_loads_every_client_and_task(tmp_pat
     manifest = json.loads((tmp_path / "drake" / "scenario.json").read_text())
     assert [t["dataset"] for t in manifest["clients"][7]["tasks"]] == [d for d, _ in tasks[7]]
 
-    config = _config_with_root(ROOT / "configs" / "fedmosaic" / "paper_drake_static.yaml", "DRAKE_ROOT",
-                               tmp_path / "drake", tmp_path)
+    config = _config_with_root(ROOT / "configs" / "fedmosaic" / config_name, variable, tmp_path / "drake", tmp_path)
     sim = Simulation(config, progress=False)
     summary = sim.data_summary()
-    assert summary["by"] == "task" and len(summary["categories"]) == 40
+    assert summary["by"] == "task" and len(summary["categories"]) == 4 * clients
     assert {cid: (c["num_train"], c["num_test"]) for cid, c in summary["clients"].items()} == {
-        cid: (4 * TRAIN, 4 * TEST) for cid in range(10)}
-    assert sim.config.architectures["llama1b"].clients == (0, 1, 8, 9)  # the scenario's 1B clients
+        cid: (4 * TRAIN, 4 * TEST) for cid in range(clients)}
+    assert sim.config.architectures["llama1b"].clients == small  # the scenario's 1B clients
     public_config = sim.config.data.public
     from rayfed.data import load_source
 
@@ -237,7 +247,8 @@ def feddat_source(root: Path) -> None:
              {f"abstract_v002_{split}_{i:012d}.png": _png(i) for i in range(count)})
 
 
-def test_feddat_domain_keeps_the_top_answers_draws_its_samples_and_the_paper_config_loads(tmp_path, monkeypatch, capsys):
+def test_feddat_domain_keeps_the_top_answers_draws_its_samples_and_the_paper_config_loads(tmp_path, monkeypatch,
+                                                                                          capsys):
     from rayfed.methods.feddat import prepare as recipe
 
     feddat_source(tmp_path / "src")
@@ -258,13 +269,18 @@ def test_feddat_domain_keeps_the_top_answers_draws_its_samples_and_the_paper_con
     assert [c["num_train"] + c["num_test"] for c in summary["clients"].values()] == [16] * 5
 
 
-def test_a_manual_download_that_is_missing_is_named_with_its_address(tmp_path, capsys):
+@pytest.mark.parametrize(("removed", "missing", "get_it"), [
+    ("cocoqa/val2014.zip", "COCO_val2014_000000000100.jpg",
+     "its images are in http://images.cocodataset.org/zips/val2014.zip; pass it with --source."),
+    ("aqua/test.json", "test.json", "it is in https://github.com/noagarcia/ArtVQA/tree/master/AQUA."),
+], ids=["coco-images", "aqua-questions"])
+def test_a_manual_download_that_is_missing_is_named_with_its_address(removed, missing, get_it, tmp_path, capsys):
     feddat_source(tmp_path / "src")
-    (tmp_path / "src" / "cocoqa" / "val2014.zip").unlink()
+    (tmp_path / "src" / removed).unlink()
     assert main(["prepare", "feddat-domain", "--out", str(tmp_path / "out"), "--source", str(tmp_path / "src")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("rayfed: error: COCO_val2014_000000000100.jpg is missing from ") and "\n" not in err
-    assert err.endswith("its images are in http://images.cocodataset.org/zips/val2014.zip; pass it with --source.")
+    folder = tmp_path / "src" / removed.split("/")[0]
+    assert err == f"rayfed: error: {missing} is missing from {folder}; {get_it}"
     assert not (tmp_path / "out").exists()  # every file is checked before anything is written
 
 
@@ -309,7 +325,8 @@ def test_a_feature_shift_dataset_converts_and_its_config_loads_every_domain(benc
     assert written.num_rows == 50 * len(bench.domains) and written["split"].count("test") == 10 * len(bench.domains)
     assert sorted(set(written["domain"])) == sorted(bench.domains)
     config = ROOT / "configs" / "pfedmma" / ("domainnet.yaml" if benchmark == "domainnet" else "office_caltech10.yaml")
-    summary = Simulation(config, overrides=["data.resize=8", "data.partition.min_samples=4"], progress=False).data_summary()
+    overrides = ["data.resize=8", "data.partition.min_samples=4"]
+    summary = Simulation(config, overrides=overrides, progress=False).data_summary()
     assert summary["by"] == "label" and summary["categories"] == list(bench.classes)
     assert len(summary["clients"]) == 2 * len(bench.domains)
     assert summary["total"]["num_train"] + summary["total"]["num_test"] == 50 * len(bench.domains)
@@ -361,3 +378,13 @@ def test_what_the_sources_lack_is_downloaded_from_the_hub_and_only_the_files_ask
     assert main(["prepare", "office-caltech10", "--out", str(tmp_path / "out")]) == 0
     assert asked == [("Jemary/FedBN_Dataset", "dataset", ["office_caltech_10_dataset.zip"])]
     assert datasets.load_from_disk(str(tmp_path / "out")).num_rows == 200
+
+
+def test_a_scenario_that_lacks_a_client_is_one_sentence(tmp_path, capsys):
+    drake_source(tmp_path / "src")
+    scenario = tmp_path / "src" / "scenarios" / "DRAKE_hetero_llava_llama_1B_3B.json"
+    scenario.write_text(json.dumps(json.loads(scenario.read_text())[:9]))
+    assert main(["prepare", "drake", "--out", str(tmp_path / "drake"), "--source", str(tmp_path / "src")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "DRAKE_hetero_llava_llama_1B_3B.json does not list clients 0..9 once each" in err and "\n" not in err
+    assert "https://raw.githubusercontent.com/snumprlab/fedmosaic/7887f5f" in err

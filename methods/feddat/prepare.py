@@ -83,9 +83,10 @@ def gqa(files: SourceFiles) -> Pools:
     """GQA: ``train_balanced_questions.json`` and ``val_balanced_questions.json`` (questions1.2.zip), images in
     images.zip."""
     get_it = "it is in https://downloads.cs.stanford.edu/nlp/data/gqa/questions1.2.zip"
-    train, val = ([Question(q["question"], q["answer"], f"{q['imageId']}.jpg",
-                            "https://downloads.cs.stanford.edu/nlp/data/gqa/images.zip")
-                   for q in _json(files, f"{split}_balanced_questions.json", get_it).values()] for split in ("train", "val"))
+    images = "https://downloads.cs.stanford.edu/nlp/data/gqa/images.zip"
+    train, val = ([Question(q["question"], q["answer"], f"{q['imageId']}.jpg", images)
+                   for q in _json(files, f"{split}_balanced_questions.json", get_it).values()]
+                  for split in ("train", "val"))
     return train, val
 
 
@@ -100,8 +101,9 @@ def vqa_abstract(files: SourceFiles) -> Pools:
         annotations = _json(files, f"abstract_v002_{split}_annotations.json",
                             f"it is in {site}/vqa/Annotations_{zipped}_abstract_v002.zip")["annotations"]
         answer = {a["question_id"]: a["multiple_choice_answer"] for a in annotations}
-        pools.append([Question(q["question"], answer[q["question_id"]], f"abstract_v002_{split}_{q['image_id']:012d}.png",
-                               f"{site}/scene_img/scene_img_abstract_v002_{split}.zip")
+        images = f"{site}/scene_img/scene_img_abstract_v002_{split}.zip"
+        pools.append([Question(q["question"], answer[q["question_id"]],
+                               f"abstract_v002_{split}_{q['image_id']:012d}.png", images)
                       for q in questions if q["question_id"] in answer])
     return pools[0], pools[1]
 
@@ -136,7 +138,8 @@ def write_client(folder: Path, files: SourceFiles, answers: list[str], rows: lis
 
     def generate() -> Iterator[dict[str, Any]]:
         for q, split, found in rows:
-            yield {"image": files.image(found), "question": q.question, "answer": answers.index(q.answer), "split": split}
+            yield {"image": files.image(found), "question": q.question, "answer": answers.index(q.answer),
+                   "split": split}
 
     write_dataset(folder, generate, features)
 
@@ -148,7 +151,8 @@ def feddat_domain(request: PrepareRequest) -> None:
     out = request.folder("data/feddat")
     if not request.sources:
         raise DataError(f"rayfed prepare feddat-domain reads the five datasets from --source DIR, one folder each "
-                        f"({', '.join(DOMAINS)}); docs/feddat.md#preparing-the-data lists their files and where to get them.")
+                        f"({', '.join(DOMAINS)}); docs/feddat.md#preparing-the-data lists their files and where to "
+                        "get them.")
     prepared = {}
     for index, (name, read) in enumerate(DOMAINS.items()):
         files = SourceFiles([root / name for root in request.sources if (root / name).is_dir()])
@@ -157,6 +161,8 @@ def feddat_domain(request: PrepareRequest) -> None:
                             "files and where to get them.")
         try:
             pools = read(files)
+        except DataError:
+            raise
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise DataError(f"{name}'s files are not in the form of its release ({type(err).__name__}: {err}); "
                             "docs/feddat.md#preparing-the-data lists the files it reads.") from None

@@ -70,25 +70,28 @@ class Sample:
 
 
 def _task(entry: Any, where: str) -> tuple[str, int, dict[str, Any]]:
-    if not (isinstance(entry, dict) and isinstance(entry.get("dataset"), str) and isinstance(entry.get("subset_id"), int)):
+    dataset, k = (entry.get("dataset"), entry.get("subset_id")) if isinstance(entry, dict) else (None, None)
+    if not isinstance(dataset, str) or not isinstance(k, int):
         raise DataError(f"{where} is not a task of the form {{'dataset': name, 'subset_id': k, 'type': ...}}; take the "
                         f"scenario file from {SCENARIO_URL.format('<name>')}.")
-    return entry["dataset"], entry["subset_id"], {k: v for k, v in entry.items() if k not in ("dataset", "subset_id")}
+    return dataset, k, {key: value for key, value in entry.items() if key not in ("dataset", "subset_id")}
 
 
 def read_scenario(data: Any, bench: Benchmark, name: str) -> list[dict[str, Any]]:
     """The scenario's clients in id order, each ``{"client", "model", "tasks": [(dataset, k, extra), ...]}``, once it
     holds ``bench.clients`` clients of ``TASKS_PER_CLIENT`` tasks each."""
-    if not isinstance(data, list) or sorted(c.get("client_id", -1) for c in data if isinstance(c, dict)) != list(
-            range(bench.clients)) or len(data) != bench.clients:
+    listed = isinstance(data, list) and all(isinstance(client, dict) for client in data)
+    ids = [client.get("client_id") for client in data] if listed else []
+    if len(ids) != bench.clients or sorted(i for i in ids if isinstance(i, int)) != list(range(bench.clients)):
         raise DataError(f"{name} does not list clients 0..{bench.clients - 1} once each (client_id, datasets, "
                         f"model_id); take it from {SCENARIO_URL.format(bench.scenario)}.")
     clients = []
     for client in sorted(data, key=lambda c: c["client_id"]):
         tasks = client.get("datasets")
         if not isinstance(tasks, list) or len(tasks) != TASKS_PER_CLIENT:
-            raise DataError(f"{name}: client {client['client_id']} holds {len(tasks) if isinstance(tasks, list) else 0} "
-                            f"tasks, not {TASKS_PER_CLIENT}; take it from {SCENARIO_URL.format(bench.scenario)}.")
+            held = len(tasks) if isinstance(tasks, list) else 0
+            raise DataError(f"{name}: client {client['client_id']} holds {held} tasks, not {TASKS_PER_CLIENT}; take it "
+                            f"from {SCENARIO_URL.format(bench.scenario)}.")
         clients.append({"client": client["client_id"], "model": client.get("model_id"),
                         "tasks": [_task(task, f"{name}: client {client['client_id']}'s task {t}")
                                   for t, task in enumerate(tasks)]})
@@ -155,7 +158,8 @@ def _scenario(request: PrepareRequest, bench: Benchmark, files: SourceFiles, out
 
 def _download_tasks(request: PrepareRequest, bench: Benchmark, files: SourceFiles, tasks: set[tuple[str, int]]) -> None:
     """Add to ``files`` the hub's archives of the datasets they lack."""
-    lacking = sorted({dataset for dataset, k in tasks if files.find(f"{dataset}/train/dataset-{k}.json", whole=True) is None})
+    lacking = sorted({dataset for dataset, k in tasks
+                      if files.find(f"{dataset}/train/dataset-{k}.json", whole=True) is None})
     if not lacking:
         return
     request.step(f"downloading {', '.join(f'{d}.tar' for d in lacking)} from the hub dataset {bench.repo}")
@@ -188,9 +192,12 @@ def public_samples(request: PrepareRequest, files: SourceFiles) -> list[Sample]:
             files.add(path)
     found = files.require(PUBLIC_JSON, get_it)
     mixture = files.read_json(found, get_it)
+    if not isinstance(mixture, list):
+        raise DataError(f"{found.name} holds no list of samples; {get_it}.")
     with_image = [sample for sample in mixture if isinstance(sample, dict) and "image" in sample]
     chosen = [with_image[i] for i in np.random.default_rng(PUBLIC_SEED).permutation(len(with_image))[:PUBLIC_SAMPLES]]
-    if any(str(sample["image"]).startswith("ocr_vqa/") and files.find(sample["image"]) is None for sample in chosen):
+    ocr_vqa = [sample["image"] for sample in chosen if str(sample["image"]).startswith("ocr_vqa/")]
+    if any(files.find(str(path)) is None for path in ocr_vqa):
         request.step(f"downloading {OCR_VQA_ARCHIVE} from the hub dataset {BENCHMARKS['drake'].repo}")
         for path in hub_files(BENCHMARKS["drake"].repo, [OCR_VQA_ARCHIVE], "pass it with --source"):
             files.add(path)
@@ -198,8 +205,9 @@ def public_samples(request: PrepareRequest, files: SourceFiles) -> list[Sample]:
     for index, sample in enumerate(chosen):
         folder = str(sample.get("image")).split("/")[0]
         where = PUBLIC_IMAGES.get(folder, "the LLaVA-v1.5 instruction data's image sources")
+        image_fix = f"its images are at {where}; pass that archive or its folder with --source"
         samples.append(parse_sample(files, sample, f"{PUBLIC_JSON}: sample {sample.get('id', index)}", "", get_it,
-                                    image_fix=f"its images are at {where}; pass that archive or its folder with --source"))
+                                    image_fix=image_fix))
     return samples
 
 

@@ -45,7 +45,8 @@ OFFICE_CALTECH10 = FeatureShift(
     "office_caltech_10_dataset.zip", ("amazon", "caltech", "dslr", "webcam"),
     ("back_pack", "bike", "calculator", "headphones", "keyboard", "laptop_computer", "monitor", "mouse", "mug",
      "projector"),
-    f"https://huggingface.co/datasets/{FEDBN_REPO} (office_caltech_10_dataset.zip)", "data/office_caltech10", (2025, 508))
+    f"https://huggingface.co/datasets/{FEDBN_REPO} (office_caltech_10_dataset.zip)", "data/office_caltech10",
+    (2025, 508))
 
 _NUMPY_GLOBALS = {("numpy.core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
                   ("numpy._core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
@@ -96,7 +97,8 @@ def build(request: PrepareRequest, bench: FeatureShift) -> None:
             found = files.require(f"{domain}_{split}.pkl",
                                   f"it is in https://huggingface.co/datasets/{FEDBN_REPO} ({bench.archive})")
             pairs = read_split(files, found, bench)
-            rows += [(files.require(path, get_images), bench.classes.index(label), domain, split) for path, label in pairs]
+            rows += [(files.require(path, get_images), bench.classes.index(label), domain, split)
+                     for path, label in pairs]
         counts = [sum(row[2] == domain and row[3] == split for row in rows) for split in SPLITS]
         request.step(f"{domain}: {counts[0]:,} train + {counts[1]:,} test images")
     totals = [sum(row[3] == split for row in rows) for split in SPLITS]

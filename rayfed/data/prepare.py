@@ -2,9 +2,9 @@
 
 A preparer is a function of a :class:`PrepareRequest`, registered with ``rayfed.register_preparer(NAME)`` beside the
 paper whose configs read what it writes. It finds the files it needs in the user's ``--source`` folders and archives
-(:class:`SourceFiles`), downloads what is public and missing (:func:`hub_files`, :func:`url_file`; ``SourceFiles.add``), checks them,
-says in one sentence what is missing and where to get it (:class:`DataError`), and writes ``save_to_disk`` folders
-(:func:`write_dataset`), one progress line a step (:meth:`PrepareRequest.step`).
+(:class:`SourceFiles`), downloads what is public and missing (:func:`hub_files`, :func:`url_file`, then
+:meth:`SourceFiles.add`), checks them, says in one sentence what is missing and where to get it (``DataError``), and
+writes ``save_to_disk`` folders (:func:`write_dataset`), one progress line a step (:meth:`PrepareRequest.step`).
 
 Archives (zip, tar) are read in place, member by member, so that a benchmark needing a few thousand images of a
 20 GB archive reads those alone; a member named by an absolute path or through ``..`` is refused.
@@ -149,6 +149,7 @@ class SourceFiles:
         return found
 
     def read(self, found: Found) -> bytes:
+        """The file's bytes (an archive member's read from the archive)."""
         if found.member is None:
             return (found.container / Path(*found.parts)).read_bytes()
         opened = self._open[found.container]
@@ -159,6 +160,7 @@ class SourceFiles:
         return member.read()
 
     def read_json(self, found: Found, what: str) -> Any:
+        """The file read as JSON, or one sentence saying it is not, then ``what`` to do."""
         try:
             return json.loads(self.read(found))
         except (ValueError, UnicodeDecodeError) as err:
@@ -229,9 +231,9 @@ def url_file(url: str, folder: Path, get_it: str) -> Path:
     return target
 
 
-def write_dataset(folder: Path, rows: Callable[[], Iterator[dict[str, Any]]], features: datasets.Features) -> int:
+def write_dataset(folder: Path, rows: Callable[[], Iterator[dict[str, Any]]], features: datasets.Features) -> None:
     """Write ``rows()`` as a ``save_to_disk`` folder that appears whole or not at all (a previous one is replaced);
-    the rows are streamed to disk, never held together. Returns the number of rows."""
+    the rows are streamed to disk, never held together."""
     import datasets
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -242,7 +244,6 @@ def write_dataset(folder: Path, rows: Callable[[], Iterator[dict[str, Any]]], fe
         written = datasets.Dataset.from_generator(rows, features=features, cache_dir=str(work / "cache"),
                                                   fingerprint=work.name)
         written.save_to_disk(str(work / "dataset"))
-        count = len(written)
         del written
         if folder.exists():
             folder.replace(work / "previous")
@@ -251,7 +252,6 @@ def write_dataset(folder: Path, rows: Callable[[], Iterator[dict[str, Any]]], fe
         if not bars_were_off:
             datasets.enable_progress_bars()
         shutil.rmtree(work, ignore_errors=True)
-    return count
 
 
 def prepare(name: str, out: str | None = None, sources: Sequence[str] = ()) -> None:
