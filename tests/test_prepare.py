@@ -18,6 +18,7 @@ import pytest
 from PIL import Image
 
 from rayfed.cli import main
+from rayfed.data import load_source
 from rayfed.data.prepare import SourceFiles
 from rayfed.data.sources import DataError
 from rayfed.simulation import Simulation
@@ -145,10 +146,7 @@ def test_drake_and_hflb_convert_and_the_paper_config_loads_every_client_and_task
     assert {cid: (c["num_train"], c["num_test"]) for cid, c in summary["clients"].items()} == {
         cid: (4 * TRAIN, 4 * TEST) for cid in range(clients)}
     assert sim.config.architectures["llama1b"].clients == small  # the scenario's 1B clients
-    public_config = sim.config.data.public
-    from rayfed.data import load_source
-
-    assert len(load_source(public_config, 0).target) == 8
+    assert len(load_source(sim.config.data.public, 0).target) == 8
 
 
 def test_a_task_with_a_multi_image_sample_holds_lists_of_images(tmp_path):
