@@ -2,7 +2,7 @@
 
 What a driver script needs is importable from here: ``Simulation``, the config, the plug-in decorators
 (``register_method``, ``register_source``, ``register_partitioner``, ``register_backbone``,
-``register_client_model``, ``register_task_kind``), the types plug-ins are written against (``Method``, ``Backbone``,
+``register_client_model``, ``register_task_kind``, ``register_preparer``), the types plug-ins are written against (``Method``, ``Backbone``,
 ``TaskKind``, ...) and the ways uploads combine (``WeightedMean``, ``EachUpload``, ``Mixture``). See
 ``docs/extending.md``.
 """
@@ -19,6 +19,7 @@ from rayfed.registry import (
     register_client_model,
     register_method,
     register_partitioner,
+    register_preparer,
     register_source,
     register_task_kind,
 )
@@ -49,7 +50,7 @@ _LAZY = {
 
 __all__ = [
     *_LAZY, "__version__", "register", "register_backbone", "register_client_model", "register_method",
-    "register_partitioner", "register_source", "register_task_kind",
+    "register_partitioner", "register_preparer", "register_source", "register_task_kind",
 ]
 
 # Modules that moved into subpackages: importing one by its old path fails in one sentence naming the new one.

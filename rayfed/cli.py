@@ -1,4 +1,5 @@
-"""The `rayfed` command: run a config, resume a run, summarize a config's client data, list what is registered."""
+"""The `rayfed` command: run a config, resume a run, summarize a config's client data, prepare a benchmark's data from
+its public files, list what is registered."""
 
 from __future__ import annotations
 
@@ -135,6 +136,19 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    from rayfed.data.prepare import describe, prepare
+
+    if args.list:
+        for name, text in describe():
+            print(f"{name:<20} {text}")
+        return 0
+    if not args.benchmark:
+        raise ConfigError("rayfed prepare needs a BENCHMARK (rayfed prepare --list shows them).")
+    prepare(args.benchmark, args.out, args.source)
+    return 0
+
+
 def _pretrain(args: argparse.Namespace) -> int:
     from rayfed import zoo
     from rayfed.errors import choice_error
@@ -160,7 +174,7 @@ def _list(args: argparse.Namespace) -> int:
         except ImportError as err:
             raise ConfigError(f"--import {module!r}: the module cannot be imported ({err}).") from None
     shown = {"method": "method", "source": "dataset", "partitioner": "partitioner", "backbone": "backbone",
-             "client_model": "client_model", "task_kind": "task_kind"}
+             "client_model": "client_model", "task_kind": "task_kind", "preparer": "preparer"}
     for kind, title in shown.items():
         for entry in registry.entries(kind):
             name = entry.name + ("<...>" if entry.prefix else "")
@@ -240,6 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--rows", type=int, default=40, help="clients shown in the table (all are in the PNG)")
     data.set_defaults(handler=_data)
 
+    preparing = commands.add_parser(
+        "prepare", help="build a benchmark's folders, which its paper configs read, from its public files")
+    preparing.add_argument("benchmark", nargs="?", help="a benchmark (--list shows them)")
+    preparing.add_argument("--out", help="folder to write (default: the one the benchmark's configs read)")
+    preparing.add_argument("--source", action="append", default=[], metavar="DIR_OR_ARCHIVE",
+                           help="a folder or archive (zip, tar) holding files already downloaded; repeatable. What is "
+                           "not found there is downloaded where it is public; the rest is named, with where to get it")
+    preparing.add_argument("--list", action="store_true", help="the benchmarks and what each builds")
+    preparing.set_defaults(handler=_prepare)
+
     pretrain = commands.add_parser("pretrain", help="build a family's tiny pretrained model, cached in $RAYFED_CACHE")
     pretrain.add_argument("family", help="a model family (docs/offline_models.md lists them) or 'all' (every family "
                           "but GPU-scale ones rayfed does not ship)")
@@ -247,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.set_defaults(handler=_pretrain)
 
     listing = commands.add_parser(
-        "list", help="registered methods, datasets, partitioners, backbones, client models and task kinds")
+        "list", help="registered methods, datasets, partitioners, backbones, client models, task kinds and preparers")
     listing.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                          help="import MODULE first (its @rayfed.register_* plug-ins are listed, marked with it)")
     listing.set_defaults(handler=_list)

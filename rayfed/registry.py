@@ -1,7 +1,7 @@
 """The one plug-in mechanism, for everything a user may bring.
 
 A method, a data source, a partitioner, a backbone, a client model and a task kind are each given (in a config, or in a
-``Simulation(...)`` call from Python) as
+``Simulation(...)`` call from Python), and a benchmark's preparer on ``rayfed prepare``'s command line, as
 
 - a registered name (``fedavg``, ``sklearn:digits``, ``dirichlet``, ``tiny:vit``, ``classification``),
   including prefix entries that take the rest of the name as their argument (``hf:<dataset>``);
@@ -33,6 +33,7 @@ KINDS: dict[str, str] = {
     "backbone": "model.backbone",
     "client_model": "model.client",
     "task_kind": "data.kind",
+    "preparer": "benchmark",  # rayfed prepare BENCHMARK
 }
 _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "method": ("rayfed.methods",),
@@ -41,6 +42,7 @@ _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "backbone": ("rayfed.models", "rayfed.models.families.clip", "rayfed.methods"),
     "client_model": ("rayfed.methods",),
     "task_kind": ("rayfed.tasks.kinds",),
+    "preparer": ("rayfed.methods",),  # each paper's package registers the benchmarks it reads
 }
 
 
@@ -135,6 +137,12 @@ def register_client_model(name: str) -> Callable[[T], T]:
 def register_task_kind(name: str) -> Callable[[T], T]:
     """Decorator on a :class:`~rayfed.tasks.kinds.TaskKind` subclass (instantiated without arguments)."""
     return register("task_kind", name)
+
+
+def register_preparer(name: str) -> Callable[[T], T]:
+    """Decorator on a function ``(request: PrepareRequest) -> None`` that builds benchmark ``name``'s folders from its
+    public files (``rayfed prepare NAME``; see :mod:`rayfed.data.prepare`)."""
+    return register("preparer", name)
 
 
 _MOVED_FIELDS: dict[str, str] = {}

@@ -48,7 +48,7 @@ def test_list_prints_one_line_per_registered_thing(capsys, tmp_path, monkeypatch
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     kinds = {line.split()[0] for line in lines}
-    assert kinds == {"method", "backbone", "dataset", "partitioner", "client_model", "task_kind"}
+    assert kinds == {"method", "backbone", "dataset", "partitioner", "client_model", "task_kind", "preparer"}
     assert "mome" in {line.split()[1] for line in lines if line.startswith("client_model")}
     assert {"local", "fedavg", "fedprox", "ditto"} <= {line.split()[1] for line in lines if line.startswith("method")}
     assert any(line.split()[1] == "dirichlet" for line in lines if line.startswith("partitioner"))
@@ -116,4 +116,4 @@ def test_python_m_rayfed_is_the_rayfed_command(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rayfed", "--help"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("usage: rayfed ") and "{run,tune,bench,data,pretrain,list}" in done.stdout
+    assert done.stdout.startswith("usage: rayfed ") and "{run,tune,bench,data,prepare,pretrain,list}" in done.stdout

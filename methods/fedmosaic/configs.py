@@ -152,20 +152,25 @@ def tune_config() -> dict[str, Any]:
 
 
 # The paper's settings by name (network and GPUs): LLaVA-1.5-style models on Llama-3.2-1B / 3B and Qwen2.5, as the
-# authors released them, and DRAKE / HFLB tasks as HF datasets saved with save_to_disk (one folder per task,
-# columns image, question, answer) under $DRAKE_ROOT; r = 128, 20 rounds x 100 steps, batch 4, lr 2e-5 (PQ 5e-5).
+# authors released them, and DRAKE / HFLB as `rayfed prepare drake` / `hflb` writes them under $DRAKE_ROOT / $HFLB_ROOT
+# (methods/fedmosaic/prepare.py): one save_to_disk folder per client's task, columns question, answer, image and
+# split, the authors' own train / test files (partition presplit); r = 128, 20 rounds x 100 steps, batch 4, lr 2e-5
+# (PQ 5e-5). The clients and which of them run the 1B model are the official scenario files'
+# (DRAKE_hetero_llava_llama_1B_3B, HFLB_hetero_llava_llama_1B_3B).
 PAPER_MODELS = {
     "llava-llama3.2-1b": "hf:thkim0305/llama3.2_1B_vl", "llava-llama3.2-3b": "hf:thkim0305/llama3.2_3B_vl",
     "llava-llama3.1-8b": "hf:thkim0305/llama3.1_8B_vl", "llava-qwen2.5-0.5b": "hf:thkim0305/qwen2.5_0.5B_vl",
     "llava-qwen2.5-1.5b": "hf:thkim0305/qwen2.5_1.5B_vl", "llava-qwen2.5-3b": "hf:thkim0305/qwen2.5_3B_vl",
 }
 DRAKE_GROUPS = {"visual_relation": (0, 4, 5), "reasoning": (6, 7, 8), "vqa": (1, 2, 3, 9)}  # Tab. 37, 0-based
+DRAKE_SMALL, HFLB_SMALL = (0, 1, 8, 9), (0, 1, 5)  # the scenario files' clients on LLaVA-Llama-3.2-1B (the rest: 3B)
 
 
 def paper(name: str, clients: int, small: tuple[int, ...], folder: str, stream: dict[str, Any]) -> dict[str, Any]:
     large = tuple(c for c in range(clients) if c not in small)
     tasks = [{"name": f"client{c}-task{t}", "source": f"hf:{folder}/client{c}/task{t}", "kind": "text_generation",
-              "text_column": "question", "target_column": "answer", "clients": [c], "partition": {"name": "iid"}}
+              "text_column": "question", "target_column": "answer", "clients": [c],
+              "partition": {"name": "presplit", "column": "split"}}
              for c in range(clients) for t in range(4)]
     return {
         "name": name, "seed": 0,
@@ -193,9 +198,9 @@ def paper(name: str, clients: int, small: tuple[int, ...], folder: str, stream: 
 def paper_configs() -> dict[str, dict[str, Any]]:
     dynamic = {"mode": "dynamic", "rounds_per_task": 5}
     return {
-        "paper_drake_dynamic": paper("fedmosaic-drake-dynamic", 10, (0, 1, 2, 3), "${DRAKE_ROOT}", dynamic),
-        "paper_drake_static": paper("fedmosaic-drake-static", 10, (0, 1, 2, 3), "${DRAKE_ROOT}", {"mode": "static"}),
-        "paper_hflb_dynamic": paper("fedmosaic-hflb-dynamic", 9, (0, 1, 2), "${HFLB_ROOT}", dynamic),
+        "paper_drake_dynamic": paper("fedmosaic-drake-dynamic", 10, DRAKE_SMALL, "${DRAKE_ROOT}", dynamic),
+        "paper_drake_static": paper("fedmosaic-drake-static", 10, DRAKE_SMALL, "${DRAKE_ROOT}", {"mode": "static"}),
+        "paper_hflb_dynamic": paper("fedmosaic-hflb-dynamic", 9, HFLB_SMALL, "${HFLB_ROOT}", dynamic),
     }
 
 
@@ -203,10 +208,12 @@ def write() -> list[Path]:
     OUT.mkdir(parents=True, exist_ok=True)
     written = []
     headers = {**HEADER,
-               "paper_drake_dynamic": "DRAKE PFL-Dynamic (Tab. 2): 4 x LLaVA-Llama-3.2-1B + 6 x 3B; set DRAKE_ROOT's "
-                                      "folders (replace ${DRAKE_ROOT})",
-               "paper_drake_static": "DRAKE PFL-Static (Tab. 3)",
-               "paper_hflb_dynamic": "HFLB PFL-Dynamic (Tab. 2): 3 x 1B + 6 x 3B; replace ${HFLB_ROOT}"}
+               "paper_drake_dynamic": "DRAKE PFL-Dynamic (Tab. 2): 4 x LLaVA-Llama-3.2-1B + 6 x 3B. Data: "
+                                      "`rayfed prepare drake --out data/drake` and `export DRAKE_ROOT=data/drake`",
+               "paper_drake_static": "DRAKE PFL-Static (Tab. 3). Data: `rayfed prepare drake --out data/drake` and "
+                                     "`export DRAKE_ROOT=data/drake`",
+               "paper_hflb_dynamic": "HFLB PFL-Dynamic (Tab. 2): 3 x 1B + 6 x 3B. Data: `rayfed prepare hflb --out "
+                                     "data/hflb` and `export HFLB_ROOT=data/hflb`"}
     for name, config in {**offline_configs(), **paper_configs()}.items():
         path = OUT / f"{name}.yaml"
         comment = f"# {headers[name]}.\n# Written by methods/fedmosaic/configs.py; docs/fedmosaic.md has the results.\n"

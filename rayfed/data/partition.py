@@ -25,6 +25,7 @@ _PURPOSE_SHARD_SUBSET = 2005
 _PURPOSE_TRAIN_TEST = 2006
 _PURPOSE_LABELDIR = 2007
 _PURPOSE_GLOBAL_TEST = 2008
+_PURPOSE_PRESPLIT = 2009
 
 
 def _rng(seed: int, purpose: int, *extra: int) -> np.random.Generator:
@@ -309,6 +310,23 @@ def _natural(request: PartitionRequest) -> list[np.ndarray]:
             f"data.partition.column; use at most {len(group_values)} clients with 'natural'."
         )
     return [np.flatnonzero(groups == value) for value in group_values[:num_clients]]
+
+
+@register_partitioner("presplit")
+def _presplit(request: PartitionRequest) -> Partition:
+    """The dataset's own train and test samples, each sample's split ('train' or 'test') read from
+    data.partition.column; each split is dealt to the clients by a seeded shuffle cut into equal parts."""
+    if request.groups is None:
+        raise DataError("data.partition.column must name the column holding each sample's split ('train' or 'test') "
+                        "for data.partition.name = 'presplit'.")
+    splits = np.asarray(request.groups).astype(str)
+    unknown = sorted({str(split) for split in np.unique(splits)} - {"train", "test"})
+    if unknown:
+        raise DataError(f"data.partition.column holds the split {unknown[0]!r}; data.partition.name = 'presplit' "
+                        "takes 'train' and 'test' only.")
+    parts = [np.array_split(request.rng(_PURPOSE_PRESPLIT, index).permutation(np.flatnonzero(splits == split)),
+                            request.num_clients) for index, split in enumerate(("train", "test"))]
+    return Partition(tuple((np.sort(train), np.sort(test)) for train, test in zip(*parts)))
 
 
 def split_train_test(
