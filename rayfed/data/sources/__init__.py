@@ -13,8 +13,11 @@ an :class:`ArrayDataset`, a dict of columns (``image``, ``label``, ``text``, ``t
 
 Each module holds one job: :mod:`~rayfed.data.sources.dataset` (the dataset and request types),
 :mod:`~rayfed.data.sources.loading` (:func:`load_source`, what a source may return), ``common`` (checks and
-helpers the sources share) and one module per family of built-in sources: ``digits``, ``fashion_mnist``,
-``hf``, ``generators`` (synthetic, synthetic-text, shapes) and ``multimodal_tasks`` (multimodal:<task>).
+helpers the sources share), ``images`` (image columns decoded one by one into one array), ``hf_images`` (an hf
+dataset's image column, left undecoded until the samples a run uses are known), ``memory`` (the host memory and
+disk of the data, stated and checked before decoding) and one module per family of built-in sources: ``digits``,
+``fashion_mnist``, ``hf``, ``generators`` (synthetic, synthetic-text, shapes) and ``multimodal_tasks``
+(multimodal:<task>).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import abc
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +13,7 @@ from rayfed.errors import ConfigError
 
 if TYPE_CHECKING:
     from rayfed.config import DataConfig
+    from rayfed.models.image_processing import ImagePreprocessing
 
 
 class DataError(ConfigError):
@@ -19,6 +22,43 @@ class DataError(ConfigError):
 
 _COLUMNS = ("images", "image_counts", "labels", "groups", "text", "target", "choices")
 IMAGE_DTYPES = (np.uint8, np.float32)  # pixels 0..255, or floats in [0, 1]
+
+
+class PendingImages(abc.ABC):
+    """An image column not decoded yet: rows are taken from it (``[indices]``) as from an array, and only the rows
+    left are decoded (:meth:`decode`, through :meth:`ArrayDataset.decoded`). ``shape`` and ``dtype`` are what
+    decoding will give, as far as they are known without decoding (the first image's file header)."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    def __getitem__(self, indices: np.ndarray) -> PendingImages: ...
+
+    @property
+    @abc.abstractmethod
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    @abc.abstractmethod
+    def dtype(self) -> np.dtype: ...
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the decoded array will take."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    @abc.abstractmethod
+    def files_bytes(self) -> int | None:
+        """The bytes the data's files take on disk (None: unknown)."""
+
+    @abc.abstractmethod
+    def decode(self) -> np.ndarray: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,9 +85,9 @@ class ArrayDataset:
         for name, column in present.items():
             if len(column) != size:
                 raise ValueError(f"column {name} has {len(column)} values but the dataset has {size} samples")
-        if self.images is not None:
+        if isinstance(self.images, np.ndarray):
             _check_images(self.images, self.image_counts)
-        elif self.image_counts is not None:
+        elif self.images is None and self.image_counts is not None:
             raise ValueError("image_counts is set but there are no images")
         if self.labels is not None and (self.labels.ndim != 1 or self.labels.dtype != np.int64):
             raise ValueError(f"labels must be int64 (N,), got {self.labels.dtype} {self.labels.shape}")
@@ -71,6 +111,15 @@ class ArrayDataset:
         columns = {name: getattr(self, name)[indices] for name in _COLUMNS if getattr(self, name) is not None}
         return ArrayDataset(**columns, class_names=self.class_names, domains=self.domains)
 
+    @property
+    def pending(self) -> bool:
+        """Whether the images are still to be decoded (:class:`PendingImages`)."""
+        return isinstance(self.images, PendingImages)
+
+    def decoded(self) -> ArrayDataset:
+        """The dataset with its images decoded (itself where they are)."""
+        return dataclasses.replace(self, images=self.images.decode()) if self.pending else self
+
 
 def _check_images(images: np.ndarray, counts: np.ndarray | None) -> None:
     if images.dtype not in IMAGE_DTYPES or images.ndim != (4 if counts is None else 5):
@@ -84,11 +133,24 @@ def _check_images(images: np.ndarray, counts: np.ndarray | None) -> None:
 @dataclass(frozen=True)
 class SourceRequest:
     """What a source is asked for: the run's data config, its seed, a prefix source's argument (``cifar10``
-    for ``hf:cifar10``) and its options (``data.options``)."""
+    for ``hf:cifar10``) and its options (``data.options``); ``image_processing``: the backbone's resize and crop,
+    which ``data.resize = 'backbone'`` applies."""
 
     config: DataConfig
     seed: int
     argument: str | None = None
+    image_processing: ImagePreprocessing | None = None
+
+    @property
+    def resize(self) -> int | ImagePreprocessing | None:
+        """What ``data.resize`` resizes images to: a square size or the backbone's processing (None: nothing)."""
+        if self.config.resize != "backbone":
+            return self.config.resize
+        if self.image_processing is None:
+            raise DataError("data.resize = 'backbone' needs the run's model.backbone, which this loading of the data "
+                            "was not given; load it through the run (build_federation with its models) or set "
+                            "data.resize to a size.")
+        return self.image_processing
 
     @property
     def options(self) -> dict[str, Any]:

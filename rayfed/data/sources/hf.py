@@ -2,80 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from rayfed.data.sources.common import _group_size, _require_no_options, _rows_of_sized_groups, _strings
+from rayfed.data.sources.common import (_group_size, _require_no_options, _rows_of_sized_groups, _strings,
+                                        one_row_per_group)
 from rayfed.data.sources.dataset import ArrayDataset, DataError, SourceRequest
-from rayfed.data.sources.images import Resize, decode_images
+from rayfed.data.sources.hf_images import HFImages
 from rayfed.errors import suggest
 from rayfed.registry import register_source
-
-if TYPE_CHECKING:
-    from rayfed.config import DataConfig
-
-
-_CHUNK = 256  # rows read from the table at a time while decoding
-
-
-@dataclass(frozen=True, eq=False)
-class HFImages:
-    """The image column of a ``datasets`` Dataset before decoding: the rows ``rows`` of ``table`` (that column alone,
-    images stored undecoded); ``counts``: each row's number of images, where a row holds a list of them."""
-
-    table: Any
-    column: str
-    decode_one: Any  # a stored value -> a PIL image (or the array it is)
-    rows: np.ndarray
-    counts: np.ndarray | None = None
-
-    @classmethod
-    def of(cls, loaded: Any, column: str) -> HFImages:
-        import datasets
-
-        feature = loaded.features[column]
-        several = isinstance(feature, (datasets.List, datasets.LargeList, datasets.Sequence)) and isinstance(
-            feature.feature, datasets.Image)
-        image = feature.feature if several else feature
-        table = loaded.select_columns([column])
-        if not isinstance(image, datasets.Image):  # arrays: read as they are
-            return cls(table, column, None, np.arange(len(table)))
-        undecoded = datasets.Image(mode=image.mode, decode=False)
-        table = table.cast_column(column, datasets.List(undecoded) if several else undecoded)
-        counts = None
-        if several:
-            counts = np.concatenate([[len(value) for value in table[start:start + _CHUNK][column]]
-                                     for start in range(0, len(table), _CHUNK)] or [[]]).astype(np.int64)
-        return cls(table, column, image.decode_example, np.arange(len(table)), counts)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, indices: np.ndarray) -> HFImages:
-        return dataclasses.replace(self, rows=self.rows[indices],
-                                   counts=None if self.counts is None else self.counts[indices])
-
-    def decode(self, resize: Resize) -> np.ndarray:
-        """The rows' images, decoded one by one (:func:`~rayfed.data.sources.images.decode_images`)."""
-        return decode_images(self._values, len(self.rows), self.column, resize, self.counts)
-
-    def _values(self) -> Iterator[Any]:
-        for start in range(0, len(self.rows), _CHUNK):
-            for value in self.table[self.rows[start:start + _CHUNK].tolist()][self.column]:
-                if value is None:
-                    raise DataError(f"data.image_column = {self.column!r} has a sample without an image; drop such "
-                                    "samples first (datasets' Dataset.filter).")
-                if self.decode_one is None:
-                    yield value
-                elif self.counts is None:
-                    yield self.decode_one(value)
-                else:
-                    yield [self.decode_one(image) for image in value]
 
 
 def _is_hf_dataset(value: Any) -> bool:
@@ -101,27 +38,21 @@ def _hf(request: SourceRequest) -> ArrayDataset:
             loaded = datasets.load_dataset(name, split=config.split or "train")
     except Exception as err:  # offline, unknown name, unreadable folder, ...: all reported the same way
         raise DataError(f"data.source = 'hf:{name}' could not be loaded ({type(err).__name__}: {err}).") from err
-    return _from_hf(loaded, config, f"'hf:{name}'")
+    return _from_hf(loaded, request, f"'hf:{name}'")
 
 
-def _from_hf(loaded: Any, config: DataConfig, shown_as: str) -> ArrayDataset:
-    """The columns of a ``datasets`` Dataset (or DatasetDict) that ``config``'s ``*_column`` fields name.
+def _from_hf(loaded: Any, request: SourceRequest, shown_as: str) -> ArrayDataset:
+    """The columns of a ``datasets`` Dataset (or DatasetDict) that the config's ``*_column`` fields name, its images
+    not decoded yet (:class:`~rayfed.data.sources.hf_images.HFImages`), after the rows ``data.one_per_group`` and
+    the partition's group sizes keep.
 
     The image and label columns default to ``image`` and ``label`` and are read when present; a column set
     explicitly must exist."""
     import datasets
 
+    config = request.config
     if isinstance(loaded, datasets.DatasetDict):
-        split = config.split
-        if split is None:
-            loaded = datasets.concatenate_datasets(list(loaded.values()))
-        elif split in loaded:
-            loaded = loaded[split]
-        else:
-            raise DataError(
-                f"data.split = {split!r} is not a split of {shown_as}{suggest(split, loaded)}; "
-                f"available: {', '.join(loaded)}."
-            )
+        loaded = _split(loaded, config.split, shown_as)
     chosen: dict[str, str] = {}
     for role in ("image", "label", "text", "target", "choices"):
         field_name = f"{role}_column"
@@ -148,13 +79,15 @@ def _from_hf(loaded: Any, config: DataConfig, shown_as: str) -> ArrayDataset:
                 f"data.{role}_column = {column!r} is not a column of {shown_as}"
                 f"{suggest(str(column), loaded.column_names)}; columns: {', '.join(loaded.column_names)}."
             )
+    if config.one_per_group is not None:
+        loaded = loaded.select(_one_per_group(loaded, config.one_per_group, shown_as))
     group_size = _group_size(config)
     if group_column is not None and group_size != (1, None):
         loaded = loaded.select(_rows_of_sized_groups(np.asarray(loaded[group_column]), group_size))
     images = image_counts = None
     if "image" in chosen:
-        column = HFImages.of(loaded, chosen["image"])
-        images, image_counts = column.decode(config.resize), column.counts
+        images = HFImages.of(loaded, chosen["image"], request.resize)
+        image_counts = images.counts
     labels, class_names = None, ()
     if "label" in chosen:
         labels, class_names = _encode_labels(loaded[chosen["label"]], loaded.features[chosen["label"]], chosen["label"])
@@ -169,6 +102,36 @@ def _from_hf(loaded: Any, config: DataConfig, shown_as: str) -> ArrayDataset:
     groups = np.asarray(loaded[group_column]) if group_column is not None else None
     return ArrayDataset(images, labels, class_names, groups, choices=choices, image_counts=image_counts,
                         **text_columns)
+
+def _split(loaded: Any, split: str | None, shown_as: str) -> Any:
+    """The rows of a DatasetDict that ``data.split`` names: a split, an expression such as ``train[:20%]+test``
+    (as ``datasets.load_dataset`` reads it), or all splits (unset)."""
+    import datasets
+
+    if split is None:
+        return datasets.concatenate_datasets(list(loaded.values()))
+    if split in loaded:
+        return loaded[split]
+    try:
+        parts = datasets.ReadInstruction.from_spec(split).to_absolute({name: len(rows) for name, rows in loaded.items()})
+    except (ValueError, AssertionError):
+        raise DataError(f"data.split = {split!r} is not a split of {shown_as}{suggest(split, loaded)}; "
+                        f"available: {', '.join(loaded)} (or an expression such as 'train[:10%]+test').") from None
+    return datasets.concatenate_datasets([loaded[part.splitname].select(range(part.from_, part.to)) for part in parts])
+
+
+def _one_per_group(loaded: Any, setting: Any, shown_as: str) -> np.ndarray:
+    """The rows ``data.one_per_group`` keeps: one for each value of its column, in the dataset's order."""
+    for field_name in ("column", "order_column"):
+        column = getattr(setting, field_name)
+        if column is not None and column not in loaded.column_names:
+            raise DataError(
+                f"data.one_per_group.{field_name} = {column!r} is not a column of {shown_as}"
+                f"{suggest(column, loaded.column_names)}; columns: {', '.join(loaded.column_names)}."
+            )
+    order = None if setting.order_column is None else np.asarray(loaded[setting.order_column])
+    return one_row_per_group(np.asarray(loaded[setting.column]), order, setting.pick)
+
 
 def _encode_labels(values: list[Any], feature: Any, label_column: str) -> tuple[np.ndarray, tuple[str, ...]]:
     """Labels as int64 0..K-1 plus class names: ClassLabel names if present, else sorted unique values."""

@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 
 from rayfed.data.sources.dataset import DataError
+from rayfed.models.image_processing import ImagePreprocessing
 
-Resize = int | None  # data.resize: a square size
+Resize = int | ImagePreprocessing | None  # data.resize: a square size, or the backbone's resize and crop
 
 
 def decode_images(read: Callable[[], Iterable[Any]], count: int, column: str, resize: Resize = None,
@@ -45,7 +46,8 @@ def _fill(rows: Iterable[Any], count: int, column: str, resize: Resize, counts: 
             if array.shape != pixels.shape[-3:]:
                 raise DataError(
                     f"data.image_column = {column!r} holds images of different sizes (e.g. {pixels.shape[-3:]} and "
-                    f"{array.shape}); set data.resize to a size (e.g. 224) so that all images have the same size."
+                    f"{array.shape}); set data.resize to a size (e.g. 224) or to 'backbone' (the backbone's own "
+                    "resize and crop) so that all images have the same size."
                 )
             if integers != (pixels.dtype == np.uint8):
                 raise DataError(f"data.image_column = {column!r} holds both integer and float images; give one kind.")
@@ -68,7 +70,10 @@ def image_to_hwc(image: Any, image_column: str, resize: Resize = None) -> np.nda
 
     if resize is not None:
         image = Image.fromarray(np.asarray(image)) if not isinstance(image, Image.Image) else image
-        image = image.convert("RGB").resize((resize, resize), Image.Resampling.BICUBIC)
+        if isinstance(resize, ImagePreprocessing):
+            image = resize.apply(image)
+        else:
+            image = image.convert("RGB").resize((resize, resize), Image.Resampling.BICUBIC)
     if isinstance(image, Image.Image) and image.mode not in ("L", "RGB"):
         image = image.convert("L" if image.mode in ("1", "LA") else "RGB")
     array = np.asarray(image)

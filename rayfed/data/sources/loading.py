@@ -10,25 +10,33 @@ import numpy as np
 from rayfed.data.sources.common import _group_size, _rows_of_sized_groups, _strings
 from rayfed.data.sources.dataset import ArrayDataset, DataError, SourceRequest
 from rayfed.data.sources.hf import _from_hf, _hf, _is_hf_dataset
+from rayfed.data.sources.memory import decode_within_memory
 from rayfed.errors import suggest
 from rayfed.registry import resolve
 
 if TYPE_CHECKING:
     from rayfed.config import DataConfig
+    from rayfed.models.image_processing import ImagePreprocessing
 
 # Fixed stream ids: each random draw in rayfed.data.sources gets its own SeedSequence([seed, purpose]).
 _PURPOSE_SUBSET = 1002
 
 
-def load_source(config: DataConfig, seed: int = 0) -> ArrayDataset:
-    """Load ``config.source`` into memory: then keep only samples of groups whose size is within the
-    partition's bounds, and a seeded subset of ``max_samples`` samples."""
+def load_source(config: DataConfig, seed: int = 0, decode: bool = True, image_processing: ImagePreprocessing | None = None,
+                where: str = "data") -> ArrayDataset:
+    """Load ``config.source``: then keep only samples of groups whose size is within the partition's bounds, and a
+    seeded subset of ``max_samples`` samples. An hf dataset's images are decoded after that, for the samples kept
+    only (with ``decode``; else they are left to decode, :meth:`ArrayDataset.decoded`), once their host memory is
+    stated and found to fit (:func:`~rayfed.data.sources.memory.decode_within_memory`; ``where``: the config
+    section, for its messages). ``image_processing``: the backbone's, for ``data.resize = 'backbone'``."""
     if config.max_samples is not None and config.max_samples <= 0:
         raise DataError(f"data.max_samples = {config.max_samples} is invalid: it must be > 0 (or unset for all samples).")
     resolved = resolve("source", config.source)
-    request = SourceRequest(config, seed, resolved.argument)
-    if config.resize is not None and resolved.obj is not _hf:
-        raise DataError(f"data.resize = {config.resize} is set but data.source = {resolved.name!r}; it only applies to hf: sources.")
+    request = SourceRequest(config, seed, resolved.argument, image_processing)
+    for field_name in ("resize", "one_per_group"):
+        if getattr(config, field_name) is not None and resolved.obj is not _hf:
+            raise DataError(f"data.{field_name} = {getattr(config, field_name)!r} is set but data.source = "
+                            f"{resolved.name!r}; it only applies to hf: sources.")
     result = resolved.obj(request)
     if isinstance(result, ArrayDataset) and resolved.obj is not _hf and config.label_column != "label":
         raise DataError(
@@ -48,14 +56,14 @@ def load_source(config: DataConfig, seed: int = 0) -> ArrayDataset:
     if config.max_samples is not None and config.max_samples < len(dataset):
         rng = np.random.default_rng(np.random.SeedSequence([seed, _PURPOSE_SUBSET]))
         dataset = dataset.subset(np.sort(rng.choice(len(dataset), size=config.max_samples, replace=False)))
-    return dataset
+    return decode_within_memory([(where, resolved.name, dataset)])[0] if decode else dataset
 
 def as_dataset(result: Any, request: SourceRequest) -> ArrayDataset:
     """A source's return value as an :class:`ArrayDataset`; one sentence naming what is wrong with it."""
     if isinstance(result, ArrayDataset):
         return result
     if _is_hf_dataset(result):
-        return _from_hf(result, request.config, f"data.source = {request.name!r}")
+        return _from_hf(result, request, f"data.source = {request.name!r}")
     if isinstance(result, tuple) and len(result) == 2:
         result = {"image": result[0], "label": result[1]}
     if not isinstance(result, Mapping):
