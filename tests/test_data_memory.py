@@ -296,6 +296,23 @@ def test_the_backbone_s_processing_is_read_from_its_saved_configs(tmp_path: Path
         image_preprocessing(ModelConfig(backbone=f"hf:{tmp_path / 'keeps'}"))
 
 
+def test_backbones_of_a_run_must_agree_on_the_processing_resize_backbone_follows(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from rayfed.config import DataConfig, ModelConfig
+    from rayfed.data.clients import backbone_image_processing
+
+    for name, size in (("a", 12), ("b", 12), ("c", 14)):
+        transformers.ViTImageProcessor(size={"height": size, "width": size}).save_pretrained(str(tmp_path / name))
+    data = [DataConfig(source="hf:x", resize="backbone")]
+    same = backbone_image_processing(data, [ModelConfig(backbone=f"hf:{tmp_path / name}") for name in "ab"])
+    assert same.size == (12, 12)
+    with pytest.raises(DataError, match=r"the run's backbones .* resize and crop differently; set data\.resize to a size"):
+        backbone_image_processing(data, [ModelConfig(backbone=f"hf:{tmp_path / name}") for name in "ac"])
+    assert backbone_image_processing([DataConfig(source="hf:x", resize=12)], [ModelConfig(backbone="tiny:vit")]) is None
+    with pytest.raises(ConfigError, match=r"data\.resize = 'backbon' is invalid: it must be a size > 0 .* or 'backbone'"):
+        load_data("hf:x", resize="backbon")
+
+
 # memory and disk, stated before decoding ------------------------------------------------------------------------
 def test_memory_and_disk_are_stated_and_a_data_set_too_large_is_refused_before_decoding(
         ten_thousand, decodes, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

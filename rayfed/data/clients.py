@@ -158,7 +158,7 @@ def build_federation(config: DataConfig, seed: int, models: Sequence[ModelConfig
     not depend on which other tasks exist. An hf dataset's images are decoded last, only those of the samples some
     client or shared test set holds, once the host memory of all of them is stated and found to fit.
     ``models``: the run's model configs (one per architecture), whose backbone ``data.resize = 'backbone'`` follows."""
-    processing = image_processing([config, *(config.tasks or ())], models)
+    processing = backbone_image_processing([config, *(config.tasks or ())], models)
     if config.tasks is None:
         federation = _one_task(config, seed, 0, "task", list(range(config.num_clients)), "data", processing)
         return _decoded(dataclasses.replace(federation, stream=config.stream, seed=seed), {"data": config})
@@ -177,7 +177,8 @@ def build_federation(config: DataConfig, seed: int, models: Sequence[ModelConfig
     return _decoded(federation, {f"data.tasks[{task.name!r}]": task for task in config.tasks})
 
 
-def image_processing(configs: Sequence[DataConfig], models: Sequence[ModelConfig]) -> ImagePreprocessing | None:
+def backbone_image_processing(configs: Sequence[DataConfig],
+                              models: Sequence[ModelConfig]) -> ImagePreprocessing | None:
     """The backbone's resize and crop where a data config sets ``resize: backbone`` (one for every architecture)."""
     if not models or all(config.resize != "backbone" for config in configs):
         return None  # (without models, a source asked for the backbone's resize says it was not given)
@@ -270,7 +271,8 @@ def encode_public(config: DataConfig, seed: int, backbone: Backbone, models: Seq
                   ) -> tuple[Task, Columns]:
     """The public dataset (``data.public``), whole, as a task of its kind and named tensors for ``backbone``
     (``models``: the run's model configs, for ``data.resize = 'backbone'``)."""
-    dataset = load_source(config, seed, image_processing=image_processing([config], models), where="data.public")
+    processing = backbone_image_processing([config], models)
+    dataset = load_source(config, seed, image_processing=processing, where="data.public")
     kind = task_kind(config, dataset, "data.public")
     kind.check_data(dataset, "data.public")
     kind.check(dataset, backbone, "data.public")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from rayfed.errors import ConfigError
@@ -32,9 +32,10 @@ class ImagePreprocessing:
     size: int | tuple[int, int] | None  # int: the shortest edge resized to it; (height, width): resized to that
     crop: tuple[int, int] | None  # the (height, width) cut from the center after resizing
     resample: int  # the PIL filter of the resize (PIL.Image.Resampling)
-    crop_offset: Literal["floor", "round"] = "floor"  # transformers: (size - crop) // 2; torchvision: round((size - crop) / 2)
+    # the crop's offset: transformers' (size - crop) // 2, or torchvision's round((size - crop) / 2)
+    crop_offset: Literal["floor", "round"] = "floor"
     alpha: Literal["white", "drop"] = "white"  # transparency: composited onto white (transformers) or dropped (PIL)
-    source: str = ""  # the backbone it was read from, for messages
+    source: str = field(default="", compare=False)  # the backbone it was read from, for messages
 
     @property
     def output_size(self) -> tuple[int, int] | None:

@@ -22,10 +22,10 @@ _SWAPPED_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that datasets' decodin
 
 @dataclass(frozen=True, eq=False)
 class HFImages(PendingImages):
-    """The rows ``rows`` of ``table`` (the image column alone, images stored undecoded); ``counts``: each row's number
+    """The rows ``rows`` of ``table`` (the image column alone, images read as stored); ``counts``: each row's number
     of images, where a row holds a list of them; ``resize``: ``data.resize`` (a size or the backbone's processing)."""
 
-    table: Any
+    table: Any  # a datasets.Dataset of the one column, in arrow format where it holds image files
     column: str
     decode_one: Any  # a stored value -> a PIL image (None: the value is the array itself)
     rows: np.ndarray
@@ -37,19 +37,19 @@ class HFImages(PendingImages):
     @classmethod
     def of(cls, loaded: Any, column: str, resize: Resize) -> HFImages:
         import datasets
+        import pyarrow.compute
 
         feature = loaded.features[column]
         several = isinstance(feature, (datasets.List, datasets.LargeList, datasets.Sequence)) and isinstance(
             feature.feature, datasets.Image)
         image = feature.feature if several else feature
         table, decode_one, counts, mode = loaded.select_columns([column]), None, None, None
-        if isinstance(image, datasets.Image):
-            undecoded = datasets.Image(mode=image.mode, decode=False)
-            table = table.cast_column(column, datasets.List(undecoded) if several else undecoded)
-            decode_one, mode = image.decode_example, image.mode
-        if several:
-            counts = np.asarray([len(value or ()) for start in range(0, len(table), _CHUNK)
-                                 for value in table[start:start + _CHUNK][column]], dtype=np.int64)
+        if isinstance(image, datasets.Image):  # read as stored ({bytes, path}), each decoded by the feature
+            table, decode_one, mode = table.with_format("arrow"), image.decode_example, image.mode
+        if several:  # the lists' lengths, read without turning the images into Python objects
+            counts = np.concatenate([np.empty(0, np.int64), *(
+                pyarrow.compute.list_value_length(table[start:start + 16 * _CHUNK][column]).fill_null(0).to_numpy(
+                    zero_copy_only=False) for start in range(0, len(table), 16 * _CHUNK))]).astype(np.int64)
         files = {entry["filename"] for entry in loaded.cache_files}
         size = sum(os.path.getsize(name) for name in files if os.path.isfile(name)) if files else None
         return cls(table, column, decode_one, np.arange(len(table)), resize, counts, size, mode)
@@ -70,7 +70,7 @@ class HFImages(PendingImages):
     def dtype(self) -> np.dtype:
         if self.decode_one is not None or self.resize is not None:
             return np.dtype(np.uint8)
-        first = self._first()
+        first = self._first
         return np.dtype(np.uint8 if first is None or np.issubdtype(np.asarray(first).dtype, np.integer) else np.float32)
 
     @property
@@ -88,7 +88,7 @@ class HFImages(PendingImages):
             return self.resize, self.resize, 3
         if isinstance(self.resize, ImagePreprocessing):
             return (*self.resize.output_size, 3)
-        first = self._first()
+        first = self._first
         if first is None:
             return 0, 0, 0
         if self.decode_one is None:
@@ -103,6 +103,7 @@ class HFImages(PendingImages):
                 width, height = height, width
             return height, width, 1 if (self.mode or image.mode) in ("1", "L", "LA") else 3
 
+    @functools.cached_property
     def _first(self) -> Any:
         """The first stored image of the rows (None: there is none)."""
         for value in self._stored():
@@ -114,7 +115,8 @@ class HFImages(PendingImages):
 
     def _stored(self) -> Iterator[Any]:
         for start in range(0, len(self.rows), _CHUNK):
-            for value in self.table[self.rows[start:start + _CHUNK].tolist()][self.column]:
+            values = self.table[self.rows[start:start + _CHUNK].tolist()][self.column]
+            for value in values.to_pylist() if self.decode_one is not None else values:
                 if value is None and self.counts is None:
                     raise DataError(f"data.image_column = {self.column!r} has a sample without an image; drop such "
                                     "samples first (datasets' Dataset.filter).")

@@ -49,7 +49,9 @@ def _host_bytes(dataset: ArrayDataset) -> int:
     for name in ("image_counts", "labels", "groups", "text", "target", "choices"):
         column = getattr(dataset, name)
         if isinstance(column, np.ndarray):
-            total += column.nbytes + (sum(sys.getsizeof(value) for value in column.flat) if column.dtype == object else 0)
+            total += column.nbytes
+            if column.dtype == object:  # the Python strings the array points to
+                total += sum(sys.getsizeof(value) for value in column.flat)
     return total
 
 
