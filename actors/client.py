@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from rayfed import registry
-from rayfed.config import RunConfig, architecture_model_config, build_config, method_model_config
+from rayfed.config import RunConfig, architecture_model_config, build_config, method_model_config, model_configs
 from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import raised_in
 from rayfed.training.batching import Lockstep
@@ -64,7 +64,7 @@ class ClientActor:
         self.architecture = architecture
         self.model_config = architecture_model_config(self.config, architecture)
         if federation is None:
-            federation = build_federation(self.config.data, self.config.seed)
+            federation = build_federation(self.config.data, self.config.seed, model_configs(self.config))
         self.methods = list(methods) if methods is not None else run_methods(self.config, federation)
         self.federation = federation
         self.tasks = list(federation.tasks)

@@ -18,7 +18,7 @@ from rayfed.actors.client import RoundUploads, run_methods
 from rayfed.actors.uploads import fetch_sent_slots
 from rayfed.aggregation import ROWS, Mixture
 from rayfed.architectures import architecture_of, prefixed, unprefixed
-from rayfed.config import RunConfig, build_config
+from rayfed.config import RunConfig, build_config, model_configs
 from rayfed.data.clients import build_federation
 from rayfed.errors import raised_in
 from rayfed.method import (Method, MethodOutputError, ServerState, TensorDict, TensorSpecs, check_tensors, largest_magnitudes,
@@ -38,7 +38,8 @@ class DriverActor:
         use_raw_tensor_transport()
         self.config = config if isinstance(config, RunConfig) else build_config(config)
         if methods is None:
-            methods = run_methods(self.config, build_federation(self.config.data, self.config.seed))
+            federation = build_federation(self.config.data, self.config.seed, model_configs(self.config))
+            methods = run_methods(self.config, federation)
         self.methods = list(methods)
         self.tasks_of = client_tasks(self.config.data)
         self.architecture_of = architecture_of(self.config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rayfed.config import RunConfig
+from rayfed.config import RunConfig, model_configs
 from rayfed.data.batches import Columns
 from rayfed.data.clients import encode_public
 from rayfed.errors import raised_in
@@ -19,7 +19,7 @@ def public_data(config: RunConfig, backbone: Backbone) -> tuple[Task | None, Col
     """``data.public``'s task and columns, encoded for ``backbone``; ``(None, {})`` without it."""
     if config.data.public is None:
         return None, {}
-    return encode_public(config.data.public, config.seed, backbone)
+    return encode_public(config.data.public, config.seed, backbone, model_configs(config))
 
 
 def pre_federation(method: Method, config: RunConfig, architecture: str, model: torch.nn.Module,

@@ -4,6 +4,7 @@ its public files, list what is registered."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -289,12 +290,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class _DataLines(logging.Handler):
+    """The data loader's lines (each hf dataset's host memory and disk, stated before its images are decoded), on
+    the stderr of the moment."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"rayfed: {record.getMessage()}", file=sys.stderr)
+
+
+def _show_data_lines() -> None:
+    log = logging.getLogger("rayfed.data")
+    if not any(isinstance(handler, _DataLines) for handler in log.handlers):
+        log.addHandler(_DataLines())
+        log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     # As under `python -m`: modules in the working folder import (plug-ins named in `imports:` or as
     # "module:Name"); Ray's workers find them there too, or get them by value (simulation.ship_by_value).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     args = parse_args(argv)
+    _show_data_lines()
     try:
         return args.handler(args)
     except ConfigError as err:  # bad config, data or checkpoint: one sentence, no traceback

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from rayfed import registry
@@ -40,6 +40,17 @@ class PartitionConfig(Section):
                 "data.partition.samples_per_client (the exact training samples per client)"
             )
         return self
+
+
+class OnePerGroupConfig(Section):
+    """One row for each value of a column (one frame per video): chosen before any image is decoded."""
+
+    column: str = Field(description="the column whose values are the groups (e.g. a video id)")
+    order_column: str | None = Field(None, description="the column that orders a group's rows (e.g. a frame "
+                                     "number); null: the dataset's order")
+    pick: Literal["middle", "first"] = Field(
+        "middle", description="middle: the row at position n // 2 of a group's n rows in that order; first: the first"
+    )
 
 
 class StreamConfig(Section):
@@ -90,7 +101,13 @@ class DataConfig(Section):
     num_clients: int = Field(10, gt=0)
     test_fraction: float = Field(0.25, gt=0, lt=1)
     max_samples: int | None = Field(None, gt=0)
-    resize: int | None = Field(None, gt=0, description="hf: images converted to RGB and resized to this size on load")
+    resize: int | Literal["backbone"] | None = Field(
+        None, description="hf: images converted to RGB and resized to this square size on load; backbone: resized and "
+        "center-cropped as the backbone's own image processor does (its saved config)"
+    )
+    one_per_group: OnePerGroupConfig | None = Field(
+        None, description="hf: keep one row for each value of a column (one frame per video), before decoding"
+    )
     partition: PartitionConfig = PartitionConfig()
     tasks: tuple[TaskDataConfig, ...] | None = Field(
         None, min_length=1, description="multi-task: one data config per task, client ids contiguous in task order"
@@ -100,6 +117,13 @@ class DataConfig(Section):
         None, description="public data for a method's pre-federation stage (e.g. aligning adapters), whole, "
         "on every architecture's first actor"
     )
+
+    @field_validator("resize", mode="before")
+    @classmethod
+    def _a_size_or_the_backbone(cls, value: Any) -> Any:
+        if value is None or value == "backbone" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            return value
+        raise ValueError("it must be a size > 0 (square images) or 'backbone' (the backbone's own resize and crop)")
 
     @model_validator(mode="before")
     @classmethod

@@ -136,6 +136,11 @@ def with_full_params(config: RunConfig, params: Sequence[Any]) -> RunConfig:
     return config.model_copy(update={"methods": methods})
 
 
+def model_configs(config: RunConfig) -> tuple[ModelConfig, ...]:
+    """The model config of each of the run's architectures (``config.model`` for a run of one)."""
+    return tuple(architecture_model_config(config, name) for name in (config.architectures or [""]))
+
+
 def architecture_model_config(config: RunConfig, name: str) -> ModelConfig:
     """The model config of architecture ``name`` (``""``: the run's one architecture, ``config.model``)."""
     if not name:

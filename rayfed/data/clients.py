@@ -4,17 +4,20 @@ encode a client's samples for the backbone (by the task's kind) where the client
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from rayfed.config import DataConfig, StreamConfig
+from rayfed.config import DataConfig, ModelConfig, StreamConfig
 from rayfed.data.batches import ClientData, Columns, EvalSet, TaskData
 from rayfed.data.partition import Partition, exact_test_split, global_test_indices, partition, split_train_test
 from rayfed.data.sources import ArrayDataset, DataError, load_source
+from rayfed.data.sources.memory import decode_within_memory
 from rayfed.errors import ConfigError
 from rayfed.tasks.kinds import TaskKind, infer_kind
 from rayfed.models import Backbone, check_image_channels
+from rayfed.models.image_processing import ImagePreprocessing, image_preprocessing
 from rayfed.registry import entries, resolve
 from rayfed.data.streams import Window, arrival_rounds, task_windows
 from rayfed.tasks import Task, task_client_ids
@@ -148,18 +151,21 @@ def task_kind(config: DataConfig, dataset: ArrayDataset, where: str) -> TaskKind
     return kind
 
 
-def build_federation(config: DataConfig, seed: int) -> Federation:
+def build_federation(config: DataConfig, seed: int, models: Sequence[ModelConfig] = ()) -> Federation:
     """Deterministic in (config, seed): every actor that calls it gets the same clients.
 
     With ``data.tasks`` every task's clients are built from its own config alone, so a task's data does
-    not depend on which other tasks exist."""
+    not depend on which other tasks exist. An hf dataset's images are decoded last, only those of the samples some
+    client or shared test set holds, once the host memory of all of them is stated and found to fit.
+    ``models``: the run's model configs (one per architecture), whose backbone ``data.resize = 'backbone'`` follows."""
+    processing = backbone_image_processing([config, *(config.tasks or ())], models)
     if config.tasks is None:
-        federation = _one_task(config, seed, index=0, name="task", clients=list(range(config.num_clients)), where="data")
-        return dataclasses.replace(federation, stream=config.stream, seed=seed)
+        federation = _one_task(config, seed, 0, "task", list(range(config.num_clients)), "data", processing)
+        return _decoded(dataclasses.replace(federation, stream=config.stream, seed=seed), {"data": config})
     tasks, holdings, shared = [], [], []
     for index, task_config in enumerate(config.tasks):
         where = f"data.tasks[{task_config.name!r}]"
-        part = _one_task(task_config, seed, index, task_config.name, task_client_ids(config, index), where)
+        part = _one_task(task_config, seed, index, task_config.name, task_client_ids(config, index), where, processing)
         if len(part.tasks) > 1:
             raise DataError(f"{where}.partition.name = {resolve('partitioner', task_config.partition.name).name!r} "
                             f"makes {len(part.tasks)} tasks of one dataset, which data.tasks does not support; use it "
@@ -167,11 +173,47 @@ def build_federation(config: DataConfig, seed: int) -> Federation:
         tasks += part.tasks
         holdings += part.holdings
         shared += [dataclasses.replace(e, name=f"{task_config.name}_{e.name}") for e in part.shared]
-    return Federation(tuple(tasks), tuple(holdings), config.num_clients, tuple(shared), config.stream, seed)
+    federation = Federation(tuple(tasks), tuple(holdings), config.num_clients, tuple(shared), config.stream, seed)
+    return _decoded(federation, {f"data.tasks[{task.name!r}]": task for task in config.tasks})
 
 
-def _one_task(config: DataConfig, seed: int, index: int, name: str, clients: list[int], where: str) -> Federation:
-    dataset = load_source(config, seed)
+def backbone_image_processing(configs: Sequence[DataConfig],
+                              models: Sequence[ModelConfig]) -> ImagePreprocessing | None:
+    """The backbone's resize and crop where a data config sets ``resize: backbone`` (one for every architecture)."""
+    if not models or all(config.resize != "backbone" for config in configs):
+        return None  # (without models, a source asked for the backbone's resize says it was not given)
+    found = {model.backbone: image_preprocessing(model) for model in models}
+    if len(set(found.values())) > 1:
+        raise DataError(f"data.resize = 'backbone' needs one image processing, but the run's backbones "
+                        f"{', '.join(map(repr, found))} resize and crop differently; set data.resize to a size.")
+    return next(iter(found.values()))
+
+
+def _decoded(federation: Federation, configs: dict[str, DataConfig]) -> Federation:
+    """The federation with its holdings' images decoded (:func:`decode_within_memory`)."""
+    parts = [(h.where, resolve("source", configs[h.where].source).name, h.dataset) for h in federation.holdings]
+    datasets = decode_within_memory(parts)
+    holdings = [dataclasses.replace(h, dataset=dataset) for h, dataset in zip(federation.holdings, datasets)]
+    decoded = {id(old): new for old, new in zip(federation.holdings, holdings)}
+    shared = tuple(dataclasses.replace(e, holding=decoded[id(e.holding)]) for e in federation.shared)
+    return dataclasses.replace(federation, holdings=tuple(holdings), shared=shared)
+
+
+def _used_rows_only(holding: Holding, shared: tuple[SharedEval, ...]) -> tuple[Holding, tuple[SharedEval, ...]]:
+    """Where the images are still to decode: the holding's dataset cut to the samples some client or shared set
+    uses, and their indices into it (the same samples in the same order)."""
+    if not holding.dataset.pending:
+        return holding, shared
+    used = np.unique(np.concatenate([np.empty(0, np.int64), *(i for split in holding.splits for i in split),
+                                     *(e.indices for e in shared)]))
+    splits = tuple(tuple(np.searchsorted(used, i) for i in split) for split in holding.splits)
+    cut = dataclasses.replace(holding, dataset=holding.dataset.subset(used), splits=splits)
+    return cut, tuple(dataclasses.replace(e, holding=cut, indices=np.searchsorted(used, e.indices)) for e in shared)
+
+
+def _one_task(config: DataConfig, seed: int, index: int, name: str, clients: list[int], where: str,
+              processing: ImagePreprocessing | None = None) -> Federation:
+    dataset = load_source(config, seed, decode=False, image_processing=processing, where=where)
     kind = task_kind(config, dataset, where)
     kind.check_data(dataset, where)
     part = config.partition
@@ -196,6 +238,7 @@ def _one_task(config: DataConfig, seed: int, index: int, name: str, clients: lis
     if part.global_test_samples is not None:
         indices = global_test_indices(splits, len(dataset), part.global_test_samples, seed=seed)
         shared = (SharedEval("global", holding, indices, index),)
+    holding, shared = _used_rows_only(holding, shared)
     return Federation((task,), (holding,), len(clients), shared)
 
 
@@ -220,12 +263,16 @@ def _partitioned(config: DataConfig, dataset: ArrayDataset, kind: TaskKind, cut:
     holding = Holding(index, dataset_in_spaces, tuple(clients), cut.splits, where, config.max_text_length)
     shared = tuple(SharedEval(test.name, holding, test.indices, index + test.space, test.exclude_own_classes)
                    for test in cut.shared_tests)
+    holding, shared = _used_rows_only(holding, shared)
     return Federation(tasks, (holding,), len(clients), shared)
 
 
-def encode_public(config: DataConfig, seed: int, backbone: Backbone) -> tuple[Task, Columns]:
-    """The public dataset (``data.public``), whole, as a task of its kind and named tensors for ``backbone``."""
-    dataset = load_source(config, seed)
+def encode_public(config: DataConfig, seed: int, backbone: Backbone, models: Sequence[ModelConfig] = ()
+                  ) -> tuple[Task, Columns]:
+    """The public dataset (``data.public``), whole, as a task of its kind and named tensors for ``backbone``
+    (``models``: the run's model configs, for ``data.resize = 'backbone'``)."""
+    processing = backbone_image_processing([config], models)
+    dataset = load_source(config, seed, image_processing=processing, where="data.public")
     kind = task_kind(config, dataset, "data.public")
     kind.check_data(dataset, "data.public")
     kind.check(dataset, backbone, "data.public")

@@ -37,7 +37,7 @@ from rayfed import registry
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import ActorSlot, actor_clients, architecture_names, architecture_of, gpu_share
-from rayfed.config import RunConfig, architecture_model_config, method_model_config
+from rayfed.config import RunConfig, architecture_model_config, method_model_config, model_configs
 from rayfed.config.sections import MEASURED
 from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import ConfigError
@@ -225,7 +225,7 @@ def peak_memory(config: RunConfig, name: str, slot: tuple[int, ...],
     on this process's GPU."""
     registry.install(plugins)
     import_plugin_modules(config)
-    federation = build_federation(config.data, config.seed)
+    federation = build_federation(config.data, config.seed, model_configs(config))
     num_train = {c: federation.sizes(c)["num_train"] for c in range(federation.num_clients)}
     hosted = list(probe_clients(config, num_train, {c: federation.tasks_of(c) for c in num_train}, name, slot))
     methods = run_methods(config, federation)

@@ -12,7 +12,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayfed.architectures import ActorSlot, actor_clients, actor_slots, architecture_names, architecture_of
-from rayfed.config import RunConfig, architecture_model_config
+from rayfed.config import RunConfig, architecture_model_config, model_configs
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.models import build_backbone
@@ -26,7 +26,7 @@ def planned_costs(config: RunConfig, num_train: Mapping[int, int] | None = None)
     if config.placement.balance_by != "cost":
         return None
     if num_train is None:
-        federation = build_federation(config.data, config.seed)
+        federation = build_federation(config.data, config.seed, model_configs(config))
         num_train = {cid: federation.sizes(cid)["num_train"] for cid in range(federation.num_clients)}
     # counted from shapes: random weights are not drawn (meta), loaded ones are loaded
     params = {name: sum(p.numel() for p in build_backbone(architecture_model_config(config, name), 0,

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from rayfed.architectures import actor_slots
 from rayfed.results.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.compute import matched_steps
-from rayfed.config import RunConfig, dump_config, load_config, with_full_params
+from rayfed.config import RunConfig, dump_config, load_config, model_configs, with_full_params
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.executors import LocalExecutor, RayExecutor
@@ -139,7 +139,7 @@ class Simulation:
         alone (no Ray, no model); with ``png``, also a stacked bar per client saved there."""
         from rayfed.data.summary import data_summary, plot_summary
 
-        summary = data_summary(build_federation(self.config.data, self.config.seed))
+        summary = data_summary(build_federation(self.config.data, self.config.seed, model_configs(self.config)))
         if png is not None:
             plot_summary(summary, png)
         return summary
@@ -157,7 +157,7 @@ class Simulation:
     # Setup ------------------------------------------------------------------------------
     def _build_run(self) -> None:
         """The clients' data and the methods, built once here; the config records every hyperparameter."""
-        self.federation = build_federation(self.config.data, self.config.seed)
+        self.federation = build_federation(self.config.data, self.config.seed, model_configs(self.config))
         self.num_train = {cid: self.federation.sizes(cid)["num_train"] for cid in range(self.federation.num_clients)}
         self.methods = run_methods(self.config, self.federation)
         self.config = with_full_params(self.config, [method.params for method in self.methods])

@@ -24,6 +24,20 @@ def _rows_of_sized_groups(groups: np.ndarray, group_size: tuple[int, int | None]
     sizes = counts[inverse.reshape(-1)]
     return np.flatnonzero((sizes >= smallest) & (sizes <= (largest if largest is not None else sizes.max())))
 
+def one_row_per_group(groups: np.ndarray, order: np.ndarray | None, pick: str) -> np.ndarray:
+    """Sorted indices of one row for each distinct value of ``groups``: of a group's n rows ordered by ``order``
+    (ties, and no order, in the rows' own order), the one at position n // 2 (``pick = "middle"``) or 0 (``"first"``)."""
+    rows = np.arange(len(groups))
+    if not len(rows):
+        return rows
+    group_ids = np.unique(groups, return_inverse=True)[1].reshape(-1)
+    ranks = () if order is None else (np.unique(order, return_inverse=True)[1].reshape(-1),)
+    ordered = np.lexsort((rows, *ranks, group_ids))  # by group, then order, then row
+    starts = np.flatnonzero(np.r_[True, np.diff(group_ids[ordered]) != 0])
+    sizes = np.diff(np.r_[starts, len(ordered)])
+    return np.sort(ordered[starts + (sizes // 2 if pick == "middle" else 0)])
+
+
 def _strings(values: Any) -> np.ndarray | None:
     return None if values is None else np.asarray([str(v) for v in values], dtype=object)
 

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from rayfed.data.sources.common import _group_size, _require_no_options, _rows_of_sized_groups, _strings
+from rayfed.data.sources.common import (_group_size, _require_no_options, _rows_of_sized_groups, _strings,
+                                        one_row_per_group)
 from rayfed.data.sources.dataset import ArrayDataset, DataError, SourceRequest
+from rayfed.data.sources.hf_images import HFImages
 from rayfed.errors import suggest
 from rayfed.registry import register_source
-
-if TYPE_CHECKING:
-    from rayfed.config import DataConfig
 
 
 def _is_hf_dataset(value: Any) -> bool:
@@ -39,27 +38,21 @@ def _hf(request: SourceRequest) -> ArrayDataset:
             loaded = datasets.load_dataset(name, split=config.split or "train")
     except Exception as err:  # offline, unknown name, unreadable folder, ...: all reported the same way
         raise DataError(f"data.source = 'hf:{name}' could not be loaded ({type(err).__name__}: {err}).") from err
-    return _from_hf(loaded, config, f"'hf:{name}'")
+    return _from_hf(loaded, request, f"'hf:{name}'")
 
 
-def _from_hf(loaded: Any, config: DataConfig, shown_as: str) -> ArrayDataset:
-    """The columns of a ``datasets`` Dataset (or DatasetDict) that ``config``'s ``*_column`` fields name.
+def _from_hf(loaded: Any, request: SourceRequest, shown_as: str) -> ArrayDataset:
+    """The columns of a ``datasets`` Dataset (or DatasetDict) that the config's ``*_column`` fields name, its images
+    not decoded yet (:class:`~rayfed.data.sources.hf_images.HFImages`), after the rows ``data.one_per_group`` and
+    the partition's group sizes keep.
 
     The image and label columns default to ``image`` and ``label`` and are read when present; a column set
     explicitly must exist."""
     import datasets
 
+    config = request.config
     if isinstance(loaded, datasets.DatasetDict):
-        split = config.split
-        if split is None:
-            loaded = datasets.concatenate_datasets(list(loaded.values()))
-        elif split in loaded:
-            loaded = loaded[split]
-        else:
-            raise DataError(
-                f"data.split = {split!r} is not a split of {shown_as}{suggest(split, loaded)}; "
-                f"available: {', '.join(loaded)}."
-            )
+        loaded = _split(loaded, config.split, shown_as)
     chosen: dict[str, str] = {}
     for role in ("image", "label", "text", "target", "choices"):
         field_name = f"{role}_column"
@@ -86,10 +79,15 @@ def _from_hf(loaded: Any, config: DataConfig, shown_as: str) -> ArrayDataset:
                 f"data.{role}_column = {column!r} is not a column of {shown_as}"
                 f"{suggest(str(column), loaded.column_names)}; columns: {', '.join(loaded.column_names)}."
             )
+    if config.one_per_group is not None:
+        loaded = loaded.select(_one_per_group(loaded, config.one_per_group, shown_as))
     group_size = _group_size(config)
     if group_column is not None and group_size != (1, None):
         loaded = loaded.select(_rows_of_sized_groups(np.asarray(loaded[group_column]), group_size))
-    images = _stack_images(loaded[chosen["image"]], chosen["image"], config.resize) if "image" in chosen else None
+    images = image_counts = None
+    if "image" in chosen:
+        images = HFImages.of(loaded, chosen["image"], request.resize)
+        image_counts = images.counts
     labels, class_names = None, ()
     if "label" in chosen:
         labels, class_names = _encode_labels(loaded[chosen["label"]], loaded.features[chosen["label"]], chosen["label"])
@@ -102,50 +100,37 @@ def _from_hf(loaded: Any, config: DataConfig, shown_as: str) -> ArrayDataset:
                             "every question needs the same number.")
         choices = np.asarray([[str(option) for option in options] for options in rows], dtype=object)
     groups = np.asarray(loaded[group_column]) if group_column is not None else None
-    return ArrayDataset(images, labels, class_names, groups, choices=choices, **text_columns)
+    return ArrayDataset(images, labels, class_names, groups, choices=choices, image_counts=image_counts,
+                        **text_columns)
 
-def _stack_images(column: list[Any], image_column: str, resize: int | None = None) -> np.ndarray:
-    """PIL images or nested arrays -> float32 (N, H, W, C) in [0, 1]; sizes must already agree.
+def _split(loaded: Any, split: str | None, shown_as: str) -> Any:
+    """The rows of a DatasetDict that ``data.split`` names: a split, an expression such as ``train[:20%]+test``
+    (as ``datasets.load_dataset`` reads it), or all splits (unset)."""
+    import datasets
 
-    Integer pixels, and float pixels when any exceeds 1, are read as 0..255; other floats as 0..1.
-    """
-    arrays = [_image_to_hwc(image, image_column, resize) for image in column]
-    shapes = sorted({a.shape for a in arrays})
-    if len(shapes) > 1:
-        raise DataError(
-            f"data.image_column = {image_column!r} holds images of {len(shapes)} different shapes "
-            f"(e.g. {shapes[0]} and {shapes[-1]}); all images must have the same size."
-        )
-    if not arrays:
-        raise DataError(f"data.image_column = {image_column!r} is empty; the dataset has no samples.")
-    pixels = np.stack(arrays)
-    if np.issubdtype(pixels.dtype, np.integer) or pixels.max() > 1:
-        pixels = pixels / 255.0
-    if pixels.min() < 0 or pixels.max() > 1:
-        raise DataError(
-            f"data.image_column = {image_column!r} has pixel values outside 0..255 (or 0..1 for floats)."
-        )
-    return pixels.astype(np.float32)
+    if split is None:
+        return datasets.concatenate_datasets(list(loaded.values()))
+    if split in loaded:
+        return loaded[split]
+    try:
+        parts = datasets.ReadInstruction.from_spec(split).to_absolute({name: len(rows) for name, rows in loaded.items()})
+    except (ValueError, AssertionError):
+        raise DataError(f"data.split = {split!r} is not a split of {shown_as}{suggest(split, loaded)}; "
+                        f"available: {', '.join(loaded)} (or an expression such as 'train[:10%]+test').") from None
+    return datasets.concatenate_datasets([loaded[part.splitname].select(range(part.from_, part.to)) for part in parts])
 
 
-def _image_to_hwc(image: Any, image_column: str, resize: int | None = None) -> np.ndarray:
-    """One PIL image or array -> numeric (H, W, C); grayscale keeps C = 1 unless resized (then RGB)."""
-    from PIL import Image
-
-    if resize is not None:
-        image = Image.fromarray(np.asarray(image)) if not isinstance(image, Image.Image) else image
-        image = image.convert("RGB").resize((resize, resize), Image.Resampling.BICUBIC)
-    if isinstance(image, Image.Image) and image.mode not in ("L", "RGB"):
-        image = image.convert("L" if image.mode in ("1", "LA") else "RGB")
-    array = np.asarray(image)
-    if array.ndim == 2:
-        array = array[..., None]
-    if array.ndim != 3 or not np.issubdtype(array.dtype, np.number):
-        raise DataError(
-            f"data.image_column = {image_column!r} holds a {array.dtype} value of shape {array.shape}; "
-            f"expected images of shape (H, W) or (H, W, C)."
-        )
-    return array
+def _one_per_group(loaded: Any, setting: Any, shown_as: str) -> np.ndarray:
+    """The rows ``data.one_per_group`` keeps: one for each value of its column, in the dataset's order."""
+    for field_name in ("column", "order_column"):
+        column = getattr(setting, field_name)
+        if column is not None and column not in loaded.column_names:
+            raise DataError(
+                f"data.one_per_group.{field_name} = {column!r} is not a column of {shown_as}"
+                f"{suggest(column, loaded.column_names)}; columns: {', '.join(loaded.column_names)}."
+            )
+    order = None if setting.order_column is None else np.asarray(loaded[setting.order_column])
+    return one_row_per_group(np.asarray(loaded[setting.column]), order, setting.pick)
 
 
 def _encode_labels(values: list[Any], feature: Any, label_column: str) -> tuple[np.ndarray, tuple[str, ...]]:

@@ -10,25 +10,33 @@ import numpy as np
 from rayfed.data.sources.common import _group_size, _rows_of_sized_groups, _strings
 from rayfed.data.sources.dataset import ArrayDataset, DataError, SourceRequest
 from rayfed.data.sources.hf import _from_hf, _hf, _is_hf_dataset
+from rayfed.data.sources.memory import decode_within_memory
 from rayfed.errors import suggest
 from rayfed.registry import resolve
 
 if TYPE_CHECKING:
     from rayfed.config import DataConfig
+    from rayfed.models.image_processing import ImagePreprocessing
 
 # Fixed stream ids: each random draw in rayfed.data.sources gets its own SeedSequence([seed, purpose]).
 _PURPOSE_SUBSET = 1002
 
 
-def load_source(config: DataConfig, seed: int = 0) -> ArrayDataset:
-    """Load ``config.source`` into memory: then keep only samples of groups whose size is within the
-    partition's bounds, and a seeded subset of ``max_samples`` samples."""
+def load_source(config: DataConfig, seed: int = 0, decode: bool = True, image_processing: ImagePreprocessing | None = None,
+                where: str = "data") -> ArrayDataset:
+    """Load ``config.source``: then keep only samples of groups whose size is within the partition's bounds, and a
+    seeded subset of ``max_samples`` samples. An hf dataset's images are decoded after that, for the samples kept
+    only (with ``decode``; else they are left to decode, :meth:`ArrayDataset.decoded`), once their host memory is
+    stated and found to fit (:func:`~rayfed.data.sources.memory.decode_within_memory`; ``where``: the config
+    section, for its messages). ``image_processing``: the backbone's, for ``data.resize = 'backbone'``."""
     if config.max_samples is not None and config.max_samples <= 0:
         raise DataError(f"data.max_samples = {config.max_samples} is invalid: it must be > 0 (or unset for all samples).")
     resolved = resolve("source", config.source)
-    request = SourceRequest(config, seed, resolved.argument)
-    if config.resize is not None and resolved.obj is not _hf:
-        raise DataError(f"data.resize = {config.resize} is set but data.source = {resolved.name!r}; it only applies to hf: sources.")
+    request = SourceRequest(config, seed, resolved.argument, image_processing)
+    for field_name in ("resize", "one_per_group"):
+        if getattr(config, field_name) is not None and resolved.obj is not _hf:
+            raise DataError(f"data.{field_name} = {getattr(config, field_name)!r} is set but data.source = "
+                            f"{resolved.name!r}; it only applies to hf: sources.")
     result = resolved.obj(request)
     if isinstance(result, ArrayDataset) and resolved.obj is not _hf and config.label_column != "label":
         raise DataError(
@@ -48,14 +56,14 @@ def load_source(config: DataConfig, seed: int = 0) -> ArrayDataset:
     if config.max_samples is not None and config.max_samples < len(dataset):
         rng = np.random.default_rng(np.random.SeedSequence([seed, _PURPOSE_SUBSET]))
         dataset = dataset.subset(np.sort(rng.choice(len(dataset), size=config.max_samples, replace=False)))
-    return dataset
+    return decode_within_memory([(where, resolved.name, dataset)])[0] if decode else dataset
 
 def as_dataset(result: Any, request: SourceRequest) -> ArrayDataset:
     """A source's return value as an :class:`ArrayDataset`; one sentence naming what is wrong with it."""
     if isinstance(result, ArrayDataset):
         return result
     if _is_hf_dataset(result):
-        return _from_hf(result, request.config, f"data.source = {request.name!r}")
+        return _from_hf(result, request, f"data.source = {request.name!r}")
     if isinstance(result, tuple) and len(result) == 2:
         result = {"image": result[0], "label": result[1]}
     if not isinstance(result, Mapping):
@@ -111,13 +119,12 @@ def _from_columns(columns: dict[str, Any], request: SourceRequest) -> ArrayDatas
 
 
 def _image_array(pixels: np.ndarray, where: str) -> np.ndarray:
-    """(N, H, W) or (N, H, W, C) numbers -> float32 (N, H, W, C) in [0, 1] (integers are read as 0..255)."""
+    """(N, H, W) or (N, H, W, C) numbers -> (N, H, W, C): integers as uint8 pixels 0..255, floats as float32 in [0, 1]."""
     if pixels.ndim == 3:
         pixels = pixels[..., None]
     if pixels.ndim != 4 or not np.issubdtype(pixels.dtype, np.number):
         raise DataError(f"{where} holds {pixels.dtype} values of shape {pixels.shape}; expected images (N, H, W, C) or (N, H, W).")
-    if np.issubdtype(pixels.dtype, np.integer):
-        pixels = pixels / 255.0
-    if pixels.size and (pixels.min() < 0 or pixels.max() > 1):
+    integers = np.issubdtype(pixels.dtype, np.integer)
+    if pixels.size and (pixels.min() < 0 or pixels.max() > (255 if integers else 1)):
         raise DataError(f"{where} has pixel values outside [0, 1]; give floats in [0, 1] or integers in 0..255.")
-    return pixels.astype(np.float32)
+    return pixels.astype(np.uint8 if integers else np.float32, copy=False)
