@@ -43,8 +43,8 @@ def test_registry_names() -> None:
     # methods may register sources of their own (tap:, parts: test_ladder.py), before or after the data package's
     assert [name for name in registry.names("source") if name in data_sources] == data_sources
     # a paper's package registers its own after the data package's (pFedMMA's base_novel)
-    assert registry.names("partitioner") == ["iid", "dirichlet", "shards", "natural", "labeldir", "domain_dirichlet",
-                                             "base_novel"]
+    assert registry.names("partitioner") == ["iid", "dirichlet", "shards", "natural", "presplit", "labeldir",
+                                             "domain_dirichlet", "base_novel"]
     assert issubclass(DataError, ConfigError) and issubclass(DataError, ValueError)
 
 

@@ -224,6 +224,10 @@ def test_one_frame_per_video_is_chosen_before_decoding(videos: str, decodes) -> 
     in_row_order = load_data("hf:" + videos, one_per_group={"column": "video_id", "pick": "first"})
     expected = [10 * int(stored["video_id"][row][2:]) + stored["frame"][row] for row in first_rows]
     assert in_row_order.images[:, 0, 0, 0].tolist() == expected  # each video's first row, in the dataset's order
+    # a clip named by two columns together (the copy's clip_id alone repeats across videos)
+    assert len(load_data("hf:" + videos, one_per_group={"column": "clip_id"})) == 1
+    by_both = load_data("hf:" + videos, one_per_group={"column": ["clip_id", "video_id"], "order_column": "frame"})
+    assert np.array_equal(by_both.images, middle.images)
     with pytest.raises(DataError, match=r"data\.one_per_group\.order_column = 'frames' is not a column .*did you mean "
                                         r"'frame'.*columns: image, video_id, clip_id, frame, label\.$"):
         load_data("hf:" + videos, one_per_group={"column": "video_id", "order_column": "frames"})

@@ -90,9 +90,6 @@ def _without(section: Any, fields: set[str]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("paper", PAPERS, ids=_name)
 def test_the_twin_validates_offline_on_offline_models_and_data_and_keeps_its_paper_configs_sizes(paper):
-    from pending_fields import skip_if_pending
-
-    skip_if_pending(paper)
     ours, theirs = load_config(_twin(paper)), load_config(paper)
 
     # models: each of the paper's backbones replaced by its offline equivalent, nothing loaded from the hub

@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 import yaml
 
-from pending_fields import skip_if_pending
 from rayfed.config import load_config
 from rayfed.data import load_source
+from rayfed.models.image_processing import image_preprocessing
 from rayfed.methods.experiments.offline_twins import paper_configs
 from rayfed.models.families.clip import class_prompt
 
@@ -342,8 +342,7 @@ def _rows_read(miniature: Miniature, section: Any, default_split: str) -> int:
         rows = sum(size for size in CELEBA_GROUPS if 2 <= size <= 8)
     if miniature.repo == "flwrlabs/femnist":
         rows = sum(size for size in FEMNIST_GROUPS if 2 <= size <= 120)
-    if miniature.repo == "flwrlabs/ucf101":
-        rows //= 3  # one frame a clip
+    # flwrlabs/ucf101's split sizes count clips (of 3 frame rows each): one frame a clip is read
     return min(rows, section.max_samples or rows)
 
 
@@ -352,13 +351,13 @@ def test_each_hub_dataset_loads_through_its_paper_config_with_the_cards_columns_
     from rayfed.methods.tap.data import AG_NEWS_CLASSES, TAP_DATASETS
 
     path, index = hub_sections()[repo]
-    skip_if_pending(path)
     config = load_config(path)
     section = (config.data.tasks or (config.data,))[index]
     recipe = str(section.source).removeprefix("tap:").partition("/")[0]
     default_split = TAP_DATASETS[recipe][1] if str(section.source).startswith("tap:") else "train"
     miniature = MINIATURES[repo]
-    loaded = load_source(section, config.seed)
+    processing = image_preprocessing(config.model) if section.resize == "backbone" else None
+    loaded = load_source(section, config.seed, image_processing=processing)
     assert len(loaded) == _rows_read(miniature, section, default_split)
 
     label_column = section.label_column if not str(section.source).startswith("tap:") else None
@@ -451,7 +450,6 @@ _SUMMARIES: dict[str, dict[str, Any]] = {}
 def test_rayfed_data_runs_on_every_paper_config_and_yields_its_clients_and_classes(hub, path):
     from rayfed.simulation import Simulation
 
-    skip_if_pending(path)
     raw = yaml.safe_load(path.read_text())
     sim = Simulation(str(path), overrides=size_overrides(raw), progress=False)
     key = json.dumps([sim.config.seed, sim.config.data.model_dump(mode="json")], sort_keys=True)

@@ -45,7 +45,8 @@ class PartitionConfig(Section):
 class OnePerGroupConfig(Section):
     """One row for each value of a column (one frame per video): chosen before any image is decoded."""
 
-    column: str = Field(description="the column whose values are the groups (e.g. a video id)")
+    column: str | tuple[str, ...] = Field(description="the column whose values are the groups (e.g. a video id), or "
+                                          "several columns whose values together name a group")
     order_column: str | None = Field(None, description="the column that orders a group's rows (e.g. a frame "
                                      "number); null: the dataset's order")
     pick: Literal["middle", "first"] = Field(

@@ -122,15 +122,17 @@ def _split(loaded: Any, split: str | None, shown_as: str) -> Any:
 
 def _one_per_group(loaded: Any, setting: Any, shown_as: str) -> np.ndarray:
     """The rows ``data.one_per_group`` keeps: one for each value of its column, in the dataset's order."""
-    for field_name in ("column", "order_column"):
-        column = getattr(setting, field_name)
+    group_columns = (setting.column,) if isinstance(setting.column, str) else setting.column
+    for field_name, column in [*(("column", c) for c in group_columns), ("order_column", setting.order_column)]:
         if column is not None and column not in loaded.column_names:
             raise DataError(
                 f"data.one_per_group.{field_name} = {column!r} is not a column of {shown_as}"
                 f"{suggest(column, loaded.column_names)}; columns: {', '.join(loaded.column_names)}."
             )
     order = None if setting.order_column is None else np.asarray(loaded[setting.order_column])
-    return one_row_per_group(np.asarray(loaded[setting.column]), order, setting.pick)
+    values = [np.unique(np.asarray(loaded[column]), return_inverse=True)[1].reshape(-1) for column in group_columns]
+    groups = values[0] if len(values) == 1 else np.unique(np.stack(values, axis=1), axis=0, return_inverse=True)[1]
+    return one_row_per_group(groups.reshape(-1), order, setting.pick)
 
 
 def _encode_labels(values: list[Any], feature: Any, label_column: str) -> tuple[np.ndarray, tuple[str, ...]]:
