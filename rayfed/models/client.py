@@ -59,6 +59,10 @@ class TrainableModule(nn.Module):
     """Whether the model produces text-generation tasks' outputs (:meth:`generate_text`); a model that does not is
     refused such tasks before a run starts."""
 
+    chat_template: bool = False
+    """Whether the model's prompts are wrapped in its tokenizer's chat template (``model.chat_template``), so that a
+    generated text ends where the template closes the assistant's turn."""
+
     scores_unseen_tasks: bool = False
     """Whether the model scores a task that no client holds (it classifies by the label names, as a CLIP text
     classifier does); a model whose heads are trained on clients' data does not, and such a run is refused."""
@@ -165,6 +169,7 @@ class ClientModel(TrainableModule):
         self.num_channels = backbone.num_channels
         self.image_mean, self.image_std = backbone.image_mean, backbone.image_std
         self.tokenizer = backbone.tokenizer
+        self.chat_template = backbone.chat_template
         self.task_kinds = {task.index: task.kind for task in tasks}
         self.active_task = tasks[0].index
 

@@ -31,6 +31,9 @@ import torch
 from torch import nn
 
 from rayfed.tasks import text_metrics
+from rayfed.tasks.texts import (  # noqa: F401 (end_of_text_id: where methods import it from)
+    end_of_text_id, prompt_tokens, prompts, target_tokens, text_end_id, text_width, tokenize,
+)
 from rayfed.data.batches import Columns
 from rayfed.tasks.decoders import ImageDecoder
 from rayfed.errors import ConfigError
@@ -108,31 +111,15 @@ def image_tensor(images: np.ndarray) -> torch.Tensor:
     return torch.as_tensor(images, dtype=torch.float32).permute(0, 3, 1, 2).contiguous()
 
 
-def tokenize(texts: list[str], backbone: Backbone, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), padded on the right to ``max_length`` tokens."""
-    encoded = backbone.tokenizer(list(texts), padding="max_length", truncation=True, max_length=max_length,
-                                 return_tensors="pt")
-    return encoded["input_ids"], encoded["attention_mask"]
-
-
 def _images(dataset: ArrayDataset, indices: np.ndarray) -> Columns:
     return {} if dataset.images is None else {"pixel_values": image_tensor(dataset.images[indices])}
-
-
-def _prompts(dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> list[str]:
-    """The input texts of ``indices``, after the backbone's image tokens where there are images (LLaVA)."""
-    texts = [str(t) for t in dataset.text[indices]] if dataset.text is not None else [""] * len(indices)
-    if backbone.image_prompt and dataset.images is not None:
-        texts = [f"{backbone.image_prompt} {t}" for t in texts]
-    return texts
 
 
 def _inputs(dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
     """The images (``pixel_values``) and input text (``input_ids``, ``attention_mask``) a backbone reads."""
     columns = _images(dataset, indices)
     if dataset.text is not None and "text" in backbone.modalities:
-        texts = _prompts(dataset, indices, backbone)
-        columns["input_ids"], columns["attention_mask"] = tokenize(texts, backbone, backbone.max_text_length)
+        columns["input_ids"], columns["attention_mask"] = tokenize(prompts(dataset, indices, backbone), backbone)
     return columns
 
 
@@ -212,16 +199,18 @@ class MultipleChoice(Classification):
 
     def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
         columns = _images(dataset, indices)
-        questions, options, length = _prompts(dataset, indices, backbone), dataset.choices[indices], backbone.max_text_length
-        if backbone.generates_text:  # the option's likelihood after the question
-            pairs = [f"{q} {option}" for q, row in zip(questions, options) for option in row]
+        questions, options = prompts(dataset, indices, backbone), dataset.choices[indices]
+        if backbone.generates_text:  # the option's likelihood after the question (the assistant's answer in a chat)
+            space = "" if backbone.chat_template else " "
+            pairs = [f"{q}{space}{option}" for q, row in zip(questions, options) for option in row]
         else:  # the option first, so that a short encoder context truncates the question, not the option
             pairs = [f"{option} : {q}" for q, row in zip(questions, options) for option in row]
-        ids, mask = tokenize(pairs, backbone, length)
+        ids, mask = tokenize(pairs, backbone)
         size, choices = options.shape
         columns["input_ids"], columns["attention_mask"] = ids.view(size, choices, -1), mask.view(size, choices, -1)
         if backbone.generates_text:  # the option's own tokens: those after the question's
-            question_lengths = tokenize(questions, backbone, length)[1].sum(dim=1).repeat_interleave(choices)
+            question_lengths = torch.as_tensor([len(q) for q in prompt_tokens(questions, backbone)])
+            question_lengths = question_lengths.clamp(max=ids.shape[1]).repeat_interleave(choices)
             positions = torch.arange(ids.shape[1]).expand(len(pairs), -1)
             option_mask = (positions >= question_lengths[:, None]) & mask.bool()
             columns["option_mask"] = option_mask.view(size, choices, -1)
@@ -286,27 +275,21 @@ class TextGeneration(TaskKind):
         return {}
 
     def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
-        tokenizer, length = backbone.tokenizer, backbone.max_text_length
-        prompts = _prompts(dataset, indices, backbone)
-        targets = [str(t) for t in dataset.target[indices]]
-        prompt_tokens = [tokenizer(p)["input_ids"] for p in prompts]
-        end = end_of_text_id(tokenizer)
-        target_tokens = [tokenizer(" " + t, add_special_tokens=False)["input_ids"] + [end] for t in targets]
-        longest_target = max(len(t) for t in target_tokens)
-        pad = tokenizer.pad_token_id
-        rows = len(prompts)
+        prompt_ids_of = prompt_tokens(prompts(dataset, indices, backbone), backbone)
+        target_ids_of = target_tokens([str(t) for t in dataset.target[indices]], backbone)
+        longest_target = max(len(t) for t in target_ids_of)
+        length = text_width(backbone, max(map(len, prompt_ids_of)) + longest_target)
+        pad = backbone.tokenizer.pad_token_id
+        rows = len(prompt_ids_of)
         input_ids = torch.full((rows, length), pad, dtype=torch.long)
         attention_mask = torch.zeros((rows, length), dtype=torch.long)
         labels = torch.full((rows, length), IGNORE, dtype=torch.long)
         prompt_length = length - longest_target
         prompt_ids = torch.full((rows, prompt_length), pad, dtype=torch.long)
         target_ids = torch.full((rows, longest_target), pad, dtype=torch.long)
-        for row, (prompt, target) in enumerate(zip(prompt_tokens, target_tokens)):
+        for row, (prompt, target) in enumerate(zip(prompt_ids_of, target_ids_of)):
             if len(prompt) > prompt_length:
-                raise ConfigError(
-                    f"data.max_text_length = {length} is too short for a prompt of {len(prompt)} tokens and a target "
-                    f"of {longest_target}; raise data.max_text_length."
-                )
+                raise ConfigError(_too_long(backbone, len(prompt), longest_target))
             sequence = prompt + target
             input_ids[row, :len(sequence)] = torch.as_tensor(sequence)
             attention_mask[row, :len(sequence)] = 1
@@ -314,7 +297,7 @@ class TextGeneration(TaskKind):
             prompt_ids[row, prompt_length - len(prompt):] = torch.as_tensor(prompt)  # left-padded, for generation
             target_ids[row, :len(target)] = torch.as_tensor(target)
         prompt_mask = torch.zeros_like(prompt_ids)
-        for row, prompt in enumerate(prompt_tokens):
+        for row, prompt in enumerate(prompt_ids_of):
             prompt_mask[row, prompt_length - len(prompt):] = 1
         return {**_images(dataset, indices), "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
                 "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "target_ids": target_ids}
@@ -385,6 +368,14 @@ class TextGeneration(TaskKind):
         return metrics
 
 
+def _too_long(backbone: Backbone, prompt: int, target: int) -> str:
+    if backbone.max_text_length is not None:
+        return (f"data.max_text_length = {backbone.max_text_length} is too short for a prompt of {prompt} tokens and a "
+                f"target of {target}; raise data.max_text_length.")
+    return (f"a prompt of {prompt} tokens and a target of {target} exceed the text limit of {backbone.config_field} = "
+            f"{backbone.name!r}, {backbone.text_limit} tokens (its image tokens included); shorten the texts.")
+
+
 def causal_from_target_logits(target_logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Logits that predict the target tokens at their own positions (batch, target tokens, vocabulary; a
     parallel decoder's) placed where a causal LM predicts them: position p holds the prediction of
@@ -398,16 +389,6 @@ def causal_from_target_logits(target_logits: torch.Tensor, batch: Batch) -> torc
     return placed.masked_fill(~predicts.unsqueeze(-1), 0)
 
 
-def end_of_text_id(tokenizer: Any) -> int:
-    """The token that ends a target text: the tokenizer's end-of-sequence token, or, for a BERT-style tokenizer
-    that has none (ViLT's, FLAVA's), its separator token."""
-    end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-    if end is None:
-        raise ConfigError(f"the backbone's tokenizer ({type(tokenizer).__name__}) has neither an end-of-sequence nor "
-                          "a separator token, so a generated text cannot end; give it an eos_token.")
-    return end
-
-
 @torch.no_grad()
 def generate(model: TaskModel, batch: Batch, max_new_tokens: int) -> torch.Tensor:
     """Greedy continuations (batch, new tokens) of the left-padded ``prompt_ids`` by the model's
@@ -418,7 +399,7 @@ def generate(model: TaskModel, batch: Batch, max_new_tokens: int) -> torch.Tenso
         inputs["pixel_values"] = model.pixels(batch["pixel_values"])
     output = model.encoder.generate(
         **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=end_of_text_id(tokenizer),
+        eos_token_id=text_end_id(tokenizer, model.chat_template),
     )
     return output[:, batch["prompt_ids"].shape[1]:]
 
