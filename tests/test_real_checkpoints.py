@@ -273,3 +273,33 @@ def test_the_open_clip_backbone_and_classifier_build_openai_weights_with_quick_g
     for model in (tower, classifier):
         activations = {type(module).__name__ for module in model.modules()} & {"GELU", "QuickGELU"}
         assert activations == {"QuickGELU"}
+
+
+# Version floors ------------------------------------------------------------------------------------------------------
+FLOORS_NEEDED = {  # the first release with what the code uses (pyproject.toml's comment says which feature)
+    "torch": "2.6", "transformers": "5.9", "peft": "0.18", "open_clip_torch": "3.0",
+}
+
+
+def test_pyprojects_floors_are_at_least_the_releases_with_the_features_the_code_uses():
+    import tomllib
+    from pathlib import Path
+
+    import open_clip
+    import transformers
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    floors = {}
+    for line in tomllib.loads(text)["project"]["dependencies"]:
+        requirement = Requirement(line)
+        floors[requirement.name] = min((Version(s.version) for s in requirement.specifier if s.operator == ">="),
+                                       default=None)
+    for package, needed in FLOORS_NEEDED.items():
+        assert floors[package] is not None and floors[package] >= Version(needed), (package, floors[package])
+    # the features themselves, on the installed releases
+    vit = transformers.ViTModel(transformers.ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                                       intermediate_size=8, image_size=8, patch_size=4))
+    assert {"q_proj", "v_proj"} <= {name.rsplit(".", 1)[-1] for name, _ in vit.named_modules()}
+    assert open_clip.get_pretrained_cfg("ViT-B-16", "openai").get("quick_gelu") is True
