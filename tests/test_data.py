@@ -226,8 +226,8 @@ def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndar
 def test_hf_round_trip_from_save_to_disk(tiny_hf_dir: tuple[Path, np.ndarray]) -> None:
     folder, pixels = tiny_hf_dir
     data = load_data("hf:" + str(folder), image_column="img", label_column="target", group_column="writer")
-    assert data.images.shape == (6, 5, 4, 3) and data.images.dtype == np.float32
-    np.testing.assert_allclose(data.images, pixels / 255.0, rtol=1e-6)
+    assert data.images.shape == (6, 5, 4, 3) and data.images.dtype == np.uint8
+    np.testing.assert_array_equal(data.images, pixels)
     assert data.class_names == ("cat", "dog", "eel")
     assert data.labels.tolist() == [0, 1, 2, 0, 1, 2]
     assert data.groups.tolist() == ["w1", "w2", "w1", "w2", "w1", "w2"]
@@ -258,7 +258,7 @@ def test_hf_dataset_dict_grayscale_and_plain_labels(tmp_path: Path) -> None:
     pooled = load_data("hf:" + str(folder))
     assert pooled.images.shape == (5, 3, 2, 1)
     assert pooled.class_names == ("a", "b", "c") and pooled.labels.tolist() == [1, 0, 2, 2, 1]
-    np.testing.assert_allclose(pooled.images[:3, 0, 0, 0], [0.0, 0.2, 0.4], rtol=1e-6)
+    assert pooled.images[:3, 0, 0, 0].tolist() == [0, 51, 102] and pooled.images.dtype == np.uint8
     test = load_data("hf:" + str(folder), split="test")
     assert test.class_names == ("b", "c") and test.labels.tolist() == [1, 0]
     with pytest.raises(DataError, match=r"data\.split = 'tset' .*did you mean 'test'.*available: train, test"):

@@ -1,7 +1,8 @@
 """A client's examples as named tensors, per task, where its actor keeps them.
 
 ``Columns`` are named tensors with one row per sample: ``pixel_values`` (raw (N, C, H, W) images in [0, 1];
-the model resizes and normalizes them), ``input_ids`` / ``attention_mask``, ``labels``, ``target_pixels``,
+the model resizes and normalizes them; (N, K, C, H, W) where a sample has several images, with their number in
+``image_counts``, the rest zero), ``input_ids`` / ``attention_mask``, ``labels``, ``target_pixels``,
 and per-sample metadata such as ``domain`` or ``arrival`` (the round a sample becomes available).
 """
 

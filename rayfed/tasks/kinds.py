@@ -107,12 +107,25 @@ class TaskKind:
 
 # Inputs ----------------------------------------------------------------------------------------------
 def image_tensor(images: np.ndarray) -> torch.Tensor:
-    """(N, H, W, C) numpy floats in [0, 1] -> (N, C, H, W) float32 tensor."""
-    return torch.as_tensor(images, dtype=torch.float32).permute(0, 3, 1, 2).contiguous()
+    """(N, H, W, C) numpy images, uint8 pixels 0..255 or floats in [0, 1], -> (N, C, H, W) float32 tensor in [0, 1];
+    (N, K, H, W, C) -> (N, K, C, H, W).
+
+    uint8 pixels are divided by 255 in float32, which rounds each of the 256 values to the float32 nearest to
+    its exact quotient, as dividing in float64 and rounding to float32 does (a test checks every value)."""
+    if images.dtype == np.uint8:
+        images = np.divide(images, np.float32(255), dtype=np.float32)
+    channels_first = (0, 3, 1, 2) if images.ndim == 4 else (0, 1, 4, 2, 3)
+    return torch.as_tensor(images, dtype=torch.float32).permute(*channels_first).contiguous()
 
 
 def _images(dataset: ArrayDataset, indices: np.ndarray) -> Columns:
-    return {} if dataset.images is None else {"pixel_values": image_tensor(dataset.images[indices])}
+    """``pixel_values`` (B, C, H, W); for samples of several images (B, K, C, H, W) and ``image_counts`` (B,)."""
+    if dataset.images is None:
+        return {}
+    columns = {"pixel_values": image_tensor(dataset.images[indices])}
+    if dataset.image_counts is not None:
+        columns["image_counts"] = torch.as_tensor(dataset.image_counts[indices], dtype=torch.int64)
+    return columns
 
 
 def _inputs(dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
@@ -417,6 +430,9 @@ class Reconstruction(TaskKind):
 
     def check_data(self, dataset: ArrayDataset, where: str) -> None:
         _require(dataset, "images", self.name, where, "images")
+        if dataset.image_counts is not None:
+            raise ConfigError(f"{where}.kind = {self.name!r} rebuilds one image a sample, but {where}.source has samples "
+                              f"of up to {dataset.images.shape[1]} images; use a column of one image a sample.")
 
     def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
         if "image" not in backbone.modalities:
@@ -428,7 +444,7 @@ class Reconstruction(TaskKind):
         return {"image_shape": (channels, height, width)}
 
     def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
-        return {"pixel_values": image_tensor(dataset.images[indices])}
+        return _images(dataset, indices)
 
     def build_head(self, backbone: Backbone, task: HeadTask) -> nn.Module:
         return ImageDecoder(backbone.feature_dim, task.image_shape)

@@ -1,7 +1,8 @@
 """Datasets loaded into memory, from the built-in sources or a user's own (``data.source``).
 
-Every source yields an :class:`ArrayDataset` of named columns, each one value per sample: float32
-images (N, H, W, C) in [0, 1], int64 labels 0..K-1 with their class names, input ``text``, output
+Every source yields an :class:`ArrayDataset` of named columns, each one value per sample: images
+(N, H, W, C), uint8 pixels 0..255 or float32 in [0, 1] (turned into float32 batch by batch; (N, K, H, W, C) with
+``image_counts`` where a sample has several), int64 labels 0..K-1 with their class names, input ``text``, output
 ``target`` text, the ``choices`` of a multiple-choice question, and, where the data has them, natural
 per-sample ``groups`` (writers, render styles, question types) for the partitioners.
 

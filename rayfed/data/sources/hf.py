@@ -2,18 +2,80 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rayfed.data.sources.common import _group_size, _require_no_options, _rows_of_sized_groups, _strings
 from rayfed.data.sources.dataset import ArrayDataset, DataError, SourceRequest
+from rayfed.data.sources.images import Resize, decode_images
 from rayfed.errors import suggest
 from rayfed.registry import register_source
 
 if TYPE_CHECKING:
     from rayfed.config import DataConfig
+
+
+_CHUNK = 256  # rows read from the table at a time while decoding
+
+
+@dataclass(frozen=True, eq=False)
+class HFImages:
+    """The image column of a ``datasets`` Dataset before decoding: the rows ``rows`` of ``table`` (that column alone,
+    images stored undecoded); ``counts``: each row's number of images, where a row holds a list of them."""
+
+    table: Any
+    column: str
+    decode_one: Any  # a stored value -> a PIL image (or the array it is)
+    rows: np.ndarray
+    counts: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, loaded: Any, column: str) -> HFImages:
+        import datasets
+
+        feature = loaded.features[column]
+        several = isinstance(feature, (datasets.List, datasets.LargeList, datasets.Sequence)) and isinstance(
+            feature.feature, datasets.Image)
+        image = feature.feature if several else feature
+        table = loaded.select_columns([column])
+        if not isinstance(image, datasets.Image):  # arrays: read as they are
+            return cls(table, column, None, np.arange(len(table)))
+        undecoded = datasets.Image(mode=image.mode, decode=False)
+        table = table.cast_column(column, datasets.List(undecoded) if several else undecoded)
+        counts = None
+        if several:
+            counts = np.concatenate([[len(value) for value in table[start:start + _CHUNK][column]]
+                                     for start in range(0, len(table), _CHUNK)] or [[]]).astype(np.int64)
+        return cls(table, column, image.decode_example, np.arange(len(table)), counts)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, indices: np.ndarray) -> HFImages:
+        return dataclasses.replace(self, rows=self.rows[indices],
+                                   counts=None if self.counts is None else self.counts[indices])
+
+    def decode(self, resize: Resize) -> np.ndarray:
+        """The rows' images, decoded one by one (:func:`~rayfed.data.sources.images.decode_images`)."""
+        return decode_images(self._values, len(self.rows), self.column, resize, self.counts)
+
+    def _values(self) -> Iterator[Any]:
+        for start in range(0, len(self.rows), _CHUNK):
+            for value in self.table[self.rows[start:start + _CHUNK].tolist()][self.column]:
+                if value is None:
+                    raise DataError(f"data.image_column = {self.column!r} has a sample without an image; drop such "
+                                    "samples first (datasets' Dataset.filter).")
+                if self.decode_one is None:
+                    yield value
+                elif self.counts is None:
+                    yield self.decode_one(value)
+                else:
+                    yield [self.decode_one(image) for image in value]
 
 
 def _is_hf_dataset(value: Any) -> bool:
@@ -89,7 +151,10 @@ def _from_hf(loaded: Any, config: DataConfig, shown_as: str) -> ArrayDataset:
     group_size = _group_size(config)
     if group_column is not None and group_size != (1, None):
         loaded = loaded.select(_rows_of_sized_groups(np.asarray(loaded[group_column]), group_size))
-    images = _stack_images(loaded[chosen["image"]], chosen["image"], config.resize) if "image" in chosen else None
+    images = image_counts = None
+    if "image" in chosen:
+        column = HFImages.of(loaded, chosen["image"])
+        images, image_counts = column.decode(config.resize), column.counts
     labels, class_names = None, ()
     if "label" in chosen:
         labels, class_names = _encode_labels(loaded[chosen["label"]], loaded.features[chosen["label"]], chosen["label"])
@@ -102,51 +167,8 @@ def _from_hf(loaded: Any, config: DataConfig, shown_as: str) -> ArrayDataset:
                             "every question needs the same number.")
         choices = np.asarray([[str(option) for option in options] for options in rows], dtype=object)
     groups = np.asarray(loaded[group_column]) if group_column is not None else None
-    return ArrayDataset(images, labels, class_names, groups, choices=choices, **text_columns)
-
-def _stack_images(column: list[Any], image_column: str, resize: int | None = None) -> np.ndarray:
-    """PIL images or nested arrays -> float32 (N, H, W, C) in [0, 1]; sizes must already agree.
-
-    Integer pixels, and float pixels when any exceeds 1, are read as 0..255; other floats as 0..1.
-    """
-    arrays = [_image_to_hwc(image, image_column, resize) for image in column]
-    shapes = sorted({a.shape for a in arrays})
-    if len(shapes) > 1:
-        raise DataError(
-            f"data.image_column = {image_column!r} holds images of {len(shapes)} different shapes "
-            f"(e.g. {shapes[0]} and {shapes[-1]}); all images must have the same size."
-        )
-    if not arrays:
-        raise DataError(f"data.image_column = {image_column!r} is empty; the dataset has no samples.")
-    pixels = np.stack(arrays)
-    if np.issubdtype(pixels.dtype, np.integer) or pixels.max() > 1:
-        pixels = pixels / 255.0
-    if pixels.min() < 0 or pixels.max() > 1:
-        raise DataError(
-            f"data.image_column = {image_column!r} has pixel values outside 0..255 (or 0..1 for floats)."
-        )
-    return pixels.astype(np.float32)
-
-
-def _image_to_hwc(image: Any, image_column: str, resize: int | None = None) -> np.ndarray:
-    """One PIL image or array -> numeric (H, W, C); grayscale keeps C = 1 unless resized (then RGB)."""
-    from PIL import Image
-
-    if resize is not None:
-        image = Image.fromarray(np.asarray(image)) if not isinstance(image, Image.Image) else image
-        image = image.convert("RGB").resize((resize, resize), Image.Resampling.BICUBIC)
-    if isinstance(image, Image.Image) and image.mode not in ("L", "RGB"):
-        image = image.convert("L" if image.mode in ("1", "LA") else "RGB")
-    array = np.asarray(image)
-    if array.ndim == 2:
-        array = array[..., None]
-    if array.ndim != 3 or not np.issubdtype(array.dtype, np.number):
-        raise DataError(
-            f"data.image_column = {image_column!r} holds a {array.dtype} value of shape {array.shape}; "
-            f"expected images of shape (H, W) or (H, W, C)."
-        )
-    return array
-
+    return ArrayDataset(images, labels, class_names, groups, choices=choices, image_counts=image_counts,
+                        **text_columns)
 
 def _encode_labels(values: list[Any], feature: Any, label_column: str) -> tuple[np.ndarray, tuple[str, ...]]:
     """Labels as int64 0..K-1 plus class names: ClassLabel names if present, else sorted unique values."""

@@ -111,13 +111,12 @@ def _from_columns(columns: dict[str, Any], request: SourceRequest) -> ArrayDatas
 
 
 def _image_array(pixels: np.ndarray, where: str) -> np.ndarray:
-    """(N, H, W) or (N, H, W, C) numbers -> float32 (N, H, W, C) in [0, 1] (integers are read as 0..255)."""
+    """(N, H, W) or (N, H, W, C) numbers -> (N, H, W, C): integers as uint8 pixels 0..255, floats as float32 in [0, 1]."""
     if pixels.ndim == 3:
         pixels = pixels[..., None]
     if pixels.ndim != 4 or not np.issubdtype(pixels.dtype, np.number):
         raise DataError(f"{where} holds {pixels.dtype} values of shape {pixels.shape}; expected images (N, H, W, C) or (N, H, W).")
-    if np.issubdtype(pixels.dtype, np.integer):
-        pixels = pixels / 255.0
-    if pixels.size and (pixels.min() < 0 or pixels.max() > 1):
+    integers = np.issubdtype(pixels.dtype, np.integer)
+    if pixels.size and (pixels.min() < 0 or pixels.max() > (255 if integers else 1)):
         raise DataError(f"{where} has pixel values outside [0, 1]; give floats in [0, 1] or integers in 0..255.")
-    return pixels.astype(np.float32)
+    return pixels.astype(np.uint8 if integers else np.float32, copy=False)
