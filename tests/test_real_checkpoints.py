@@ -303,3 +303,126 @@ def test_pyprojects_floors_are_at_least_the_releases_with_the_features_the_code_
                                                        intermediate_size=8, image_size=8, patch_size=4))
     assert {"q_proj", "v_proj"} <= {name.rsplit(".", 1)[-1] for name, _ in vit.named_modules()}
     assert open_clip.get_pretrained_cfg("ViT-B-16", "openai").get("quick_gelu") is True
+
+
+# Samples of several images ---------------------------------------------------------------------------------------------
+def _two_image_vqa(slots: int = 2, pad_value: float = 0.0):
+    """Three samples of up to ``slots`` images (2, 1, 2 valid; the rest ``pad_value``), the first with two
+    placeholders in its text, the others with none."""
+    import numpy as np
+
+    from rayfed.data.sources import ArrayDataset
+
+    images = np.full((3, slots, 32, 32, 3), pad_value, dtype=np.float32)
+    images[:, :2] = np.random.default_rng(0).random((3, 2, 32, 32, 3), dtype=np.float32)
+    images[1, 1:] = pad_value
+    return ArrayDataset(images=images, image_counts=np.array([2, 1, 2]),
+                        text=np.array(["<image> and <image> : what color ?", "what color ?", "what shape ?"]),
+                        target=np.array(["red", "blue", "circle"]))
+
+
+@pytest.fixture(scope="module")
+def tiny_llava():
+    from rayfed.config import ModelConfig
+    from rayfed.models import build_backbone
+
+    config = ModelConfig(backbone="tiny-pretrained:llava", lora={"rank": 2})
+    return config, build_backbone(config, seed=0)
+
+
+def _loss(model, kind, batch):
+    return kind.loss(kind.forward(model, batch), batch)
+
+
+def test_a_llava_reads_one_image_token_run_per_valid_image_where_the_text_marks_them(tiny_llava):
+    import numpy as np
+
+    from rayfed.tasks.kinds import TextGeneration
+
+    _, backbone = tiny_llava
+    columns = TextGeneration().encode(_two_image_vqa(), np.arange(3), backbone)
+    assert columns["pixel_values"].shape == (3, 2, 3, 32, 32) and columns["image_counts"].tolist() == [2, 1, 2]
+    image_id = backbone.encoder.config.image_token_id
+    runs = 16  # 32 px at patch 8
+    tokens = [backbone.tokenizer.convert_ids_to_tokens(row[mask.bool()])
+              for row, mask in zip(columns["input_ids"], columns["attention_mask"])]
+    assert (columns["input_ids"] == image_id).sum(dim=1).tolist() == [2 * runs, runs, 2 * runs]
+    assert tokens[0][:1 + 2 * runs + 2] == ["<bos>", *["<image>"] * runs, "and", *["<image>"] * runs, ":"]  # marked
+    assert tokens[2][:1 + 2 * runs + 1] == ["<bos>", *["<image>"] * (2 * runs), "what"]  # unmarked: all before
+
+
+def test_a_two_image_sample_trains_and_scores_and_padding_images_do_not_change_the_loss(tiny_llava):
+    import numpy as np
+    import torch
+
+    from rayfed.models import build_client_model
+    from rayfed.tasks import Task
+    from rayfed.tasks.kinds import TextGeneration
+
+    config, backbone = tiny_llava
+    kind = TextGeneration()
+    model = build_client_model(backbone, config, Task(0, "vqa", kind=kind), 0)
+    batch = kind.encode(_two_image_vqa(), np.arange(3), backbone)
+    loss = _loss(model, kind, batch)
+    assert math.isfinite(loss.item())
+    for other in (_two_image_vqa(pad_value=0.7), _two_image_vqa(slots=3)):  # other padding, one more padding slot
+        assert torch.equal(_loss(model, kind, kind.encode(other, np.arange(3), backbone)), loss)
+    changed = _two_image_vqa()
+    changed.images[0, 1] = 1 - changed.images[0, 1]  # the first sample's second image is read
+    assert not torch.equal(_loss(model, kind, kind.encode(changed, np.arange(3), backbone)), loss)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    loss.backward()
+    optimizer.step()
+    assert _loss(model, kind, batch).item() < loss.item()
+    with torch.no_grad():
+        scores = kind.score(model, batch)
+    assert math.isfinite(scores["nll"]) and scores["tokens"] == 3 * 2 and 0 <= scores["token_f1"] <= 3
+
+
+@pytest.mark.parametrize("backbone", ["tiny-pretrained:vilt", "tiny-pretrained:vit"])
+def test_a_backbone_of_one_image_a_sample_refuses_samples_of_several(backbone):
+    import numpy as np
+
+    from rayfed.config import ModelConfig
+    from rayfed.models import build_backbone
+    from rayfed.tasks.kinds import Classification
+
+    dataset = dataclasses.replace(_two_image_vqa(), target=None, labels=np.array([0, 1, 0]))
+    if backbone.endswith("vit"):
+        dataset = dataclasses.replace(dataset, text=None)
+    built = build_backbone(ModelConfig(backbone=backbone), seed=0)
+    with pytest.raises(ConfigError, match=rf"model\.backbone = '{backbone}' reads one image a sample, but "
+                                          r"data\.tasks\['a'\]\.image_column holds up to 2 images a sample"):
+        Classification().check(dataset, built, "data.tasks['a']")
+
+
+def test_multiple_choice_scores_each_option_after_all_of_a_samples_images(tiny_llava):
+    import numpy as np
+    import torch
+
+    from rayfed.models import build_client_model
+    from rayfed.tasks import Task
+    from rayfed.tasks.kinds import MultipleChoice
+
+    config, backbone = tiny_llava
+    kind = MultipleChoice()
+    dataset = dataclasses.replace(_two_image_vqa(), target=None, labels=np.array([0, 1, 0]),
+                                  choices=np.array([["red", "blue"], ["red", "blue"], ["circle", "square"]]))
+    model = build_client_model(backbone, config, Task(0, "mc", kind=kind, num_choices=2), 0)
+    batch = kind.encode(dataset, np.arange(3), backbone)
+    with torch.no_grad():
+        scores = kind.forward(model, batch)
+        padded = kind.forward(model, kind.encode(dataclasses.replace(dataset, images=np.concatenate(
+            [dataset.images, np.ones_like(dataset.images[:, :1])], axis=1)), np.arange(3), backbone))
+    assert scores.shape == (3, 2) and torch.isfinite(scores).all() and torch.equal(padded, scores)
+
+
+def test_a_text_that_marks_another_number_of_images_than_its_sample_has_is_refused(tiny_llava):
+    import numpy as np
+
+    from rayfed.tasks.kinds import TextGeneration
+
+    dataset = dataclasses.replace(_two_image_vqa(), image_counts=np.array([1, 1, 2]))
+    with pytest.raises(ConfigError, match=r"the text '<image> and <image> : what color \?' marks 2 images with "
+                                          r"'<image>', but its sample has 1; mark every image of a sample once, or none"):
+        TextGeneration().encode(dataset, np.arange(3), tiny_llava[1])

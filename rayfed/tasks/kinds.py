@@ -32,7 +32,7 @@ from torch import nn
 
 from rayfed.tasks import text_metrics
 from rayfed.tasks.texts import (  # noqa: F401 (end_of_text_id: where methods import it from)
-    end_of_text_id, prompt_tokens, prompts, target_tokens, text_end_id, text_width, tokenize,
+    end_of_text_id, prompt_tokens, prompts, target_tokens, text_end_id, text_width, tokenize, too_long,
 )
 from rayfed.data.batches import Columns
 from rayfed.tasks.decoders import ImageDecoder
@@ -128,6 +128,12 @@ def _images(dataset: ArrayDataset, indices: np.ndarray) -> Columns:
     return columns
 
 
+def valid_images(pixels: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The (B, K, C, H, W) images of samples with ``counts`` (B,) images each -> (sum of counts, C, H, W), sample by
+    sample, without the zero images that pad a sample to K."""
+    return pixels[torch.arange(pixels.shape[1], device=pixels.device) < counts.to(pixels.device)[:, None]]
+
+
 def _inputs(dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
     """The images (``pixel_values``) and input text (``input_ids``, ``attention_mask``) a backbone reads."""
     columns = _images(dataset, indices)
@@ -141,6 +147,7 @@ def _check_inputs(dataset: ArrayDataset, backbone: Backbone, kind: str, where: s
     needs = {name for name, column in (("image", dataset.images), ("text", dataset.text)) if column is not None}
     if not needs:
         raise ConfigError(f"{where}.kind = {kind!r} needs inputs, but {where}.source has no images and no input text.")
+    _check_images_per_sample(dataset, backbone, where)
     missing = needs - backbone.modalities
     if missing:
         words = {"image": "images", "text": "text"}
@@ -150,6 +157,16 @@ def _check_inputs(dataset: ArrayDataset, backbone: Backbone, kind: str, where: s
             f"{lacks} of {where}.source; use a backbone that reads {' and '.join(words[m] for m in sorted(needs))} "
             f"(e.g. tiny-pretrained:vilt, tiny-pretrained:flava"
             f"{', tiny-pretrained:llama-small' if needs == {'text'} else ', tiny-pretrained:llava'})."
+        )
+
+
+def _check_images_per_sample(dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+    """Samples of several images need a backbone that reads them as image tokens in its prompt (LLaVA)."""
+    if dataset.image_counts is not None and not backbone.image_prompt:
+        raise ConfigError(
+            f"{backbone.config_field} = {backbone.name!r} reads one image a sample, but {where}.image_column holds up to "
+            f"{dataset.images.shape[1]} images a sample; use a backbone that reads several (LLaVA: tiny-pretrained:llava "
+            "or an hf: LLaVA checkpoint) or an image column of one image a sample."
         )
 
 
@@ -237,8 +254,9 @@ class MultipleChoice(Classification):
         size, choices, length = batch["input_ids"].shape
         flat = {"input_ids": batch["input_ids"].reshape(-1, length),
                 "attention_mask": batch["attention_mask"].reshape(-1, length)}
-        if "pixel_values" in batch:
-            flat["pixel_values"] = batch["pixel_values"].repeat_interleave(choices, dim=0)
+        for name in ("pixel_values", "image_counts"):
+            if name in batch:
+                flat[name] = batch[name].repeat_interleave(choices, dim=0)
         if "option_mask" not in batch:
             return model.head(model.features(flat)).view(size, choices)
         log_probs = model.lm_logits(flat)[:, :-1].float().log_softmax(dim=-1)
@@ -260,7 +278,7 @@ class TextGeneration(TaskKind):
     """A prompt (and an image) -> the target text: next-token cross-entropy on the target's tokens."""
 
     name = "text_generation"
-    forward_inputs = ("input_ids", "attention_mask", "pixel_values")
+    forward_inputs = ("input_ids", "attention_mask", "pixel_values", "image_counts")
     metrics = ("token_f1", "exact_match", "meteor", "perplexity")
     primary = "token_f1"
     shared_metrics = ("token_f1",)
@@ -270,6 +288,7 @@ class TextGeneration(TaskKind):
         _require(dataset, "target", self.name, where, "target text (data.target_column)")
 
     def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+        _check_images_per_sample(dataset, backbone, where)
         if dataset.images is not None and "image" not in backbone.modalities:
             raise ConfigError(
                 f"{backbone.config_field} = {backbone.name!r} reads text only and cannot run {where}.kind = "
@@ -302,7 +321,7 @@ class TextGeneration(TaskKind):
         target_ids = torch.full((rows, longest_target), pad, dtype=torch.long)
         for row, (prompt, target) in enumerate(zip(prompt_ids_of, target_ids_of)):
             if len(prompt) > prompt_length:
-                raise ConfigError(_too_long(backbone, len(prompt), longest_target))
+                raise ConfigError(too_long(backbone, len(prompt), longest_target))
             sequence = prompt + target
             input_ids[row, :len(sequence)] = torch.as_tensor(sequence)
             attention_mask[row, :len(sequence)] = 1
@@ -381,14 +400,6 @@ class TextGeneration(TaskKind):
         return metrics
 
 
-def _too_long(backbone: Backbone, prompt: int, target: int) -> str:
-    if backbone.max_text_length is not None:
-        return (f"data.max_text_length = {backbone.max_text_length} is too short for a prompt of {prompt} tokens and a "
-                f"target of {target}; raise data.max_text_length.")
-    return (f"a prompt of {prompt} tokens and a target of {target} exceed the text limit of {backbone.config_field} = "
-            f"{backbone.name!r}, {backbone.text_limit} tokens (its image tokens included); shorten the texts.")
-
-
 def causal_from_target_logits(target_logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Logits that predict the target tokens at their own positions (batch, target tokens, vocabulary; a
     parallel decoder's) placed where a causal LM predicts them: position p holds the prediction of
@@ -409,7 +420,8 @@ def generate(model: TaskModel, batch: Batch, max_new_tokens: int) -> torch.Tenso
     tokenizer = model.tokenizer
     inputs = {"input_ids": batch["prompt_ids"], "attention_mask": batch["prompt_mask"]}
     if "pixel_values" in batch:
-        inputs["pixel_values"] = model.pixels(batch["pixel_values"])
+        pixels = batch["pixel_values"]
+        inputs["pixel_values"] = model.pixels(pixels if pixels.ndim == 4 else valid_images(pixels, batch["image_counts"]))
     output = model.encoder.generate(
         **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=text_end_id(tokenizer, model.chat_template),

@@ -65,11 +65,13 @@ def target_tokens(targets: Sequence[str], backbone: Backbone) -> list[list[int]]
 
 
 def prompts(dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> list[str]:
-    """The input texts of ``indices``: a multi-modal LLM's image tokens where there are images (at the text's image
-    placeholders, else before the text), each wrapped in the tokenizer's chat template where the backbone uses it."""
+    """The input texts of ``indices``: a multi-modal LLM's image tokens for each image of a sample (at the text's
+    image placeholders, else before the text), each wrapped in the tokenizer's chat template where the backbone uses
+    it."""
     texts = [str(t) for t in dataset.text[indices]] if dataset.text is not None else [""] * len(indices)
     if backbone.image_prompt and dataset.images is not None:
-        texts = [with_images(text, 1, backbone) for text in texts]
+        counts = [1] * len(texts) if dataset.image_counts is None else dataset.image_counts[indices].tolist()
+        texts = [with_images(text, count, backbone) for text, count in zip(texts, counts)]
     if backbone.chat_template:
         texts = [chat_prompt(backbone.tokenizer, text) for text in texts]
     return texts
@@ -88,6 +90,15 @@ def with_images(text: str, count: int, backbone: Backbone) -> str:
             f"image of a sample once, or none (its images then go before the text)."
         )
     return text.replace(placeholder, run)
+
+
+def too_long(backbone: Backbone, prompt: int, target: int) -> str:
+    """The sentence refusing a prompt of ``prompt`` tokens and a target of ``target`` that do not fit the width."""
+    if backbone.max_text_length is not None:
+        return (f"data.max_text_length = {backbone.max_text_length} is too short for a prompt of {prompt} tokens and a "
+                f"target of {target}; raise data.max_text_length.")
+    return (f"a prompt of {prompt} tokens and a target of {target} exceed the text limit of {backbone.config_field} = "
+            f"{backbone.name!r}, {backbone.text_limit} tokens (its image tokens included); shorten the texts.")
 
 
 # Chat templates ---------------------------------------------------------------------------------------------------
