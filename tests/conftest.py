@@ -7,6 +7,10 @@ import os
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Where FedMosaic's paper configs read DRAKE and HFLB (`hf:${DRAKE_ROOT}/...`), as a user exports it: the configs load
+# (their data is not read here).
+for _var in ("DRAKE_ROOT", "HFLB_ROOT"):
+    os.environ.setdefault(_var, f"/data/{_var.removesuffix('_ROOT').lower()}")
 
 import contextlib  # noqa: E402
 import copy  # noqa: E402

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -89,12 +90,35 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_variables(value: Any, path: str = "") -> Any:
+    """``value`` with every ``${NAME}`` in its strings (at any depth) replaced by the environment variable NAME (no
+    other form: a lone ``$`` stays as written); an unset variable is refused naming it and the field (``path``)."""
+    if isinstance(value, str):
+        return _VARIABLE.sub(lambda match: _variable(match.group(1), value, path), value)
+    if isinstance(value, dict):
+        return {key: expand_variables(item, f"{path}.{key}" if path else str(key)) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(expand_variables(item, f"{path}.{index}") for index, item in enumerate(value))
+    return value
+
+
+def _variable(name: str, value: str, path: str) -> str:
+    if name not in os.environ:
+        raise ConfigError(f"{path} = {value!r} uses the environment variable {name}, which is not set; export it "
+                          "(the config's comments or its docs say what it holds) before loading the config.")
+    return os.environ[name]
+
+
 def build_config(raw: dict[str, Any]) -> RunConfig:
-    """Validate a nested dict; raise :class:`ConfigError` with one sentence on the first problem."""
+    """Validate a nested dict (``${NAME}`` in its strings expanded from the environment, :func:`expand_variables`);
+    raise :class:`ConfigError` with one sentence on the first problem."""
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a mapping of sections, not {type(raw).__name__}.")
     try:
-        return RunConfig.model_validate(raw)
+        return RunConfig.model_validate(expand_variables(raw))
     except pydantic.ValidationError as err:
         raise ConfigError(_format_error(err)) from None
 
@@ -103,7 +127,9 @@ def load_config(
     source: str | os.PathLike | dict[str, Any] | RunConfig,
     overrides: list[str] | None = None,
 ) -> RunConfig:
-    """Load a config from a YAML path, a dict or a RunConfig, then apply ``key=value`` overrides."""
+    """Load a config from a YAML path, a dict or a RunConfig, then apply ``key=value`` overrides; ``${NAME}`` in any
+    string value is the environment variable NAME, so the loaded config (and the config.yaml a run writes) holds
+    its value."""
     if isinstance(source, RunConfig):
         raw = source.to_dict()
     elif isinstance(source, dict):

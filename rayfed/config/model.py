@@ -63,6 +63,10 @@ class ModelConfig(Section):
         "Linear(2d, C) (ViLT's VQA head)"
     )
     image_size: int | None = Field(None, gt=0, description="input size; default: the backbone's own")
+    chat_template: bool | None = Field(
+        None, description="wrap a text-generating backbone's prompts in its tokenizer's chat template (a user turn, "
+        "then the assistant's answer as the target); unset: when the tokenizer has one; false: the raw prompt"
+    )
     client: ClientModelName = Field(
         None, description="the model a method trains over the backbone: a registered client model (`rayfed list` "
         "shows them), a 'package.module:Name' builder or the builder itself; unset: the backbone with "

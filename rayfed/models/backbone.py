@@ -25,8 +25,11 @@ class Backbone:
     ``features(encoder, inputs)`` gives (batch, ``feature_dim``) features of a batch whose ``pixel_values``
     are already resized and normalized; ``lm_logits`` (causal LMs only) next-token logits. Images arrive as
     raw [0, 1] pixels and are resized to ``image_size`` and normalized with ``image_mean``/``image_std`` by
-    the client model; texts are tokenized by ``tokenizer`` to at most ``max_text_length`` tokens, after
-    ``image_prompt`` (LLaVA's image tokens) where there is an image.
+    the client model; texts are tokenized by ``tokenizer``, after ``image_prompt`` (LLaVA's image tokens) where
+    there is an image (at the text's ``image_placeholder`` if it has one), wrapped in the tokenizer's chat template
+    where ``chat_template`` (``model.chat_template``). A set of texts is padded to ``max_text_length`` tokens where
+    that is set (``data.max_text_length`` sets it), else to its longest text rounded up to 64, at most
+    ``text_limit`` (the model's own limit, image tokens included; :mod:`rayfed.tasks.texts`).
     """
 
     encoder: nn.Module
@@ -37,12 +40,15 @@ class Backbone:
     modalities: frozenset[str] = frozenset({IMAGE})
     lm_logits: Callable[[nn.Module, Batch], torch.Tensor] | None = None
     tokenizer: Any = None
-    max_text_length: int = 32
+    max_text_length: int | None = None
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     lora_scope: str | None = None  # the submodule LoRA goes in (LLaVA: its language model), None: anywhere
     image_mean: float | tuple[float, ...] = 0.5
     image_std: float | tuple[float, ...] = 0.5
     image_prompt: str = ""
+    image_placeholder: str = ""  # the token by which a text marks where an image goes (LLaVA's "<image>")
+    text_limit: int = 32
+    chat_template: bool = False
     name: str = field(default="", compare=False)
     config_field: str = field(default="model.backbone", compare=False)  # the config field naming it, for errors
 
@@ -79,6 +85,18 @@ def build_backbone(config: ModelConfig, seed: int, device: torch.device | str | 
     if not isinstance(built, Backbone):
         raise ConfigError(f"model.backbone = {resolved.name!r} returned a {type(built).__name__}, not a Backbone.")
     built.name = built.name or resolved.name
+    built.chat_template = _uses_chat_template(config, built)
     built.encoder.requires_grad_(False)
     built.encoder.eval()
     return built
+
+
+def _uses_chat_template(config: ModelConfig, backbone: Backbone) -> bool:
+    """``model.chat_template``, unset: whether the backbone generates text and its tokenizer has a chat template."""
+    has_template = bool(getattr(backbone.tokenizer, "chat_template", None))
+    if config.chat_template and not has_template:
+        raise ConfigError(
+            f"model.chat_template = true, but the tokenizer of model.backbone = {backbone.name!r} has no chat "
+            "template; set model.chat_template to false or leave it unset for the raw prompts."
+        )
+    return has_template and backbone.generates_text if config.chat_template is None else config.chat_template

@@ -59,6 +59,10 @@ class TrainableModule(nn.Module):
     """Whether the model produces text-generation tasks' outputs (:meth:`generate_text`); a model that does not is
     refused such tasks before a run starts."""
 
+    chat_template: bool = False
+    """Whether the model's prompts are wrapped in its tokenizer's chat template (``model.chat_template``), so that a
+    generated text ends where the template closes the assistant's turn."""
+
     scores_unseen_tasks: bool = False
     """Whether the model scores a task that no client holds (it classifies by the label names, as a CLIP text
     classifier does); a model whose heads are trained on clients' data does not, and such a run is refused."""
@@ -165,6 +169,7 @@ class ClientModel(TrainableModule):
         self.num_channels = backbone.num_channels
         self.image_mean, self.image_std = backbone.image_mean, backbone.image_std
         self.tokenizer = backbone.tokenizer
+        self.chat_template = backbone.chat_template
         self.task_kinds = {task.index: task.kind for task in tasks}
         self.active_task = tasks[0].index
 
@@ -189,7 +194,10 @@ class ClientModel(TrainableModule):
         return self.backbone_lm_logits is not None
 
     def pixels(self, images: torch.Tensor) -> torch.Tensor:
-        """Raw [0, 1] images -> the backbone's size and channels, normalized ((x - mean) / std)."""
+        """Raw [0, 1] images (N, C, H, W) -> the backbone's size and channels, normalized ((x - mean) / std); several
+        a sample (N, K, C, H, W) -> (N, K, C', H', W'), each image as one alone."""
+        if images.ndim == 5:
+            return self.pixels(images.flatten(0, 1)).unflatten(0, images.shape[:2])
         if images.shape[1] != self.num_channels:
             images = images.expand(-1, self.num_channels, -1, -1)
         if self.image_size and images.shape[-2:] != (self.image_size, self.image_size):
@@ -199,10 +207,15 @@ class ClientModel(TrainableModule):
         return (images - _per_channel(self.image_mean, images)) / _per_channel(self.image_std, images)
 
     def inputs(self, batch: Batch) -> Batch:
-        """The batch with its images resized and normalized for the backbone."""
+        """The batch with its images resized and normalized for the backbone; samples of several images
+        (``image_counts``) give their valid images only, sample by sample, as a LLaVA reads them after its prompts'
+        image tokens."""
         if "pixel_values" not in batch:
             return batch
-        return {**batch, "pixel_values": self.pixels(batch["pixel_values"])}
+        pixels = batch["pixel_values"]
+        if pixels.ndim == 5:
+            pixels = kinds.valid_images(pixels, batch["image_counts"])
+        return {**batch, "pixel_values": self.pixels(pixels)}
 
     def features(self, batch: Batch | torch.Tensor) -> torch.Tensor:
         return self.backbone_features(self.encoder, self.inputs(_as_batch(batch)))

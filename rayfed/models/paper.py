@@ -10,10 +10,9 @@ import torch
 from rayfed.errors import choice_error
 from rayfed.lazy import DeferredModule
 from rayfed.models.backbone import Backbone, BackboneRequest
-from rayfed.models.families.common import PaperModel, _quiet_loading, _text_limit
+from rayfed.models.families.common import PaperModel, _quiet_loading, weights_dtype
 from rayfed.models.families.flava import _flava, _paper_flava
 from rayfed.models.families.llava import _llava, _paper_llava
-from rayfed.models.families.llm import _llm_dtype
 from rayfed.models.families.vilt import _paper_vilt, _vilt
 from rayfed.registry import register_backbone
 
@@ -46,10 +45,8 @@ def paper_backbone(name: str, layers: int | None = None, device: torch.device | 
             return _flava(transformers.FlavaModel(config), tokenizer, normalization)
         if isinstance(config, transformers.ViltConfig):
             return _vilt(transformers.ViltModel(config), tokenizer, normalization)
-        encoder = transformers.AutoModelForImageTextToText.from_config(config, dtype=_llm_dtype())
-    # room for the image's tokens before a text as long as other backbones' (576 at 336 px, patch 14)
-    text_length = config.image_seq_length + _text_limit(tokenizer, config.text_config.max_position_embeddings)
-    return _llava(encoder, tokenizer, normalization, text_length)
+        encoder = transformers.AutoModelForImageTextToText.from_config(config, dtype=weights_dtype(torch.bfloat16))
+    return _llava(encoder, tokenizer, normalization)
 
 
 @register_backbone("flava:")

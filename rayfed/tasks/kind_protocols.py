@@ -34,6 +34,7 @@ class TaskModel(Protocol):
     encoder: nn.Module
     tokenizer: Any
     generates_text: bool
+    chat_template: bool
 
     def __call__(self, batch: Batch) -> torch.Tensor: ...
 

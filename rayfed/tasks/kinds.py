@@ -31,6 +31,9 @@ import torch
 from torch import nn
 
 from rayfed.tasks import text_metrics
+from rayfed.tasks.texts import (  # noqa: F401 (end_of_text_id: where methods import it from)
+    end_of_text_id, prompt_tokens, prompts, target_tokens, text_end_id, text_width, tokenize, too_long,
+)
 from rayfed.data.batches import Columns
 from rayfed.tasks.decoders import ImageDecoder
 from rayfed.errors import ConfigError
@@ -115,13 +118,6 @@ def image_tensor(images: np.ndarray) -> torch.Tensor:
     return torch.as_tensor(images, dtype=torch.float32).permute(*channels_first).contiguous()
 
 
-def tokenize(texts: list[str], backbone: Backbone, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), padded on the right to ``max_length`` tokens."""
-    encoded = backbone.tokenizer(list(texts), padding="max_length", truncation=True, max_length=max_length,
-                                 return_tensors="pt")
-    return encoded["input_ids"], encoded["attention_mask"]
-
-
 def _images(dataset: ArrayDataset, indices: np.ndarray) -> Columns:
     """``pixel_values`` (B, C, H, W); for samples of several images (B, K, C, H, W) and ``image_counts`` (B,)."""
     if dataset.images is None:
@@ -132,20 +128,17 @@ def _images(dataset: ArrayDataset, indices: np.ndarray) -> Columns:
     return columns
 
 
-def _prompts(dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> list[str]:
-    """The input texts of ``indices``, after the backbone's image tokens where there are images (LLaVA)."""
-    texts = [str(t) for t in dataset.text[indices]] if dataset.text is not None else [""] * len(indices)
-    if backbone.image_prompt and dataset.images is not None:
-        texts = [f"{backbone.image_prompt} {t}" for t in texts]
-    return texts
+def valid_images(pixels: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The (B, K, C, H, W) images of samples with ``counts`` (B,) images each -> (sum of counts, C, H, W), sample by
+    sample, without the zero images that pad a sample to K."""
+    return pixels[torch.arange(pixels.shape[1], device=pixels.device) < counts.to(pixels.device)[:, None]]
 
 
 def _inputs(dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
     """The images (``pixel_values``) and input text (``input_ids``, ``attention_mask``) a backbone reads."""
     columns = _images(dataset, indices)
     if dataset.text is not None and "text" in backbone.modalities:
-        texts = _prompts(dataset, indices, backbone)
-        columns["input_ids"], columns["attention_mask"] = tokenize(texts, backbone, backbone.max_text_length)
+        columns["input_ids"], columns["attention_mask"] = tokenize(prompts(dataset, indices, backbone), backbone)
     return columns
 
 
@@ -154,6 +147,7 @@ def _check_inputs(dataset: ArrayDataset, backbone: Backbone, kind: str, where: s
     needs = {name for name, column in (("image", dataset.images), ("text", dataset.text)) if column is not None}
     if not needs:
         raise ConfigError(f"{where}.kind = {kind!r} needs inputs, but {where}.source has no images and no input text.")
+    _check_images_per_sample(dataset, backbone, where)
     missing = needs - backbone.modalities
     if missing:
         words = {"image": "images", "text": "text"}
@@ -163,6 +157,16 @@ def _check_inputs(dataset: ArrayDataset, backbone: Backbone, kind: str, where: s
             f"{lacks} of {where}.source; use a backbone that reads {' and '.join(words[m] for m in sorted(needs))} "
             f"(e.g. tiny-pretrained:vilt, tiny-pretrained:flava"
             f"{', tiny-pretrained:llama-small' if needs == {'text'} else ', tiny-pretrained:llava'})."
+        )
+
+
+def _check_images_per_sample(dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+    """Samples of several images need a backbone that reads them as image tokens in its prompt (LLaVA)."""
+    if dataset.image_counts is not None and not backbone.image_prompt:
+        raise ConfigError(
+            f"{backbone.config_field} = {backbone.name!r} reads one image a sample, but {where}.image_column holds up to "
+            f"{dataset.images.shape[1]} images a sample; use a backbone that reads several (LLaVA: tiny-pretrained:llava "
+            "or an hf: LLaVA checkpoint) or an image column of one image a sample."
         )
 
 
@@ -225,16 +229,18 @@ class MultipleChoice(Classification):
 
     def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
         columns = _images(dataset, indices)
-        questions, options, length = _prompts(dataset, indices, backbone), dataset.choices[indices], backbone.max_text_length
-        if backbone.generates_text:  # the option's likelihood after the question
-            pairs = [f"{q} {option}" for q, row in zip(questions, options) for option in row]
+        questions, options = prompts(dataset, indices, backbone), dataset.choices[indices]
+        if backbone.generates_text:  # the option's likelihood after the question (the assistant's answer in a chat)
+            space = "" if backbone.chat_template else " "
+            pairs = [f"{q}{space}{option}" for q, row in zip(questions, options) for option in row]
         else:  # the option first, so that a short encoder context truncates the question, not the option
             pairs = [f"{option} : {q}" for q, row in zip(questions, options) for option in row]
-        ids, mask = tokenize(pairs, backbone, length)
+        ids, mask = tokenize(pairs, backbone)
         size, choices = options.shape
         columns["input_ids"], columns["attention_mask"] = ids.view(size, choices, -1), mask.view(size, choices, -1)
         if backbone.generates_text:  # the option's own tokens: those after the question's
-            question_lengths = tokenize(questions, backbone, length)[1].sum(dim=1).repeat_interleave(choices)
+            question_lengths = torch.as_tensor([len(q) for q in prompt_tokens(questions, backbone)])
+            question_lengths = question_lengths.clamp(max=ids.shape[1]).repeat_interleave(choices)
             positions = torch.arange(ids.shape[1]).expand(len(pairs), -1)
             option_mask = (positions >= question_lengths[:, None]) & mask.bool()
             columns["option_mask"] = option_mask.view(size, choices, -1)
@@ -248,8 +254,9 @@ class MultipleChoice(Classification):
         size, choices, length = batch["input_ids"].shape
         flat = {"input_ids": batch["input_ids"].reshape(-1, length),
                 "attention_mask": batch["attention_mask"].reshape(-1, length)}
-        if "pixel_values" in batch:
-            flat["pixel_values"] = batch["pixel_values"].repeat_interleave(choices, dim=0)
+        for name in ("pixel_values", "image_counts"):
+            if name in batch:
+                flat[name] = batch[name].repeat_interleave(choices, dim=0)
         if "option_mask" not in batch:
             return model.head(model.features(flat)).view(size, choices)
         log_probs = model.lm_logits(flat)[:, :-1].float().log_softmax(dim=-1)
@@ -271,7 +278,7 @@ class TextGeneration(TaskKind):
     """A prompt (and an image) -> the target text: next-token cross-entropy on the target's tokens."""
 
     name = "text_generation"
-    forward_inputs = ("input_ids", "attention_mask", "pixel_values")
+    forward_inputs = ("input_ids", "attention_mask", "pixel_values", "image_counts")
     metrics = ("token_f1", "exact_match", "meteor", "perplexity")
     primary = "token_f1"
     shared_metrics = ("token_f1",)
@@ -281,6 +288,7 @@ class TextGeneration(TaskKind):
         _require(dataset, "target", self.name, where, "target text (data.target_column)")
 
     def check(self, dataset: ArrayDataset, backbone: Backbone, where: str) -> None:
+        _check_images_per_sample(dataset, backbone, where)
         if dataset.images is not None and "image" not in backbone.modalities:
             raise ConfigError(
                 f"{backbone.config_field} = {backbone.name!r} reads text only and cannot run {where}.kind = "
@@ -299,27 +307,21 @@ class TextGeneration(TaskKind):
         return {}
 
     def encode(self, dataset: ArrayDataset, indices: np.ndarray, backbone: Backbone) -> Columns:
-        tokenizer, length = backbone.tokenizer, backbone.max_text_length
-        prompts = _prompts(dataset, indices, backbone)
-        targets = [str(t) for t in dataset.target[indices]]
-        prompt_tokens = [tokenizer(p)["input_ids"] for p in prompts]
-        end = end_of_text_id(tokenizer)
-        target_tokens = [tokenizer(" " + t, add_special_tokens=False)["input_ids"] + [end] for t in targets]
-        longest_target = max(len(t) for t in target_tokens)
-        pad = tokenizer.pad_token_id
-        rows = len(prompts)
+        prompt_ids_of = prompt_tokens(prompts(dataset, indices, backbone), backbone)
+        target_ids_of = target_tokens([str(t) for t in dataset.target[indices]], backbone)
+        longest_target = max(len(t) for t in target_ids_of)
+        length = text_width(backbone, max(map(len, prompt_ids_of)) + longest_target)
+        pad = backbone.tokenizer.pad_token_id
+        rows = len(prompt_ids_of)
         input_ids = torch.full((rows, length), pad, dtype=torch.long)
         attention_mask = torch.zeros((rows, length), dtype=torch.long)
         labels = torch.full((rows, length), IGNORE, dtype=torch.long)
         prompt_length = length - longest_target
         prompt_ids = torch.full((rows, prompt_length), pad, dtype=torch.long)
         target_ids = torch.full((rows, longest_target), pad, dtype=torch.long)
-        for row, (prompt, target) in enumerate(zip(prompt_tokens, target_tokens)):
+        for row, (prompt, target) in enumerate(zip(prompt_ids_of, target_ids_of)):
             if len(prompt) > prompt_length:
-                raise ConfigError(
-                    f"data.max_text_length = {length} is too short for a prompt of {len(prompt)} tokens and a target "
-                    f"of {longest_target}; raise data.max_text_length."
-                )
+                raise ConfigError(too_long(backbone, len(prompt), longest_target))
             sequence = prompt + target
             input_ids[row, :len(sequence)] = torch.as_tensor(sequence)
             attention_mask[row, :len(sequence)] = 1
@@ -327,7 +329,7 @@ class TextGeneration(TaskKind):
             prompt_ids[row, prompt_length - len(prompt):] = torch.as_tensor(prompt)  # left-padded, for generation
             target_ids[row, :len(target)] = torch.as_tensor(target)
         prompt_mask = torch.zeros_like(prompt_ids)
-        for row, prompt in enumerate(prompt_tokens):
+        for row, prompt in enumerate(prompt_ids_of):
             prompt_mask[row, prompt_length - len(prompt):] = 1
         return {**_images(dataset, indices), "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
                 "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "target_ids": target_ids}
@@ -411,16 +413,6 @@ def causal_from_target_logits(target_logits: torch.Tensor, batch: Batch) -> torc
     return placed.masked_fill(~predicts.unsqueeze(-1), 0)
 
 
-def end_of_text_id(tokenizer: Any) -> int:
-    """The token that ends a target text: the tokenizer's end-of-sequence token, or, for a BERT-style tokenizer
-    that has none (ViLT's, FLAVA's), its separator token."""
-    end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-    if end is None:
-        raise ConfigError(f"the backbone's tokenizer ({type(tokenizer).__name__}) has neither an end-of-sequence nor "
-                          "a separator token, so a generated text cannot end; give it an eos_token.")
-    return end
-
-
 @torch.no_grad()
 def generate(model: TaskModel, batch: Batch, max_new_tokens: int) -> torch.Tensor:
     """Greedy continuations (batch, new tokens) of the left-padded ``prompt_ids`` by the model's
@@ -428,10 +420,11 @@ def generate(model: TaskModel, batch: Batch, max_new_tokens: int) -> torch.Tenso
     tokenizer = model.tokenizer
     inputs = {"input_ids": batch["prompt_ids"], "attention_mask": batch["prompt_mask"]}
     if "pixel_values" in batch:
-        inputs["pixel_values"] = model.pixels(batch["pixel_values"])
+        pixels = batch["pixel_values"]
+        inputs["pixel_values"] = model.pixels(pixels if pixels.ndim == 4 else valid_images(pixels, batch["image_counts"]))
     output = model.encoder.generate(
         **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=end_of_text_id(tokenizer),
+        eos_token_id=text_end_id(tokenizer, model.chat_template),
     )
     return output[:, batch["prompt_ids"].shape[1]:]
 

@@ -34,12 +34,14 @@ def mixed_precision(device: torch.device, autocast: str, cache_enabled: bool = T
 
 
 def check_precision(model: nn.Module, config: TrainConfig, device: torch.device, where: str) -> None:
-    """Refuse ``train.autocast: off`` for a model on a GPU that stores weights in bfloat16 (a ``llama:`` backbone):
-    its steps would not be float32, and without autocast its float32 adapters cannot run over them."""
-    if (config.autocast == "off" and device.type == "cuda"
-            and any(param.dtype == torch.bfloat16 for param in model.parameters())):
+    """Refuse ``train.autocast: off`` for a model on a GPU that stores weights in half precision (a ``llama:`` or
+    ``llava:`` backbone, a hub checkpoint shipped in bf16 or fp16): its steps would not be float32, and without
+    autocast its float32 adapters cannot run over them."""
+    half = next((p.dtype for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16)), None)
+    if config.autocast == "off" and device.type == "cuda" and half is not None:
         raise ConfigError(f"train.autocast = 'off' computes in float32, but the model of {where} stores weights in "
-                          "bfloat16 on a GPU (a llama: backbone), so train.autocast must be 'bf16' for it there.")
+                          f"{str(half).removeprefix('torch.')} on a GPU (a llama: or llava: backbone, or a hub "
+                          "checkpoint shipped so), so train.autocast must be 'bf16' for it there.")
 
 
 PenaltyTerm = Callable[..., torch.Tensor]

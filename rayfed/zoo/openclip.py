@@ -59,10 +59,21 @@ def load(arch: str, pretrained: str | None = None) -> ZooModel:
 
     ``arch`` is a built-in name (``"ViT-B-16"``, with ``pretrained`` a tag such as ``"openai"`` or a
     checkpoint file) or ``"local-dir:<folder>"`` / ``"hf-hub:<repo>"`` (config and weights together).
-    The processor is open_clip's evaluation image transform (PIL image -> tensor).
+    The processor is open_clip's evaluation image transform (PIL image -> tensor). The activation follows the
+    tag (:func:`pretrained_options`).
     """
-    model, _, preprocess = open_clip.create_model_and_transforms(arch, pretrained=pretrained)
+    model, _, preprocess = open_clip.create_model_and_transforms(arch, pretrained=pretrained,
+                                                                 **pretrained_options(arch, pretrained))
     return ZooModel(model.eval(), open_clip.get_tokenizer(arch), preprocess)
+
+
+def pretrained_options(arch: str, pretrained: str | None) -> dict[str, Any]:
+    """What open_clip's factory is told besides ``arch`` and ``pretrained``, from open_clip's own record of the tag:
+    QuickGELU where the tag's weights were trained with it (OpenAI's), which the factory would only warn about and
+    then run with ``arch``'s plain GELU. Nothing for a weights file or a tag open_clip does not know."""
+    if pretrained is None:
+        return {}
+    return {"force_quick_gelu": True} if open_clip.get_pretrained_cfg(arch, pretrained).get("quick_gelu") else {}
 
 
 def load_folder(path: str) -> ZooModel:

@@ -267,12 +267,14 @@ def _open_clip_image_tower(request: BackboneRequest) -> Backbone:
     """The image tower of an open_clip model; ``model.pretrained`` is a tag (e.g. openai) or a weights file."""
     import open_clip
 
+    from rayfed.zoo.openclip import pretrained_options
+
     arch = request.argument or ""
     if arch not in open_clip.list_models():
         raise choice_error("model.backbone", request.name, [f"open_clip:{a}" for a in open_clip.list_models()])
     pretrained = request.config.pretrained
     try:
-        visual = open_clip.create_model(arch, pretrained=pretrained).visual
+        visual = open_clip.create_model(arch, pretrained=pretrained, **pretrained_options(arch, pretrained)).visual
     except (RuntimeError, OSError) as err:
         raise ConfigError(
             f"model.pretrained = {pretrained!r} could not be loaded for open_clip:{arch} ({str(err).splitlines()[0]})."

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rayfed.errors import choice_error
 from rayfed.lazy import DeferredModule
 
@@ -45,6 +47,16 @@ def _quiet_loading():
         transformers.logging.set_verbosity(verbosity)
         transformers.utils.logging.enable_progress_bar()
 
+def weights_dtype(on_gpu: torch.dtype | str, device: torch.device | str | None = None) -> torch.dtype | str:
+    """What a backbone's frozen weights are stored in: ``on_gpu`` where ``device`` is a GPU (default: where this
+    process sees one), whose steps compute in bf16 under autocast anyway, else float32 (a CPU runs no autocast here,
+    and a float32 LoRA over half-precision weights would need it). ``on_gpu``: bfloat16 for the randomly initialised
+    LLMs, as their checkpoints ship; ``"auto"`` for a hub checkpoint, the dtype it ships in."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return on_gpu if torch.device(device).type == "cuda" else torch.float32
+
+
 def _image_normalization(name_or_path: str) -> dict[str, Any]:
     """The saved image processor's mean and std (0.5, 0.5 when there is none; a hub name: its processor's)."""
     for file, section in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
@@ -63,5 +75,12 @@ def _image_normalization(name_or_path: str) -> dict[str, Any]:
     return {}
 
 
+# What a tokenizer saved without a limit reports as its model_max_length (transformers' VERY_LARGE_INTEGER).
+_NO_TOKENIZER_LIMIT = int(1e30)
+
+
 def _text_limit(tokenizer: Any, positions: int) -> int:
-    return min(int(getattr(tokenizer, "model_max_length", positions) or positions), positions, 512)
+    """The most tokens a text may have: the model's positions, or its tokenizer's ``model_max_length`` where that is
+    smaller (and not transformers' "no limit" value)."""
+    stated = int(getattr(tokenizer, "model_max_length", 0) or 0)
+    return min(stated, positions) if 0 < stated < _NO_TOKENIZER_LIMIT else positions

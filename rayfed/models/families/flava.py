@@ -28,10 +28,10 @@ def _paper_flava(size: str, layers: int | None) -> PaperModel:
     return PaperModel(config, paper.flava_processor(text, config.image_config.image_size))
 
 
-def _hf_flava(name_or_path: str) -> Backbone:
+def _hf_flava(name_or_path: str, dtype: torch.dtype | str) -> Backbone:
     from rayfed.zoo.tokenizers import load_tokenizer
 
-    encoder = transformers.FlavaModel.from_pretrained(name_or_path, dtype=torch.float32)
+    encoder = transformers.FlavaModel.from_pretrained(name_or_path, dtype=dtype)
     return _flava(encoder, load_tokenizer(name_or_path), _image_normalization(name_or_path))
 
 
@@ -40,6 +40,6 @@ def _flava(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any])
     return Backbone(
         encoder, config.hidden_size, config.image_config.image_size, config.image_config.num_channels, flava_features,
         frozenset({IMAGE, TEXT}), tokenizer=tokenizer,
-        max_text_length=_text_limit(tokenizer, config.text_config.max_position_embeddings),
+        text_limit=_text_limit(tokenizer, config.text_config.max_position_embeddings),
         lora_targets=("query", "value"), **normalization,
     )  # fmt: skip

@@ -58,10 +58,10 @@ def _tiny_clip_vision(request: BackboneRequest) -> Backbone:
     return Backbone(encoder, clip_config.hidden_size, clip_config.image_size, 3, pooler_features)
 
 
-def _hf_image_encoder(name_or_path: str, hf_config: Any) -> Backbone:
+def _hf_image_encoder(name_or_path: str, hf_config: Any, dtype: torch.dtype | str) -> Backbone:
     if hf_config.model_type == "vit":
-        encoder = transformers.ViTModel.from_pretrained(name_or_path, add_pooling_layer=False, dtype=torch.float32)
+        encoder = transformers.ViTModel.from_pretrained(name_or_path, add_pooling_layer=False, dtype=dtype)
         return Backbone(encoder, hf_config.hidden_size, hf_config.image_size, hf_config.num_channels, cls_features)
     vision = hf_config.vision_config if hf_config.model_type == "clip" else hf_config
-    encoder = transformers.CLIPVisionModel.from_pretrained(name_or_path, dtype=torch.float32)
+    encoder = transformers.CLIPVisionModel.from_pretrained(name_or_path, dtype=dtype)
     return Backbone(encoder, vision.hidden_size, vision.image_size, vision.num_channels, pooler_features)

@@ -47,21 +47,24 @@ def _paper_llava(language: str, layers: int | None) -> PaperModel:
     return PaperModel(config, processor)
 
 
-def _hf_llava(name_or_path: str) -> Backbone:
+def _hf_llava(name_or_path: str, dtype: torch.dtype | str) -> Backbone:
     processor = transformers.AutoProcessor.from_pretrained(name_or_path)
-    encoder = transformers.LlavaForConditionalGeneration.from_pretrained(name_or_path, dtype=torch.float32)
-    text_config = encoder.config.text_config
-    return _llava(encoder, processor.tokenizer, _image_normalization(name_or_path),
-                  _text_limit(processor.tokenizer, text_config.max_position_embeddings))
+    encoder = transformers.LlavaForConditionalGeneration.from_pretrained(name_or_path, dtype=dtype)
+    tokenizer = processor.tokenizer
+    if not getattr(tokenizer, "chat_template", None) and getattr(processor, "chat_template", None):
+        tokenizer.chat_template = processor.chat_template  # saved with the processor: the prompts' format all the same
+    return _llava(encoder, tokenizer, _image_normalization(name_or_path))
 
 
-def _llava(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any], max_text_length: int) -> Backbone:
-    """LoRA in the language model only; a text after an image reads its image tokens first."""
+def _llava(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any]) -> Backbone:
+    """LoRA in the language model only; a text reads its image tokens where it marks them with the image token,
+    else before it; its limit is the language model's positions, which hold the image tokens too."""
     config, vision = encoder.config, encoder.config.vision_config
     image_tokens = (vision.image_size // vision.patch_size) ** 2
     image_token = tokenizer.convert_ids_to_tokens(config.image_token_id)
     return Backbone(
         encoder, config.text_config.hidden_size, vision.image_size, vision.num_channels, causal_lm_features,
-        frozenset({IMAGE, TEXT}), causal_lm_logits, tokenizer, max_text_length, LLM_LORA_TARGETS,
-        lora_scope="model.language_model", image_prompt=image_token * image_tokens, **normalization,
+        frozenset({IMAGE, TEXT}), causal_lm_logits, tokenizer, lora_targets=LLM_LORA_TARGETS,
+        lora_scope="model.language_model", image_prompt=image_token * image_tokens, image_placeholder=image_token,
+        text_limit=_text_limit(tokenizer, config.text_config.max_position_embeddings), **normalization,
     )  # fmt: skip

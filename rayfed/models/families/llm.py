@@ -11,7 +11,7 @@ from torch import nn
 from rayfed.errors import choice_error
 from rayfed.lazy import DeferredModule
 from rayfed.models.backbone import TEXT, Backbone, BackboneRequest
-from rayfed.models.families.common import _quiet_loading, _text_limit, _with_layers
+from rayfed.models.families.common import _quiet_loading, _text_limit, _with_layers, weights_dtype
 from rayfed.models.features import causal_lm_features, causal_lm_logits
 from rayfed.registry import register_backbone
 
@@ -51,12 +51,6 @@ def llama_config(size: str, token_ids: Mapping[str, int] | None = None, layers: 
     return transformers.LlamaConfig(**_with_layers(LLAMA_SIZES[size], layers), **_LLAMA_3_2, **token_ids)
 
 
-def _llm_dtype() -> torch.dtype:
-    """As the checkpoints ship: bfloat16 where this process sees a GPU (whose steps compute in bf16 under autocast
-    anyway), else float32 (a CPU runs no autocast here, and a float32 LoRA over bf16 weights would need it)."""
-    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-
-
 @register_backbone("llama:")
 def _random_llama(request: BackboneRequest) -> Backbone:
     """A randomly initialised Llama-3.2-shaped causal LM (``llama:1B``, ``llama:3B``; ``llama:tiny`` for tests)
@@ -65,21 +59,21 @@ def _random_llama(request: BackboneRequest) -> Backbone:
 
     config = llama_config(request.argument or "")
     with _quiet_loading():
-        encoder = transformers.AutoModelForCausalLM.from_config(config, dtype=_llm_dtype())
+        encoder = transformers.AutoModelForCausalLM.from_config(config, dtype=weights_dtype(torch.bfloat16))
     return _causal_lm(encoder, word_tokenizer(append_eos=False, model_max_length=config.max_position_embeddings))
 
 
-def _hf_causal_lm(name_or_path: str) -> Backbone:
+def _hf_causal_lm(name_or_path: str, dtype: torch.dtype | str) -> Backbone:
     from rayfed.zoo.tokenizers import load_tokenizer
 
-    encoder = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+    encoder = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     return _causal_lm(encoder, load_tokenizer(name_or_path))
 
 
 def _causal_lm(encoder: nn.Module, tokenizer: Any) -> Backbone:
-    """A text-only causal LM's backbone: LoRA on every linear layer, texts up to its positions (at most 512)."""
+    """A text-only causal LM's backbone: LoRA on every linear layer, texts up to its positions."""
     config = encoder.config
     return Backbone(
         encoder, config.hidden_size, None, 3, causal_lm_features, frozenset({TEXT}), causal_lm_logits, tokenizer,
-        _text_limit(tokenizer, config.max_position_embeddings), LLM_LORA_TARGETS,
+        lora_targets=LLM_LORA_TARGETS, text_limit=_text_limit(tokenizer, config.max_position_embeddings),
     )  # fmt: skip

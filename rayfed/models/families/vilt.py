@@ -29,10 +29,10 @@ def _paper_vilt(size: str, layers: int | None) -> PaperModel:
     return PaperModel(config, paper.vilt_processor(text, config.image_size))
 
 
-def _hf_vilt(name_or_path: str) -> Backbone:
+def _hf_vilt(name_or_path: str, dtype: torch.dtype | str) -> Backbone:
     from rayfed.zoo.tokenizers import load_tokenizer
 
-    encoder = transformers.ViltModel.from_pretrained(name_or_path, dtype=torch.float32)
+    encoder = transformers.ViltModel.from_pretrained(name_or_path, dtype=dtype)
     return _vilt(encoder, load_tokenizer(name_or_path), _image_normalization(name_or_path))
 
 
@@ -41,7 +41,7 @@ def _vilt(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any]) 
     _embed_unpadded_images_without_host_syncs(encoder)
     return Backbone(
         encoder, config.hidden_size, config.image_size, config.num_channels, vilt_features,
-        frozenset({IMAGE, TEXT}), tokenizer=tokenizer, max_text_length=_text_limit(tokenizer, config.max_position_embeddings),
+        frozenset({IMAGE, TEXT}), tokenizer=tokenizer, text_limit=_text_limit(tokenizer, config.max_position_embeddings),
         lora_targets=("query", "value"), **normalization,
     )  # fmt: skip
 
