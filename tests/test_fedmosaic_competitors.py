@@ -114,8 +114,8 @@ def test_perada_distils_each_architectures_average_toward_the_mean_logits_of_all
     for cid in range(4):  # each client's global adapter, run by its own architecture's backbone
         arch = "small" if cid < 2 else "large"
         actor = first[arch]
-        stage = PublicPass(arch, actor.model, actor._public[1], actor._public[0], actor.config.train, actor.device,
-                           actor.config.seed, 0)
+        task, columns = actor.public_passes.data
+        stage = PublicPass(arch, actor.model, columns, task, actor.config.train, actor.device, actor.config.seed, 0)
         stage_logits.append(stage.answer_logits(uploads[cid]["shared"], rows))
     teacher = requests[1]["small"]["teacher"]
     assert torch.allclose(teacher, torch.stack(stage_logits).mean(0), atol=1e-5)  # 1/N each, not per architecture
@@ -250,7 +250,8 @@ def test_fedmkt_with_top_k_sends_the_teachers_k_largest_logits_and_trains_toward
 def test_grouped_public_training_gives_each_adapter_its_own_update(fedmkt, monkeypatch):
     first, _, _, _, requests, _ = fedmkt
     actor = first["large"]
-    stage = PublicPass(actor.architecture, actor.model, actor._public[1], actor._public[0], actor.config.train,
+    task, columns = actor.public_passes.data
+    stage = PublicPass(actor.architecture, actor.model, columns, task, actor.config.train,
                        actor.device, actor.config.seed, 0)
     vocabulary = int(fedmkt[5][0]["large"]["vocabulary"])
     generator = torch.Generator().manual_seed(1)
