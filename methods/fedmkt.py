@@ -37,9 +37,9 @@ from torch import nn
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.methods.token_alignment import STRATEGIES, Vocabulary, VocabularyMap, aligned_cut
 from rayfed.param_names import prefix_of
 from rayfed.registry import register_method
-from rayfed.methods.token_alignment import STRATEGIES, Vocabulary, VocabularyMap, aligned_cut
 from rayfed.training import ClientContext, PreFederation, PublicJob, PublicPass, same_answers, token_losses
 
 GLOBAL = "global"
