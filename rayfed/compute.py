@@ -22,6 +22,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from rayfed.errors import ConfigError
 
 Result = TypeVar("Result")
+# The override that turns compute matching off, for a run of some of a config's methods: its reference may be gone.
+WITHOUT_MATCHING = "train.compute_match=null"
 
 
 def counted(work: Callable[[], Result]) -> tuple[Result, float]:
