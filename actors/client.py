@@ -83,7 +83,7 @@ class ClientActor:
         self.guest_states: dict[int, ClientState] = {}  # guests' new states, until their hosts take them
         self.round_times: list[dict[str, float]] = []  # see get_round_times
         self._stats: dict[str, float] = {}
-        self._public: tuple | None = None  # data.public's task and columns, encoded at the first public pass
+        self.public_passes = public.PublicPasses(self.config, self.backbone)
 
     def start_method(self, method_index: int, local_steps: int | None = None) -> TensorDict:
         """Build the method's client model and every hosted client's initial state; return the initial shared
@@ -120,10 +120,11 @@ class ClientActor:
     def public_pass(self, method_index: int, round_idx: int, index: int, request: TensorDict) -> TensorDict:
         """The method's public pass ``index`` after round ``round_idx`` on this actor's architecture (see
         ``Method.public_passes``); the public data is encoded once per actor."""
-        if self._public is None:
-            self._public = public.public_data(self.config, self.backbone)
-        return public.public_pass(self.method, self.config, self.architecture, self.model, self._public, self.device,
-                                  round_idx, index, request)
+        return self.public_passes.run(self.method, self.architecture, self.model, self.device, round_idx, index, request)
+
+    def count_public_flops(self, counting: bool) -> float:
+        """:meth:`PublicPasses.count <rayfed.actors.public.PublicPasses.count>` (compute matching)."""
+        return self.public_passes.count(counting)
 
     def task_tags(self) -> dict[str, frozenset[int]]:
         """The tasks each parameter of the method's model belongs to (untagged ones are shared by all)."""
@@ -137,8 +138,7 @@ class ClientActor:
         )
 
     def local_update_flops(self, client_id: int, payloads: Payloads) -> float:
-        """The FLOPs of ``client_id``'s round-1 local update with ``payloads`` (:func:`rayfed.compute.counted_flops`);
-        its state stays as it was."""
+        """The FLOPs of ``client_id``'s round-1 local update with ``payloads``; its state stays as it was."""
         state, train = self.states[client_id], self.train_config
         # Eager: the counter does not see the work of a replayed CUDA graph or of compiled code.
         self.train_config = train.model_copy(update={"cuda_graphs": False, "compile": False})

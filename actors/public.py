@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from rayfed.compute import counted
 from rayfed.config import RunConfig, model_configs
 from rayfed.data.batches import Columns
 from rayfed.data.clients import encode_public
@@ -43,3 +44,31 @@ def public_pass(method: Method, config: RunConfig, architecture: str, model: tor
                    f"after round {round_idx + 1}"):
         result = method.public_pass(stage, index, request)
     return {name: value.detach().cpu() for name, value in result.items()}
+
+
+class PublicPasses:
+    """A ClientActor's public passes: ``data.public`` encoded for its ``backbone`` at the first pass (``data``: the
+    task and the columns), and the FLOPs of the passes while counting is on (compute matching)."""
+
+    def __init__(self, config: RunConfig, backbone: Backbone):
+        self.config, self.backbone = config, backbone
+        self.data: tuple[Task | None, Columns] | None = None
+        self.flops: float | None = None  # None: not counting
+
+    def run(self, method: Method, architecture: str, model: torch.nn.Module, device: torch.device, round_idx: int,
+            index: int, request: TensorDict) -> TensorDict:
+        """:func:`public_pass` on the encoded public data."""
+        if self.data is None:
+            self.data = public_data(self.config, self.backbone)
+        if self.flops is None:
+            return public_pass(method, self.config, architecture, model, self.data, device, round_idx, index, request)
+        result, flops = counted(lambda: public_pass(method, self.config, architecture, model, self.data, device,
+                                                    round_idx, index, request))
+        self.flops += flops
+        return result
+
+    def count(self, counting: bool) -> float:
+        """The FLOPs counted since counting was last turned on (0 if it was off); counting from now on iff
+        ``counting``."""
+        so_far, self.flops = self.flops or 0.0, 0.0 if counting else None
+        return so_far

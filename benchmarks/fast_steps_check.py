@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import yaml
 
+from rayfed.compute import WITHOUT_MATCHING
+
 # Each mode sets both fields: a config's own (TAP's offline configs turn CUDA graphs on) must not leak into another.
 MODES = {"eager": {"compile": False, "cuda_graphs": False}, "compile": {"compile": True, "cuda_graphs": False},
          "cuda_graphs": {"compile": False, "cuda_graphs": True},
@@ -33,12 +35,12 @@ Uploads = dict[int, dict[str, dict[str, torch.Tensor]]]
 def method_overrides(config: Path, label: str) -> list[str]:
     """The override that keeps only method ``label`` of ``config`` (a JSON method entry: that method instead)."""
     if label.startswith("{"):
-        return [f"methods=[{label}]"]
+        return [f"methods=[{label}]", WITHOUT_MATCHING]
     methods = yaml.safe_load(config.read_text())["methods"]
     chosen = [m for m in methods if (m if isinstance(m, str) else m.get("label", m["name"])) == label]
     if not chosen:
         raise SystemExit(f"--label {label!r} is not a method label of {config}")
-    return [f"methods={json.dumps(chosen[:1])}"]
+    return [f"methods={json.dumps(chosen[:1])}", WITHOUT_MATCHING]
 
 
 def round_uploads(config: Path | dict, overrides: Sequence[str], clients: Sequence[int], mode: str,

@@ -41,6 +41,7 @@ from rayfed.actors.client import ClientActor, run_methods
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_clients, architecture_of
 from rayfed.benchmarks.overhead import synchronize
+from rayfed.compute import WITHOUT_MATCHING
 from rayfed.config import RunConfig, load_config
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError, choice_error
@@ -95,7 +96,7 @@ def workload_config(workload: MethodWorkload, rounds: int, smoke: bool = False,
     if not chosen:
         raise ConfigError(f"{path}: no method is labelled {label!r}.")
     return load_config(path, [f"federation.rounds={rounds}", f"federation.eval_every={rounds + 1}",
-                              "federation.checkpoint_every=0", f"methods={json.dumps(chosen)}", *overrides])
+                              "federation.checkpoint_every=0", f"methods={json.dumps(chosen)}", WITHOUT_MATCHING, *overrides])
 
 
 def _timed(work: Callable[[], Any]) -> tuple[Any, float]:
@@ -398,9 +399,9 @@ def reference_config(config: RunConfig) -> RunConfig:
     model the workload trains: the engine's with LoRA, or the workload's ``model.client`` as configured (TAP's MoME
     puts LoRA on the backbone and its experts; the engine's FLAVA has no text decoder for TAP's generation tasks)."""
     if config.model.client is not None:
-        return load_config(config, ["methods=[fedavg]"])
+        return load_config(config, ["methods=[fedavg]", WITHOUT_MATCHING])
     lora = config.model.lora.model_dump() if config.model.lora is not None else {"rank": 16, "alpha": 32}
-    return load_config(config, ["methods=[fedavg]", "model.module=lora", f"model.lora={json.dumps(lora)}"])
+    return load_config(config, ["methods=[fedavg]", WITHOUT_MATCHING, "model.module=lora", f"model.lora={json.dumps(lora)}"])
 
 
 def resolved_workload(workload: str | MethodWorkload) -> tuple[str, MethodWorkload]:

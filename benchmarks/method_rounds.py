@@ -34,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from rayfed.compute import WITHOUT_MATCHING
+
 
 def time_method(config: Path, label: str, rounds: int, overrides: list[str], out_dir: Path) -> dict[str, Any]:
     """Run method ``label`` of ``config`` alone for ``rounds`` rounds; its round and evaluation times."""
@@ -53,7 +55,7 @@ def time_method(config: Path, label: str, rounds: int, overrides: list[str], out
     simulation = Simulation(str(config), out_dir=str(out_dir), callbacks=[round_end],
                             overrides=[f"federation.rounds={rounds}", f"federation.eval_every={rounds + 1}",
                                        f"federation.checkpoint_every={rounds + 1}", f"methods={json.dumps(chosen)}",
-                                       *overrides])
+                                       WITHOUT_MATCHING, *overrides])
     start, cpu_start = time.perf_counter(), time.process_time()
     summary = simulation.run()
     end, cpu_end = time.perf_counter(), time.process_time()

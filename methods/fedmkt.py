@@ -19,6 +19,11 @@ teacher-forced on their answers, losses = mean cross-entropy over the answer tok
 With ``top_k`` every teacher's logits are cut to each token's k largest (the cut travels between the actors and the
 driver: values and token ids) and a student learns toward the teacher's softmax renormalised over those k tokens;
 the losses that pick the teachers are always over the whole vocabulary.
+
+Architectures whose tokenizers differ (Llama-3 and Qwen2.5 clients in one run) distil through a token alignment
+(:mod:`rayfed.methods.token_alignment`, ``alignment``): before round 1 each architecture sends its vocabulary, and
+the driver carries a teacher's top-k cut at its own tokens of a public answer to the student's tokens of that
+answer and into the student's vocabulary. Architectures of one tokenizer share ids and positions, unaligned.
 """
 
 from __future__ import annotations
@@ -30,13 +35,16 @@ import torch
 from torch import nn
 
 from rayfed.architectures import prefixed, unprefixed
+from rayfed.errors import ConfigError
 from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.methods.token_alignment import STRATEGIES, Vocabulary, VocabularyMap, aligned_cut
 from rayfed.param_names import prefix_of
 from rayfed.registry import register_method
-from rayfed.training import ClientContext, PublicJob, PublicPass, same_answers, token_losses
+from rayfed.training import ClientContext, PreFederation, PublicJob, PublicPass, same_answers, token_losses
 
 GLOBAL = "global"
 IDS = ":ids"  # beside a top-k cut of logits: the token ids of its values
+VOCABULARIES = "vocabularies"  # the server slot of each architecture's vocabulary, when they differ
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class FedMKTParams:
     kd_alpha: float = 0.0  # weight of the answers' cross-entropy (FedMosaic 0; FATE-LLM 0.9)
     keep_self_best: bool = False  # FATE-LLM: rows where the model itself is best distil toward its own logits
     top_k: int | None = None  # a teacher's k largest logits per token (the original: 128); None: the whole vocabulary
+    alignment: str = "greedy_dp"  # across tokenizers: greedy_dp (FedMosaic's) or dtw (FATE-LLM's default)
 
     def __post_init__(self) -> None:
         for field in ("public_samples", "kd_epochs", "kd_batch_size"):
@@ -59,6 +68,8 @@ class FedMKTParams:
             raise ValueError("kd_alpha must be in [0, 1]")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError("top_k must be >= 1 or null (the whole vocabulary)")
+        if self.alignment not in STRATEGIES:
+            raise ValueError(f"alignment must be one of {', '.join(STRATEGIES)}")
 
 
 def lowest_loss(losses: torch.Tensor, own: torch.Tensor, keep_self_best: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,11 +113,13 @@ class FedMKT(Method):
     Params = FedMKTParams
     aggregation = EachUpload()  # every client's own adapter is a candidate teacher
     public_passes = 2  # every adapter's losses and logits; then each architecture's two distillations
+    pre_federation_stage = True  # each architecture's vocabulary, for the alignment across tokenizers
 
     def __init__(self, params: FedMKTParams | None = None):
         super().__init__(params)
         self._uploads: dict[int, TensorDict] = {}
         self._outputs: dict[str, TensorDict] = {}
+        self._maps: dict[tuple[str, str], VocabularyMap] = {}  # (teacher, student) architectures -> M, kept
 
     def init_client(self, initial: TensorDict) -> ClientState:
         return {"personal": dict(initial)}
@@ -120,6 +133,34 @@ class FedMKT(Method):
 
     def init_server(self, initial_shared: TensorDict) -> ServerState:
         return {"global": dict(initial_shared), "clients": {}}
+
+    def pre_federation(self, stage: PreFederation) -> TensorDict:
+        tokenizer = getattr(stage.model, "tokenizer", None)
+        return Vocabulary.of(tokenizer).to_tensors() if tokenizer is not None else {}
+
+    def before_federation(self, server: ServerState, prepared: dict[str, TensorDict]) -> ServerState:
+        """The architectures' vocabularies into the server state when they differ (nothing when all are one)."""
+        vocabularies = {arch: Vocabulary.from_tensors(tensors) for arch, tensors in prepared.items() if tensors}
+        if len(set(vocabularies.values())) < 2:
+            return server
+        if self.params.top_k is None:
+            first = next(iter(vocabularies))
+            other = next(arch for arch, vocabulary in vocabularies.items() if vocabulary != vocabularies[first])
+            raise ConfigError(f"methods (fedmkt).top_k = null, but architectures {first!r} and {other!r} tokenize "
+                              "differently, and a teacher's logits cross tokenizers as its k largest per token: set "
+                              "top_k (the original: 128).")
+        return {**server, VOCABULARIES: {f"{arch}/{name}": value for arch, tensors in prepared.items()
+                                         for name, value in tensors.items()}}
+
+    def _vocabulary_map(self, server: ServerState, teacher: str, student: str) -> VocabularyMap | None:
+        """M from ``teacher``'s vocabulary to ``student``'s, None when they are one (or unknown: all one)."""
+        if VOCABULARIES not in server or teacher == student:
+            return None
+        if (teacher, student) not in self._maps:
+            self._maps[(teacher, student)] = VocabularyMap(*(
+                Vocabulary.from_tensors(unprefixed(server[VOCABULARIES], arch)) for arch in (teacher, student)))
+        mapping = self._maps[(teacher, student)]
+        return None if mapping.teacher == mapping.student else mapping
 
     def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
         self._uploads = {u.client_id: u.tensors["shared"] for u in uploads if u.tensors.get("shared")}
@@ -148,8 +189,13 @@ class FedMKT(Method):
         target = {part: outputs[architecture][f"logits:{GLOBAL}{part}"].clone() for part in cut}
         for position, cid in enumerate(candidates):
             tokens = (best[row_of] == position) & ~keep_own[row_of]
-            for part in cut:
-                target[part][tokens] = outputs[self.architecture_of[cid]][f"logits:{cid}{part}"][tokens]
+            teacher = self.architecture_of[cid]
+            mapping = self._vocabulary_map(server, teacher, architecture)
+            if mapping is None:
+                for part in cut:
+                    target[part][tokens] = outputs[teacher][f"logits:{cid}{part}"][tokens]
+            else:
+                self._align(target, cid, teacher, architecture, mapping, row_of[tokens].unique())
         request.update({"trains": trains.float(), "vocabulary": outputs[architecture]["vocabulary"]})
         request.update({f"target{part}": value for part, value in target.items()})
         for cid in self._clients(architecture):
@@ -157,6 +203,17 @@ class FedMKT(Method):
             if self.params.keep_self_best:
                 request.update({f"logits:{cid}{part}": outputs[architecture][f"logits:{cid}{part}"] for part in cut})
         return request
+
+    def _align(self, target: TensorDict, cid: int, teacher: str, student: str, mapping: VocabularyMap,
+               rows: torch.Tensor) -> None:
+        """``target``'s cut at the student's answer tokens of ``rows`` from client ``cid``'s cut at its own
+        tokenization of those answers, carried across the tokenizers."""
+        source, own = self._outputs[teacher], self._outputs[student]
+        for row in rows.tolist():
+            at, source_at = own["row_of"] == row, source["row_of"] == row
+            target[""][at], target[IDS][at] = aligned_cut(
+                own["answers"][at].tolist(), source["answers"][source_at].tolist(), source[f"logits:{cid}"][source_at],
+                source[f"logits:{cid}{IDS}"][source_at], mapping, self.params.alignment, target[""].shape[-1])
 
     def public_pass(self, stage: PublicPass, index: int, request: TensorDict) -> TensorDict:
         rows = stage.rows(self.params.public_samples)
@@ -206,7 +263,12 @@ class FedMKT(Method):
 
     def after_public_pass(self, server: ServerState, index: int, results: dict[str, TensorDict]) -> ServerState:
         if index == 0:
-            same_answers(results, "fedmkt")
+            tokenizers: dict[str, dict[str, TensorDict]] = {}  # architectures by the first of their tokenizer
+            for arch, result in results.items():
+                first = next((f for f in tokenizers if self._vocabulary_map(server, f, arch) is None), arch)
+                tokenizers.setdefault(first, {})[arch] = result
+            for same in tokenizers.values():
+                same_answers(same, "fedmkt")
             self._outputs = results
             return server
         new_global, clients = dict(server["global"]), dict(server["clients"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_slots, unprefixed
 from rayfed.config import load_config
+from rayfed.method import build_method
 from rayfed.training import public_pass
 from rayfed.methods.fedmkt import cut_logits, full_logits, lowest_loss, soft_cross_entropy
 from rayfed.methods.takfl import merged
@@ -31,10 +33,11 @@ def _config(method: dict, clients_per_actor: int = 2) -> dict:
     return config
 
 
-def _one_round(method: dict, clients_per_actor: int = 2):
-    """Round 1 of the method as the simulation runs it (training, aggregation, then the public passes), on actors
-    of ``clients_per_actor`` clients; the actors, the driver, what each sent and the server state after aggregation."""
-    config = load_config(_config(method, clients_per_actor))
+def _one_round(method: dict, clients_per_actor: int = 2, run: dict | None = None):
+    """Round 1 of the method as the simulation runs it (its pre-federation stage, training, aggregation, then the
+    public passes), on actors of ``clients_per_actor`` clients (of ``run``: default ``_config``'s); the actors, the
+    driver, what each sent and the server state after aggregation."""
+    config = load_config(run or _config(method, clients_per_actor))
     slots = actor_slots(config)
     actors = [ClientActor(config, slot.client_ids, architecture=slot.architecture) for slot in slots]
     first: dict[str, ClientActor] = {}
@@ -45,6 +48,8 @@ def _one_round(method: dict, clients_per_actor: int = 2):
     driver = DriverActor(config)
     driver.start_method(0, names, *(initial[actors.index(first[n])] for n in names),
                         *(first[n].task_tags() for n in names))
+    if driver.method.pre_federation_stage:
+        driver.before_federation(names, *(first[n].pre_federation(0) for n in names))
     parts = [actor.train_round(0, actor.client_ids, driver.payloads(actor.client_ids), dict.fromkeys(actor.client_ids, 1.0))
              for actor in actors]
     driver.aggregate(*parts)
@@ -114,8 +119,8 @@ def test_perada_distils_each_architectures_average_toward_the_mean_logits_of_all
     for cid in range(4):  # each client's global adapter, run by its own architecture's backbone
         arch = "small" if cid < 2 else "large"
         actor = first[arch]
-        stage = PublicPass(arch, actor.model, actor._public[1], actor._public[0], actor.config.train, actor.device,
-                           actor.config.seed, 0)
+        task, columns = actor.public_passes.data
+        stage = PublicPass(arch, actor.model, columns, task, actor.config.train, actor.device, actor.config.seed, 0)
         stage_logits.append(stage.answer_logits(uploads[cid]["shared"], rows))
     teacher = requests[1]["small"]["teacher"]
     assert torch.allclose(teacher, torch.stack(stage_logits).mean(0), atol=1e-5)  # 1/N each, not per architecture
@@ -250,7 +255,8 @@ def test_fedmkt_with_top_k_sends_the_teachers_k_largest_logits_and_trains_toward
 def test_grouped_public_training_gives_each_adapter_its_own_update(fedmkt, monkeypatch):
     first, _, _, _, requests, _ = fedmkt
     actor = first["large"]
-    stage = PublicPass(actor.architecture, actor.model, actor._public[1], actor._public[0], actor.config.train,
+    task, columns = actor.public_passes.data
+    stage = PublicPass(actor.architecture, actor.model, columns, task, actor.config.train,
                        actor.device, actor.config.seed, 0)
     vocabulary = int(fedmkt[5][0]["large"]["vocabulary"])
     generator = torch.Generator().manual_seed(1)
@@ -306,3 +312,20 @@ def test_rayfed_list_shows_the_three():
     from rayfed.registry import names
 
     assert {"takfl", "perada", "fedmkt"} <= set(names("method"))
+
+
+def test_the_paper_configs_carry_the_papers_comparison_with_compute_matching_on(monkeypatch, tmp_path):
+    """Tab. 2 / 3's methods, the three distillation baselines among them, each trained for the local steps that
+    make its cost SFT's (the server's distillation counted), in every paper config and its offline twin."""
+    for variable in ("DRAKE_ROOT", "HFLB_ROOT"):
+        monkeypatch.setenv(variable, str(tmp_path))
+    papers = sorted((Path(__file__).resolve().parents[1] / "configs" / "fedmosaic").glob("paper_*.yaml"))
+    assert len(papers) == 6  # DRAKE-Dynamic, -Static, HFLB-Dynamic and their twins
+    for path in papers:
+        config = load_config(path)
+        names = [entry.name for entry in config.methods]
+        assert {"local", "fedavg", "ditto", "fedsim", "feddpa", "feddat_lora", "takfl", "perada", "fedmkt",
+                "fedmosaic"} <= set(names), path.name
+        assert config.train.compute_match is not None and config.train.compute_match.reference == "local"
+        fedmkt = build_method(config.methods[names.index("fedmkt")], names.index("fedmkt"))
+        assert fedmkt.params.top_k == 128  # a teacher's 128 largest logits travel, as the original's

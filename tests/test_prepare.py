@@ -21,6 +21,7 @@ from rayfed.cli import main
 from rayfed.data import load_source
 from rayfed.data.prepare import SourceFiles
 from rayfed.data.sources import DataError
+from rayfed.models.image_processing import image_preprocessing
 from rayfed.simulation import Simulation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,13 +49,6 @@ def _zip(path: Path, members: dict[str, bytes]) -> Path:
         for name, data in members.items():
             archive.writestr(name, data)
     return path
-
-
-def _config_with_root(config: Path, variable: str, root: Path, tmp_path: Path) -> Path:
-    # ${VAR} expansion comes with the config loader of another branch; until then the test writes the path in.
-    copy = tmp_path / config.name
-    copy.write_text(config.read_text().replace("${" + variable + "}", str(root)))
-    return copy
 
 
 # FedMosaic: SNUMPR/DRAKE's <dataset>.tar archives (images and LLaVA-style task splits) and a scenario file of the
@@ -139,14 +133,18 @@ def test_drake_and_hflb_convert_and_the_paper_config_loads_every_client_and_task
     manifest = json.loads((tmp_path / "drake" / "scenario.json").read_text())
     assert [t["dataset"] for t in manifest["clients"][7]["tasks"]] == [d for d, _ in tasks[7]]
 
-    config = _config_with_root(ROOT / "configs" / "fedmosaic" / config_name, variable, tmp_path / "drake", tmp_path)
-    sim = Simulation(config, progress=False)
+    monkeypatch.setenv(variable, "drake")  # as the recipe says: export DRAKE_ROOT=drake (HFLB_ROOT)
+    # data.resize: backbone reads the checkpoints' processors; offline, the tiny LLaVAs stand in for them
+    offline = ["model.backbone=tiny-pretrained:llava", "architectures.llama1b.backbone=tiny-pretrained:llava",
+               "architectures.llama3b.backbone=tiny-pretrained:llava-large"]
+    sim = Simulation(ROOT / "configs" / "fedmosaic" / config_name, overrides=offline, progress=False)
     summary = sim.data_summary()
     assert summary["by"] == "task" and len(summary["categories"]) == 4 * clients
     assert {cid: (c["num_train"], c["num_test"]) for cid, c in summary["clients"].items()} == {
         cid: (4 * TRAIN, 4 * TEST) for cid in range(clients)}
     assert sim.config.architectures["llama1b"].clients == small  # the scenario's 1B clients
-    assert len(load_source(sim.config.data.public, 0).target) == 8
+    assert {task.resize for task in sim.config.data.tasks} == {sim.config.data.public.resize} == {"backbone"}
+    assert len(load_source(sim.config.data.public, 0, image_processing=image_preprocessing(sim.config.model)).target) == 8
 
 
 def test_a_task_with_a_multi_image_sample_holds_lists_of_images(tmp_path):
@@ -161,6 +159,13 @@ def test_a_task_with_a_multi_image_sample_holds_lists_of_images(tmp_path):
     assert task.features["image"] == datasets.Sequence(datasets.Image())
     assert [len(images) for images in task["image"]] == [2] + [1] * (TRAIN + TEST - 1)
     assert task[0]["question"].count("<image>") == 2
+    # the loader reads it as samples of several images, as the paper config asks for it
+    from rayfed.config import DataConfig
+
+    section = DataConfig(source=f"hf:{tmp_path}/drake/client{client}/task{t}", kind="text_generation",
+                         text_column="question", target_column="answer")
+    loaded = load_source(section, 0)
+    assert loaded.images.shape[:2] == (TRAIN + TEST, 2) and loaded.image_counts.tolist() == [2] + [1] * (TRAIN + TEST - 1)
 
 
 def test_a_missing_task_file_is_one_sentence_naming_it_and_where_to_get_it(tmp_path, capsys):

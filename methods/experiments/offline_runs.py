@@ -102,7 +102,7 @@ def _method_entry(stems: list[str], label: str) -> str | dict[str, Any]:
 
 def compute_matched(config: dict[str, Any], reference: str, stems: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``config`` (one method) with the local steps that compute matching to method ``reference`` gives it, and
-    what was measured: ``{"reference", "flops", "cost_ratio", "local_steps"}``."""
+    what was measured: ``{"reference", "flops", "server_flops", "cost_ratio", "local_steps"}``."""
     from rayfed.simulation import Simulation
 
     label, train = _label(config["methods"][0]), config.get("train", {})

@@ -164,30 +164,37 @@ PAPER_MODELS = {
 }
 DRAKE_GROUPS = {"visual_relation": (0, 4, 5), "reasoning": (6, 7, 8), "vqa": (1, 2, 3, 9)}  # Tab. 37, 0-based
 DRAKE_SMALL, HFLB_SMALL = (0, 1, 8, 9), (0, 1, 5)  # the scenario files' clients on LLaVA-Llama-3.2-1B (the rest: 3B)
+# Tab. 2 / 3's comparison: SFT, FedIT, the other baselines within an architecture, the distillation baselines on
+# data.public's first 80 rows (FedMKT's teachers cut to their 128 largest logits, as the original), Tab. 7's ablation.
+PAPER_METHODS = ["local", "fedavg", "ditto", "fedsim", "feddpa", "feddat_lora", "takfl", "perada",
+                 {"name": "fedmkt", "top_k": 128},
+                 {"name": "fedmosaic", "label": "vanilla", "pq": False, "relevance": "equal",
+                  "relevance_model": PAPER_MODELS["llava-llama3.2-1b"]},
+                 {"name": "fedmosaic", "label": "pq_lora", "relevance": "equal",
+                  "relevance_model": PAPER_MODELS["llava-llama3.2-1b"]},
+                 {"name": "fedmosaic", "relevance_model": PAPER_MODELS["llava-llama3.2-1b"]}]
+# Every method trains the local steps that make its cost SFT's, the server's distillation included (Tab. 15).
+PAPER_COMPUTE_MATCH = {"reference": "local"}
 
 
 def paper(name: str, clients: int, small: tuple[int, ...], folder: str, stream: dict[str, Any]) -> dict[str, Any]:
     large = tuple(c for c in range(clients) if c not in small)
     tasks = [{"name": f"client{c}-task{t}", "source": f"hf:{folder}/client{c}/task{t}", "kind": "text_generation",
-              "text_column": "question", "target_column": "answer", "clients": [c],
+              "text_column": "question", "target_column": "answer", "clients": [c], "resize": "backbone",
               "partition": {"name": "presplit", "column": "split"}}
              for c in range(clients) for t in range(4)]
     return {
         "name": name, "seed": 0,
         "data": {"tasks": tasks, "stream": stream,
                  "public": {"source": f"hf:{folder}/public_llava_instruct_5k", "kind": "text_generation",
-                            "text_column": "question", "target_column": "answer"}},
+                            "text_column": "question", "target_column": "answer", "resize": "backbone"}},
         "model": {"backbone": PAPER_MODELS["llava-llama3.2-1b"], "lora": {"rank": 128, "alpha": 256}},
         "architectures": {"llama1b": {"clients": list(small), "backbone": PAPER_MODELS["llava-llama3.2-1b"]},
                           "llama3b": {"clients": list(large), "backbone": PAPER_MODELS["llava-llama3.2-3b"]}},
         "federation": {"rounds": 20, "clients_per_round": clients, "eval_every": 5, "checkpoint_every": 5},
-        "train": {"local_steps": 100, "batch_size": 4, "lr": 2e-5, "optimizer": "adamw", "eval_batch_size": 16},
-        "methods": ["local", "fedavg", "ditto", "fedsim", "feddpa", "feddat_lora",
-                    {"name": "fedmosaic", "label": "vanilla", "pq": False, "relevance": "equal",
-                     "relevance_model": PAPER_MODELS["llava-llama3.2-1b"]},
-                    {"name": "fedmosaic", "label": "pq_lora", "relevance": "equal",
-                     "relevance_model": PAPER_MODELS["llava-llama3.2-1b"]},
-                    {"name": "fedmosaic", "relevance_model": PAPER_MODELS["llava-llama3.2-1b"]}],
+        "train": {"local_steps": 100, "batch_size": 4, "lr": 2e-5, "optimizer": "adamw", "eval_batch_size": 16,
+                  "compute_match": PAPER_COMPUTE_MATCH},
+        "methods": PAPER_METHODS,
         "placement": {"clients_per_actor": 1, "cpus_per_actor": 4, "gpus_per_actor": 1},
         # A round's payloads and uploads (about 10 GB for the LLaVA mix) cross a local Ray's object store, whose
         # default of 1 GB would spill them to disk (benchmarks/README.md, FedMosaic at paper size).

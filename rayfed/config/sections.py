@@ -33,7 +33,8 @@ class FederationConfig(Section):
 
 class ComputeMatch(Section):
     """Local steps per method from a measured cost: every method gets ``round(train.local_steps / C)`` steps, C its
-    local update's FLOPs over the reference method's (:mod:`rayfed.compute`)."""
+    local update's FLOPs (plus the client's share of the method's server-side passes on public data) over the
+    reference method's (:mod:`rayfed.compute`)."""
 
     reference: str = Field(description="the label of the method whose local update costs 1 and keeps train.local_steps")
     client: int = Field(0, ge=0, description="the client whose round-1 local update is measured for every method")
@@ -97,8 +98,9 @@ class TrainConfig(Section):
         "optionally a penalty) and train the same tensors; 1: each client's steps alone"
     )
     compute_match: ComputeMatch | None = Field(
-        None, description="scale each method's local steps so that its local update costs what the reference "
-        "method's does (FLOPs measured on one client's update before the run; reported in summary.json)"
+        None, description="scale each method's local steps so that its local update, with its share of the server's "
+        "passes on public data, costs what the reference method's does (FLOPs measured on one client's update and "
+        "round 1's passes before the run; reported in summary.json)"
     )
 
     @model_validator(mode="after")

@@ -133,19 +133,6 @@ class RunActors:
         payloads = self.driver.payloads.remote([client_id])
         return self.executor.get(self.clients[self.host_of[client_id]].local_update_flops.remote(client_id, payloads))
 
-    def measure_flops(self, client_id: int) -> dict[str, float]:
-        """Per method label, the FLOPs of ``client_id``'s round-1 local update (after the method's stages before round
-        1), on actors started for the measurement alone: they are stopped after it."""
-        flops = {}
-        try:
-            for index, entry in enumerate(self.config.methods):
-                self.start_method(index)
-                self.before_federation(index)
-                flops[entry.label] = self.local_update_flops(client_id)
-        finally:
-            self.stop()
-        return flops
-
     def states(self) -> tuple[dict[int, ClientState], dict[str, TensorDict]]:
         """Every client's state and the server's, for a checkpoint."""
         state_refs = [actor.get_states.remote() for actor in self.clients]

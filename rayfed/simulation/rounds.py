@@ -75,3 +75,34 @@ def run_round(actors: RunActors, method_index: int, round_idx: int, num_train: d
     if "nonfinite" not in stats:
         actors.public_passes(method_index, round_idx)
     return RoundDone(sampled, plan, stats)
+
+
+def server_share_flops(actors: RunActors, method_index: int, client_id: int, num_train: dict[int, int]) -> float:
+    """``client_id``'s share of the method's server-side passes on public data after round 1 (compute matching,
+    :mod:`rayfed.compute`): the FLOPs of the passes on its architecture's actor over the round's participants of that
+    architecture. Runs round 1 on the started ``actors``."""
+    architecture = actors.slots[actors.host_of[client_id]].architecture
+    counter = actors.clients[actors.first_of_each_architecture()[architecture]]
+    actors.executor.get(counter.count_public_flops.remote(True))
+    done = run_round(actors, method_index, 0, num_train)
+    flops = actors.executor.get(counter.count_public_flops.remote(False))
+    peers = [cid for cid in done.plan.participants if actors.slots[actors.host_of[cid]].architecture == architecture]
+    return flops / max(1, len(peers))
+
+
+def measured_costs(actors: RunActors, client_id: int, num_train: dict[int, int]) -> tuple[dict[str, float],
+                                                                                          dict[str, float]]:
+    """Per method label (compute matching): the FLOPs of ``client_id``'s round-1 local update and, for a method with
+    public passes, its share of them (:func:`server_share_flops`); on actors started for the measurement alone: they
+    are stopped after it."""
+    local, server = {}, {}
+    try:
+        for index, entry in enumerate(actors.config.methods):
+            actors.start_method(index)
+            actors.before_federation(index)
+            local[entry.label] = actors.local_update_flops(client_id)
+            if actors.methods[index].public_passes:
+                server[entry.label] = server_share_flops(actors, index, client_id, num_train)
+    finally:
+        actors.stop()
+    return local, server

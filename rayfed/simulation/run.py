@@ -33,7 +33,7 @@ from rayfed.simulation.preflight import check_model
 from rayfed.simulation.ray_setup import (ObjectStoreCheck, import_plugin_modules, init_ray, is_actor_failure,
                                         unwrap_actor_error)
 from rayfed.simulation.results import MetricsLog, mean_std, method_results, run_summary
-from rayfed.simulation.rounds import run_round
+from rayfed.simulation.rounds import measured_costs, run_round
 
 RoundCallback = Callable[["Simulation", str, int], None]
 """Called as ``callback(simulation, method_label, rounds_done)`` after every round."""
@@ -182,13 +182,13 @@ class Simulation:
         return owns_ray
 
     def _match_compute(self) -> dict[str, dict[str, float]]:
-        """``train.compute_match``: per method label its local update's FLOPs, cost ratio to the reference and local
-        steps (:mod:`rayfed.compute`), from each method's round-1 update of the measured client with
-        ``train.local_steps`` steps; ``{}`` without the option."""
+        """``train.compute_match``: per method label its costs, cost ratio to the reference and local steps
+        (:mod:`rayfed.compute`, :func:`measured_costs`); ``{}`` without the option."""
         match = self.config.train.compute_match
         if match is None:
             return {}
-        return matched_steps(self.run_actors.measure_flops(match.client), match.reference, self.config.train.local_steps)
+        local, server = measured_costs(self.run_actors, match.client, self.num_train)
+        return matched_steps(local, match.reference, self.config.train.local_steps, server)
 
     # Each method ------------------------------------------------------------------------
     def _run_method(self, method_index: int) -> None:
