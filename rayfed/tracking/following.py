@@ -96,9 +96,10 @@ class RunTracking(_Following):
     def __init__(self, config: RunConfig, run_dir: Path, say: Callable[[str], None] = tqdm.write):
         super().__init__(config, run_dir, run_dir.name, "run", say)
         self.per_client = config.tracking.per_client
-        shared = {key: value for key, value in config.to_dict().items() if key not in ("tracking", "methods", "tune")}
-        self.method_hyperparameters = {entry["label"]: {**flat(shared), **flat({"method": entry})}
-                                       for entry in config.to_dict()["methods"]}
+        recorded = config.to_dict()
+        shared = flat({key: value for key, value in recorded.items() if key not in ("tracking", "methods", "tune")})
+        self.method_hyperparameters = {entry["label"]: {**shared, **flat({"method": entry})}
+                                       for entry in recorded["methods"]}
         self._open_own_run(self.trackers)
 
     def __call__(self, event: dict[str, Any]) -> None:
@@ -107,11 +108,12 @@ class RunTracking(_Following):
             return
         label, step = event["method"], event["round"]
         position = [step, _ORDER[event["event"]] + bool(event.get("final"))]
-        for name in list(self.trackers):
-            logged = self.record[name]["logged"]
-            if label not in logged or position > logged[label]:
-                self._guarded(name, f"logging {label}'s round {step}", lambda: self._log(name, label, event, position))
-        self._save()
+        behind = [name for name in self.trackers
+                  if label not in self.record[name]["logged"] or position > self.record[name]["logged"][label]]
+        for name in behind:
+            self._guarded(name, f"logging {label}'s round {step}", lambda: self._log(name, label, event, position))
+        if behind:
+            self._save()
 
     def replay(self, events: Iterable[dict[str, Any]]) -> None:
         """The events a resumed run starts from, to every tracker that has not had them (one that failed in the

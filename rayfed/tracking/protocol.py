@@ -15,10 +15,9 @@ RUN = ""
 @dataclass(frozen=True)
 class Site:
     """Where a tracker follows a run or a sweep: the group its runs share (its options' group, else the run's or
-    sweep's folder name; the name of the config's own tracked run too), the
-    project or experiment they go to unless the options name one (the config's name), the folder its local files
-    go to unless the options name one, how it tells the user something (one sentence), and what it follows (a run or
-    a sweep)."""
+    sweep's folder name; also the name of the config's own tracked run), the project or experiment they go to unless
+    the options name one (the config's name), the folder its local files go to unless the options name one, how it
+    tells the user something (one sentence), and what it follows (a run or a sweep)."""
 
     group: str
     project: str

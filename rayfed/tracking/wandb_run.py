@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from unittest import mock
 from typing import Any, ClassVar
+from unittest import mock
 
 import wandb
 from ray.air.integrations.wandb import WandbLoggerCallback
@@ -38,9 +38,8 @@ class WandbRun:
         self.folder.mkdir(parents=True, exist_ok=True)
         arguments = dict(
             project=self.project, entity=self.entity, group=self.group, tags=self.tags, dir=str(self.folder),
-            id=kept, name=title, config=hyperparameters, resume="allow",
-            job_type=self.kind if key == RUN else "method",
-            reinit="create_new",
+            id=kept, name=title, config=hyperparameters, resume="allow", job_type=self.kind if key == RUN else "method",
+            reinit="create_new",  # the config's run stays open beside each method's
         )
         try:
             run = wandb.init(mode=self.mode, **arguments)
