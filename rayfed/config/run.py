@@ -15,6 +15,7 @@ from rayfed.config.fields import Section, clean_message, is_built_method, plain_
 from rayfed.config.model import MODULE_FIELDS, ModelConfig
 from rayfed.config.sections import (ArchitectureConfig, FederationConfig, MethodEntry, PlacementConfig, RayConfig,
                                     SystemConfig, TrainConfig)
+from rayfed.config.tracking import TrackingConfig
 from rayfed.errors import suggest
 
 
@@ -35,6 +36,10 @@ class RunConfig(Section):
         None, description="clients of different backbones in one run: name -> {clients, backbone, model, placement}"
     )
     ray: RayConfig = RayConfig()
+    tracking: TrackingConfig = Field(
+        TrackingConfig(), description="experiment trackers (TensorBoard, Weights & Biases, MLflow) following the run "
+        "(rayfed.tracking); recorded only when set"
+    )
     tune: dict[str, Any] | None = Field(None, description="search spaces for `rayfed tune` (rayfed.tune)")
 
     @model_validator(mode="after")
@@ -97,8 +102,11 @@ class RunConfig(Section):
 
     @model_serializer(mode="wrap")
     def _with_plugin_modules(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
-        """A dump imports the modules defining the user's plug-ins it names, so that it resolves them anywhere."""
+        """A dump imports the modules defining the user's plug-ins it names, so that it resolves them anywhere; an
+        unset ``tracking`` section is left out, so that a run without trackers records what it did before them."""
         data = handler(self)
+        if self.tracking == TrackingConfig():
+            data.pop("tracking", None)
         if info.mode_is_json():
             modules = [module for _, module, qualname in user_plugins(self) if _importable(module, qualname)]
             data["imports"] = list(dict.fromkeys([*data["imports"], *modules]))

@@ -55,8 +55,9 @@ def _unflatten(flat: dict[str, torch.Tensor], slot_names: list[str]) -> dict[str
     return slots
 
 
-UNCHECKED_SECTIONS = ("placement", "ray")
-"""Config sections a fingerprint leaves out: where the actors run does not change a run's numbers."""
+UNCHECKED_SECTIONS = ("placement", "ray", "tracking")
+"""Config sections a fingerprint leaves out: where the actors run, and who follows the run, do not change its
+numbers."""
 
 
 def config_fingerprint(config: dict[str, Any]) -> str:

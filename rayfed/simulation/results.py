@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +25,14 @@ COUNT_KEYS = ("num_train", "num_test")
 
 
 class MetricsLog:
-    """``metrics.jsonl``: one JSON object per event; rewritten atomically when a restart drops events."""
+    """``metrics.jsonl``: one JSON object per event; rewritten atomically when a restart drops events. Each appended
+    event is handed to ``listener`` too (the run's trackers, :mod:`rayfed.tracking`)."""
 
-    def __init__(self, path: Path, events: list[dict[str, Any]] | None = None):
+    def __init__(self, path: Path, events: list[dict[str, Any]] | None = None,
+                 listener: Callable[[dict[str, Any]], None] | None = None):
         self.path = path
         self.events = events or []
+        self.listener = listener
         if events is not None:
             self._rewrite()
 
@@ -43,6 +46,8 @@ class MetricsLog:
         self.events.append(event)
         with self.path.open("a") as handle:
             handle.write(json.dumps(event) + "\n")
+        if self.listener is not None:
+            self.listener(event)
 
     def restart_method(self, label: str, from_round: int) -> None:
         """Forget ``label``'s events after ``from_round`` (they will be produced again)."""

@@ -7,9 +7,10 @@ clients.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,7 @@ class Simulation:
         config's plug-in modules are imported."""
         self.config = config
         import_plugin_modules(config)
+        config.tracking.check_installed()
         self.callbacks = list(callbacks or [])
         self.progress = progress
         self.check_model = check_model
@@ -98,26 +100,25 @@ class Simulation:
             check_model(self.config, self.federation, self.methods)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(self.config, self.run_dir / "config.yaml")
-        previous = MetricsLog.read(self.run_dir / "metrics.jsonl") if self._resuming else []
-        self.log = MetricsLog(self.run_dir / "metrics.jsonl", previous)
-        self.nonfinite = NonfiniteCheck(self.config.federation.on_nonfinite)
-        owns_ray = self._start_executor()
-        try:
-            self.compute_match = self._match_compute()
-            for index, entry in enumerate(self.config.methods):
-                if self._resuming and (self._results_dir / f"{entry.label}.json").is_file():
-                    continue
-                self._run_method(index)
-        finally:
-            self.run_actors.stop()
-            if owns_ray:
-                ray.shutdown()
-        summary = run_summary(self.config, self._results_dir, self.log.events, time.perf_counter() - started,
-                              self.compute_match, self.gpu_memory)
-        atomic_write_json(self.run_dir / "summary.json", summary)
-        from rayfed.results.report import write_report
+        with _followed_log(self.config, self.run_dir, self._resuming) as self.log:
+            self.nonfinite = NonfiniteCheck(self.config.federation.on_nonfinite)
+            owns_ray = self._start_executor()
+            try:
+                self.compute_match = self._match_compute()
+                for index, entry in enumerate(self.config.methods):
+                    if self._resuming and (self._results_dir / f"{entry.label}.json").is_file():
+                        continue
+                    self._run_method(index)
+            finally:
+                self.run_actors.stop()
+                if owns_ray:
+                    ray.shutdown()
+            summary = run_summary(self.config, self._results_dir, self.log.events, time.perf_counter() - started,
+                                  self.compute_match, self.gpu_memory)
+            atomic_write_json(self.run_dir / "summary.json", summary)
+            from rayfed.results.report import write_report
 
-        write_report(self.run_dir, summary, self.log.events)
+            write_report(self.run_dir, summary, self.log.events)
         return summary
 
     def compute_costs(self) -> dict[str, dict[str, float]]:
@@ -288,6 +289,29 @@ class Simulation:
         clients, server = self.run_actors.states()
         save_checkpoint(self._checkpoint_dir, label, rounds_done, server, clients,
                         {"counters": counters, "config": self.config.to_dict(), "method": label})
+
+
+@contextlib.contextmanager
+def _followed_log(config: RunConfig, run_dir: Path, resuming: bool) -> Iterator[MetricsLog]:
+    """The run's metrics.jsonl (a resumed run's: with its events so far), which hands every event to the trackers
+    the config's ``tracking:`` asks for (:mod:`rayfed.tracking`; none: nothing of it is imported); when the run is
+    done they get its report, and when it stops on an error their tracked runs are closed as failed."""
+    previous = MetricsLog.read(run_dir / "metrics.jsonl") if resuming else []
+    if not config.tracking.trackers:
+        yield MetricsLog(run_dir / "metrics.jsonl", previous)
+        return
+    from rayfed.results.report import CLIENTS_NAME, CURVES_NAME, REPORT_NAME, TRADEOFF_NAME
+    from rayfed.tracking import RunTracking
+
+    tracking = RunTracking(config, run_dir)
+    tracking.replay(previous)
+    try:
+        yield MetricsLog(run_dir / "metrics.jsonl", previous, listener=tracking)
+    except BaseException:
+        tracking.close(failed=True)
+        raise
+    report = [run_dir / name for name in ("summary.json", CURVES_NAME, CLIENTS_NAME, TRADEOFF_NAME, REPORT_NAME)]
+    tracking.finish([file for file in report if file.is_file()])
 
 
 def _fresh_run_dir(name: str, out_dir: str | os.PathLike | None) -> Path:

@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray import tune as ray_tune
@@ -15,7 +16,8 @@ from rayfed.errors import ConfigError
 from rayfed.simulation import RoundCallback, import_plugin_modules, init_ray
 from rayfed.tune.plot import _write_plot
 from rayfed.tune.sweep import EXPERIMENT_DIR, _Sweep
-from rayfed.tune.tables import BEST_FILE, PLOT_FILE, TABLE_MD, SweepResult, _ordered, _record, _write_table
+from rayfed.tune.tables import (BEST_FILE, PLOT_FILE, TABLE_CSV, TABLE_MD, SweepResult, _ordered, _record,
+                                 _write_table)
 
 TUNE_DIR = "tune"
 SWEEP_FILE = "sweep.yaml"
@@ -39,6 +41,7 @@ def tune(
     """
     run_config = load_config(config, overrides)
     import_plugin_modules(run_config)
+    run_config.tracking.check_installed()
     tune_dir = _fresh_tune_dir(run_config.name, out_dir)
     sweep = _Sweep.build(run_config, tune_dir, callbacks)
     with _ray(run_config):
@@ -46,11 +49,12 @@ def tune(
         tune_dir.mkdir(parents=True, exist_ok=True)
         sweep.gpu_memory.save()
         dump_config(run_config, tune_dir / SWEEP_FILE)
-        tuner = ray_tune.Tuner(
-            sweep.trainable(), param_space=sweep.space.param_space(),
-            tune_config=sweep.tune_config(time_budget_s), run_config=sweep.run_config(tune_dir, verbose),
-        )
-        return _finish(sweep, tune_dir, _fit(tuner))
+        with _tracked(run_config, tune_dir) as tracking:
+            tuner = ray_tune.Tuner(
+                sweep.trainable(), param_space=sweep.space.param_space(), tune_config=sweep.tune_config(time_budget_s),
+                run_config=sweep.run_config(tune_dir, verbose, tracking.callbacks() if tracking else []),
+            )
+            return _finish(sweep, tune_dir, _fit(tuner))
 
 
 def resume(run_dir: str | os.PathLike, *, callbacks: list[RoundCallback] | None = None) -> SweepResult:
@@ -61,14 +65,16 @@ def resume(run_dir: str | os.PathLike, *, callbacks: list[RoundCallback] | None 
     tune_dir = _existing_tune_dir(run_dir)
     run_config = load_config(tune_dir / SWEEP_FILE)
     import_plugin_modules(run_config)
+    run_config.tracking.check_installed()
     sweep = _Sweep.build(run_config, tune_dir, callbacks)
     with _ray(run_config):
         sweep.check_cluster()
-        tuner = ray_tune.Tuner.restore(
-            str(tune_dir / EXPERIMENT_DIR), trainable=sweep.trainable(),
-            resume_unfinished=True, resume_errored=True,
-        )
-        return _finish(sweep, tune_dir, _fit(tuner))
+        with _tracked(run_config, tune_dir):  # Tune restores its logger callbacks with the rest of the sweep
+            tuner = ray_tune.Tuner.restore(
+                str(tune_dir / EXPERIMENT_DIR), trainable=sweep.trainable(),
+                resume_unfinished=True, resume_errored=True,
+            )
+            return _finish(sweep, tune_dir, _fit(tuner))
 
 
 @contextlib.contextmanager
@@ -79,6 +85,24 @@ def _ray(config: RunConfig) -> Iterator[None]:
     finally:
         if owns_ray:
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def _tracked(config: RunConfig, tune_dir: Path) -> Iterator[Any]:
+    """The sweep's trackers (None without any), its own tracked runs given its results at the end."""
+    if not config.tracking.trackers:
+        yield None
+        return
+    from rayfed.tracking import SweepTracking
+
+    tracking = SweepTracking(config, tune_dir)
+    try:
+        yield tracking
+    except BaseException:
+        tracking.close(failed=True)
+        raise
+    tracking.finish([path for path in (tune_dir / name for name in (TABLE_CSV, TABLE_MD, PLOT_FILE, BEST_FILE))
+                     if path.is_file()])
 
 
 def _fit(tuner: ray_tune.Tuner) -> ray_tune.ResultGrid:

@@ -13,7 +13,8 @@ from rayfed.errors import ConfigError, choice_error
 
 SPACE_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 _UNSWEEPABLE = {"tune": "a sweep cannot sweep its own tune section",
-                "ray": "trials share the sweep's Ray cluster"}
+                "ray": "trials share the sweep's Ray cluster",
+                "tracking": "the sweep's trackers follow every trial"}
 
 
 @dataclass(frozen=True)

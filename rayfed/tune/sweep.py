@@ -17,7 +17,7 @@ from ray import tune as ray_tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from rayfed import registry
-from rayfed.config import RunConfig, apply_overrides, build_config
+from rayfed.config import RunConfig, TrackingConfig, apply_overrides, build_config
 from rayfed.errors import ConfigError, suggest
 from rayfed.method import build_method
 from rayfed.config.sections import MEASURED
@@ -137,9 +137,10 @@ class _Sweep:
             reuse_actors=True,
         )
 
-    def run_config(self, tune_dir: Path, verbose: int) -> ray_tune.RunConfig:
+    def run_config(self, tune_dir: Path, verbose: int, callbacks: list[Any]) -> ray_tune.RunConfig:
+        """``callbacks``: Ray Tune's logger callbacks of the sweep's trackers (:mod:`rayfed.tracking`)."""
         return ray_tune.RunConfig(
-            name=EXPERIMENT_DIR, storage_path=str(tune_dir), verbose=verbose,
+            name=EXPERIMENT_DIR, storage_path=str(tune_dir), verbose=verbose, callbacks=callbacks,
             failure_config=ray_tune.FailureConfig(max_failures=self.spec.max_failures),
         )
 
@@ -215,8 +216,8 @@ def _run_trial(params: dict[str, Any], sweep: _Sweep) -> None:
     callbacks = [*sweep.callbacks, _Reporter(sweep.spec)]  # the reporter last: a stopped trial ends inside it
     if (run_dir / "config.yaml").is_file():  # Tune restarted this trial: continue from its engine checkpoints
         sim = Simulation.resume(run_dir, callbacks=callbacks, progress=False)
-    else:
-        config = sweep.trial_config(sweep.space.values(params))
+    else:  # the sweep's trackers follow the trial through Tune's callbacks, not a tracked run of its own
+        config = sweep.trial_config(sweep.space.values(params)).model_copy(update={"tracking": TrackingConfig()})
         sim = Simulation(config, out_dir=run_dir, callbacks=callbacks, progress=False)
     summary = sim.run()
     means = summary["methods"][sweep.spec.label]["mean"]
