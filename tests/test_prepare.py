@@ -15,6 +15,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
 from rayfed.cli import main
@@ -67,8 +68,9 @@ def _llava_sample(dataset: str, k: int, split: str, index: int, images: int = 1)
 
 
 BENCHMARKS = {  # the scenario file, its clients and those on the 1B model, and a paper config reading it
-    "drake": ("DRAKE_hetero_llava_llama_1B_3B", 10, (0, 1, 8, 9), "paper_drake_static.yaml", "DRAKE_ROOT"),
-    "hflb": ("HFLB_hetero_llava_llama_1B_3B", 9, (0, 1, 5), "paper_hflb_dynamic.yaml", "HFLB_ROOT"),
+    "drake": ("DRAKE_hetero_llava_llama_1B_3B", 10, (0, 1, 8, 9), ("paper_drake_static.yaml",
+                                                                   "paper_drake_dynamic.yaml"), "DRAKE_ROOT"),
+    "hflb": ("HFLB_hetero_llava_llama_1B_3B", 9, (0, 1, 5), ("paper_hflb_dynamic.yaml",), "HFLB_ROOT"),
 }
 
 
@@ -115,7 +117,7 @@ def drake_source(root: Path, multi_image: tuple[str, int] | None = None, benchma
 @pytest.mark.parametrize("benchmark", BENCHMARKS)
 def test_drake_and_hflb_convert_and_the_paper_config_loads_every_client_and_task(benchmark, tmp_path, capsys,
                                                                                  monkeypatch):
-    _, clients, small, config_name, variable = BENCHMARKS[benchmark]
+    _, clients, small, config_names, variable = BENCHMARKS[benchmark]
     tasks = drake_source(tmp_path / "src", benchmark=benchmark)
     monkeypatch.chdir(tmp_path)
     assert main(["prepare", benchmark, "--out", "drake", "--source", str(tmp_path / "src")]) == 0
@@ -137,14 +139,16 @@ def test_drake_and_hflb_convert_and_the_paper_config_loads_every_client_and_task
     # data.resize: backbone reads the checkpoints' processors; offline, the tiny LLaVAs stand in for them
     offline = ["model.backbone=tiny-pretrained:llava", "architectures.llama1b.backbone=tiny-pretrained:llava",
                "architectures.llama3b.backbone=tiny-pretrained:llava-large"]
-    sim = Simulation(ROOT / "configs" / "fedmosaic" / config_name, overrides=offline, progress=False)
-    summary = sim.data_summary()
-    assert summary["by"] == "task" and len(summary["categories"]) == 4 * clients
-    assert {cid: (c["num_train"], c["num_test"]) for cid, c in summary["clients"].items()} == {
-        cid: (4 * TRAIN, 4 * TEST) for cid in range(clients)}
-    assert sim.config.architectures["llama1b"].clients == small  # the scenario's 1B clients
+    for config_name in config_names:
+        sim = Simulation(ROOT / "configs" / "fedmosaic" / config_name, overrides=offline, progress=False)
+        summary = sim.data_summary()
+        assert summary["by"] == "task" and len(summary["categories"]) == 4 * clients
+        assert {cid: (c["num_train"], c["num_test"]) for cid, c in summary["clients"].items()} == {
+            cid: (4 * TRAIN, 4 * TEST) for cid in range(clients)}
+        assert sim.config.architectures["llama1b"].clients == small  # the scenario's 1B clients
     assert {task.resize for task in sim.config.data.tasks} == {sim.config.data.public.resize} == {"backbone"}
-    assert len(load_source(sim.config.data.public, 0, image_processing=image_preprocessing(sim.config.model)).target) == 8
+    processing = image_preprocessing(sim.config.model)
+    assert len(load_source(sim.config.data.public, 0, image_processing=processing).target) == 8
 
 
 def test_a_task_with_a_multi_image_sample_holds_lists_of_images(tmp_path):
@@ -270,6 +274,23 @@ def test_feddat_domain_keeps_the_top_answers_draws_its_samples_and_the_paper_con
     summary = Simulation(paper, overrides=[f"data.tasks.{i}.resize=8" for i in range(5)], progress=False).data_summary()
     assert summary["categories"] == ["vizwiz", "cocoqa", "art", "gqa", "abstract"]
     assert [c["num_train"] + c["num_test"] for c in summary["clients"].values()] == [16] * 5
+
+
+@pytest.mark.parametrize("config_name", ["paper_function.yaml", "paper_scene.yaml"])
+def test_the_clove_configs_load_folders_of_the_documented_layout(config_name, tmp_path, monkeypatch):
+    """CLOVE has no public source in FedDAT's form (docs/feddat.md): a user builds one save_to_disk folder a task
+    with image, question, answer; the paper config then reads each as one client."""
+    paper = ROOT / "configs" / "feddat" / config_name
+    tasks = yaml.safe_load(paper.read_text())["data"]["tasks"]
+    for k, task in enumerate(tasks):
+        images = [Image.fromarray(np.full((8 + k, 8, 3), 10 * i, np.uint8)) for i in range(6)]
+        datasets.Dataset.from_dict({"image": images, "question": [f"what is {i}?" for i in range(6)],
+                                    "answer": ["yes", "no", "two"] * 2}).save_to_disk(str(tmp_path / task["path"]))
+    monkeypatch.chdir(tmp_path)
+    summary = Simulation(paper, overrides=[f"data.tasks.{i}.resize=8" for i in range(len(tasks))],
+                         progress=False).data_summary()
+    assert summary["categories"] == [task["name"] for task in tasks]
+    assert [c["num_train"] + c["num_test"] for c in summary["clients"].values()] == [6] * len(tasks)
 
 
 @pytest.mark.parametrize(("removed", "missing", "get_it"), [
