@@ -207,7 +207,7 @@ def test_a_llava_with_a_chat_template_reads_the_users_turn_and_learns_the_assist
     assert raw_tokens[:578] == ["<bos>", *["<image>"] * 576, "what"] and "<|start_header_id|>" not in raw_tokens
 
 
-def test_a_chat_models_scored_generations_stop_where_the_template_closes_the_assistants_turn(chat_llava):
+def test_a_chat_models_scored_generations_stop_where_the_template_closes_the_assistants_turn(chat_llava, monkeypatch):
     import numpy as np
     import torch
 
@@ -216,6 +216,8 @@ def test_a_chat_models_scored_generations_stop_where_the_template_closes_the_ass
     from rayfed.tasks import Task
     from rayfed.tasks.kinds import TextGeneration
 
+    # the model runs on the CPU here, so it loads as a process without a GPU loads it (float32, no autocast)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     backbone = _backbone(chat_llava)
     kind = TextGeneration()
     model = build_client_model(backbone, ModelConfig(backbone=f"hf:{chat_llava}", lora={"rank": 2}),
