@@ -68,6 +68,8 @@ class WandbRun:
 
     def close(self, key: str, failed: bool) -> None:
         self.runs.pop(key).finish(exit_code=1 if failed else 0)
+        if not self.runs:  # finish() can return before W&B's service has written a run's file: wait for it
+            wandb.teardown()
 
     def tune_callback(self) -> Any:
         self.folder.mkdir(parents=True, exist_ok=True)
