@@ -15,6 +15,7 @@ from rayfed.config import load_config
 from rayfed.errors import ConfigError
 from rayfed.method import LocalResult, MethodOutputError, NonFiniteError, weighted_mean
 from rayfed.methods.fedavg import FedAvg
+from rayfed.methods.local import Local
 from rayfed.simulation import Simulation, mean_std
 
 
@@ -234,8 +235,9 @@ def test_a_method_whose_server_state_never_changes_says_so_once(tiny_run, tmp_pa
                     "it should learn from them, check that aggregate reads the uploads and returns new tensors."]
 
 
-def test_fedavg_moves_its_server_and_is_not_told_otherwise(tiny_run, tmp_path, recwarn):
-    Simulation(_config(tiny_run, FedAvg, rounds=2), out_dir=tmp_path, progress=False).run()
+@pytest.mark.parametrize("method", [FedAvg, Local])
+def test_a_method_that_moves_its_server_or_uploads_nothing_is_not_told_otherwise(tiny_run, tmp_path, recwarn, method):
+    Simulation(_config(tiny_run, method, rounds=2), out_dir=tmp_path, progress=False).run()
     assert not [w for w in recwarn if "did not change" in str(w.message)]
 
 
