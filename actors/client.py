@@ -101,7 +101,7 @@ class ClientActor:
         check_precision(self.model, train, self.device, f"methods[{method_index}] ({entry.label})")
         self.tags = self.model.task_tags()
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
-        self.contract = ClientContract(self.method, self.label, initial)  # what payloads and uploads are checked against
+        self.contract = ClientContract(self.label, initial)  # what payloads and uploads are checked against
         self.state_device = resident_device(self.device, self.config.placement.client_state,
                                             3 * tensor_bytes(initial) * len(self.client_ids))
         resident = {name: value.to(self.state_device) for name, value in initial.items()}  # one copy, shared
@@ -163,7 +163,8 @@ class ClientActor:
         if batch == 1 or len(client_ids) == 1 or not self.method.batchable_updates:
             for cid in client_ids:
                 with self._hook("local_update", cid, f"in round {round_idx + 1}"):
-                    result = self.contract.local_update(self._context(cid, round_idx), self.states[cid], payloads[cid])
+                    result = self.contract.local_update(self.method, self._context(cid, round_idx), self.states[cid],
+                                                         payloads[cid])
                 yield self._keep(cid, round_idx, result, on, payloads)
         else:
             lockstep: Lockstep[LocalResult] = Lockstep(batch)
@@ -172,7 +173,7 @@ class ClientActor:
                 context = self._context(client_id, round_idx)
                 context.lockstep = lockstep
                 with self._hook("local_update", client_id, f"in round {round_idx + 1}"):
-                    return self.contract.local_update(context, self.states[client_id], payloads[client_id])
+                    return self.contract.local_update(self.method, context, self.states[client_id], payloads[client_id])
 
             results = lockstep.run([lambda cid=cid: update(cid) for cid in client_ids])
             for cid, result in zip(client_ids, results):

@@ -28,39 +28,50 @@ class ClientContract:
     dtypes, none of them one that :meth:`Method.is_shared` calls personal and the new state keeps as personal, and no
     payload writes over such a personal parameter."""
 
-    def __init__(self, method: Method, label: str, initial: TensorDict):
-        self.method, self.label = method, label
+    def __init__(self, label: str, initial: TensorDict):
+        self.label = label
         self.specs = tensor_specs(initial)  # what payloads and uploads are checked against
-        self.personal = frozenset(name for name in initial if not method.is_shared(name))
+        self._personal: tuple[Method | None, frozenset[str]] = (None, frozenset())
+
+    def personal(self, method: Method) -> frozenset[str]:
+        """The model's parameters that ``method.is_shared`` calls personal (asked once per method object)."""
+        if self._personal[0] is not method:
+            self._personal = (method, frozenset(name for name in self.specs if not method.is_shared(name)))
+        return self._personal[1]
 
     def _source(self, hook: str, client: ClientContext) -> str:
         return f"method {self.label!r}, hook {hook}, client {client.client_id}, round {client.round + 1}"
 
-    def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
-        """The method's local update of ``client``, its payload and upload checked."""
-        self._check_overwrite(client, state, payload)
+    def local_update(self, method: Method, client: ClientContext, state: ClientState,
+                     payload: TensorDict | None) -> LocalResult:
+        """``method``'s local update of ``client``, its payload and upload checked."""
+        self._check_overwrite(method, client, state, payload)
         versions = _versions(payload)
-        result = self.method.local_update(client, state, payload)
-        written = next((name for name, version in versions.items() if payload[name]._version != version), None)
-        if written is not None:
+        result = method.local_update(client, state, payload)
+        written = [name for name, (value, version) in versions.items() if value._version != version]
+        if written:
+            # views of one buffer share a version counter: which of them was written cannot be told apart
+            what = (f"payload tensor {written[0]!r}" if len(written) == 1 else
+                    f"one of {len(written)} payload tensors that share a buffer (the first: {written[0]!r})")
             raise MethodOutputError(
-                f"{self._source('local_update', client)}: payload tensor {written!r} was written in place, but the "
+                f"{self._source('local_update', client)}: {what} was written in place, but the "
                 "clients of a round share one payload: compute into a new tensor (payload[name] * 0.5, not .mul_(0.5)) "
                 "or clone it first.")
-        self._check_upload(client, result)
+        self._check_upload(method, client, result)
         return result
 
-    def _check_overwrite(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> None:
+    def _check_overwrite(self, method: Method, client: ClientContext, state: ClientState,
+                         payload: TensorDict | None) -> None:
         """A payload tensor of a parameter that the client keeps personal (``is_shared`` False) writes over it."""
         kept = state.get("personal", {}) if isinstance(state, Mapping) else {}
-        over = sorted(self.personal.intersection(payload or {}).intersection(kept))
+        over = sorted(self.personal(method).intersection(payload or {}).intersection(kept))
         if over:
             raise MethodOutputError(
-                f"{self._source('payload', client)}: the payload holds {over[0]!r}, which {type(self.method).__name__}."
+                f"{self._source('payload', client)}: the payload holds {over[0]!r}, which {type(method).__name__}."
                 "is_shared calls personal and the client keeps in its state's 'personal', so the server's tensor "
                 "writes over the client's own: send only shared parameters (or have is_shared say it is shared).")
 
-    def _check_upload(self, client: ClientContext, result: LocalResult) -> None:
+    def _check_upload(self, method: Method, client: ClientContext, result: LocalResult) -> None:
         source = self._source("local_update", client)
         for slot, values in result.upload.items():
             check_tensors(values, self.specs if slot == PARAMETER_SLOT else {}, source, "the client model's parameter")
@@ -72,17 +83,18 @@ class ClientContract:
                 f"{source}: upload tensor {unknown!r} in slot {PARAMETER_SLOT!r} is no trainable parameter of the "
                 f"client model, whose payloads the server builds from it: name it as the model does (e.g. {example!r}).")
         kept = result.state.get("personal", {}) if isinstance(result.state, Mapping) else {}
-        both = sorted(self.personal.intersection(uploaded).intersection(kept))
+        both = sorted(self.personal(method).intersection(uploaded).intersection(kept))
         if both:
             raise MethodOutputError(
-                f"{source}: parameter {both[0]!r} is both personal ({type(self.method).__name__}.is_shared says so and "
+                f"{source}: parameter {both[0]!r} is both personal ({type(method).__name__}.is_shared says so and "
                 f"the new state keeps it in 'personal') and uploaded in slot {PARAMETER_SLOT!r}, so the server would "
                 "average it and send it back over every client's own: upload only shared parameters.")
 
 
-def _versions(payload: TensorDict | None) -> dict[str, int]:
-    """Each payload tensor's version counter (what an in-place write raises); an inference tensor has none."""
-    return {name: value._version for name, value in (payload or {}).items()
+def _versions(payload: TensorDict | None) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each payload tensor with its version counter (which an in-place write raises), held so that a hook replacing
+    the payload's entry is not taken for one writing into it; an inference tensor has no version."""
+    return {name: (value, value._version) for name, value in (payload or {}).items()
             if isinstance(value, torch.Tensor) and not value.is_inference()}
 
 
@@ -142,9 +154,10 @@ def check_slots_read(reads: Sequence[SlotReads], method: Method, label: str, par
     slot = unread[0]
     client = min(part.slot_clients[slot] for part in parts if slot in part.slot_clients)
     kind = type(method.aggregation).__name__
-    rounds = "".join(f", round {part.round_idx + 1}" for part in parts[:1] if part.round_idx is not None)
+    round_idx = next((part.round_idx for part in parts if part.round_idx is not None), None)
+    when = "" if round_idx is None else f", round {round_idx + 1}"
     raise MethodOutputError(
-        f"method {label!r}, hook local_update, client {client}{rounds}: upload slot {slot!r} is "
+        f"method {label!r}, hook local_update, client {client}{when}: upload slot {slot!r} is "
         f"read by neither the engine nor {type(method).__name__}.aggregate ({kind}; it read "
         f"{', '.join(map(repr, sorted(read))) or 'no slot'}), so the server never uses it: upload under a slot the "
         "aggregation reads.")
