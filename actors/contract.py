@@ -9,13 +9,14 @@ gives ``aggregate`` its uploads as :class:`SlotReads` and watches its first roun
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rayfed.method import (ClientState, LocalResult, Method, MethodOutputError, ServerState, TensorDict, Upload,
                            check_tensors, tensor_specs)
+from rayfed.param_names import behind
 from rayfed.training import ClientContext
 from rayfed.actors.uploads import RoundUploads
 
@@ -25,8 +26,7 @@ PARAMETER_SLOT = "shared"  # the upload slot of the model's shared parameters (M
 class ClientContract:
     """A method's client side as the engine holds it to: ``local_update`` never writes into its payload (the clients
     of a round share one), its upload's ``shared`` tensors are parameters of the client model, of their shapes and
-    dtypes, none of them one that :meth:`Method.is_shared` calls personal and the new state keeps as personal, and no
-    payload writes over such a personal parameter."""
+    dtypes, none of them one that :meth:`Method.is_shared` calls personal and the new state keeps as personal."""
 
     def __init__(self, label: str, initial: TensorDict):
         self.label = label
@@ -45,7 +45,6 @@ class ClientContract:
     def local_update(self, method: Method, client: ClientContext, state: ClientState,
                      payload: TensorDict | None) -> LocalResult:
         """``method``'s local update of ``client``, its payload and upload checked."""
-        self._check_overwrite(method, client, state, payload)
         versions = _versions(payload)
         result = method.local_update(client, state, payload)
         written = [name for name, (value, version) in versions.items() if value._version != version]
@@ -59,17 +58,6 @@ class ClientContract:
                 "or clone it first.")
         self._check_upload(method, client, result)
         return result
-
-    def _check_overwrite(self, method: Method, client: ClientContext, state: ClientState,
-                         payload: TensorDict | None) -> None:
-        """A payload tensor of a parameter that the client keeps personal (``is_shared`` False) writes over it."""
-        kept = state.get("personal", {}) if isinstance(state, Mapping) else {}
-        over = sorted(self.personal(method).intersection(payload or {}).intersection(kept))
-        if over:
-            raise MethodOutputError(
-                f"{self._source('payload', client)}: the payload holds {over[0]!r}, which {type(method).__name__}."
-                "is_shared calls personal and the client keeps in its state's 'personal', so the server's tensor "
-                "writes over the client's own: send only shared parameters (or have is_shared say it is shared).")
 
     def _check_upload(self, method: Method, client: ClientContext, result: LocalResult) -> None:
         source = self._source("local_update", client)
@@ -161,6 +149,22 @@ def check_slots_read(reads: Sequence[SlotReads], method: Method, label: str, par
         f"read by neither the engine nor {type(method).__name__}.aggregate ({kind}; it read "
         f"{', '.join(map(repr, sorted(read))) or 'no slot'}), so the server never uses it: upload under a slot the "
         "aggregation reads.")
+
+
+def check_global(server: ServerState, method: Method, label: str, hook: str, architectures: Iterable[str],
+                 known: Mapping[str, object]) -> None:
+    """One sentence for a tensor that the server's ``global`` slot gained (``known``: init_server's ``slot/name``s)
+    of a parameter that ``method.is_shared`` calls personal: the default payload would send it over every client's
+    own. ``hook``: the hook that returned ``server``, with its round."""
+    for name in server.get("global", {}):
+        if f"global/{name}" in known:
+            continue
+        own = next((rest for arch in architectures if arch and (rest := behind(name, arch)) is not None), name)
+        if not method.is_shared(own):
+            raise MethodOutputError(
+                f"method {label!r}, hook {hook}: server tensor 'global/{name}' is of parameter {own!r}, which "
+                f"{type(method).__name__}.is_shared calls personal, so the payload would write it over every client's "
+                "own: keep personal parameters out of the server's 'global'.")
 
 
 class ServerWatch:

@@ -15,7 +15,7 @@ import torch
 
 from rayfed import registry
 from rayfed.actors.client import RoundUploads, run_methods
-from rayfed.actors.contract import ServerWatch, check_slots_read, watched
+from rayfed.actors.contract import ServerWatch, check_global, check_slots_read, watched
 from rayfed.actors.uploads import fetch_sent_slots
 from rayfed.aggregation import ROWS, Mixture
 from rayfed.architectures import architecture_of, prefixed, unprefixed
@@ -137,7 +137,9 @@ class DriverActor:
             times["aggregate_s"] = time.time() - aggregating
             check_slots_read(reads, self.method, self.label, parts)
             done = {part.round_idx + 1 for part in parts if part.round_idx is not None}
-            self._check_server(server, "aggregate" + "".join(f", round {r}" for r in done))
+            hook = "aggregate" + "".join(f", round {r}" for r in done)
+            self._check_server(server, hook)
+            check_global(server, self.method, self.label, hook, self.tags, self.server_specs)
             clients = sorted(cid for part in parts for cid in part.train_losses)
             for name in self.known_finite.nonfinite_names(server):
                 nonfinite[f"server tensor {name!r}"] = clients

@@ -213,8 +213,8 @@ class NeverMoves(FedAvg):
                                r"engine nor UploadsUnderAnUnreadSlot.aggregate \(WeightedMean; it read 'shared'\)"),
     (UploadsItsPersonalHead, r"hook local_update, client \d, round 1: parameter 'head\.\w+' is both personal "
                              r"\(UploadsItsPersonalHead.is_shared says so"),
-    (SendsTheHeadsBack, r"hook payload, client \d, round 2: the payload holds 'head\.\w+', which "
-                        r"SendsTheHeadsBack.is_shared calls personal"),
+    (SendsTheHeadsBack, r"hook aggregate, round 1: server tensor 'global/head\.\w+' is of parameter 'head\.\w+', "
+                        r"which SendsTheHeadsBack.is_shared calls personal"),
     (WritesIntoItsPayload, r"hook local_update, client \d, round 1: " + WRITTEN),
     (UploadsNamesTheModelLacks, r"hook local_update, client \d, round 1: upload tensor 'model\.[\w.]+' in slot "
                                 r"'shared' is no trainable parameter of the client model"),
