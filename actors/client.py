@@ -165,7 +165,7 @@ class ClientActor:
                 with self._hook("local_update", cid, f"in round {round_idx + 1}"):
                     result = self.contract.local_update(self.method, self._context(cid, round_idx), self.states[cid],
                                                          payloads[cid])
-                yield self._keep(cid, round_idx, result, on, payloads)
+                yield self._keep(cid, result, on, payloads)
         else:
             lockstep: Lockstep[LocalResult] = Lockstep(batch)
 
@@ -177,15 +177,14 @@ class ClientActor:
 
             results = lockstep.run([lambda cid=cid: update(cid) for cid in client_ids])
             for cid, result in zip(client_ids, results):
-                yield self._keep(cid, round_idx, result, on, payloads)
+                yield self._keep(cid, result, on, payloads)
         self.states.update(states_to({cid: self.states[cid] for cid in client_ids}, self.state_device))
 
     def _hook(self, hook: str, client_id: int, when: str) -> AbstractContextManager[None]:
         """Marks an error raised within with the method's hook, the client and the round (``when``)."""
         return raised_in(f"{type(self.method).__name__}.{hook} for client {client_id} {when}")
 
-    def _keep(self, client_id: int, round_idx: int, result: LocalResult, device: torch.device,
-              payloads: _OnDevice) -> Upload:
+    def _keep(self, client_id: int, result: LocalResult, device: torch.device, payloads: _OnDevice) -> Upload:
         """Keep a local update's new state here (a payload tensor in it as a copy of its own, see :class:`_OnDevice`);
         its upload (checked by :class:`ClientContract`); both on ``device``."""
         self.states[client_id] = slots_to(payloads.unshared(result.state), device)
