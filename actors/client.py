@@ -21,11 +21,12 @@ from rayfed.errors import raised_in
 from rayfed.training.batching import Lockstep
 from rayfed.compute import counted_flops
 from rayfed.actors import public
+from rayfed.actors.contract import ClientContract
 from rayfed.actors.devices import resident_data, resident_device, resource_usage, round_device
 from rayfed.actors.evaluation import ClientEvaluation
 from rayfed.actors.uploads import RoundUploads, round_collector, slots_to, to_host
 from rayfed.method import (ClientState, LocalResult, Method, TensorDict, TensorSpecs, Upload, check_tensors,
-                           method_model, tensor_bytes, tensor_specs)
+                           method_model, tensor_bytes)
 from rayfed.models import build_backbone
 from rayfed.models.peft.modules import select_task
 from rayfed.run_methods import run_methods
@@ -100,7 +101,7 @@ class ClientActor:
         check_precision(self.model, train, self.device, f"methods[{method_index}] ({entry.label})")
         self.tags = self.model.task_tags()
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
-        self.param_specs = tensor_specs(initial)  # what payloads and uploads are checked against
+        self.contract = ClientContract(self.label, initial)  # what payloads and uploads are checked against
         self.state_device = resident_device(self.device, self.config.placement.client_state,
                                             3 * tensor_bytes(initial) * len(self.client_ids))
         resident = {name: value.to(self.state_device) for name, value in initial.items()}  # one copy, shared
@@ -162,8 +163,9 @@ class ClientActor:
         if batch == 1 or len(client_ids) == 1 or not self.method.batchable_updates:
             for cid in client_ids:
                 with self._hook("local_update", cid, f"in round {round_idx + 1}"):
-                    result = self.method.local_update(self._context(cid, round_idx), self.states[cid], payloads[cid])
-                yield self._keep(cid, round_idx, result, on, payloads)
+                    result = self.contract.local_update(self.method, self._context(cid, round_idx), self.states[cid],
+                                                         payloads[cid])
+                yield self._keep(cid, result, on, payloads)
         else:
             lockstep: Lockstep[LocalResult] = Lockstep(batch)
 
@@ -171,25 +173,20 @@ class ClientActor:
                 context = self._context(client_id, round_idx)
                 context.lockstep = lockstep
                 with self._hook("local_update", client_id, f"in round {round_idx + 1}"):
-                    return self.method.local_update(context, self.states[client_id], payloads[client_id])
+                    return self.contract.local_update(self.method, context, self.states[client_id], payloads[client_id])
 
             results = lockstep.run([lambda cid=cid: update(cid) for cid in client_ids])
             for cid, result in zip(client_ids, results):
-                yield self._keep(cid, round_idx, result, on, payloads)
+                yield self._keep(cid, result, on, payloads)
         self.states.update(states_to({cid: self.states[cid] for cid in client_ids}, self.state_device))
 
     def _hook(self, hook: str, client_id: int, when: str) -> AbstractContextManager[None]:
         """Marks an error raised within with the method's hook, the client and the round (``when``)."""
         return raised_in(f"{type(self.method).__name__}.{hook} for client {client_id} {when}")
 
-    def _keep(self, client_id: int, round_idx: int, result: LocalResult, device: torch.device,
-              payloads: _OnDevice) -> Upload:
+    def _keep(self, client_id: int, result: LocalResult, device: torch.device, payloads: _OnDevice) -> Upload:
         """Keep a local update's new state here (a payload tensor in it as a copy of its own, see :class:`_OnDevice`);
-        its upload, whose shared tensors must have the shapes and dtypes of the model's parameters of their names;
-        both on ``device``."""
-        source = f"method {self.label!r}, hook local_update, client {client_id}, round {round_idx + 1}"
-        for slot, values in result.upload.items():
-            check_tensors(values, self.param_specs if slot == "shared" else {}, source, "the client model's parameter")
+        its upload (checked by :class:`ClientContract`); both on ``device``."""
         self.states[client_id] = slots_to(payloads.unshared(result.state), device)
         weight = self.data[client_id].num_train if result.weight is None else result.weight
         for name, value in result.stats.items():
@@ -223,7 +220,7 @@ class ClientActor:
         self.round_times.append({"round": round_idx, "start": started, "updated": updated, "end": time.time(),
                                  "update_s": busy_s})
         return RoundUploads(uploads, collected.up_bytes, collected.up_params, losses, self._stats, busy_s, nonfinite,
-                            round_idx)
+                            round_idx, collected.slot_clients)
 
     def _welcome(self, client_id: int, state: ClientState) -> None:
         """A guest client's state on this actor, and what it needs here: its tasks, data, initial view and (a stream)
@@ -294,7 +291,7 @@ class ClientActor:
 
     def _on_device(self, payloads: Payloads, device: torch.device, when: str) -> _OnDevice:
         """``payloads`` on ``device``, each tensor checked against the model's parameter of its name."""
-        return _OnDevice(payloads, device, self.param_specs, f"method {self.label!r}, hook payload, {{}}, {when}")
+        return _OnDevice(payloads, device, self.contract.specs, f"method {self.label!r}, hook payload, {{}}, {when}")
 
 
 class _OnDevice:

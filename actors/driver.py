@@ -15,6 +15,7 @@ import torch
 
 from rayfed import registry
 from rayfed.actors.client import RoundUploads, run_methods
+from rayfed.actors.contract import ServerWatch, check_global, check_slots_read, watched
 from rayfed.actors.uploads import fetch_sent_slots
 from rayfed.aggregation import ROWS, Mixture
 from rayfed.architectures import architecture_of, prefixed, unprefixed
@@ -64,6 +65,7 @@ class DriverActor:
         # A later server state's tensor of a (slot, name) init_server gave keeps its shape and dtype.
         self.server_specs = tensor_specs(_by_path(self.server))
         self.down_bytes = self.down_params = self.store_bytes = 0
+        self.server_watch = ServerWatch()
 
     def before_federation(self, architectures: list[str], *prepared: TensorDict) -> None:
         """The method's server-side stage before round 1, given what its pre-federation stage returned on
@@ -88,6 +90,7 @@ class DriverActor:
         """What each client receives: the method's payload, restricted to the client's architecture and its
         tasks' view, under the client's own parameter names (read-only: the actor copies it to where it trains)."""
         started, payloads = time.time(), ReadOnlyTensors()
+        self.server_watch.after_first_round(self.server, self.label, self.method)
         for cid in client_ids:
             architecture = self.architecture_of[cid]
             with raised_in(f"{type(self.method).__name__}.payload for client {cid}"):
@@ -119,6 +122,8 @@ class DriverActor:
                 nonfinite[what] = sorted(nonfinite.get(what, []) + clients)
         stop = self.config.federation.on_nonfinite == "stop"
         if not (nonfinite and stop):
+            self.server_watch.before_first_round(self.server, uploads)
+            reads = watched(uploads)  # which upload slots the engine and the method read
             if isinstance(self.method.aggregation, Mixture):  # each upload into its client's rows, then the weights
                 storing = time.time()
                 rows_finite = self.known_finite.all(self.server[ROWS])
@@ -130,8 +135,11 @@ class DriverActor:
             with raised_in(f"{type(self.method).__name__}.aggregate"):
                 server = self.method.aggregate(self.server, uploads)
             times["aggregate_s"] = time.time() - aggregating
+            check_slots_read(reads, self.method, self.label, parts)
             done = {part.round_idx + 1 for part in parts if part.round_idx is not None}
-            self._check_server(server, "aggregate" + "".join(f", round {r}" for r in done))
+            hook = "aggregate" + "".join(f", round {r}" for r in done)
+            self._check_server(server, hook)
+            check_global(server, self.method, self.label, hook, self.tags, self.server_specs)
             clients = sorted(cid for part in parts for cid in part.train_losses)
             for name in self.known_finite.nonfinite_names(server):
                 nonfinite[f"server tensor {name!r}"] = clients

@@ -30,6 +30,7 @@ class RoundUploads:
     busy_s: float = 0.0  # seconds from the actor's first local update to the end of its last one on the device
     nonfinite: dict[str, list[int]] = field(default_factory=dict)  # what was NaN or infinite -> the clients it came from
     round_idx: int | None = None
+    slot_clients: dict[str, int] = field(default_factory=dict)  # each upload slot -> the first client that sent it
 
 
 class SlotSender:
@@ -77,6 +78,7 @@ class UploadCollector:
         self.up_bytes = self.up_params = 0
         self.losses: dict[int, float | torch.Tensor] = {}
         self.magnitudes: dict[int, tuple[list[str], torch.Tensor | None]] = {}
+        self.slot_clients: dict[str, int] = {}  # see RoundUploads
 
     def add(self, upload: Upload) -> None:
         cid = upload.client_id
@@ -85,6 +87,8 @@ class UploadCollector:
         self.up_params += upload.nparams
         self.losses[cid] = upload.train_loss
         self.magnitudes[cid] = largest_magnitudes(upload.tensors)
+        for slot in upload.tensors:
+            self.slot_clients.setdefault(slot, cid)
         if upload.tensors and self.partial is not None:
             self.partial.add(upload)
         elif upload.tensors:

@@ -13,8 +13,9 @@ import torch
 from rayfed.results.checkpoint import load_checkpoint
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
-from rayfed.method import MethodOutputError, NonFiniteError
+from rayfed.method import LocalResult, MethodOutputError, NonFiniteError, weighted_mean
 from rayfed.methods.fedavg import FedAvg
+from rayfed.methods.local import Local
 from rayfed.simulation import Simulation, mean_std
 
 
@@ -138,3 +139,115 @@ def test_on_ray_the_sentence_of_a_client_side_check_arrives_unwrapped(tiny_run, 
         Simulation(config, out_dir=tmp_path, progress=False).run()
     message = str(caught.value)
     assert message.startswith("method 'mine', hook payload, client ") and "\n" not in message
+
+
+# Four mistakes that ran to the end (or failed later, elsewhere) before the engine checked what a method returns
+# against what it declared: each now stops at the hook and client where it happens, in one sentence.
+
+class UploadsUnderAnUnreadSlot(FedAvg):
+    def local_update(self, client, state, payload):
+        result = super().local_update(client, state, payload)
+        result.upload = {"body": result.upload["shared"]}  # the default aggregate reads "shared"
+        return result
+
+
+def _is_head(name: str) -> bool:
+    return name.startswith("head")
+
+
+class UploadsItsPersonalHead(FedAvg):
+    """FedRep's split with its mistake: the head is personal and kept in the state, and uploaded too."""
+
+    def is_shared(self, name):
+        return not _is_head(name)
+
+    def local_update(self, client, state, payload):
+        result = client.train({**state["personal"], **(payload or {})})
+        _, personal = self.split(result.params)
+        return LocalResult({**state, "personal": personal}, {"shared": result.params}, result.loss)
+
+
+class SendsTheHeadsBack(FedAvg):
+    """The head personal, uploaded under a slot of its own that the server averages into the payload."""
+
+    def is_shared(self, name):
+        return not _is_head(name)
+
+    def local_update(self, client, state, payload):
+        result = super().local_update(client, state, payload)
+        result.upload["heads"] = {n: v for n, v in result.state["personal"].items() if _is_head(n)}
+        return result
+
+    def aggregate(self, server, uploads):
+        new = super().aggregate(server, uploads)
+        return {**new, "global": {**new["global"], **weighted_mean(uploads, "heads")}}
+
+
+class WritesIntoItsPayload(FedAvg):
+    def local_update(self, client, state, payload):
+        payload[next(iter(payload))].mul_(0.5)
+        return super().local_update(client, state, payload)
+
+
+# A client's payload tensors of one dtype reach it as views of one buffer, which share one version counter.
+WRITTEN = r"one of \d+ payload tensors that share a buffer \(the first: '[\w.]+'\) was written in place"
+
+
+class UploadsNamesTheModelLacks(FedAvg):
+    def local_update(self, client, state, payload):
+        result = super().local_update(client, state, payload)
+        result.upload = {"shared": {f"model.{n}": v for n, v in result.upload["shared"].items()}}
+        return result
+
+
+class NeverMoves(FedAvg):
+    """Reads its uploads, and returns the server state as it was."""
+
+    def aggregate(self, server, uploads):
+        [upload.tensors.get("shared") for upload in uploads]
+        return server
+
+
+@pytest.mark.parametrize("method, says", [
+    (UploadsUnderAnUnreadSlot, r"hook local_update, client \d, round 1: upload slot 'body' is read by neither the "
+                               r"engine nor UploadsUnderAnUnreadSlot.aggregate \(WeightedMean; it read 'shared'\)"),
+    (UploadsItsPersonalHead, r"hook local_update, client \d, round 1: parameter 'head\.\w+' is both personal "
+                             r"\(UploadsItsPersonalHead.is_shared says so"),
+    (SendsTheHeadsBack, r"hook aggregate, round 1: server tensor 'global/head\.\w+' is of parameter 'head\.\w+', "
+                        r"which SendsTheHeadsBack.is_shared calls personal"),
+    (WritesIntoItsPayload, r"hook local_update, client \d, round 1: " + WRITTEN),
+    (UploadsNamesTheModelLacks, r"hook local_update, client \d, round 1: upload tensor 'model\.[\w.]+' in slot "
+                                r"'shared' is no trainable parameter of the client model"),
+])
+def test_a_method_breaking_its_contract_stops_where_it_happens_in_one_sentence(tiny_run, tmp_path, method, says):
+    config = _config(tiny_run, method, rounds=2)
+    with pytest.raises(MethodOutputError) as caught:
+        Simulation(config, out_dir=tmp_path, progress=False).run()
+    message = str(caught.value)
+    assert re.match(f"method 'mine', {says}", message), message
+    assert "\n" not in message and message.endswith(".")
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_method_whose_server_state_never_changes_says_so_once(tiny_run, tmp_path):
+    config = _config(tiny_run, NeverMoves, rounds=3)
+    with pytest.warns(RuntimeWarning, match="did not change") as warned:
+        Simulation(config, out_dir=tmp_path, progress=False).run()
+    said = [str(w.message) for w in warned if "did not change" in str(w.message)]
+    assert said == ["method 'mine' (NeverMoves): its server state did not change in its first round with uploads; if "
+                    "it should learn from them, check that aggregate reads the uploads and returns new tensors."]
+
+
+@pytest.mark.parametrize("method", [FedAvg, Local])
+def test_a_method_that_moves_its_server_or_uploads_nothing_is_not_told_otherwise(tiny_run, tmp_path, recwarn, method):
+    Simulation(_config(tiny_run, method, rounds=2), out_dir=tmp_path, progress=False).run()
+    assert not [w for w in recwarn if "did not change" in str(w.message)]
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_on_ray_writing_into_a_payload_stops_the_run_too(tiny_run, tmp_path):
+    config = _config(tiny_run, WritesIntoItsPayload, rounds=1)
+    config["placement"].update(executor="ray", clients_per_actor=4)
+    with pytest.raises(MethodOutputError) as caught:
+        Simulation(config, out_dir=tmp_path, progress=False).run()
+    assert re.match(r"method 'mine', hook local_update, client \d, round 1: " + WRITTEN, str(caught.value))
