@@ -22,7 +22,7 @@ from rayfed.training.batching import Lockstep
 from rayfed.compute import counted_flops
 from rayfed.actors import public
 from rayfed.actors.contract import ClientContract
-from rayfed.actors.devices import resident_data, resident_device, resource_usage, round_device
+from rayfed.actors.devices import gpu_peak_bytes, resident_data, resident_device, resource_usage, round_device
 from rayfed.actors.evaluation import ClientEvaluation
 from rayfed.actors.uploads import RoundUploads, round_collector, slots_to, to_host
 from rayfed.method import (ClientState, LocalResult, Method, TensorDict, TensorSpecs, Upload, check_tensors,
@@ -220,7 +220,7 @@ class ClientActor:
         self.round_times.append({"round": round_idx, "start": started, "updated": updated, "end": time.time(),
                                  "update_s": busy_s})
         return RoundUploads(uploads, collected.up_bytes, collected.up_params, losses, self._stats, busy_s, nonfinite,
-                            round_idx, collected.slot_clients)
+                            round_idx, collected.slot_clients, gpu_peak_bytes(self.device))
 
     def _welcome(self, client_id: int, state: ClientState) -> None:
         """A guest client's state on this actor, and what it needs here: its tasks, data, initial view and (a stream)

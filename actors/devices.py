@@ -54,12 +54,17 @@ def resident_data(federation: Federation, client_ids: Sequence[int], backbone: B
     return data_device, {cid: d.to(data_device) for cid, d in data.items()}, [e.to(data_device) for e in eval_sets]
 
 
+def gpu_peak_bytes(device: torch.device) -> int:
+    """The most GPU memory the process has held so far on ``device`` (0 on a CPU)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
 def resource_usage(device: torch.device, num_clients: int, states: dict[int, ClientState],
                    data: dict[int, ClientData]) -> dict[str, int]:
     """Peak GPU memory, resident host memory, and the bytes of the hosted clients' state and data."""
     return {
         "num_clients": num_clients,
-        "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
+        "gpu_peak_bytes": gpu_peak_bytes(device),
         "rss_bytes": psutil.Process().memory_info().rss,
         "state_bytes": tensor_bytes(states),
         "data_bytes": sum(client_data.nbytes for client_data in data.values()),

@@ -155,6 +155,8 @@ class DriverActor:
             "actor_busy_s": [round(part.busy_s, 4) for part in parts],
             "store_bytes": store_bytes,  # the payloads and uploads as they crossed Ray's object store
         }
+        if any(part.gpu_peak_bytes for part in parts):  # on GPUs: the busiest actor's peak so far (trackers plot it)
+            stats["gpu_peak_bytes"] = max(part.gpu_peak_bytes for part in parts)
         client_stats: dict[str, float] = {}
         for part in parts:
             for name, value in part.stats.items():

@@ -31,6 +31,7 @@ class RoundUploads:
     nonfinite: dict[str, list[int]] = field(default_factory=dict)  # what was NaN or infinite -> the clients it came from
     round_idx: int | None = None
     slot_clients: dict[str, int] = field(default_factory=dict)  # each upload slot -> the first client that sent it
+    gpu_peak_bytes: int = 0  # the actor's most GPU memory so far, after its updates (0 on a CPU)
 
 
 class SlotSender:

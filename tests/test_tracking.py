@@ -170,6 +170,26 @@ def test_wandb_offline_files_hold_the_config_every_round_once_and_the_report(tra
     assert any(row.get("report/curves/_type") == "image-file" for row in config_run["history"])
 
 
+def test_where_actors_have_a_gpu_each_round_carries_its_gpu_peak_to_the_trackers(tmp_path, monkeypatch):
+    import rayfed.actors.client as client_actor
+
+    config = {**copy.deepcopy(CONFIG), "methods": ["fedavg"], "tracking": {"tensorboard": True}}
+    config["federation"] = {**config["federation"], "rounds": 2}
+
+    def round_events(run_dir: Path) -> list[dict]:
+        events = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        return [event for event in events if event["event"] == "round"]
+
+    Simulation(config, out_dir=tmp_path / "cpu", progress=False).run()
+    assert all("gpu_peak_bytes" not in event for event in round_events(tmp_path / "cpu"))  # a CPU's files as before
+    monkeypatch.setattr(client_actor, "gpu_peak_bytes", lambda device: 3 * 2**20)  # as an actor on a GPU reads it
+    Simulation(config, out_dir=tmp_path / "gpu", progress=False).run()
+    assert [event["gpu_peak_bytes"] for event in round_events(tmp_path / "gpu")] == [3 * 2**20] * 2
+    folder = tmp_path / "gpu" / "tensorboard" / "gpu" / "fedavg"  # <log_dir>/<the run folder's name>/<method>
+    peaks = _accumulator(folder).Scalars("round/gpu_peak_bytes")
+    assert [(event.step, event.value) for event in peaks] == [(1, 3 * 2**20), (2, 3 * 2**20)]
+
+
 # MLflow ---------------------------------------------------------------------------------------------------------
 def test_mlflow_file_store_holds_the_config_every_round_once_and_the_report(tracked):
     from mlflow.tracking import MlflowClient
