@@ -12,6 +12,7 @@ from rayfed.lazy import DeferredModule
 from rayfed.models.backbone import IMAGE, TEXT, Backbone
 from rayfed.models.families.common import PaperModel, _image_normalization, _paper_size, _text_limit, _with_layers
 from rayfed.models.features import flava_features
+from rayfed.models.fused_attention import fuse_self_attention
 
 transformers = DeferredModule("transformers")
 
@@ -37,6 +38,7 @@ def _hf_flava(name_or_path: str, dtype: torch.dtype | str) -> Backbone:
 
 def _flava(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any]) -> Backbone:
     config = encoder.config
+    fuse_self_attention(encoder)
     return Backbone(
         encoder, config.hidden_size, config.image_config.image_size, config.image_config.num_channels, flava_features,
         frozenset({IMAGE, TEXT}), tokenizer=tokenizer,

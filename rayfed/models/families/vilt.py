@@ -13,6 +13,7 @@ from rayfed.lazy import DeferredModule
 from rayfed.models.backbone import IMAGE, TEXT, Backbone
 from rayfed.models.families.common import PaperModel, _image_normalization, _paper_size, _text_limit, _with_layers
 from rayfed.models.features import vilt_features
+from rayfed.models.fused_attention import fuse_self_attention
 
 transformers = DeferredModule("transformers")
 
@@ -39,6 +40,7 @@ def _hf_vilt(name_or_path: str, dtype: torch.dtype | str) -> Backbone:
 def _vilt(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any]) -> Backbone:
     config = encoder.config
     _embed_unpadded_images_without_host_syncs(encoder)
+    fuse_self_attention(encoder)
     return Backbone(
         encoder, config.hidden_size, config.image_size, config.num_channels, vilt_features,
         frozenset({IMAGE, TEXT}), tokenizer=tokenizer, text_limit=_text_limit(tokenizer, config.max_position_embeddings),
