@@ -216,10 +216,11 @@ def trace_events(prof: profile) -> list[TraceEvent]:
 
 
 def phase_seconds(events: list[TraceEvent]) -> dict[str, float]:
-    """Seconds of each host phase's ranges (:func:`host_phase_ranges`), outermost calls only."""
+    """Seconds of each host phase's ranges (:func:`host_phase_ranges`) on the host (the profiler mirrors a range on
+    the GPU's timeline too), nested calls counted once."""
     ranges: dict[str, list[tuple[float, float]]] = {}
     for event in events:
-        if event.name.startswith("rayfed phase: "):
+        if not event.on_gpu and event.name.startswith("rayfed phase: "):
             ranges.setdefault(event.name.removeprefix("rayfed phase: "), []).append((event.start_us, event.end_us))
     return {phase: union_us(spans) / 1e6 for phase, spans in ranges.items()}
 

@@ -181,7 +181,8 @@ def test_the_cli_parser_imports_the_seed_methods_workloads_only_for_bench_worklo
     import subprocess
     import sys
 
-    probe = ("import sys; from rayfed.cli import build_parser; parser = build_parser(); parser.parse_args(['run', 'x']); "
+    probe = ("import sys; from rayfed.cli import build_parser; parser = build_parser(); "
+             "parser.parse_args(['run', 'x']); "
              "print('rayfed.benchmarks.method_bench' in sys.modules, parser.parse_args(['bench', '--workload', "
              "'fedyolo']).workload, 'rayfed.benchmarks.method_bench' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split() == [

@@ -15,7 +15,7 @@ from rayfed.benchmarks import gpu_profile
 from rayfed.benchmarks.method_bench import METHOD_WORKLOADS, REPO
 from rayfed.benchmarks.mfu import bf16_peak, mfu, mfu_footnote
 from rayfed.benchmarks.time_to_result import paper_schedule, sweep_size, time_to_result, time_to_result_markdown
-from rayfed.benchmarks.update_profile import (TraceEvent, breakdown, host_phase_ranges, kernel_family,
+from rayfed.benchmarks.update_profile import (TraceEvent, breakdown, host_phase_ranges, kernel_family, phase_seconds,
                                               profile_local_update, union_us)
 from rayfed.config import load_config
 from rayfed.errors import ConfigError
@@ -56,7 +56,8 @@ KERNELS = [  # names as torch.profiler reports them on H100 / H200 / A100
      "(at::native::ADAM_MODE)1, false>, float*, double, double, double, double, double, bool, float*, float*>(...)",
      "optimizer"),
     ("void at::native::index_elementwise_kernel<128, 4, ...>", "elementwise"),
-    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>", "other"),
+    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>",
+     "other"),
     # a CPU's ops, for the profile without a GPU
     ("aten::addmm", "gemm"), ("aten::_to_copy", "copy"), ("aten::native_layer_norm", "normalization"),
     ("aten::_foreach_add_", "optimizer"), ("aten::mul_", "elementwise"), ("aten::sum", "reduction"),
@@ -116,6 +117,10 @@ def test_the_breakdown_counts_busy_time_once_and_splits_families_copies_waits_an
     assert host["between_ops_s"] == pytest.approx(900e-6) and host["cuda_runtime_s"] == pytest.approx(165e-6)
     assert host["phases_s"] == {"batch building": 9e-4} and cuda["top"][0]["family"] == "gemm"
     assert union_us([(0, 2), (1, 3), (5, 6)]) == 4
+    mirrored = [TraceEvent("rayfed phase: batch building", False, 0, 300, annotation=True),
+                TraceEvent("rayfed phase: batch building", False, 100, 200, annotation=True),  # a nested call
+                TraceEvent("rayfed phase: batch building", True, 0, 900, annotation=True)]  # the GPU's mirror
+    assert phase_seconds(mirrored) == {"batch building": pytest.approx(300e-6)}
 
 
 def test_host_phases_are_wrapped_while_profiled_then_restored_and_a_missing_one_is_named():
@@ -134,7 +139,8 @@ def test_host_phases_are_wrapped_while_profiled_then_restored_and_a_missing_one_
 def test_a_cpu_profile_of_a_training_loop_gives_op_families_and_the_files(tmp_path):
     import torch
 
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 4))
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
 
     def update():
