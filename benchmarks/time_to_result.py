@@ -100,8 +100,9 @@ def time_to_result_markdown(estimate: dict[str, Any]) -> str:
     evaluations = (f"{schedule['evaluations']} evaluations at {estimate['evaluation_s']:.1f} s"
                    if estimate["evaluations_included"] else "evaluations not measured, left out")
     text = (f"\nTime to result (on one device like this one): the paper's {schedule['rounds']} rounds of "
-            f"{schedule['clients_per_round']} clients x {estimate['paper_steps']} steps at {estimate['paper_round_s']:.2f} s a round (measured "
-            f"{estimate['measured_round_s']:.2f} s at {estimate['bench_steps']} steps, updates scaled), {evaluations}: "
+            f"{schedule['clients_per_round']} clients x {estimate['paper_steps']} steps at "
+            f"{estimate['paper_round_s']:.2f} s a round (measured {estimate['measured_round_s']:.2f} s at "
+            f"{estimate['bench_steps']} steps, updates scaled), {evaluations}: "
             f"**{estimate['schedule_gpu_hours']:.2f} GPU-hours**, {estimate['trials_per_gpu_hour']:.2f} trials per "
             "GPU-hour.\n")
     sweep = estimate.get("sweep")
