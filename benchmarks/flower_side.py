@@ -156,7 +156,8 @@ def versions(python: str) -> dict[str, str]:
             "    except m.PackageNotFoundError: pass\n"
             "print(json.dumps(out))")
     try:
-        return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120, check=False).stdout)
+        return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
+                                         check=False).stdout)
     except (OSError, ValueError, subprocess.SubprocessError):
         return {}
 
@@ -247,8 +248,8 @@ def _read_result(run: str, out: Path) -> dict[str, Any]:
     if progress.exists():  # stopped early: keep the rounds it timed (first is the warm-up)
         rounds = [json.loads(line)["wall_s"] for line in progress.read_text().splitlines()]
         if len(rounds) > 1:
-            return {"round_s": rounds[1:], "warmup_round_s": rounds[0], "mean_round_s": sum(rounds[1:]) / len(rounds[1:]),
-                    "partial": True}
+            return {"round_s": rounds[1:], "warmup_round_s": rounds[0],
+                    "mean_round_s": sum(rounds[1:]) / len(rounds[1:]), "partial": True}
         if rounds:
             return {"warmup_round_s": rounds[0], "partial": True}
     return {}
@@ -303,7 +304,8 @@ def markdown(results: dict[str, Any]) -> str:
               + "---|" * 16)
     versions = results["versions"]
     lines = [
-        f"Workload: `{results['workload']}` ({json.dumps(next((r['workload_fields'] for r in runs if r.get('workload_fields')), {}))})",
+        f"Workload: `{results['workload']}` "
+        f"({json.dumps(next((r['workload_fields'] for r in runs if r.get('workload_fields')), {}))})",
         "",
         (f"Machine: {machine.get('gpu') or 'CPU only'}, {machine.get('cpus')} CPUs, Python {machine.get('python')}; "
         f"rayfed env: {_fmt_versions(versions['rayfed_env'])}; Flower env: {_fmt_versions(versions['flower_env'])}"),

@@ -40,7 +40,10 @@ import yaml
 from rayfed.actors.client import ClientActor, run_methods
 from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_clients, architecture_of
+from rayfed.benchmarks.mfu import mfu, mfu_cell, mfu_footnote, this_gpu_peak
 from rayfed.benchmarks.overhead import synchronize
+from rayfed.benchmarks.time_to_result import paper_schedule, sweep_size, time_to_result, time_to_result_markdown
+from rayfed.benchmarks.update_profile import profile_local_update
 from rayfed.compute import WITHOUT_MATCHING
 from rayfed.config import RunConfig, load_config
 from rayfed.data.clients import build_federation
@@ -60,23 +63,27 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where t
 class MethodWorkload:
     """A seed method's bench: method ``label`` of ``config`` (its paper config's offline twin, a path from the
     repository's root); ``smoke_config`` / ``smoke_label``: the same method on its tiny offline config, a size a
-    CPU runs in seconds (``--smoke``)."""
+    CPU runs in seconds (``--smoke``); ``sweep``: the tune config of the paper's named sweep, whose trials per
+    GPU-hour the bench estimates (None: the paper names none)."""
 
     config: str
     label: str
     smoke_config: str
     smoke_label: str
     rounds: int = 3
+    sweep: str | None = None
 
 
 METHOD_WORKLOADS: dict[str, MethodWorkload] = {
-    "tap": MethodWorkload("configs/tap/paper_flava_offline.yaml", "TAP", "configs/tap/offline_flava_quick.yaml", "TAP"),
+    "tap": MethodWorkload("configs/tap/paper_flava_offline.yaml", "TAP", "configs/tap/offline_flava_quick.yaml", "TAP",
+                          sweep="configs/tune/tap_margins.yaml"),
     "feddat": MethodWorkload("configs/feddat/paper_domain_offline.yaml", "FedDAT", "configs/feddat/offline_domain.yaml",
-                             "FedDAT"),
+                             "FedDAT", sweep="configs/tune/feddat_kd.yaml"),
     "fedmosaic": MethodWorkload("configs/fedmosaic/paper_drake_static_offline.yaml", "fedmosaic",
-                                "configs/fedmosaic/offline_static.yaml", "fedmosaic"),
+                                "configs/fedmosaic/offline_static.yaml", "fedmosaic",
+                                sweep="configs/tune/fedmosaic_tau_blocks.yaml"),
     "pfedmma": MethodWorkload("configs/pfedmma/cifar100_offline.yaml", "pfedmma", "configs/pfedmma/offline.yaml",
-                              "pfedmma"),
+                              "pfedmma", sweep="configs/tune/pfedmma_alpha.yaml"),
     "fedyolo": MethodWorkload("configs/fedyolo/paper_fedyolo_B_tasks01_offline.yaml", "fedyolo",
                               "configs/fedyolo/offline_multitask.yaml", "fedyolo"),
 }
@@ -96,7 +103,8 @@ def workload_config(workload: MethodWorkload, rounds: int, smoke: bool = False,
     if not chosen:
         raise ConfigError(f"{path}: no method is labelled {label!r}.")
     return load_config(path, [f"federation.rounds={rounds}", f"federation.eval_every={rounds + 1}",
-                              "federation.checkpoint_every=0", f"methods={json.dumps(chosen)}", WITHOUT_MATCHING, *overrides])
+                              "federation.checkpoint_every=0", f"methods={json.dumps(chosen)}", WITHOUT_MATCHING,
+                              *overrides])
 
 
 def _timed(work: Callable[[], Any]) -> tuple[Any, float]:
@@ -131,7 +139,8 @@ class MethodLoop:
 
     def round_clients(self, round_idx: int) -> dict[str, list[int]]:
         """The clients rayfed's round ``round_idx`` trains, per architecture."""
-        sampled = self.method.participants(round_idx, sample_round(self.config, round_idx), self.config.data.num_clients)
+        sampled = self.method.participants(round_idx, sample_round(self.config, round_idx),
+                                           self.config.data.num_clients)
         plan = plan_round(self.config, round_idx, sampled, self.num_train)
         self._weight_scale = plan.weight_scale
         return {name: [cid for cid in plan.participants if self.architecture_of[cid] == name] for name in self.hosts}
@@ -166,11 +175,17 @@ class MethodLoop:
         """Weak references to what holds most of the ideal's memory: each host's backbone and method model."""
         return [weakref.ref(module) for host in self.hosts.values() for module in (host.backbone.encoder, host.model)]
 
-    def update_profile(self, round_idx: int) -> dict[str, Any]:
-        """One client's local update (the first of the round's first architecture): its FLOPs, the host syncs
-        it makes (CUDA: torch's sync debug mode, one warning a sync), its peak GPU memory above what was held."""
+    def first_client(self, round_idx: int) -> tuple[str, int]:
+        """The architecture and id of the client whose update the bench counts: round ``round_idx``'s first client
+        of its first architecture."""
         name, cids = next((n, c) for n, c in self.round_clients(round_idx).items() if c)
-        host, cid = self.hosts[name], cids[0]
+        return name, cids[0]
+
+    def update_profile(self, round_idx: int) -> dict[str, Any]:
+        """One client's local update (:meth:`first_client`): its FLOPs, the host syncs
+        it makes (CUDA: torch's sync debug mode, one warning a sync), its peak GPU memory above what was held."""
+        name, cid = self.first_client(round_idx)
+        host = self.hosts[name]
         payloads = self.driver.payloads([cid], False)
         state = host.states[cid]
         steps = local_steps(host.train_config, self.num_train[cid])
@@ -191,7 +206,29 @@ class MethodLoop:
             syncs = sum("synchronizing" in str(w.message) for w in caught)
             peak = torch.cuda.max_memory_allocated() - held
         host.states[cid] = state
-        return {"architecture": name, "flops": flops, "host_syncs": syncs, "peak_gpu_bytes": peak, "local_steps": steps}
+        return {"architecture": name, "client": cid, "flops": flops, "host_syncs": syncs, "peak_gpu_bytes": peak,
+                "local_steps": steps, "num_train": self.num_train[cid]}
+
+    def profiled_update(self, round_idx: int, out_dir: Path, trace: bool = False) -> dict[str, Any]:
+        """One steady local update of :meth:`first_client` in round ``round_idx``, after a warm-up update from the
+        same state, under torch.profiler (benchmarks/update_profile.py; files into ``out_dir``); the client's state
+        is restored after both."""
+        name, cid = self.first_client(round_idx)
+        host = self.hosts[name]
+        payloads, state = self.driver.payloads([cid], False), host.states[cid]
+        try:
+            host.train(round_idx, [cid], payloads)
+            host.states[cid] = state
+            profiled = profile_local_update(lambda: host.train(round_idx, [cid], payloads), out_dir, trace,
+                                            host.device)
+        finally:
+            host.states[cid] = state
+        print(f"[bench] profiled a local update of client {cid}: {profiled['wall_s']:.2f} s; {out_dir}/profile.md",
+              flush=True)
+        return {"architecture": name, "client": cid, "round": round_idx + 1, "dir": str(out_dir),
+                **{k: profiled[k] for k in ("wall_s", "host") if k in profiled},
+                **({"cuda_busy_s": profiled["cuda"]["busy_s"], "gpu_idle_fraction": profiled["cuda"]["idle_fraction"]}
+                   if "cuda" in profiled else {})}
 
 
 def update_flops(host: ClientActor, client_id: int, payloads: Any, steps: int) -> float:
@@ -219,16 +256,30 @@ def _ideal_built(config: RunConfig) -> tuple[MethodLoop, float, dict[str, Any]]:
     return ideal, built_s, profile
 
 
-def _ideal_run(config: RunConfig, evaluate: bool = True) -> tuple[dict[str, Any], list[weakref.ref]]:
+@dataclass(frozen=True)
+class ProfileRequest:
+    """``--profile``: profile one steady local update of the method after its rounds into ``out_dir``; ``trace``:
+    also chrome's trace (large)."""
+
+    out_dir: Path
+    trace: bool = False
+
+
+def _ideal_run(config: RunConfig, evaluate: bool = True, profile_request: ProfileRequest | None = None,
+               ) -> tuple[dict[str, Any], list[weakref.ref]]:
     """The ideal's whole run on its own (``ideal_apart``, ``ideal_only``): its rounds, then (``evaluate``) one
-    evaluation of every client; with weak references to its models, which die when it returns."""
+    evaluation of every client and (``profile_request``) a profiled update; with weak references to its models,
+    which die when it returns."""
     ideal, built_s, profile = _ideal_built(config)
     rounds = []
     for round_idx in range(config.federation.rounds):
         rounds.append(ideal.run_round(round_idx))
         print(f"[bench] the ideal's round {round_idx + 1}: {rounds[-1]['round_s']:.2f} s", flush=True)
     evaluation_s = ideal.evaluation_s(config.federation.rounds) if evaluate else None
-    return {"built_s": built_s, "profile": profile, "rounds": rounds, "evaluation_s": evaluation_s}, ideal.models()
+    profiled = (None if profile_request is None else
+                ideal.profiled_update(config.federation.rounds - 1, profile_request.out_dir, profile_request.trace))
+    return {"built_s": built_s, "profile": profile, "rounds": rounds, "evaluation_s": evaluation_s,
+            "profiled_update": profiled}, ideal.models()
 
 
 def _released(models: list[weakref.ref]) -> dict[str, Any]:
@@ -289,14 +340,18 @@ def rayfed_run(config: RunConfig, run_dir: Path, each_round: Callable[[int, floa
     }
 
 
-def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False) -> dict[str, Any]:
+def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False,
+            profile_request: ProfileRequest | None = None) -> dict[str, Any]:
     """rayfed's run of ``config`` (one method), each round paired with the ideal's same round; ``ideal_apart``: the
-    ideal's rounds all first, the ideal released before rayfed's run."""
+    ideal's rounds all first, the ideal released before rayfed's run; ``profile_request``: the ideal's profiled
+    update after its rounds."""
     rounds = config.federation.rounds
     apart: dict[str, Any] = {}
+    profiled = None
     if ideal_apart:
-        alone, models = _ideal_run(config)
+        alone, models = _ideal_run(config, profile_request=profile_request)
         apart = _released(models)
+        profiled = alone["profiled_update"]
         ideal = None
         built_s, profile, ideal_rounds, ideal_evaluation = (alone["built_s"], alone["profile"], alone["rounds"],
                                                             alone["evaluation_s"])
@@ -317,6 +372,8 @@ def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False) -> dict
     label = config.methods[0].label
     if ideal is not None:
         ideal_evaluation = ideal.evaluation_s(rounds)
+        if profile_request is not None:
+            profiled = ideal.profiled_update(rounds - 1, profile_request.out_dir, profile_request.trace)
     timed = slice(1, None) if rounds > 1 else slice(None)  # the first round warms up both
     means = _ideal_means(ideal_rounds)
     mean_round, ideal_round, ideal_update = (statistics.mean(walls[timed]), means["mean_ideal_round_s"],
@@ -335,21 +392,21 @@ def measure(config: RunConfig, out_dir: Path, ideal_apart: bool = False) -> dict
         "rayfed_tflops_per_s": flops_per_round / mean_round / 1e12,
         "peak_gpu_mib_per_actor": max((u["gpu_peak_bytes"] for u in usage), default=0) / 2**20,
         "peak_host_mib_per_actor": max((u["rss_bytes"] for u in usage), default=0) / 2**20,
-        "metrics": ran["metrics"],
+        "metrics": ran["metrics"], "profiled_update": profiled,
     }
 
 
-def measure_ideal(config: RunConfig) -> dict[str, Any]:
+def measure_ideal(config: RunConfig, profile_request: ProfileRequest | None = None) -> dict[str, Any]:
     """The ideal's rounds of ``config`` alone (``ideal_only``): no rayfed run and no evaluation, for the TFLOP/s of
-    the method's local updates at the cost of its rounds only."""
-    alone, models = _ideal_run(config, evaluate=False)
+    the method's local updates at the cost of its rounds only (and ``profile_request``'s profiled update)."""
+    alone, models = _ideal_run(config, evaluate=False, profile_request=profile_request)
     rounds, profile = alone["rounds"], alone["profile"]
     means = _ideal_means(rounds)
     return {
         "label": config.methods[0].label, "rounds": len(rounds), "ideal_only": True, **_released(models),
         "ideal_rounds": rounds, **means, "update_profile": profile, "ideal_build_s": alone["built_s"],
         "tflops_per_s": profile["flops"] * means["clients_per_round"] / means["mean_ideal_update_s"] / 1e12,
-        "peak_gpu_mib_per_actor": None,
+        "peak_gpu_mib_per_actor": None, "profiled_update": alone["profiled_update"],
     }
 
 
@@ -401,7 +458,8 @@ def reference_config(config: RunConfig) -> RunConfig:
     if config.model.client is not None:
         return load_config(config, ["methods=[fedavg]", WITHOUT_MATCHING])
     lora = config.model.lora.model_dump() if config.model.lora is not None else {"rank": 16, "alpha": 32}
-    return load_config(config, ["methods=[fedavg]", WITHOUT_MATCHING, "model.module=lora", f"model.lora={json.dumps(lora)}"])
+    return load_config(config, ["methods=[fedavg]", WITHOUT_MATCHING, "model.module=lora",
+                                f"model.lora={json.dumps(lora)}"])
 
 
 def resolved_workload(workload: str | MethodWorkload) -> tuple[str, MethodWorkload]:
@@ -419,35 +477,67 @@ def results_header(name: str, workload: MethodWorkload, smoke: bool, overrides: 
     return {
         "workload": {"name": name, **asdict(workload), "smoke": smoke, "overrides": list(overrides), **options},
         "machine": {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                    "num_gpus": torch.cuda.device_count(), "torch": torch.__version__},
+                    "num_gpus": torch.cuda.device_count(), "torch": torch.__version__, **this_gpu_peak()},
     }
 
 
 def run_method_bench(workload: str | MethodWorkload, out_dir: Path, rounds: int | None = None, smoke: bool = False,
-                     overrides: tuple[str, ...] = (), reference: bool = True,
-                     ideal_apart: bool = False, ideal_only: bool = False) -> dict[str, Any]:
+                     overrides: tuple[str, ...] = (), reference: bool = True, ideal_apart: bool = False,
+                     ideal_only: bool = False, profile: bool = False, profile_trace: bool = False) -> dict[str, Any]:
     """The bench of ``workload`` (or the one :data:`METHOD_WORKLOADS` names), with the plain LoRA FedAvg reference's
     step rate beside it when ``reference``; writes ``bench.json`` and ``bench.md`` into ``out_dir``. ``ideal_apart``:
-    see :func:`measure`; ``ideal_only``: the ideal's rounds alone (:func:`measure_ideal`), for the TFLOP/s ratio."""
+    see :func:`measure`; ``ideal_only``: the ideal's rounds alone (:func:`measure_ideal`), for the TFLOP/s ratio;
+    ``profile``: a steady local update of the method profiled into ``out_dir/profile`` (``profile_trace``: with
+    chrome's trace). Each run's rates come with their MFU, and the method's rounds with the paper schedule's time
+    to result (benchmarks/time_to_result.py)."""
     if ideal_only and ideal_apart:
         raise ConfigError("--ideal-only runs no rayfed run to keep the ideal apart from; give one of --ideal-only "
                           "and --ideal-apart.")
     name, workload = resolved_workload(workload)
     config = workload_config(workload, rounds or workload.rounds, smoke, overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = results_header(name, workload, smoke, overrides, ideal_apart=ideal_apart, ideal_only=ideal_only)
+    results = results_header(name, workload, smoke, overrides, ideal_apart=ideal_apart, ideal_only=ideal_only,
+                             profile=profile)
+    peak = results["machine"]["bf16_peak_tflops"]
+    request = ProfileRequest(out_dir / "profile", profile_trace) if profile else None
     with tempfile.TemporaryDirectory(prefix=f"rayfed-bench-{name}-") as scratch:
-        def run(run_config: RunConfig, scratch_dir: Path) -> dict[str, Any]:
-            return measure_ideal(run_config) if ideal_only else measure(run_config, scratch_dir, ideal_apart)
+        def run(run_config: RunConfig, scratch_dir: Path, profiled: ProfileRequest | None) -> dict[str, Any]:
+            measured = (measure_ideal(run_config, profiled) if ideal_only
+                        else measure(run_config, scratch_dir, ideal_apart, profiled))
+            return {**measured, **{f"{rate}mfu": mfu(measured.get(f"{rate}tflops_per_s"), peak)
+                                   for rate in ("", "rayfed_") if f"{rate}tflops_per_s" in measured}}
 
-        results["method"] = run(config, Path(scratch))
+        results["method"] = run(config, Path(scratch), request)
+        results["time_to_result"] = estimate_time_to_result(workload, smoke, overrides, results["method"])
         atomic_write_json(out_dir / "bench.json", results)
         if reference:
-            results["reference"] = run(reference_config(config), Path(scratch) / "reference")
+            results["reference"] = run(reference_config(config), Path(scratch) / "reference", None)
             results["tflops_ratio"] = results["method"]["tflops_per_s"] / results["reference"]["tflops_per_s"]
     atomic_write_json(out_dir / "bench.json", results)
     atomic_write_text(out_dir / "bench.md", markdown(results))
     return results
+
+
+def estimate_time_to_result(workload: MethodWorkload, smoke: bool, overrides: tuple[str, ...],
+                            run: dict[str, Any]) -> dict[str, Any]:
+    """The paper schedule's time on one GPU and its sweep's trials per GPU-hour (:func:`time_to_result`) from the
+    method's measured ``run``: rayfed's rounds and busiest actor's updates where rayfed ran, else the ideal's. The
+    paper's steps an update are the config's ``local_steps``; with ``local_epochs`` the measured client's steps on
+    the paper's data, unknown when ``overrides`` change the data."""
+    paper = load_config(REPO / (workload.smoke_config if smoke else workload.config))
+    schedule = paper_schedule(paper)
+    profile = run["update_profile"]
+    paper_steps = schedule.local_steps
+    if paper_steps is None and not any(o.startswith("data.") for o in overrides):
+        paper_steps = local_steps(paper.train, profile["num_train"])
+    rayfed_ran = "mean_round_s" in run
+    sweep = None
+    if workload.sweep is not None:
+        sweep = {"config": workload.sweep, **sweep_size(yaml.safe_load((REPO / workload.sweep).read_text())["tune"])}
+    return time_to_result(
+        schedule, run["mean_round_s" if rayfed_ran else "mean_ideal_round_s"],
+        run["mean_update_s" if rayfed_ran else "mean_ideal_update_s"], profile["local_steps"], paper_steps,
+        run["clients_per_round"], run.get("ideal_evaluation_s"), sweep)
 
 
 ROW_KEYS = ("mean_round_s", "mean_ideal_round_s", "overhead_ratio", "mean_update_s", "mean_ideal_update_s",
@@ -463,12 +553,13 @@ def markdown(results: dict[str, Any]) -> str:
             syncs = profile["host_syncs"]
             rows.append([run["label"] if role == "method" else "LoRA FedAvg",
                          *("-" if run.get(k) is None else f"{run[k]:.3g}" for k in ROW_KEYS),
+                         mfu_cell(run.get("mfu")),
                          "-" if syncs is None else str(syncs),
                          "-" if profile["peak_gpu_bytes"] is None else f"{profile['peak_gpu_bytes'] / 2**20:.0f}",
                          "-" if run["peak_gpu_mib_per_actor"] is None else f"{run['peak_gpu_mib_per_actor']:.0f}"])
     header = ["method", "s/round", "ideal s/round", "overhead", "updates s (busiest actor)", "ideal updates s",
               "ideal server hooks s", "ideal public passes s", "end of run s", "ideal evaluation s", "TFLOP/s",
-              "host syncs/update", "peak GPU MiB/client", "peak GPU MiB/actor"]
+              "MFU", "host syncs/update", "peak GPU MiB/client", "peak GPU MiB/actor"]
     workload = results["workload"]
     ratio = results.get("tflops_ratio")
     return (header_markdown(results)
@@ -476,8 +567,22 @@ def markdown(results: dict[str, Any]) -> str:
                "run.\n\n" if workload.get("ideal_apart") else "")
             + ("Only the ideal ran (--ideal-only): no rayfed run, no evaluation.\n\n" if workload.get("ideal_only")
                else "") + format_table(rows, header)
+            + mfu_footnote(results["machine"])
             + ("" if ratio is None else f"\nTFLOP/s of the method's local updates / a plain LoRA FedAvg step's: "
-               f"{ratio:.2f}\n") + timeline_markdown(results["method"]))
+               f"{ratio:.2f}\n")
+            + ("" if "time_to_result" not in results else time_to_result_markdown(results["time_to_result"]))
+            + profiled_markdown(results["method"].get("profiled_update"))
+            + timeline_markdown(results["method"]))
+
+
+def profiled_markdown(profiled: dict[str, Any] | None) -> str:
+    """bench.md's line on ``--profile``'s profiled update (its breakdown is in its own profile.md)."""
+    if profiled is None:
+        return ""
+    idle = profiled.get("gpu_idle_fraction")
+    return (f"\nProfiled: a local update of client {profiled['client']} (round {profiled['round']}) in "
+            f"{profiled['wall_s']:.2f} s" + ("" if idle is None else f", the GPU idle {100 * idle:.1f}% of it")
+            + f"; breakdown in {profiled['dir']}/profile.md.\n")
 
 
 def header_markdown(results: dict[str, Any]) -> str:

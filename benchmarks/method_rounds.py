@@ -15,9 +15,9 @@ machine.
 ``--public-passes`` (a method with server-side passes on public data: TAKFL, PerAda, FedMKT) runs the actors in
 this process (``placement.executor=local``, one after the other) and splits each round into the clients' training
 (summed over the actors) and each public pass, which runs twice from the same request: one adapter at a time (as
-before the passes grouped adapters) and with its adapters grouped into shared steps (``rayfed.models.peft.lora_groups``; its
-results go on), so that both see the same machine load. The first pass 0 also encodes the public data (in the
-one-at-a-time column). What ``docs/fedmosaic.md`` records for FedMKT:
+before the passes grouped adapters) and with its adapters grouped into shared steps
+(``rayfed.models.peft.lora_groups``; its results go on), so that both see the same machine load. The first pass 0
+also encodes the public data (in the one-at-a-time column). What ``docs/fedmosaic.md`` records for FedMKT:
 
     python -m rayfed.benchmarks.method_rounds --config configs/fedmosaic/offline_competitors_static.yaml \
         --label fedmkt --rounds 2 --public-passes

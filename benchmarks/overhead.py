@@ -38,6 +38,7 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from rayfed.actors.client import ClientActor
+from rayfed.benchmarks.mfu import mfu, mfu_cell, mfu_footnote, this_gpu_peak
 from rayfed.config import RunConfig, load_config
 from rayfed.errors import ConfigError, choice_error
 from rayfed.io import atomic_write_json, atomic_write_text
@@ -264,10 +265,12 @@ def measure_rayfed(workload: Workload, actors_per_gpu: int, num_gpus: int, ideal
     busy = [e["actor_busy_s"] for e in events if e["event"] == "round"][1:]
     return {
         "actors_per_gpu": actors_per_gpu, "num_gpus": num_gpus, "num_actors": len(usage),
-        "round_s": walls[1:], "ideal_round_s": ideal_round_s[1:], "total_s": total, "usage": usage, "breakdown": breakdown,
+        "round_s": walls[1:], "ideal_round_s": ideal_round_s[1:], "total_s": total, "usage": usage,
+        "breakdown": breakdown,
         **{f"mean_{key}": _mean([b[key] for b in breakdown]) for key in BREAKDOWN_KEYS},
         # the busiest actor's local updates against an even share of the round's (balanced rounds)
-        "mean_busiest_actor_s": _mean([max(b) for b in busy]), "mean_even_share_s": _mean([sum(b) / num_actors for b in busy]),
+        "mean_busiest_actor_s": _mean([max(b) for b in busy]),
+        "mean_even_share_s": _mean([sum(b) / num_actors for b in busy]),
         "local_metrics": summary["methods"][workload.method]["mean"],
     }
 
@@ -350,7 +353,8 @@ def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path
         "workload": dataclasses.asdict(workload),
         "step_work": {**dataclasses.asdict(work), "steps_per_round": steps_per_round},
         "machine": {"gpu": torch.cuda.get_device_name(0) if num_gpus else None, "num_gpus": num_gpus,
-                    "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+                    **this_gpu_peak(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__},
         "ideal_device": str(ideal.host.device),
         "runs": [],
     }
@@ -380,10 +384,13 @@ def run_bench(workload: Workload, actors_per_gpu: tuple[int, ...], out_dir: Path
                     peak_gpu_mib_per_actor=max(u["gpu_peak_bytes"] for u in result["usage"]) / 2**20,
                     peak_host_mib_per_actor=max(u["rss_bytes"] for u in result["usage"]) / 2**20,
                 )
+                peak = results["machine"]["bf16_peak_tflops"]
+                result.update(mfu=mfu(result["tflops_per_s"], peak), ideal_mfu=mfu(result["ideal_tflops_per_s"], peak))
                 results["runs"].append(result)
                 atomic_write_json(out_dir / "bench.json", results)  # partial results survive a later failure
                 print(f"[bench] {gpus} GPU(s) x {per_gpu} actors: {mean_round:.3f} s/round "
-                      f"(ideal, paired rounds: {ideal_round:.3f}; local updates {result['mean_update_s']:.3f})", flush=True)
+                      f"(ideal, paired rounds: {ideal_round:.3f}; local updates {result['mean_update_s']:.3f})",
+                      flush=True)
     if owns_ray or num_gpus > 1:
         ray.shutdown()
     del ideal
@@ -422,18 +429,21 @@ def median_ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
 def markdown(results: dict[str, Any]) -> str:
     machine = results["machine"]
     rows = [[
-        str(run["num_gpus"]), str(run["actors_per_gpu"]), f"{run['mean_round_s']:.3f}", f"{run['mean_ideal_round_s']:.3f}",
+        str(run["num_gpus"]), str(run["actors_per_gpu"]), f"{run['mean_round_s']:.3f}",
+        f"{run['mean_ideal_round_s']:.3f}",
         "-" if run["overhead_ratio"] is None else f"{run['overhead_ratio']:.3f}", f"{run['speedup_vs_ideal']:.2f}",
         "-" if run.get("speedup_vs_1_gpu") is None else f"{run['speedup_vs_1_gpu']:.2f}",
         f"{run['client_updates_per_s']:.1f}", f"{run['samples_per_s']:.0f}",
         *(_number(run[key], ".0f") for key in ("tokens_per_s", "ideal_tokens_per_s")),
         *(_number(run[key], ".3g") for key in ("tflops_per_s", "ideal_tflops_per_s")),
+        *(mfu_cell(run.get(key)) for key in ("mfu", "ideal_mfu")),
         f"{run['peak_gpu_mib_per_actor']:.0f}", f"{run['peak_host_mib_per_actor']:.0f}",
         *(f"{run['mean_' + key]:.3f}" for key in BREAKDOWN_KEYS),
         f"{run['mean_busiest_actor_s']:.3f} / {run['mean_even_share_s']:.3f}",
     ] for run in results["runs"]]
-    header = ["GPUs", "actors/GPU", "s/round", "ideal s/round", "overhead ratio", "x ideal speed", "x 1 GPU", "client updates/s",
-              "samples/s", "tokens/s", "ideal tokens/s", "TFLOP/s", "ideal TFLOP/s", "peak GPU MiB/actor",
+    header = ["GPUs", "actors/GPU", "s/round", "ideal s/round", "overhead ratio", "x ideal speed", "x 1 GPU",
+              "client updates/s", "samples/s", "tokens/s", "ideal tokens/s", "TFLOP/s", "ideal TFLOP/s", "MFU",
+              "ideal MFU", "peak GPU MiB/actor",
               "peak host MiB/actor",
               "local updates s", "rest on actor s", "before actors s", "after actors s", "busiest actor / even share s"]
     medians = ", ".join(f"{key}: {ratio:.3f}" for key, ratio in results["median_ratios"].items())
@@ -449,6 +459,7 @@ def markdown(results: dict[str, Any]) -> str:
         "(forward + backward, counted once with torch's FlopCounterMode: matrix products and attention); "
         "TFLOP/s and tokens/s are that over each s/round.\n\n"
         + format_table(rows, header)
+        + mfu_footnote(machine)
         + "\nPer round (means over the timed rounds): the clients' local updates on the busiest actor, the rest "
         "of the actors' round calls, and the time before the first actor starts and after the last one ends.\n"
         + (f"\nMedian overhead ratio per GPUs x actors/GPU over the repeats: {medians}.\n" if medians else "")

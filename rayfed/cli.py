@@ -91,6 +91,10 @@ def _bench(args: argparse.Namespace) -> int:
     from rayfed.benchmarks.method_bench import METHOD_WORKLOADS, run_method_bench
     from rayfed.benchmarks.overhead import run_bench, workload_named
 
+    if (args.profile or args.profile_trace) and (args.workload not in METHOD_WORKLOADS or args.gpu_counts is not None):
+        raise ConfigError(f"--profile profiles a seed method's local update ({', '.join(METHOD_WORKLOADS)}), without "
+                          f"--gpu-counts; got --workload {args.workload}"
+                          f"{' with --gpu-counts' if args.gpu_counts is not None else ''}.")
     if args.gpu_counts is not None:
         if args.workload not in METHOD_WORKLOADS:
             raise ConfigError(f"--gpu-counts is for a seed method's workload ({', '.join(METHOD_WORKLOADS)}); "
@@ -104,7 +108,8 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.workload in METHOD_WORKLOADS:
         run_method_bench(args.workload, Path(args.out), rounds=args.rounds, smoke=args.smoke,
                          overrides=tuple(args.overrides), reference=not args.no_reference,
-                         ideal_apart=args.ideal_apart, ideal_only=args.ideal_only)
+                         ideal_apart=args.ideal_apart, ideal_only=args.ideal_only,
+                         profile=args.profile or args.profile_trace, profile_trace=args.profile_trace)
     if args.workload in METHOD_WORKLOADS:
         print((Path(args.out) / "bench.md").read_text())
         print(f"results: {args.out}/bench.json, {args.out}/bench.md")
@@ -215,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="time a fixed FL workload against a plain PyTorch loop")
     bench.add_argument("--workload", choices=_Workloads(), default="cpu", metavar="WORKLOAD",
-                       help="one of %(choices)s. cpu: a tiny ViT smoke size; gpu: open_clip ViT-B/16 + LoRA, 100 clients, 16 per round; "
+                       help="one of %(choices)s. cpu: a tiny ViT smoke size; gpu: open_clip ViT-B/16 + LoRA, "
+                       "100 clients, 16 per round; "
                        "llm: a Llama-3.2-1B-shaped model + LoRA r16, text generation on 512-token sequences, "
                        "20 clients, 4 per round; llm-cpu: the same on a tiny Llama; "
                        "the others: a seed paper's method at its paper's model size (its paper config's offline "
@@ -246,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a seed method's workload: rayfed's run alone on each of these GPU counts of this host "
                        "(a fresh Ray instance each), the speed-up over the first count; no ideal "
                        "(benchmarks/gpu_scaling.py)")
+    bench.add_argument("--profile", action="store_true",
+                       help="a seed method's workload: after the method's rounds, profile one steady local update "
+                       "with torch.profiler into OUT/profile/{profile.json,profile.md} (benchmarks/update_profile.py)")
+    bench.add_argument("--profile-trace", action="store_true",
+                       help="--profile, and write its chrome trace too (OUT/profile/trace.json, large)")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
     bench.set_defaults(handler=_bench)
 

@@ -98,7 +98,8 @@ def test_the_llm_workload_on_a_tiny_llama_reports_tokens_and_tflops_for_rayfed_a
         assert run[f"{prefix}tflops_per_s"] == pytest.approx(work["flops"] * steps / seconds / 1e12)
     assert "local_token_f1" in run["local_metrics"] and results["client_memory"] == []
     table = (tmp_path / "bench.md").read_text()
-    assert "| tokens/s | ideal tokens/s | TFLOP/s | ideal TFLOP/s |" in table
+    assert "| tokens/s | ideal tokens/s | TFLOP/s | ideal TFLOP/s | MFU | ideal MFU |" in table
+    assert run["mfu"] is run["ideal_mfu"] is None and "MFU is blank: no GPU" in table  # a CPU has no bf16 peak
     assert f"{steps} client steps of" in table and f"on {work['tokens']} tokens each" in table
 
 
@@ -180,7 +181,8 @@ def test_the_cli_parser_imports_the_seed_methods_workloads_only_for_bench_worklo
     import subprocess
     import sys
 
-    probe = ("import sys; from rayfed.cli import build_parser; parser = build_parser(); parser.parse_args(['run', 'x']); "
+    probe = ("import sys; from rayfed.cli import build_parser; parser = build_parser(); "
+             "parser.parse_args(['run', 'x']); "
              "print('rayfed.benchmarks.method_bench' in sys.modules, parser.parse_args(['bench', '--workload', "
              "'fedyolo']).workload, 'rayfed.benchmarks.method_bench' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split() == [

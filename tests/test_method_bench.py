@@ -123,6 +123,27 @@ def test_with_the_ideal_only_no_rayfed_run_starts_and_both_runs_give_their_updat
         run_method_bench(QUICK, tmp_path, ideal_only=True, ideal_apart=True)
 
 
+def test_the_profile_mode_profiles_one_steady_update_and_the_table_gets_mfu_and_the_time_to_result(tmp_path):
+    results = run_method_bench(QUICK, tmp_path, rounds=2, ideal_only=True, reference=False, profile=True, overrides=(
+        "placement.executor=local", "data.num_clients=8", "federation.clients_per_round=4", "train.local_steps=2"))
+    method = results["method"]
+    assert results["machine"]["bf16_peak_tflops"] is None and method["mfu"] is None  # a CPU: no peak, no guess
+    profiled = method["profiled_update"]
+    assert profiled["round"] == 2 and profiled["client"] in method["ideal_rounds"][1]["clients"]
+    profile = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    assert profile["cpu_families"]["gemm"]["count"] > 0 and profile["missing_phases"] == []
+    assert profile["host"]["phases_s"]["batch building"] > 0  # the engine's batch building ran inside the ranges
+    estimate = results["time_to_result"]  # the quickstart's schedule: 15 rounds of 10 clients x 10 steps
+    assert estimate["schedule"]["rounds"] == 15 and (estimate["paper_steps"], estimate["bench_steps"]) == (10, 2)
+    scale = 10 / 2 * 10 / 4  # steps, clients a round: the measured round's 4 clients at 2 steps
+    assert estimate["schedule_s"] == pytest.approx(
+        15 * (method["mean_ideal_round_s"] + (scale - 1) * method["mean_ideal_update_s"]))
+    assert not estimate["evaluations_included"] and "sweep" not in estimate
+    table = (tmp_path / "bench.md").read_text()
+    assert "| MFU |" in table and "MFU is blank: no GPU" in table and "Time to result" in table
+    assert "profile/profile.md" in table
+
+
 def test_the_update_flops_extrapolated_from_one_and_two_steps_are_those_counted_over_the_whole_update():
     config = workload_config(QUICK, rounds=1, overrides=(
         "placement.executor=local", "data.num_clients=4", "federation.clients_per_round=2", "train.local_steps=5"))
