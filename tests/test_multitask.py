@@ -99,9 +99,9 @@ def test_a_multi_task_clients_parts_replay_as_graphs_and_train_like_the_eager_st
     they add up. Micro-batches of 3 rows from two tasks often hold one task alone: its head is then off the step's
     path and gets no gradient, so AdamW leaves it as the eager step does (a zero gradient would decay it and move
     it by its moments)."""
-    from rayfed.training import fast_steps
+    from rayfed.training import graph_capture
 
-    captured = made_instances(monkeypatch, fast_steps, "_GraphedPart")
+    captured = made_instances(monkeypatch, graph_capture, "_GraphedPart")
     run = _run(["fedavg"])
     run["train"].update(batch_size=3, local_steps=8, grad_accum=2, optimizer="adamw", weight_decay=0.5,
                         grad_clip=0.5, autocast="off")

@@ -1,9 +1,10 @@
-"""Batched multi-client steps (``train.batch_clients``): several clients of one actor trained in one forward and
-backward over their stacked parameters.
+"""The stacked plan (``train.batch_clients``): several clients of one actor trained in one forward and backward over
+their stacked parameters.
 
 An actor runs its round's local updates as threads that take turns in client-id order (:class:`Lockstep`): each
 runs its method's hook until the hook asks :meth:`ClientContext.train <rayfed.training.ClientContext.train>` for a
-plain update (the task loss, optionally plus a penalty; one phase, one task, no kept optimizer state) or returns.
+plain update (the task loss, optionally plus a penalty; one phase, one task, no kept optimizer state), which
+:class:`StackedPlan` hands to the lockstep, or returns.
 When every unfinished hook waits, the waiting updates that train the same parameters the same way run together
 (:func:`train_together`): ``torch.func.vmap`` over the clients' stacked values and batches, so every matrix
 product of the frozen backbone runs once over all of their rows and each client's LoRA products become batched
@@ -18,8 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 from torch.func import functional_call, vmap
@@ -30,8 +31,14 @@ from rayfed.config import TrainConfig
 from rayfed.models.client import TrainableModule
 from rayfed.models.peft.modules import select_task
 from rayfed.tasks import Task
-from rayfed.training import ClientContext, Penalty, TrainResult, build_optimizer, mixed_precision, scheduled_lr
+from rayfed.training.optimizers import build_optimizer, scheduled_lr
+from rayfed.training.plans.call import StepPlan, TrainCall, TrainResult
+from rayfed.training.precision import mixed_precision
+from rayfed.training.steps import Penalty
 from rayfed.types import TensorDict
+
+if TYPE_CHECKING:
+    from rayfed.training.client_context import ClientContext
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -40,19 +47,62 @@ R = TypeVar("R")
 ATTENTION_UNDER_VMAP = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 
 
+class StackedPlan:
+    """Hands a plain update to its client's lockstep (:class:`Lockstep`), which trains it stacked with the other
+    clients' that wait with it. Keeps whether the model's steps run under vmap, and with ``train.compile`` their
+    compiled versions by task. A group of one trains by the plan ``alone`` picks for it."""
+
+    def __init__(self, alone: Callable[[ClientContext, TrainCall], StepPlan]):
+        self.alone = alone
+        self.stackable = True
+        self.compiled: dict[int, Callable] = {}
+
+    def run(self, client: ClientContext, call: TrainCall) -> TrainResult:
+        assert client.lockstep is not None
+        return client.lockstep.train(TrainRequest(client, call, self))
+
+    def mark_unstackable(self, model: TrainableModule, error: BaseException | None) -> None:
+        """This model's clients train one at a time from now on. E.g. Hugging Face's attention masks read a
+        tensor's value to pick a path (torch.compile's tracing avoids that), and on a GPU some bf16 kernels' batching
+        rules fail in the backward."""
+        self.stackable = False
+        log.warning("train.batch_clients: a step of this %s cannot run under torch.func.vmap (%s); its clients train "
+                    "one at a time.", type(model).__name__, str(error).splitlines()[0][:160])
+
+
 @dataclass
 class TrainRequest:
-    """One client's plain update, as :meth:`ClientContext.train` was asked for it."""
+    """One client's plain update, as :meth:`ClientContext.train` was asked for it, and the plan it waits in."""
 
     client: ClientContext
-    params: TensorDict
-    steps: int
-    purpose: str
-    lr: float
-    extra_loss: Penalty | None
-    pool: torch.Tensor | None  # the rows it may draw from (ClientContext.arrived_rows)
+    call: TrainCall
+    plan: StackedPlan
     result: TrainResult | None = None
     error: BaseException | None = None
+
+    @property
+    def params(self) -> TensorDict:
+        return self.call.params
+
+    @property
+    def steps(self) -> int:
+        return self.call.steps
+
+    @property
+    def purpose(self) -> str:
+        return self.call.purpose
+
+    @property
+    def lr(self) -> float:
+        return self.call.lr
+
+    @property
+    def extra_loss(self) -> Penalty | None:
+        return self.call.phases[0].extra_loss
+
+    @property
+    def pool(self) -> torch.Tensor | None:  # the rows it may draw from (ClientContext.arrived_rows)
+        return self.call.pool
 
     def key(self) -> tuple:
         """Updates with equal keys can train together: the same trained tensors, task, batch shape and budget."""
@@ -107,10 +157,8 @@ class Lockstep(Generic[R]):
                 raise error
         return results
 
-    def train(self, client: ClientContext, params: TensorDict, steps: int, purpose: str, lr: float,
-              extra_loss: Penalty | None, pool: torch.Tensor | None) -> TrainResult:
-        """A plain update of ``client`` (see :meth:`ClientContext.train`), trained with the other updates' ones."""
-        request = TrainRequest(client, params, steps, purpose, lr, extra_loss, pool)
+    def train(self, request: TrainRequest) -> TrainResult:
+        """A plain update (see :meth:`ClientContext.train`), trained with the other updates' ones."""
         index = self._local.index
         with self._cond:
             self._waiting[index] = request
@@ -149,14 +197,16 @@ def train_together(requests: Sequence[TrainRequest], max_clients: int) -> None:
     for members in groups.values():
         for start in range(0, len(members), max_clients):
             chunk = members[start:start + max_clients]
+            plan = chunk[0].plan
             try:
-                if len(chunk) > 1 and _stackable(chunk[0].client.model):
+                if len(chunk) > 1 and plan.stackable:
                     try:
                         results = _train_stacked(chunk)
                     except CannotStack as error:
-                        _mark_unstackable(chunk[0].client.model, error.__cause__)
-                if len(chunk) == 1 or not _stackable(chunk[0].client.model):
-                    results = [_train_alone(request) for request in chunk]
+                        plan.mark_unstackable(chunk[0].client.model, error.__cause__)
+                if len(chunk) == 1 or not plan.stackable:
+                    results = [plan.alone(request.client, request.call).run(request.client, request.call)
+                               for request in chunk]
                 for request, result in zip(chunk, results):
                     request.result = result
             except Exception as error:  # noqa: BLE001 - each client's thread raises it
@@ -166,42 +216,6 @@ def train_together(requests: Sequence[TrainRequest], max_clients: int) -> None:
 
 class CannotStack(Exception):
     """The first stacked step failed (before any update): the model's forward or backward cannot run under vmap."""
-
-
-@dataclass
-class StackedSteps:
-    """What stacked training keeps with a model (in its attachments): whether its steps run under vmap, and with
-    ``train.compile`` their compiled versions by task."""
-
-    stackable: bool = True
-    compiled: dict[int, Callable] = field(default_factory=dict)
-
-
-def _stacked_steps(model: TrainableModule) -> StackedSteps:
-    return model.attachments.get(StackedSteps) or model.attachments.put(StackedSteps())
-
-
-def _stackable(model: TrainableModule) -> bool:
-    return _stacked_steps(model).stackable
-
-
-def _mark_unstackable(model: TrainableModule, error: BaseException | None) -> None:
-    """This model's clients train one at a time from now on. E.g. Hugging Face's attention masks read a
-    tensor's value to pick a path (torch.compile's tracing avoids that), and on a GPU some bf16 kernels' batching
-    rules fail in the backward."""
-    _stacked_steps(model).stackable = False
-    log.warning("train.batch_clients: a step of this %s cannot run under torch.func.vmap (%s); its clients train "
-                "one at a time.", type(model).__name__, str(error).splitlines()[0][:160])
-
-
-def _train_alone(request: TrainRequest) -> TrainResult:
-    client, lockstep = request.client, request.client.lockstep
-    client.lockstep = None
-    try:
-        return client.train(request.params, steps=request.steps, purpose=request.purpose, lr=request.lr,
-                            extra_loss=request.extra_loss)
-    finally:
-        client.lockstep = lockstep
 
 
 def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
@@ -220,7 +234,7 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
     # The first client's dropout stream; vmap draws each client's masks from it, different ones per client.
     torch.manual_seed(seeding.torch_seed(first.seed, first.round, first.client_id, requests[0].purpose + ":dropout"))
     part = first.data.parts[0]
-    step_fn = _stacked_step(model, task, config)
+    step_fn = _stacked_step(requests[0].plan, model, task, config)
     losses = torch.zeros(len(requests), device=device)
     for step in range(requests[0].steps):
         if config.schedule != "constant" and requests[0].purpose == "train":
@@ -258,9 +272,9 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
     return results
 
 
-def _stacked_step(model: TrainableModule, task: Task, config: TrainConfig) -> Callable:
+def _stacked_step(plan: StackedPlan, model: TrainableModule, task: Task, config: TrainConfig) -> Callable:
     """Each client's task loss, given the clients' stacked values and batches: vmap over clients (with
-    ``train.compile``: its torch.compile, built once per model and task)."""
+    ``train.compile``: its torch.compile, built once per model and task and kept by ``plan``)."""
 
     def client_loss(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return task.kind.loss(functional_call(model, params, (batch,), strict=False), batch)
@@ -268,7 +282,7 @@ def _stacked_step(model: TrainableModule, task: Task, config: TrainConfig) -> Ca
     step = vmap(client_loss, randomness="different")
     if not config.compile:
         return step
-    compiled = _stacked_steps(model).compiled
+    compiled = plan.compiled
     if task.index not in compiled:
         compiled[task.index] = torch.compile(step)
     return compiled[task.index]
