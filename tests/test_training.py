@@ -386,7 +386,7 @@ def test_a_model_whose_step_was_captured_is_freed_with_its_actor():
     model = weakref.ref(host.model)
     del host
     gc.collect()
-    assert model() is None  # the graph kept for the model (by its step plan, in the model's attachments) held no reference to it
+    assert model() is None  # the graph its step plan keeps in the model's attachments held no reference to it
 
 
 def _shifted(values: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
@@ -591,21 +591,22 @@ def test_an_actor_keeps_the_most_recently_used_graphs_one_per_trained_set_task_a
     part = host.data[0].parts[0]
     small = ClientData([TaskData(0, {name: column[:5] for name, column in part.train.items()}, part.test)])
     task0, task1 = host.tasks[0], dataclasses.replace(host.tasks[0], index=1)
-    first = step_plans(model).graphed_step.graph(model, named, config, host.data[0], task0)
-    assert step_plans(model).graphed_step.graph(model, named, config, host.data[1], task0) is first and first.resets == 2
+    graph = step_plans(model).graphed_step.graph
+    first = graph(model, named, config, host.data[0], task0)
+    assert graph(model, named, config, host.data[1], task0) is first and first.resets == 2
     assert first.shape[0] == config.batch_size
-    assert step_plans(model).graphed_step.graph(model, named, config, small, task0).shape[0] == 5  # a batch of all 5
-    step_plans(model).graphed_step.graph(model, named, config, host.data[0], task1)
+    assert graph(model, named, config, small, task0).shape[0] == 5  # a batch of all 5
+    graph(model, named, config, host.data[0], task1)
     clipped = config.model_copy(update={"grad_clip": 1.0})  # clipping is captured with the step
-    step_plans(model).graphed_step.graph(model, named, clipped, host.data[0], task0)
+    graph(model, named, clipped, host.data[0], task0)
     assert len(captured) == 4 and len(step_plans(model).graphed_step.graphs) == graphed_step_plan.MAX_GRAPHS_PER_MODEL
-    step_plans(model).graphed_step.graph(model, named, config, host.data[0], task0)  # used last: stays
+    graph(model, named, config, host.data[0], task0)  # used last: stays
     decayed = config.model_copy(update={"weight_decay": 0.1})
-    step_plans(model).graphed_step.graph(model, named, decayed, host.data[0], task0)  # a fifth: the batch-5 graph goes
+    graph(model, named, decayed, host.data[0], task0)  # a fifth: the batch-5 graph goes
     assert len(captured) == 5 and first in step_plans(model).graphed_step.graphs.values()
     assert all(step.shape[0] != 5 for step in step_plans(model).graphed_step.graphs.values())
     other_rate = config.model_copy(update={"schedule": "round_warmup", "lr": 0.5})  # a step sets its rate
-    assert step_plans(model).graphed_step.graph(model, named, other_rate, host.data[0], task0) is first and len(captured) == 5
+    assert graph(model, named, other_rate, host.data[0], task0) is first and len(captured) == 5
 
 
 def test_a_step_captured_under_bf16_autocast_is_not_replayed_with_train_autocast_off(monkeypatch):
@@ -624,8 +625,9 @@ def test_a_step_captured_under_bf16_autocast_is_not_replayed_with_train_autocast
     monkeypatch.setattr(graphed_step_plan, "GraphedStep", RecordedStep)
     host, _ = _host(cuda_graphs=False)
     named, off = dict(host.model.named_parameters()), host.config.train.model_copy(update={"autocast": "off"})
+    graph = step_plans(host.model).graphed_step.graph
     for config in (host.config.train, off, host.config.train, off):
-        step_plans(host.model).graphed_step.graph(host.model, named, config, host.data[0], host.tasks[0])
+        graph(host.model, named, config, host.data[0], host.tasks[0])
     assert captured == ["bf16", "off"]
 
 
@@ -638,10 +640,10 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_with_one_warning(monkeypa
 
     monkeypatch.setattr(graphed_step_plan, "GraphedStep", failing_capture)
     host, _ = _host(cuda_graphs=False)
-    named = dict(host.model.named_parameters())
+    named, graph = dict(host.model.named_parameters()), step_plans(host.model).graphed_step.graph
     with caplog.at_level("WARNING", logger="rayfed.training"):
         for cid in (0, 1):
-            assert step_plans(host.model).graphed_step.graph(host.model, named, host.config.train, host.data[cid], host.tasks[0]) is None
+            assert graph(host.model, named, host.config.train, host.data[cid], host.tasks[0]) is None
     assert len(attempts) == 1
     [record] = caplog.records
     assert "could not be captured" in record.getMessage() and "stream is capturing);" in record.getMessage()

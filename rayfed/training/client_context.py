@@ -131,7 +131,8 @@ class ClientContext:
         self.model.load_trainable(params)
         self.model.eval()
         metrics: dict[str, float] = {}
-        seen = self.data.parts if self.stream is None else [p for p in self.data.parts if p.first_round <= seen_round(self.round)]
+        seen = self.data.parts if self.stream is None else [p for p in self.data.parts
+                                                             if p.first_round <= seen_round(self.round)]
         others = [] if self.stream is None else [o for o in self.others if o.first_round <= seen_round(self.round)]
         # Scored together where the model allows: the own tasks and the others that need no parameters of their own.
         scorer = Scorer(self.model, self.tasks, self.device, self.train_config.eval_batch_size,

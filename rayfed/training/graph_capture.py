@@ -187,8 +187,8 @@ class GraphedParts:
     def key(model: TrainableModule, task: Task, batch: Batch, total: int) -> tuple:
         """A part's graph: its task, rows, the micro-batch's rows, its columns' shapes and its model's host choices."""
         rows = len(next(iter(batch.values())))
-        return (task.index, rows, total, tuple((name, tuple(column.shape[1:]), column.dtype)
-                                                for name, column in batch.items()), model.host_choices(task.index, batch))
+        columns = tuple((name, tuple(column.shape[1:]), column.dtype) for name, column in batch.items())
+        return task.index, rows, total, columns, model.host_choices(task.index, batch)
 
     def capture(self, model: TrainableModule, config: TrainConfig, used: Sequence[tuple],
                 wanted: dict[tuple, tuple[Task, Batch, int]]) -> bool:
@@ -253,7 +253,8 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: tuple, stream: torch.cuda.Strea
 
 
 class _GraphedPart:
-    """One part's graph (see :class:`GraphedParts`): the rows it reads, the loss it leaves, the parameters it reaches."""
+    """One part's graph (see :class:`GraphedParts`): the rows it reads, the loss it leaves, the parameters it
+    reaches."""
 
     def __init__(self, forward: Callable[[Batch], torch.Tensor], task: Task, batch: Batch, total: int,
                  config: TrainConfig, owner: GraphedParts):

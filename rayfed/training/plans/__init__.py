@@ -15,20 +15,15 @@ sees its :class:`~rayfed.training.steps.Step`, whichever plan runs it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from rayfed.models.client import TrainableModule
 from rayfed.training.plans.call import StepPlan, TrainCall, TrainResult
 from rayfed.training.plans.eager import EagerPlan
 from rayfed.training.plans.graphed_parts import GraphedPartsPlan, captures_parts
 from rayfed.training.plans.graphed_step import GraphedStepPlan, captures_step
-from rayfed.training.plans.stacked import Lockstep, StackedPlan
+from rayfed.training.plans.stacked import Lockstep, StackedClient, StackedPlan
 
-if TYPE_CHECKING:
-    from rayfed.training.client_context import ClientContext
-
-__all__ = ["EagerPlan", "GraphedPartsPlan", "GraphedStepPlan", "Lockstep", "StackedPlan", "StepPlan", "StepPlans",
-           "TrainCall", "TrainResult", "choose_plan", "step_plans"]
+__all__ = ["EagerPlan", "GraphedPartsPlan", "GraphedStepPlan", "Lockstep", "StackedClient", "StackedPlan", "StepPlan",
+           "StepPlans", "TrainCall", "TrainResult", "choose_plan", "step_plans"]
 
 
 class StepPlans:
@@ -40,7 +35,7 @@ class StepPlans:
         self.graphed_parts = GraphedPartsPlan()
         self.stacked = StackedPlan(self.alone)
 
-    def alone(self, client: ClientContext, call: TrainCall) -> StepPlan:
+    def alone(self, client: StackedClient, call: TrainCall) -> StepPlan:
         """The plan of a call that trains without other clients'."""
         config, device = client.train_config, client.device
         if call.has_rows and call.simple(client) and captures_step(config, device, call.phases):
@@ -55,7 +50,7 @@ def step_plans(model: TrainableModule) -> StepPlans:
     return model.attachments.get(StepPlans) or model.attachments.put(StepPlans())
 
 
-def choose_plan(client: ClientContext, call: TrainCall) -> StepPlan:
+def choose_plan(client: StackedClient, call: TrainCall) -> StepPlan:
     """The one plan that runs ``call``: stacked for a plain update of a one-task client that has rows to train on and
     a lockstep to wait in (``train.batch_clients``), else :meth:`StepPlans.alone`."""
     plans = step_plans(client.model)

@@ -3,19 +3,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from rayfed import seeding
 from rayfed.models.module_walks import named_parameter_table
-from rayfed.training.steps import Phase
-from rayfed.types import Loss, TensorDict
+from rayfed.tasks import Task
+from rayfed.training.steps import Phase, StepClient
+from rayfed.types import Batch, Loss, TensorDict
 
-if TYPE_CHECKING:
-    from rayfed.training.client_context import ClientContext
+
+class PlanClient(StepClient, Protocol):
+    """What a step plan reads of its client (:class:`rayfed.training.ClientContext`, which builds on the plans)."""
+
+    client_id: int
+    round: int
+    seed: int
+
+    @property
+    def task(self) -> int: ...
+
+    def batch_order(self, batches: int, purpose: str, pool: torch.Tensor | None) -> Iterator[torch.Tensor]: ...
+
+    def micro_batch(self, indices: torch.Tensor) -> list[tuple[Task, Batch]]: ...
 
 
 @dataclass
@@ -43,7 +56,7 @@ class TrainCall:
     snapshot_steps: Sequence[int]
     pool: torch.Tensor | None  # the rows it may draw from (ClientContext.arrived_rows; None: all)
 
-    def simple(self, client: ClientContext) -> bool:
+    def simple(self, client: PlanClient) -> bool:
         """One task, one micro-batch a step, a fresh optimizer: what a captured or a stacked step can run."""
         return (len(client.data.parts) == 1 and client.train_config.grad_accum == 1
                 and self.optimizer_state is None and not self.keep_optimizer_state)
@@ -53,7 +66,7 @@ class TrainCall:
         """Whether there is anything to train on (in a stream, nothing may have arrived yet)."""
         return self.pool is None or len(self.pool) > 0
 
-    def batches(self, client: ClientContext) -> int:
+    def batches(self, client: PlanClient) -> int:
         """How many micro-batches the call draws."""
         return self.steps * client.train_config.grad_accum
 
@@ -63,10 +76,10 @@ class StepPlan(Protocol):
     clients'): what :meth:`ClientContext.train <rayfed.training.ClientContext.train>` hands a checked call to. A plan
     is kept with its model and owns what it keeps across calls (its graphs, compiled steps)."""
 
-    def run(self, client: ClientContext, call: TrainCall) -> TrainResult: ...
+    def run(self, client: PlanClient, call: TrainCall) -> TrainResult: ...
 
 
-def trained_tensors(client: ClientContext, call: TrainCall) -> dict[str, torch.Tensor]:
+def trained_tensors(client: PlanClient, call: TrainCall) -> dict[str, torch.Tensor]:
     """The model's live tensors the call trains, loaded with the call's values, the model in training mode."""
     client.model.load_trainable(call.params)
     named = {name: p for name, p in named_parameter_table(client.model).items() if name in call.params}
@@ -74,7 +87,7 @@ def trained_tensors(client: ClientContext, call: TrainCall) -> dict[str, torch.T
     return named
 
 
-def seed_dropout(client: ClientContext, call: TrainCall) -> None:
+def seed_dropout(client: PlanClient, call: TrainCall) -> None:
     """Seed the dropout draws of the call's steps by (round, client, purpose)."""
     torch.manual_seed(seeding.torch_seed(client.seed, client.round, client.client_id, call.purpose + ":dropout"))
 

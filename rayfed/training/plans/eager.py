@@ -4,35 +4,31 @@ call can run so; the graphed parts plan runs this loop with its replays for the 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from rayfed.tasks import Task
 from rayfed.training.optimizers import build_optimizer, load_optimizer_state, saved_optimizer_state
-from rayfed.training.plans.call import TrainCall, TrainResult, copied, seed_dropout, trained_tensors
+from rayfed.training.plans.call import PlanClient, TrainCall, TrainResult, copied, seed_dropout, trained_tensors
 from rayfed.training.precision import mixed_precision
 from rayfed.training.steps import Phase, Step, step_lr
 from rayfed.types import Batch, TensorDict
 
-if TYPE_CHECKING:
-    from rayfed.training.client_context import ClientContext
-
 # One phase's forwards and backwards over one step's micro-batches, as :func:`eager_pass` takes and gives them
-Passes = Callable[["ClientContext", Phase, int, list[list[tuple[Task, Batch]]], list[dict], dict[str, torch.Tensor],
+Passes = Callable[[PlanClient, Phase, int, list[list[tuple[Task, Batch]]], list[dict], dict[str, torch.Tensor],
                    int, dict[int, torch.Tensor], dict[int, int]], list[torch.Tensor]]
 
 
 class EagerPlan:
     """Runs any train call eagerly; it keeps nothing across calls."""
 
-    def run(self, client: ClientContext, call: TrainCall) -> TrainResult:
+    def run(self, client: PlanClient, call: TrainCall) -> TrainResult:
         named = trained_tensors(client, call)
         return run_steps(client, call, named, client.batch_order(call.batches(client), call.purpose, call.pool))
 
 
-def run_steps(client: ClientContext, call: TrainCall, named: dict[str, torch.Tensor],
+def run_steps(client: PlanClient, call: TrainCall, named: dict[str, torch.Tensor],
               batches: Iterator[torch.Tensor], passes: Passes | None = None) -> TrainResult:
     """The call's optimizer steps over ``batches`` (the rows of each micro-batch), each phase's forwards and backwards
     run by ``passes`` (default: :func:`eager_pass`)."""
@@ -79,7 +75,7 @@ def run_steps(client: ClientContext, call: TrainCall, named: dict[str, torch.Ten
     return TrainResult(copied(named), total_loss / max(steps, 1), task_losses, state, snapshots)
 
 
-def phase_optimizer(client: ClientContext, phase: Phase, named: dict[str, torch.Tensor],
+def phase_optimizer(client: PlanClient, phase: Phase, named: dict[str, torch.Tensor],
                     lr: float) -> torch.optim.Optimizer:
     """A fresh optimizer over the parameters ``phase`` trains, a group per learning rate."""
     phase_lr = phase.lr or lr
@@ -88,14 +84,14 @@ def phase_optimizer(client: ClientContext, phase: Phase, named: dict[str, torch.
         if phase.selects(name):
             own = phase.lr_of(name) if phase.lr_of is not None else None
             groups.setdefault(own or phase_lr, []).append(param)
-    optimizer = build_optimizer(client.train_config, [{"params": ps, "lr": group_lr} for group_lr, ps in groups.items()],
-                                phase_lr)
+    optimizer = build_optimizer(client.train_config,
+                                [{"params": ps, "lr": group_lr} for group_lr, ps in groups.items()], phase_lr)
     for group in optimizer.param_groups:
         group["base_lr"] = group["lr"]
     return optimizer
 
 
-def eager_pass(client: ClientContext, phase: Phase, index: int, micro_batches: list[list[tuple[Task, Batch]]],
+def eager_pass(client: PlanClient, phase: Phase, index: int, micro_batches: list[list[tuple[Task, Batch]]],
                memories: list[dict], named: dict[str, torch.Tensor], step: int,
                task_sums: dict[int, torch.Tensor], task_counts: dict[int, int]) -> list[torch.Tensor]:
     """Phase ``index``'s forwards and backwards over one step's micro-batches; each micro-batch's loss

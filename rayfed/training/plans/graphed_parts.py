@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,14 +15,11 @@ from rayfed.models.client import TrainableModule
 from rayfed.tasks import Task
 from rayfed.training.graph_capture import GraphedParts
 from rayfed.training.lru import LeastRecentlyUsed
-from rayfed.training.plans.call import TrainCall, TrainResult, trained_tensors
+from rayfed.training.plans.call import PlanClient, TrainCall, TrainResult, trained_tensors
 from rayfed.training.plans.eager import add_task_losses, run_steps
 from rayfed.training.plans.graphed_step import MAX_GRAPHS_PER_MODEL, captures_step
 from rayfed.training.steps import Phase, Step
 from rayfed.types import Batch
-
-if TYPE_CHECKING:
-    from rayfed.training.client_context import ClientContext
 
 
 def captures_parts(config: TrainConfig, device: torch.device, phases: Sequence[Phase], model: TrainableModule,
@@ -43,7 +39,7 @@ class GraphedPartsPlan:
     def __init__(self) -> None:
         self.families: LeastRecentlyUsed[tuple, GraphedParts] = LeastRecentlyUsed(MAX_GRAPHS_PER_MODEL)
 
-    def run(self, client: ClientContext, call: TrainCall) -> TrainResult:
+    def run(self, client: PlanClient, call: TrainCall) -> TrainResult:
         named = trained_tensors(client, call)
         # Before seeding: a first capture runs warm-up passes, which would draw dropout masks.
         orders = list(client.batch_order(call.batches(client), call.purpose, call.pool))
@@ -60,7 +56,7 @@ class GraphedPartsPlan:
         return self.families.get_or_make(key, lambda: GraphedParts(named))
 
 
-def captured_part_keys(client: ClientContext, parted: GraphedParts,
+def captured_part_keys(client: PlanClient, parted: GraphedParts,
                        orders: Sequence[torch.Tensor]) -> list[list[tuple]] | None:
     """The keys of the parts of each micro-batch of ``orders`` (:meth:`GraphedParts.key`), with every part not yet
     captured captured; None when one cannot be (the call then trains eagerly)."""
@@ -77,9 +73,10 @@ def captured_part_keys(client: ClientContext, parted: GraphedParts,
     return keys if parted.capture(client.model, client.train_config, [k for ks in keys for k in ks], wanted) else None
 
 
-def replayed_pass(parted: GraphedParts, part_keys: list[list[tuple]], client: ClientContext, phase: Phase, index: int,
-                  micro_batches: list[list[tuple[Task, Batch]]], memories: list[dict], named: dict[str, torch.Tensor],
-                  step: int, task_sums: dict[int, torch.Tensor], task_counts: dict[int, int]) -> list[torch.Tensor]:
+def replayed_pass(parted: GraphedParts, part_keys: list[list[tuple]], client: PlanClient, phase: Phase,
+                  index: int, micro_batches: list[list[tuple[Task, Batch]]], memories: list[dict],
+                  named: dict[str, torch.Tensor], step: int, task_sums: dict[int, torch.Tensor],
+                  task_counts: dict[int, int]) -> list[torch.Tensor]:
     """:func:`~rayfed.training.plans.eager.eager_pass` of a one-phase step (the task loss or a
     :class:`~rayfed.training.steps.RecordedTaskLoss`) as the parts' graphs (each micro-batch's parts' keys in
     ``part_keys``, by micro-batch of the call), the step's gradients handed to the parameters for the eager optimizer

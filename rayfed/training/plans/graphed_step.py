@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,12 +16,9 @@ from rayfed.tasks import Task
 from rayfed.training.graph_capture import GraphedStep
 from rayfed.training.lru import LeastRecentlyUsed
 from rayfed.training.penalties import TensorPenalty
-from rayfed.training.plans.call import TrainCall, TrainResult, copied, seed_dropout, trained_tensors
+from rayfed.training.plans.call import PlanClient, TrainCall, TrainResult, copied, seed_dropout, trained_tensors
 from rayfed.training.plans.eager import run_steps
 from rayfed.training.steps import Phase, RecordedTaskLoss, Step, step_lr
-
-if TYPE_CHECKING:
-    from rayfed.training.client_context import ClientContext
 
 log = logging.getLogger(__name__)
 MAX_GRAPHS_PER_MODEL = 4  # each graph keeps a step's activations in a memory pool of its own
@@ -49,7 +45,7 @@ class GraphedStepPlan:
     def __init__(self) -> None:
         self.graphs: LeastRecentlyUsed[tuple, GraphedStep | None] = LeastRecentlyUsed(MAX_GRAPHS_PER_MODEL)
 
-    def run(self, client: ClientContext, call: TrainCall) -> TrainResult:
+    def run(self, client: PlanClient, call: TrainCall) -> TrainResult:
         config, steps = client.train_config, call.steps
         named = trained_tensors(client, call)
         batches = client.batch_order(call.batches(client), call.purpose, call.pool)

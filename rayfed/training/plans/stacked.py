@@ -20,7 +20,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch.func import functional_call, vmap
@@ -32,13 +32,8 @@ from rayfed.models.client import TrainableModule
 from rayfed.models.peft.modules import select_task
 from rayfed.tasks import Task
 from rayfed.training.optimizers import build_optimizer, scheduled_lr
-from rayfed.training.plans.call import StepPlan, TrainCall, TrainResult
+from rayfed.training.plans.call import PlanClient, StepPlan, TrainCall, TrainResult
 from rayfed.training.precision import mixed_precision
-from rayfed.training.steps import Penalty
-from rayfed.types import TensorDict
-
-if TYPE_CHECKING:
-    from rayfed.training.client_context import ClientContext
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -47,17 +42,23 @@ R = TypeVar("R")
 ATTENTION_UNDER_VMAP = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 
 
+class StackedClient(PlanClient, Protocol):
+    """What the stacked plan reads of its client (:class:`rayfed.training.ClientContext`): the lockstep it waits in."""
+
+    lockstep: Lockstep | None
+
+
 class StackedPlan:
     """Hands a plain update to its client's lockstep (:class:`Lockstep`), which trains it stacked with the other
     clients' that wait with it. Keeps whether the model's steps run under vmap, and with ``train.compile`` their
     compiled versions by task. A group of one trains by the plan ``alone`` picks for it."""
 
-    def __init__(self, alone: Callable[[ClientContext, TrainCall], StepPlan]):
+    def __init__(self, alone: Callable[[StackedClient, TrainCall], StepPlan]):
         self.alone = alone
         self.stackable = True
         self.compiled: dict[int, Callable] = {}
 
-    def run(self, client: ClientContext, call: TrainCall) -> TrainResult:
+    def run(self, client: StackedClient, call: TrainCall) -> TrainResult:
         assert client.lockstep is not None
         return client.lockstep.train(TrainRequest(client, call, self))
 
@@ -74,45 +75,22 @@ class StackedPlan:
 class TrainRequest:
     """One client's plain update, as :meth:`ClientContext.train` was asked for it, and the plan it waits in."""
 
-    client: ClientContext
+    client: StackedClient
     call: TrainCall
     plan: StackedPlan
     result: TrainResult | None = None
     error: BaseException | None = None
 
-    @property
-    def params(self) -> TensorDict:
-        return self.call.params
-
-    @property
-    def steps(self) -> int:
-        return self.call.steps
-
-    @property
-    def purpose(self) -> str:
-        return self.call.purpose
-
-    @property
-    def lr(self) -> float:
-        return self.call.lr
-
-    @property
-    def extra_loss(self) -> Penalty | None:
-        return self.call.phases[0].extra_loss
-
-    @property
-    def pool(self) -> torch.Tensor | None:  # the rows it may draw from (ClientContext.arrived_rows)
-        return self.call.pool
-
     def key(self) -> tuple:
         """Updates with equal keys can train together: the same trained tensors, task, batch shape and budget."""
         client = self.client
         part = client.data.parts[0]
-        rows = client.data.num_train if self.pool is None else len(self.pool)
+        call = self.call
+        rows = client.data.num_train if call.pool is None else len(call.pool)
         columns = tuple((name, tuple(column.shape[1:]), column.dtype) for name, column in part.train.items())
-        tensors = tuple((name, tuple(value.shape), value.dtype) for name, value in self.params.items())
-        return (tensors, part.task, columns, min(client.train_config.batch_size, rows), self.steps, self.purpose,
-                self.lr, id(client.model))
+        tensors = tuple((name, tuple(value.shape), value.dtype) for name, value in call.params.items())
+        return (tensors, part.task, columns, min(client.train_config.batch_size, rows), call.steps, call.purpose,
+                call.lr, id(client.model))
 
 
 class Lockstep(Generic[R]):
@@ -225,20 +203,21 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
     select_task(model, task.index)
     model.train()
     live = dict(model.named_parameters())
-    stacked = {name: torch.stack([r.params[name].to(device=device, dtype=live[name].dtype) for r in requests])
-               .requires_grad_(True) for name in requests[0].params}
-    optimizer = build_optimizer(config, list(stacked.values()), requests[0].lr)
+    stacked = {name: torch.stack([r.call.params[name].to(device=device, dtype=live[name].dtype) for r in requests])
+               .requires_grad_(True) for name in requests[0].call.params}
+    optimizer = build_optimizer(config, list(stacked.values()), requests[0].call.lr)
     for group in optimizer.param_groups:
         group["base_lr"] = group["lr"]
-    batch_orders = [r.client.batch_order(r.steps, r.purpose, r.pool) for r in requests]
+    batch_orders = [r.client.batch_order(r.call.steps, r.call.purpose, r.call.pool) for r in requests]
     # The first client's dropout stream; vmap draws each client's masks from it, different ones per client.
-    torch.manual_seed(seeding.torch_seed(first.seed, first.round, first.client_id, requests[0].purpose + ":dropout"))
+    purpose = requests[0].call.purpose
+    torch.manual_seed(seeding.torch_seed(first.seed, first.round, first.client_id, purpose + ":dropout"))
     part = first.data.parts[0]
     step_fn = _stacked_step(requests[0].plan, model, task, config)
     losses = torch.zeros(len(requests), device=device)
-    for step in range(requests[0].steps):
-        if config.schedule != "constant" and requests[0].purpose == "train":
-            global_step = first.round * requests[0].steps + step
+    for step in range(requests[0].call.steps):
+        if config.schedule != "constant" and requests[0].call.purpose == "train":
+            global_step = first.round * requests[0].call.steps + step
             for group in optimizer.param_groups:
                 group["lr"] = scheduled_lr(config, group["base_lr"], first.round, global_step)
         rows = [next(order) for order in batch_orders]
@@ -252,8 +231,9 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
             # Client i's values reach only its own loss: the sum's gradient is, row by row, each client's own.
             total = step_losses.sum()
             for i, request in enumerate(requests):
-                if request.extra_loss is not None:
-                    total = total + request.extra_loss({name: value[i] for name, value in stacked.items()})
+                extra_loss = request.call.phases[0].extra_loss
+                if extra_loss is not None:
+                    total = total + extra_loss({name: value[i] for name, value in stacked.items()})
             total.backward()
         except RuntimeError as error:
             if step > 0:
@@ -263,7 +243,7 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
             _clip_per_client(list(stacked.values()), config.grad_clip)
         optimizer.step()
         losses += step_losses.detach().float()
-    steps = max(requests[0].steps, 1)
+    steps = max(requests[0].call.steps, 1)
     results = []
     for i, request in enumerate(requests):
         loss = losses[i] / steps
