@@ -1,4 +1,5 @@
-"""train.batch_clients: several clients of an actor trained in one forward / backward (rayfed.training.plans.stacked)."""
+"""train.batch_clients: several clients of an actor trained in one forward / backward (the stacked step plan,
+rayfed.training.plans.stacked)."""
 
 from __future__ import annotations
 
