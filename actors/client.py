@@ -18,7 +18,7 @@ from rayfed import registry
 from rayfed.config import RunConfig, architecture_model_config, build_config, method_model_config, model_configs
 from rayfed.data.clients import Federation, build_federation
 from rayfed.errors import raised_in
-from rayfed.training.batching import Lockstep
+from rayfed.training.plans.stacked import Lockstep
 from rayfed.compute import counted_flops
 from rayfed.actors import public
 from rayfed.actors.contract import ClientContract
@@ -160,7 +160,7 @@ class ClientActor:
         self.states.update(states_to({cid: self.states[cid] for cid in client_ids}, on))
         payloads = self._on_device(payloads, on, f"round {round_idx + 1}")
         batch = self.config.train.batch_clients
-        if batch == 1 or len(client_ids) == 1 or not self.method.batchable_updates:
+        if batch == 1 or len(client_ids) == 1:
             for cid in client_ids:
                 with self._hook("local_update", cid, f"in round {round_idx + 1}"):
                     result = self.contract.local_update(self.method, self._context(cid, round_idx), self.states[cid],

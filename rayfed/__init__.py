@@ -64,8 +64,9 @@ MOVED_MODULES = {
     "rayfed.benchmarks.offline_runs": "rayfed.methods.experiments.offline_runs",
     "rayfed.benchmarks.offline_twins": "rayfed.methods.experiments.offline_twins",
     "rayfed.client_context": "rayfed.training.client_context", "rayfed.optimizers": "rayfed.training.optimizers",
-    "rayfed.fast_steps": "rayfed.training.fast_steps", "rayfed.scoring": "rayfed.training.scoring",
-    "rayfed.public_pass": "rayfed.training.public_pass", "rayfed.batching": "rayfed.training.batching",
+    "rayfed.fast_steps": "rayfed.training", "rayfed.scoring": "rayfed.training.scoring",
+    "rayfed.public_pass": "rayfed.training.public_pass", "rayfed.batching": "rayfed.training.plans.stacked",
+    "rayfed.training.fast_steps": "rayfed.training", "rayfed.training.batching": "rayfed.training.plans.stacked",
     "rayfed.streams": "rayfed.data.streams", "rayfed.clip": "rayfed.models.families.clip",
 }  # fmt: skip
 

@@ -136,10 +136,6 @@ class Method:
     between architectures): pass p asks :meth:`public_request` for each architecture's request, runs
     :meth:`public_pass` on one actor of that architecture (its model, the public data), and hands what every
     architecture returned to :meth:`after_public_pass`. Declared, never inferred."""
-    batchable_updates: ClassVar[bool] = True
-    """Whether, with ``train.batch_clients``, the plain training calls of :meth:`local_update` may run together
-    with other clients' (:mod:`rayfed.training.batching`): a hook that changes the model's own settings (an adapter mix, an
-    active view) before such a call sets False, as those settings would not be its own while the batch trains."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -1,4 +1,5 @@
-"""train.batch_clients: several clients of an actor trained in one forward / backward (rayfed.training.batching)."""
+"""train.batch_clients: several clients of an actor trained in one forward / backward (the stacked step plan,
+rayfed.training.plans.stacked)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch._inductor import config as inductor_config
 
-from rayfed.training import batching
+from rayfed.training.plans import stacked
 from rayfed.actors.client import ClientActor
 from rayfed.benchmarks.overhead import Workload
 from rayfed.config import load_config
@@ -42,13 +43,13 @@ def _round(config: dict, methods: list[Method] | None = None):
 def stacked_groups(monkeypatch) -> list[list[int]]:
     """The client ids of each group that trained stacked."""
     groups: list[list[int]] = []
-    train_stacked = batching._train_stacked
+    train_stacked = stacked._train_stacked
 
     def spy(requests):
         groups.append([r.client.client_id for r in requests])
         return train_stacked(requests)
 
-    monkeypatch.setattr(batching, "_train_stacked", spy)
+    monkeypatch.setattr(stacked, "_train_stacked", spy)
     return groups
 
 
@@ -81,7 +82,7 @@ def test_batched_clients_train_as_each_one_alone(method, stacked_groups):
 def test_text_clients_batch_when_compiled_and_fall_back_to_one_at_a_time_when_vmap_cannot_run(stacked_groups, caplog):
     sequential, _ = _round(_config(TEXT, "fedavg", 1))
     # Eager: Hugging Face's causal mask reads the padding mask's values to pick a path, which vmap refuses.
-    with caplog.at_level("WARNING", logger="rayfed.training.batching"):
+    with caplog.at_level("WARNING", logger="rayfed.training.plans.stacked"):
         eager, _ = _round(_config(TEXT, "fedavg", 3))
     assert stacked_groups == [[0, 1, 2]]
     assert "cannot run under torch.func.vmap (vmap: It looks like" in caplog.text
@@ -138,19 +139,6 @@ def test_a_failing_hook_raises_in_the_actor_and_the_other_clients_finish(stacked
         _round(_config(IMAGES, "fedavg", 5), [_Recording(events, fail_client=2)])
     assert stacked_groups == [[0, 1, 3, 4]]
     assert {cid for event, cid in events if event == "plain done"} == {0, 1, 3, 4}
-
-
-def test_a_method_that_is_not_batchable_trains_each_client_alone(stacked_groups):
-    class Unbatchable(Method):
-        batchable_updates = False
-
-    sequential, _ = _round(_config(IMAGES, "fedavg", 1))
-    alone, _ = _round(_config(IMAGES, "fedavg", 5), [Unbatchable()])
-    assert stacked_groups == []
-    for reference, upload in zip(sequential, alone):
-        assert upload.train_loss == reference.train_loss
-        for name, value in reference.tensors["shared"].items():
-            assert torch.equal(upload.tensors["shared"][name], value)
 
 
 def test_batch_clients_must_be_a_positive_count():

@@ -274,7 +274,7 @@ def test_the_relevance_gradient_of_a_step_holding_several_tasks_is_the_whole_bat
     client = host._context(0, 0)
     client.model.load_trainable({**start, **host.states[0]["personal"]})
     named = {name: p for name, p in client.model.named_parameters() if p.requires_grad}
-    parts = client._micro_batch(next(client.batch_order(1, "train", None)))
+    parts = client.micro_batch(next(client.batch_order(1, "train", None)))
     assert len(parts) == 2
 
     def gradient(step_parts) -> torch.Tensor:

@@ -66,7 +66,7 @@ def test_the_loss_of_a_mixed_batch_weights_each_task_by_its_share():
     client = actor._context(1, 0)
     client.model.load_trainable(shared)
     named = dict(client.model.named_parameters())
-    parts = client._micro_batch(torch.arange(client.data.num_train))
+    parts = client.micro_batch(torch.arange(client.data.num_train))
     step = Step(client, parts, named, 0, 0, {})
     (task_a, batch_a), (task_b, batch_b) = parts
     losses = step.part_losses()
@@ -84,9 +84,9 @@ def test_a_multi_task_clients_micro_batches_are_split_without_reading_the_datas_
     actor = ClientActor(config, [1])
     actor.start_method(0)
     client = actor._context(1, 0)
-    parts = client._micro_batch(next(client.batch_order(1, "train", None)))
+    parts = client.micro_batch(next(client.batch_order(1, "train", None)))
     client.data, client.device = client.data.to(torch.device("meta")), torch.device("meta")
-    on_meta = client._micro_batch(next(client.batch_order(1, "train", None)))
+    on_meta = client.micro_batch(next(client.batch_order(1, "train", None)))
     assert [task.index for task, _ in on_meta] == [task.index for task, _ in parts] == [0, 1]
     for (_, batch), (_, meta_batch) in zip(parts, on_meta):
         assert {k: v.shape for k, v in meta_batch.items()} == {k: v.shape for k, v in batch.items()}
@@ -99,9 +99,9 @@ def test_a_multi_task_clients_parts_replay_as_graphs_and_train_like_the_eager_st
     they add up. Micro-batches of 3 rows from two tasks often hold one task alone: its head is then off the step's
     path and gets no gradient, so AdamW leaves it as the eager step does (a zero gradient would decay it and move
     it by its moments)."""
-    from rayfed.training import fast_steps
+    from rayfed.training import graph_capture
 
-    captured = made_instances(monkeypatch, fast_steps, "_GraphedPart")
+    captured = made_instances(monkeypatch, graph_capture, "_GraphedPart")
     run = _run(["fedavg"])
     run["train"].update(batch_size=3, local_steps=8, grad_accum=2, optimizer="adamw", weight_decay=0.5,
                         grad_clip=0.5, autocast="off")
@@ -111,7 +111,7 @@ def test_a_multi_task_clients_parts_replay_as_graphs_and_train_like_the_eager_st
         actor = ClientActor(load_config(run), [1])
         start = actor.start_method(0)
         client = actor._context(1, 0)
-        seen = [[task.index for task, _ in client._micro_batch(indices)]
+        seen = [[task.index for task, _ in client.micro_batch(indices)]
                 for indices in client.batch_order(16, "train", None)]
         results.append((client.train(start), start))
     assert [0] in seen or [1] in seen  # some micro-batch holds one task alone

@@ -580,7 +580,7 @@ def test_the_custom_loss_example_trains_with_its_focal_loss(tiny_run):
     [upload] = actor.train(0, [0], {0: x})
     client = actor._context(0, 0)
     client.model.load_trainable(x)
-    [(_, batch)] = client._micro_batch(next(client.batch_order(1, "train", None)))
+    [(_, batch)] = client.micro_batch(next(client.batch_order(1, "train", None)))
     with torch.no_grad():
         p = client.model(batch).float().softmax(-1)[torch.arange(len(batch["labels"])), batch["labels"]]
     assert upload.train_loss == pytest.approx(float((-(1 - p) ** 2 * p.log()).mean()), rel=1e-5)

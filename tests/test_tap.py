@@ -911,9 +911,9 @@ FLOAT32 = ["train.autocast=off"]
 def test_a_captured_tap_update_uploads_the_eager_updates_numbers(monkeypatch):
     # clients 0, 2, 3: one task each (image classification, VQA, text classification), W's update and X's
     from rayfed.benchmarks.fast_steps_check import compiled_gap
-    from rayfed.training import fast_steps
+    from rayfed.training.plans import graphed_step
 
-    captured = made_instances(monkeypatch, fast_steps, "GraphedStep")
+    captured = made_instances(monkeypatch, graphed_step, "GraphedStep")
     gap, moved = compiled_gap(_run(), [0, 2, 3], mode="cuda_graphs", overrides=FLOAT32)
     assert len(captured) == 3  # one graph a task, shared by W's and X's steps at their own learning rates
     # a wrong lr, clip, batch or loss history moves the update by its own size
@@ -924,9 +924,9 @@ def test_a_captured_tap_update_uploads_the_eager_updates_numbers(monkeypatch):
 def test_a_multi_task_clients_tap_update_replays_its_parts_and_uploads_the_eager_numbers(monkeypatch):
     # client 1: text classification + image generation, each step's batch split between them in changing shares
     from rayfed.benchmarks.fast_steps_check import compiled_gap
-    from rayfed.training import fast_steps
+    from rayfed.training import graph_capture
 
-    captured = made_instances(monkeypatch, fast_steps, "_GraphedPart")
+    captured = made_instances(monkeypatch, graph_capture, "_GraphedPart")
     gap, moved = compiled_gap(_run(), [1], mode="cuda_graphs", overrides=FLOAT32)
     assert len(captured) >= 2  # a graph per (task, rows): at least one for each task
     assert moved > 1e-4 and gap < 1e-3
@@ -937,14 +937,14 @@ def test_a_client_of_long_texts_replays_a_part_per_window_count_and_uploads_the_
     # client 4: two multiple-choice subjects as text generation, 40-token prompts: one to three of FLAVA's 16-position
     # windows, chosen per batch from its longest prompt (MoMEModel.host_choices), outside the graphs
     from rayfed.benchmarks.fast_steps_check import compiled_gap
-    from rayfed.training import fast_steps
+    from rayfed.training.plans import graphed_parts
 
     run = _run()
     run["data"]["tasks"] += [{"name": subject, "source": "multimodal:multiple-choice", "kind": "text_generation",
                               "options": {"num_samples": 32, "subjects": [subject]}, "max_text_length": 40,
                               "clients": [4]} for subject in ("colors", "shapes")]
     run["model"]["client_options"]["text_positions"] = 16
-    families = made_instances(monkeypatch, fast_steps, "GraphedParts")
+    families = made_instances(monkeypatch, graphed_parts, "GraphedParts")
     gap, moved = compiled_gap(run, [4], mode="cuda_graphs", overrides=FLOAT32)
     windows = [key[-1] for family in families for key in family.parts]
     assert len(windows) >= 2 and all(count in (1, 2, 3) for count in windows)  # each part's own window count

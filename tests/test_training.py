@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rayfed import training
-from rayfed.training import fast_steps
+from rayfed.training import graph_capture, penalties, precision
+from rayfed.training.plans import graphed_step as graphed_step_plan, step_plans
 from rayfed.tasks import kinds
 from rayfed.actors.client import ClientActor, _OnDevice
 from rayfed.actors.uploads import UploadCollector, to_host
@@ -263,23 +264,24 @@ def test_mixed_precision_is_bf16_autocast_on_a_gpu_unless_train_autocast_is_off(
     monkeypatch.setattr(torch.cuda.amp.common, "amp_definitely_not_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     gpu = torch.device("cuda")
-    bf16 = fast_steps.mixed_precision(gpu, "bf16")
+    bf16 = precision.mixed_precision(gpu, "bf16")
     assert bf16.device == "cuda" and bf16._enabled and bf16.fast_dtype == torch.bfloat16
-    assert not fast_steps.mixed_precision(gpu, "off")._enabled
-    assert not fast_steps.mixed_precision(torch.device("cpu"), "bf16")._enabled
+    assert not precision.mixed_precision(gpu, "off")._enabled
+    assert not precision.mixed_precision(torch.device("cpu"), "bf16")._enabled
 
 
 @pytest.mark.parametrize("autocast", ["bf16", "off"])
 def test_train_autocast_reaches_every_training_step_and_evaluation(monkeypatch, autocast):
-    from rayfed.training import scoring, steps
+    from rayfed.training import scoring
+    from rayfed.training.plans import eager
 
     seen = []
 
-    def recorded(device, precision, cache_enabled=True):
-        seen.append(precision)
-        return fast_steps.mixed_precision(device, precision, cache_enabled)
+    def recorded(device, autocast, cache_enabled=True):
+        seen.append(autocast)
+        return precision.mixed_precision(device, autocast, cache_enabled)
 
-    for module in (steps, scoring):
+    for module in (eager, scoring):
         monkeypatch.setattr(module, "mixed_precision", recorded)
     host, start = _tiny_host(autocast=autocast)
     client = host._context(0, 0)
@@ -294,13 +296,13 @@ def test_train_autocast_off_refuses_a_model_stored_in_bf16_on_a_gpu():
     off = config.model_copy(update={"autocast": "off"})
     model = torch.nn.Linear(2, 2)
     gpu = torch.device("cuda")
-    fast_steps.check_precision(model, off, gpu, "methods[0] (fedavg)")  # float32 weights: float32 steps
+    precision.check_precision(model, off, gpu, "methods[0] (fedavg)")  # float32 weights: float32 steps
     model.to(torch.bfloat16)
-    fast_steps.check_precision(model, config, gpu, "methods[0] (fedavg)")
-    fast_steps.check_precision(model, off, torch.device("cpu"), "methods[0] (fedavg)")
+    precision.check_precision(model, config, gpu, "methods[0] (fedavg)")
+    precision.check_precision(model, off, torch.device("cpu"), "methods[0] (fedavg)")
     with pytest.raises(ConfigError, match=r"train.autocast = 'off' .* methods\[0\] \(fedavg\) stores weights in "
                                           "bfloat16 on a GPU.*must be 'bf16'"):
-        fast_steps.check_precision(model, off, gpu, "methods[0] (fedavg)")
+        precision.check_precision(model, off, gpu, "methods[0] (fedavg)")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -312,7 +314,7 @@ def test_a_graphed_step_trains_like_the_eager_one_and_each_client_starts_afresh(
     first = graphed._context(0, 0).train(graphed_start)
     graphed._context(1, 0).train(graphed_start)
     again = graphed._context(0, 0).train(graphed_start)  # the same graph, its optimizer state zeroed
-    assert len(fast_steps._GRAPHS[graphed.model]) == 1
+    assert len(step_plans(graphed.model).graphed_step.graphs) == 1
     reference = eager._context(0, 0).train(eager_start)
     assert float(again.loss) == float(first.loss)
     # bf16 kernels picked under capture may round differently; a wrong step (lr, state, batch) is far larger
@@ -333,7 +335,7 @@ def test_a_graphed_sgd_step_with_momentum_trains_like_a_fresh_eager_sgd_in_each_
     first = graphed._context(0, 0).train(start)
     graphed._context(1, 0).train(start)
     again = graphed._context(0, 0).train(start)  # the same graph, its momentum buffers zeroed
-    assert len(fast_steps._GRAPHS[graphed.model]) == 1
+    assert len(step_plans(graphed.model).graphed_step.graphs) == 1
     reference = eager._context(0, 0).train(start)
     for name, value in reference.params.items():
         assert torch.equal(again.params[name], first.params[name])
@@ -347,21 +349,21 @@ def test_a_graphed_sgd_step_with_momentum_trains_like_a_fresh_eager_sgd_in_each_
 def test_after_a_capture_fails_dropout_draws_eagerly_and_an_earlier_graph_that_draws_still_replays(capture):
     """A forward that reads a value back to the host cannot be captured; its step then trains eagerly. Left as
     torch.cuda.graph leaves it, the device's generator would stay in capture mode and both of these would raise.
-    The parts' own capture (fast_steps.capturing: no device-wide synchronize first) is left the same way."""
+    The parts' own capture (graph_capture.capturing: no device-wide synchronize first) is left the same way."""
     device = torch.device("cuda")
     stream = torch.cuda.current_stream(device)
     ones = torch.ones(4096, device=device)
 
     def graph(into: torch.cuda.CUDAGraph):
         if capture == "capturing":
-            return fast_steps.capturing(into, torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+            return graph_capture.capturing(into, torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
         return torch.cuda.graph(into)
 
     earlier = torch.cuda.CUDAGraph()
     with graph(earlier):
         kept = torch.nn.functional.dropout(ones, 0.5)
     with pytest.raises(RuntimeError):
-        with fast_steps.eager_after_a_failed_capture(device), graph(torch.cuda.CUDAGraph()):
+        with graph_capture.eager_after_a_failed_capture(device), graph(torch.cuda.CUDAGraph()):
             torch.nn.functional.dropout(ones, 0.5)
             float(ones.sum())  # a host read: not allowed under capture
     assert torch.cuda.current_stream(device) == stream
@@ -380,11 +382,11 @@ def test_a_model_whose_step_was_captured_is_freed_with_its_actor():
 
     host, start = _host(cuda_graphs=True)
     host._context(0, 0).train(start)
-    assert len(fast_steps._GRAPHS[host.model]) == 1
+    assert len(step_plans(host.model).graphed_step.graphs) == 1
     model = weakref.ref(host.model)
     del host
     gc.collect()
-    assert model() is None  # the graph kept for the model (a value of _GRAPHS) held no reference to it
+    assert model() is None  # the graph its step plan keeps in the model's attachments held no reference to it
 
 
 def _shifted(values: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
@@ -398,7 +400,7 @@ def test_a_graphed_step_with_a_proximal_term_trains_like_the_eager_one_for_each_
     anchors = [_shifted(start, 0.5), _shifted(start, -0.5)]  # far enough for the term to move the update
     results = [graphed._context(0, 0).train(start, extra_loss=training.proximal_penalty(anchor, 1.0))
                for anchor in anchors]
-    assert len(fast_steps._GRAPHS[graphed.model]) == 1  # one graph, each call's anchor copied into it
+    assert len(step_plans(graphed.model).graphed_step.graphs) == 1  # one graph, each call's anchor copied into it
     for anchor, result in zip(anchors, results):
         reference = eager._context(0, 0).train(start, extra_loss=training.proximal_penalty(anchor, 1.0))
         assert float(result.loss) == pytest.approx(float(reference.loss), rel=1e-3)  # bf16 kernels, as above
@@ -419,7 +421,7 @@ def test_a_graphed_step_clips_follows_the_schedule_and_feeds_a_recorded_loss_lik
         recorders = _TaskLosses(), _TaskLosses()
         reference = eager._context(0, round_idx).train(start, loss=recorders[0])
         result = graphed._context(0, round_idx).train(start, loss=recorders[1])
-        assert len(fast_steps._GRAPHS[graphed.model]) == 1
+        assert len(step_plans(graphed.model).graphed_step.graphs) == 1
         assert float(result.loss) == pytest.approx(float(reference.loss), rel=1e-3)  # bf16 kernels, as above
         recorded = [float(loss) for _, losses in recorders[1].seen for loss in losses]
         # bf16 logits: about 1e-3 apart; another step's batch is several percent away
@@ -447,12 +449,12 @@ def test_a_task_whose_part_cannot_be_captured_is_not_tried_again_and_its_calls_t
                 raise RuntimeError("operation not permitted when stream is capturing")
             self.reached = frozenset()
 
-    monkeypatch.setattr(fast_steps, "_GraphedPart", Part)
+    monkeypatch.setattr(graph_capture, "_GraphedPart", Part)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", len(tried)))
     host, _ = _tiny_host()
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)  # after the imports that annotate with it
     model, config = host.model, host.config.train
-    parts = fast_steps.GraphedParts({"w": torch.zeros(3)})
+    parts = graph_capture.GraphedParts({"w": torch.zeros(3)})
     first, second = SimpleNamespace(index=0, name="a"), SimpleNamespace(index=1, name="b")
 
     def capture(*wanted: tuple[SimpleNamespace, int]) -> bool:
@@ -475,7 +477,7 @@ def test_the_parts_of_a_task_read_their_rows_from_one_copy_of_its_inputs(monkeyp
 
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
-    parts = fast_steps.GraphedParts({"w": torch.zeros(3)})
+    parts = graph_capture.GraphedParts({"w": torch.zeros(3)})
     task, other = SimpleNamespace(index=0), SimpleNamespace(index=1)
     rows = torch.arange(12.0).reshape(6, 2)
     three, two = parts.static_rows(task, {"x": rows[:3]}, 6), parts.static_rows(task, {"x": rows[3:5]}, 6)
@@ -487,12 +489,13 @@ def test_the_parts_of_a_task_read_their_rows_from_one_copy_of_its_inputs(monkeyp
 
 
 def test_a_step_is_captured_only_with_the_task_loss_and_no_term_or_a_declared_tensor_term():
-    from rayfed.training.steps import Phase, captures_step
+    from rayfed.training.plans.graphed_step import captures_step
+    from rayfed.training.steps import Phase
 
     config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0).train.model_copy(update={"cuda_graphs": True})
     gpu, start = torch.device("cuda"), {"w": torch.ones(3)}
     declared = training.proximal_penalty(start, 0.1)
-    assert isinstance(declared, fast_steps.TensorPenalty)
+    assert isinstance(declared, penalties.TensorPenalty)
     assert captures_step(config, gpu, [Phase()]) and captures_step(config, gpu, [Phase(extra_loss=declared)])
     assert not captures_step(config, torch.device("cpu"), [Phase()])
     assert not captures_step(config.model_copy(update={"cuda_graphs": False}), gpu, [Phase()])
@@ -554,7 +557,7 @@ def test_a_tensor_penalty_is_a_function_of_its_arguments_and_its_graph_key_holds
     assert penalty.key() != training.proximal_penalty({"w": torch.ones(4)}, 0.1).key()
     strength = 0.1
     with pytest.raises(TypeError, match="closes over variables"):
-        fast_steps.TensorPenalty(lambda params, inputs: strength * params["w"].sum(), {})
+        penalties.TensorPenalty(lambda params, inputs: strength * params["w"].sum(), {})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
@@ -581,28 +584,29 @@ def test_an_actor_keeps_the_most_recently_used_graphs_one_per_trained_set_task_a
         def load_penalty(self, penalty):
             pass
 
-    monkeypatch.setattr(fast_steps, "GraphedStep", CountingStep)
+    monkeypatch.setattr(graphed_step_plan, "GraphedStep", CountingStep)
     host, _ = _host(cuda_graphs=False)
     config, model = host.config.train, host.model
     named = dict(model.named_parameters())
     part = host.data[0].parts[0]
     small = ClientData([TaskData(0, {name: column[:5] for name, column in part.train.items()}, part.test)])
     task0, task1 = host.tasks[0], dataclasses.replace(host.tasks[0], index=1)
-    first = fast_steps.graphed_step(model, named, config, host.data[0], task0)
-    assert fast_steps.graphed_step(model, named, config, host.data[1], task0) is first and first.resets == 2
+    graph = step_plans(model).graphed_step.graph
+    first = graph(model, named, config, host.data[0], task0)
+    assert graph(model, named, config, host.data[1], task0) is first and first.resets == 2
     assert first.shape[0] == config.batch_size
-    assert fast_steps.graphed_step(model, named, config, small, task0).shape[0] == 5  # a batch of all 5
-    fast_steps.graphed_step(model, named, config, host.data[0], task1)
+    assert graph(model, named, config, small, task0).shape[0] == 5  # a batch of all 5
+    graph(model, named, config, host.data[0], task1)
     clipped = config.model_copy(update={"grad_clip": 1.0})  # clipping is captured with the step
-    fast_steps.graphed_step(model, named, clipped, host.data[0], task0)
-    assert len(captured) == 4 and len(fast_steps._GRAPHS[model]) == training.MAX_GRAPHS_PER_MODEL
-    fast_steps.graphed_step(model, named, config, host.data[0], task0)  # used last: stays
+    graph(model, named, clipped, host.data[0], task0)
+    assert len(captured) == 4 and len(step_plans(model).graphed_step.graphs) == graphed_step_plan.MAX_GRAPHS_PER_MODEL
+    graph(model, named, config, host.data[0], task0)  # used last: stays
     decayed = config.model_copy(update={"weight_decay": 0.1})
-    fast_steps.graphed_step(model, named, decayed, host.data[0], task0)  # a fifth: the batch-5 graph goes
-    assert len(captured) == 5 and first in fast_steps._GRAPHS[model].values()
-    assert all(step.shape[0] != 5 for step in fast_steps._GRAPHS[model].values())
+    graph(model, named, decayed, host.data[0], task0)  # a fifth: the batch-5 graph goes
+    assert len(captured) == 5 and first in step_plans(model).graphed_step.graphs.values()
+    assert all(step.shape[0] != 5 for step in step_plans(model).graphed_step.graphs.values())
     other_rate = config.model_copy(update={"schedule": "round_warmup", "lr": 0.5})  # a step sets its rate
-    assert fast_steps.graphed_step(model, named, other_rate, host.data[0], task0) is first and len(captured) == 5
+    assert graph(model, named, other_rate, host.data[0], task0) is first and len(captured) == 5
 
 
 def test_a_step_captured_under_bf16_autocast_is_not_replayed_with_train_autocast_off(monkeypatch):
@@ -618,11 +622,12 @@ def test_a_step_captured_under_bf16_autocast_is_not_replayed_with_train_autocast
         def load_penalty(self, penalty):
             pass
 
-    monkeypatch.setattr(fast_steps, "GraphedStep", RecordedStep)
+    monkeypatch.setattr(graphed_step_plan, "GraphedStep", RecordedStep)
     host, _ = _host(cuda_graphs=False)
     named, off = dict(host.model.named_parameters()), host.config.train.model_copy(update={"autocast": "off"})
+    graph = step_plans(host.model).graphed_step.graph
     for config in (host.config.train, off, host.config.train, off):
-        fast_steps.graphed_step(host.model, named, config, host.data[0], host.tasks[0])
+        graph(host.model, named, config, host.data[0], host.tasks[0])
     assert captured == ["bf16", "off"]
 
 
@@ -633,12 +638,12 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_with_one_warning(monkeypa
         attempts.append(args)
         raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
 
-    monkeypatch.setattr(fast_steps, "GraphedStep", failing_capture)
+    monkeypatch.setattr(graphed_step_plan, "GraphedStep", failing_capture)
     host, _ = _host(cuda_graphs=False)
-    named = dict(host.model.named_parameters())
+    named, graph = dict(host.model.named_parameters()), step_plans(host.model).graphed_step.graph
     with caplog.at_level("WARNING", logger="rayfed.training"):
         for cid in (0, 1):
-            assert fast_steps.graphed_step(host.model, named, host.config.train, host.data[cid], host.tasks[0]) is None
+            assert graph(host.model, named, host.config.train, host.data[cid], host.tasks[0]) is None
     assert len(attempts) == 1
     [record] = caplog.records
     assert "could not be captured" in record.getMessage() and "stream is capturing);" in record.getMessage()
@@ -815,7 +820,7 @@ def test_a_forward_that_fails_to_compile_trains_eagerly_after_one_warning(monkey
     compiled = ClientActor(config.to_dict(), [0, 1, 2])
     compiled_start = compiled.start_method(0)
     monkeypatch.setattr(torch, "compile", failing_compile)
-    with caplog.at_level("WARNING", logger="rayfed.training.fast_steps"):
+    with caplog.at_level("WARNING", logger="rayfed.training.compiled_forward"):
         results = [compiled._context(cid, 0).train(compiled_start) for cid in (0, 1)]
     assert len(calls) == 1  # tried once, then the model itself
     [record] = caplog.records
@@ -842,7 +847,7 @@ def test_a_forward_compiled_in_pieces_says_where_once(monkeypatch, caplog):
     start = host.start_method(0)
     monkeypatch.setattr(torch, "compile", breaking_compile)
     counters.clear()
-    with caplog.at_level("WARNING", logger="rayfed.training.fast_steps"):
+    with caplog.at_level("WARNING", logger="rayfed.training.compiled_forward"):
         for cid in (0, 1):
             host._context(cid, 0).train(start)
     [record] = caplog.records
@@ -898,7 +903,7 @@ def test_a_clients_tasks_that_share_the_forward_train_stacked_with_the_losses_an
     client = host._context(0, 0)
     client.model.load_trainable(start)
     named = {name: p for name, p in client.model.named_parameters() if name in start}
-    parts = client._micro_batch(next(client.batch_order(1, "train", None)))
+    parts = client.micro_batch(next(client.batch_order(1, "train", None)))
     assert len(parts) == 2 and training.stacked_forward_batch(client.model, parts) is not None
     step = training.Step(client, parts, named, 0, 0, {})
 

@@ -15,11 +15,13 @@ may instead pass
 and ``train.grad_accum`` micro-batches make one optimizer step; ``train.schedule`` may key the learning
 rate to the round.
 
-The machinery lives by job, a module of this package each: ``client_context`` (the client and its train calls),
-``steps`` (one step as a loss function sees it, its forwards and backwards, which steps a CUDA graph runs), ``optimizers`` (optimizers and learning-rate schedules), ``fast_steps`` (bf16, ``torch.compile`` and CUDA
-graphs), ``scoring`` (test sets scored batch by batch), ``public_pass`` (the server-side stages on public data) and
-``batching`` (several clients' steps stacked into one forward). This module holds the loss terms methods add to a task
-loss, and re-exports the rest.
+The machinery lives by job, a module of this package each: ``client_context`` (the client and its train calls, each
+handed to one step plan), ``plans`` (the step plans: eager, a captured graph of the whole step or of its parts, stacked
+with other clients'), ``steps`` (one step as a loss function sees it), ``optimizers`` (optimizers and learning-rate
+schedules), ``precision`` (bf16 autocast), ``penalties`` (extra terms a graph may capture), ``compiled_forward`` and
+``patch_matmul`` (``torch.compile``), ``graph_capture`` (CUDA graphs), ``lru`` (the plans' caches), ``scoring`` (test
+sets scored batch by batch) and ``public_pass`` (the server-side stages on public data). This module holds the loss
+terms methods add to a task loss, and re-exports the rest.
 """
 
 from __future__ import annotations
@@ -27,20 +29,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rayfed.training.client_context import ClientContext, OtherTask, StackedTrainer, TrainResult
-from rayfed.training.steps import LossFn, Penalty, Phase, RecordedTaskLoss, Step, stacked_forward_batch
-from rayfed.training.fast_steps import (MAX_GRAPHS_PER_MODEL, GraphedStep, PatchMatmul, TensorPenalty, check_precision,
-                                        mixed_precision, trained_forward)
+from rayfed.training.client_context import ClientContext, OtherTask, TrainResult
+from rayfed.training.compiled_forward import trained_forward
 from rayfed.training.optimizers import build_optimizer, local_steps, scheduled_lr
+from rayfed.training.patch_matmul import PatchMatmul
+from rayfed.training.penalties import TensorPenalty
+from rayfed.training.precision import check_precision, mixed_precision
 from rayfed.training.public_pass import (PreFederation, PublicJob, PublicLoss, PublicPass, answer_mask, same_answers,
                                          token_losses)
+from rayfed.training.steps import LossFn, Penalty, Phase, RecordedTaskLoss, Step, stacked_forward_batch
 from rayfed.types import TensorDict
 
-__all__ = ["MAX_GRAPHS_PER_MODEL", "ClientContext", "GraphedStep", "LossFn", "OtherTask", "PatchMatmul", "Penalty",
-           "Phase", "PreFederation", "PublicJob", "PublicLoss", "PublicPass", "RecordedTaskLoss", "StackedTrainer",
-           "Step", "TrainResult",
-           "answer_mask", "build_optimizer", "check_precision", "distillation_loss", "local_steps", "mixed_precision",
-           "proximal_penalty", "same_answers", "scheduled_lr", "stacked_forward_batch", "TensorPenalty", "token_losses",
+__all__ = ["ClientContext", "LossFn", "OtherTask", "PatchMatmul", "Penalty", "Phase", "PreFederation", "PublicJob",
+           "PublicLoss", "PublicPass", "RecordedTaskLoss", "Step", "TensorPenalty", "TrainResult", "answer_mask",
+           "build_optimizer", "check_precision", "distillation_loss", "local_steps", "mixed_precision",
+           "proximal_penalty", "same_answers", "scheduled_lr", "stacked_forward_batch", "token_losses",
            "trained_forward"]
 
 

@@ -5,43 +5,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
-from torch import nn
 
 from rayfed import seeding
 from rayfed.config import StreamConfig, TrainConfig
 from rayfed.data.batches import ClientData, Columns, EvalSet, TaskData
-from rayfed.training.fast_steps import graphed_parts, graphed_step
-from rayfed.results.derived_metrics import with_derived
-from rayfed.models.client import TrainableModule
-from rayfed.models.module_walks import named_parameter_table
-from rayfed.models.peft.modules import select_task
-from rayfed.training.optimizers import build_optimizer, load_optimizer_state, local_steps, saved_optimizer_state
-from rayfed.training.scoring import Scorer
-from rayfed.training.steps import (LossFn, Penalty, Phase, Step, captures_parts, captures_step, eager_pass,
-                                   captured_part_keys, replayed_pass, step_lr)
 from rayfed.data.streams import seen_round, training_pool
+from rayfed.models.client import TrainableModule
+from rayfed.models.peft.modules import select_task
+from rayfed.results.derived_metrics import with_derived
 from rayfed.tasks import Task
-from rayfed.types import Batch, Loss, TensorDict
+from rayfed.training.optimizers import local_steps
+from rayfed.training.plans import Lockstep, TrainCall, TrainResult, choose_plan
+from rayfed.training.scoring import Scorer
+from rayfed.training.steps import LossFn, Penalty, Phase
+from rayfed.types import Batch, TensorDict
 
-
-@dataclass
-class TrainResult:
-    params: TensorDict
-    loss: Loss  # mean training loss over the steps taken (the first phase's), left on the device
-    task_losses: dict[int, Loss] = field(default_factory=dict)  # per task: mean loss over the micro-batches holding it
-    optimizer_state: TensorDict | None = None  # with keep_optimizer_state: to pass back in a later call
-    snapshots: dict[int, TensorDict] = field(default_factory=dict)  # with snapshot_steps: params after those steps
-
-
-class StackedTrainer(Protocol):
-    """What ``ClientContext.lockstep`` is (:class:`rayfed.training.batching.Lockstep`, which builds on this module): it
-    trains a plain update of one client stacked with other clients' and returns its result."""
-
-    def train(self, client: ClientContext, params: TensorDict, steps: int, purpose: str, lr: float,
-              extra_loss: Penalty | None, pool: torch.Tensor | None) -> TrainResult: ...
+__all__ = ["ClientContext", "OtherTask", "TrainResult", "rows_on", "seeded_batches"]
 
 
 class ClientContext:
@@ -63,7 +44,7 @@ class ClientContext:
         self.tasks = list(tasks)  # the run's tasks, by index
         self.stream = stream  # data arrive over rounds: train on what has arrived, score the tasks seen so far
         self.others = others  # in a stream: other clients' tasks, to score this client's model on
-        self.lockstep: StackedTrainer | None = None  # train.batch_clients: plain updates train with other clients'
+        self.lockstep: Lockstep | None = None  # train.batch_clients: plain updates train with other clients'
 
     @property
     def task(self) -> int:
@@ -88,7 +69,7 @@ class ClientContext:
         Without ``phases``: one phase over every parameter in ``params``, minimising ``loss`` (default: the
         task loss) plus ``extra_loss``, at ``lr`` (default: the config's, on its schedule). Under
         ``train.batch_clients`` (the actor sets ``lockstep``) such a plain update of a one-task client trains
-        stacked with other clients' (:mod:`rayfed.training.batching`).
+        stacked with other clients'. The call, checked, runs by one step plan (:mod:`rayfed.training.plans`).
 
         ``snapshot_steps``: also the parameters after each of these steps (``TrainResult.snapshots``), bitwise
         what a call of that many steps gives: batches, dropout and (unscheduled) learning rates do not depend on
@@ -99,93 +80,18 @@ class ClientContext:
             raise ValueError(f"snapshot_steps {list(snapshot_steps)} must lie in 1..{steps}")
         if snapshot_steps and config.schedule != "constant" and purpose == "train":
             raise ValueError("snapshot_steps needs learning rates that do not depend on the number of steps")
-        base_lr = lr or config.lr
-        # One task, one micro-batch a step, a fresh optimizer: what a captured or a stacked step can run.
-        simple = (len(self.data.parts) == 1 and config.grad_accum == 1 and optimizer_state is None
-                  and not keep_optimizer_state)
-        pool = self.arrived_rows()
-        if (self.lockstep is not None and phases is None and loss is None and simple and not snapshot_steps
-                and (pool is None or len(pool))):
-            return self.lockstep.train(self, params, steps, purpose, base_lr, extra_loss, pool)
-        phases = list(phases) if phases is not None else [Phase(loss=loss, extra_loss=extra_loss)]
-        self.model.load_trainable(params)
-        named = {name: p for name, p in named_parameter_table(self.model).items() if name in params}
-        self.model.train()
-        graphed, parted, part_keys = None, None, None
-        batches = self.batch_order(steps * config.grad_accum, purpose, pool)
-        # Before seeding: a first capture runs warm-up steps, which would draw dropout masks.
-        if simple and captures_step(config, self.device, phases):
-            graphed = graphed_step(self.model, named, config, self.data, self.tasks[self.task], phases[0].extra_loss)
-        elif captures_parts(config, self.device, phases, self.model, self.data.tasks) and (pool is None or len(pool)):
-            orders = list(batches)
-            parted = graphed_parts(self.model, named, config)
-            part_keys = captured_part_keys(self, parted, orders)
-            batches = iter(orders)
-        torch.manual_seed(seeding.torch_seed(self.seed, self.round, self.client_id, purpose + ":dropout"))
-        snapshots: dict[int, TensorDict] = {}
-
-        def snapshot(taken: int) -> None:
-            if taken in snapshot_steps:
-                snapshots[taken] = {n: p.detach().clone() for n, p in named.items()}
-
-        if pool is not None and len(pool) == 0:  # nothing has arrived yet
-            for taken in snapshot_steps:
-                snapshot(taken)
-            return TrainResult({n: p.detach().clone() for n, p in named.items()}, float("nan"), snapshots=snapshots)
-        # Summed on the device: reading each step's loss would make the host wait for the GPU every step.
-        total_loss = torch.zeros((), device=self.device)
-        if graphed is not None:
-            part, recorder = self.data.parts[0], phases[0].loss
-            for taken, indices in enumerate(batches, start=1):
-                batch = {k: v[indices] for k, v in part.train.items()}
-                loss = graphed.step(batch, step_lr(config, base_lr, self.round, steps, taken - 1, purpose))
-                total_loss += loss
-                if recorder is not None:  # the graph's loss is overwritten by the next replay
-                    recorder.record(Step(self, [(self.tasks[part.task], batch)], named, 0, taken - 1, {}),
-                                    [loss.clone()])
-                snapshot(taken)
-            mean_loss = total_loss / max(steps, 1)
-            return TrainResult({n: p.detach().clone() for n, p in named.items()}, mean_loss,
-                               {} if recorder is not None else {part.task: mean_loss}, snapshots=snapshots)
-        optimizers = [self._optimizer(phase, named, base_lr) for phase in phases]
-        if optimizer_state is not None:
-            load_optimizer_state(optimizers, named, optimizer_state)
-        task_sums: dict[int, torch.Tensor] = {}
-        task_counts: dict[int, int] = {}
-        for step in range(steps):
-            if config.schedule != "constant" and purpose == "train":
-                for optimizer in optimizers:
-                    for group in optimizer.param_groups:
-                        group["lr"] = step_lr(config, group["base_lr"], self.round, steps, step, purpose)
-            micro_batches = [self._micro_batch(next(batches)) for _ in range(config.grad_accum)]
-            memories: list[dict] = [{} for _ in micro_batches]
-            for index, (phase, optimizer) in enumerate(zip(phases, optimizers)):
-                optimizer.zero_grad(set_to_none=True)
-                if part_keys is not None:
-                    keys = part_keys[step * config.grad_accum:(step + 1) * config.grad_accum]
-                    values = replayed_pass(self, parted, phase, micro_batches, keys, named, step, task_sums,
-                                           task_counts)
-                else:
-                    values = eager_pass(self, phase, index, micro_batches, memories, named, step, task_sums, task_counts)
-                if index == 0:
-                    for value in values:
-                        total_loss += value.float() / config.grad_accum
-                trained = [p for group in optimizer.param_groups for p in group["params"]]
-                if config.grad_clip is not None:
-                    nn.utils.clip_grad_norm_(trained, config.grad_clip)
-                optimizer.step()
-            snapshot(step + 1)
-        task_losses = {task: task_sums[task] / task_counts[task] for task in task_sums}
-        state = saved_optimizer_state(optimizers, named) if keep_optimizer_state else None
-        return TrainResult({n: p.detach().clone() for n, p in named.items()}, total_loss / max(steps, 1),
-                           task_losses, state, snapshots)
+        plain = phases is None and loss is None
+        call = TrainCall(params, steps, purpose, lr or config.lr,
+                         list(phases) if phases is not None else [Phase(loss=loss, extra_loss=extra_loss)], plain,
+                         optimizer_state, keep_optimizer_state, tuple(snapshot_steps), self.arrived_rows())
+        return choose_plan(self, call).run(self, call)
 
     def batch_order(self, batches: int, purpose: str, pool: torch.Tensor | None) -> Iterator[torch.Tensor]:
         """The rows of each of ``batches`` micro-batches of a train call, seeded by (round, client, purpose), drawn
         from ``pool`` (:meth:`arrived_rows`)."""
         generator = seeding.torch_generator(self.seed, self.round, self.client_id, purpose + ":batches")
         first_column = next(iter(self.data.parts[0].train.values()))
-        # Several tasks' rows: split on the host (_micro_batch), where the parts' sizes need no read from the GPU.
+        # Several tasks' rows: split on the host (micro_batch), where the parts' sizes need no read from the GPU.
         device = first_column.device if len(self.data.parts) == 1 else torch.device("cpu")
         return seeded_batches(self.data.num_train, self.train_config.batch_size, batches, generator, device, pool)
 
@@ -197,20 +103,8 @@ class ClientContext:
         rows = training_pool(self.stream, self.seed, self.client_id, self.round, arrival, self.data.task_of_row)
         return torch.as_tensor(rows, dtype=torch.long)
 
-    def _optimizer(self, phase: Phase, named: dict[str, torch.Tensor], lr: float) -> torch.optim.Optimizer:
-        phase_lr = phase.lr or lr
-        groups: dict[float, list[torch.Tensor]] = {}
-        for name, param in named.items():
-            if phase.selects(name):
-                own = phase.lr_of(name) if phase.lr_of is not None else None
-                groups.setdefault(own or phase_lr, []).append(param)
-        optimizer = build_optimizer(self.train_config, [{"params": ps, "lr": group_lr} for group_lr, ps in groups.items()],
-                               phase_lr)
-        for group in optimizer.param_groups:
-            group["base_lr"] = group["lr"]
-        return optimizer
-
-    def _micro_batch(self, indices: torch.Tensor) -> list[tuple[Task, Batch]]:
+    def micro_batch(self, indices: torch.Tensor) -> list[tuple[Task, Batch]]:
+        """The rows ``indices`` of a train call's micro-batch, by task."""
         return [(self.tasks[part.task], self.part_batch(part, rows)) for part, rows in self.data.split(indices)]
 
     def part_batch(self, part: TaskData, rows: torch.Tensor) -> Batch:
@@ -237,7 +131,8 @@ class ClientContext:
         self.model.load_trainable(params)
         self.model.eval()
         metrics: dict[str, float] = {}
-        seen = self.data.parts if self.stream is None else [p for p in self.data.parts if p.first_round <= seen_round(self.round)]
+        seen = self.data.parts if self.stream is None else [p for p in self.data.parts
+                                                             if p.first_round <= seen_round(self.round)]
         others = [] if self.stream is None else [o for o in self.others if o.first_round <= seen_round(self.round)]
         # Scored together where the model allows: the own tasks and the others that need no parameters of their own.
         scorer = Scorer(self.model, self.tasks, self.device, self.train_config.eval_batch_size,

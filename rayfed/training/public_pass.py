@@ -14,7 +14,7 @@ from rayfed.training.client_context import seeded_batches
 from rayfed.config import TrainConfig
 from rayfed.data.batches import Columns, num_rows
 from rayfed.errors import ConfigError
-from rayfed.training.fast_steps import mixed_precision
+from rayfed.training.precision import mixed_precision
 from rayfed.models.peft.lora_groups import groupable, grouped_lora
 from rayfed.tasks import Task
 from rayfed.types import Batch, TensorDict

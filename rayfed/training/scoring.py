@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from rayfed.data.batches import Columns, num_rows
-from rayfed.training.fast_steps import mixed_precision
+from rayfed.training.precision import mixed_precision
 from rayfed.models.peft.modules import select_task
 from rayfed.tasks import Task
 from rayfed.types import Batch

@@ -1,6 +1,5 @@
-"""One step of a train call as a loss function sees it (:class:`Step`, its :class:`Phase`), and its forwards and
-backwards: eager (:func:`eager_pass`) or as the captured graphs of its parts (:func:`replayed_pass`,
-:func:`captured_part_keys`), with which calls a CUDA graph may run (:func:`captures_step`, :func:`captures_parts`)."""
+"""One step of a train call as a loss function sees it (:class:`Step`, its :class:`Phase`), whichever step plan runs
+it (:mod:`rayfed.training.plans`), and a step's learning rate (:func:`step_lr`)."""
 
 from __future__ import annotations
 
@@ -17,9 +16,9 @@ from rayfed.models.client import TrainableModule
 from rayfed.models.module_walks import functional_forward
 from rayfed.models.peft.modules import select_task
 from rayfed.tasks import Task
-from rayfed.training.fast_steps import GraphedParts, TensorPenalty, mixed_precision, trained_forward
+from rayfed.training.compiled_forward import trained_forward
 from rayfed.training.optimizers import scheduled_lr
-from rayfed.types import Batch
+from rayfed.types import Batch, TensorDict
 
 
 class StepClient(Protocol):
@@ -163,104 +162,9 @@ class RecordedTaskLoss(ABC):
         """Keep the losses of ``step``'s parts, in the order of ``step.parts``."""
 
 
-def captures_step(config: TrainConfig, device: torch.device, phases: Sequence[Phase]) -> bool:
-    """Whether a train call of ``phases`` (one task, one micro-batch a step, a fresh optimizer) may run as a captured
-    CUDA graph: ``train.cuda_graphs`` on a GPU, one phase over every trained tensor of the task loss (or a
-    :class:`RecordedTaskLoss`), and no extra term or one its method declared capturable (a
-    :class:`~rayfed.training.fast_steps.TensorPenalty`)."""
-    if not (config.cuda_graphs and device.type == "cuda" and len(phases) == 1):
-        return False
-    phase = phases[0]
-    return ((phase.loss is None or isinstance(phase.loss, RecordedTaskLoss)) and phase.trains is None
-            and phase.lr is None and phase.lr_of is None
-            and (phase.extra_loss is None or isinstance(phase.extra_loss, TensorPenalty)))
-
-
-def captures_parts(config: TrainConfig, device: torch.device, phases: Sequence[Phase], model: TrainableModule,
-                   tasks: Sequence[int]) -> bool:
-    """Whether a train call of ``phases`` that :func:`captures_step` would take but for its micro-batches (a client
-    holding several tasks, ``train.grad_accum`` > 1) or its kept optimizer state may replay its parts' forwards and
-    backwards as CUDA graphs (:class:`~rayfed.training.fast_steps.GraphedParts`): no extra term, and tasks that do
-    not share one forward (stacked, they draw other dropout masks than one part at a time)."""
-    return (captures_step(config, device, phases) and phases[0].extra_loss is None
-            and not (len(tasks) > 1 and model.shares_forward(list(tasks))))
-
-
 def step_lr(config: TrainConfig, base_lr: float, round_idx: int, steps: int, step: int, purpose: str) -> float:
     """The learning rate of step ``step`` (of ``steps``) of a train call at ``base_lr``: on ``train.schedule`` for
     a client's local update (purpose ``train``), else ``base_lr`` throughout."""
     if config.schedule == "constant" or purpose != "train":
         return base_lr
     return scheduled_lr(config, base_lr, round_idx, round_idx * steps + step)
-
-
-def captured_part_keys(client: StepClient, parted: GraphedParts,
-                       orders: Sequence[torch.Tensor]) -> list[list[tuple]] | None:
-    """The keys of the parts of each micro-batch of ``orders`` (:meth:`GraphedParts.key`), with every part not yet
-    captured captured; None when one cannot be (the call then trains eagerly)."""
-    keys: list[list[tuple]] = []
-    wanted: dict[tuple, tuple[Task, Batch, int]] = {}  # a batch kept only for a part not yet captured
-    for indices in orders:
-        keys.append([])
-        for part, rows in client.data.split(indices):
-            task, batch = client.tasks[part.task], client.part_batch(part, rows)
-            key = parted.key(client.model, task, batch, len(indices))
-            keys[-1].append(key)
-            if key not in parted.parts and key not in wanted:
-                wanted[key] = (task, batch, len(indices))
-    return keys if parted.capture(client.model, client.train_config, [k for ks in keys for k in ks], wanted) else None
-
-
-def eager_pass(client: StepClient, phase: Phase, index: int, micro_batches: list[list[tuple[Task, Batch]]],
-               memories: list[dict], named: dict[str, torch.Tensor], step: int,
-               task_sums: dict[int, torch.Tensor], task_counts: dict[int, int]) -> list[torch.Tensor]:
-    """Phase ``index``'s forwards and backwards over one step's micro-batches; each micro-batch's loss
-    (detached, before an extra term), the first phase's task losses added to ``task_sums``."""
-    config = client.train_config
-    values = []
-    for parts, memory in zip(micro_batches, memories):
-        step_view = Step(client, parts, named, index, step, memory)
-        with mixed_precision(client.device, config.autocast):
-            if phase.loss is None:
-                losses = step_view.part_losses()
-                value = step_view.task_loss(losses)
-                if index == 0:
-                    add_task_losses(task_sums, task_counts, parts, losses)
-            else:
-                value = phase.loss(step_view)
-        values.append(value.detach())
-        if phase.extra_loss is not None:
-            value = value + phase.extra_loss(named)
-        if config.grad_accum > 1:
-            value = value / config.grad_accum
-        value.backward()
-    return values
-
-
-def replayed_pass(client: StepClient, parted: GraphedParts, phase: Phase,
-                  micro_batches: list[list[tuple[Task, Batch]]], keys: list[list[tuple]],
-                  named: dict[str, torch.Tensor], step: int,
-                  task_sums: dict[int, torch.Tensor], task_counts: dict[int, int]) -> list[torch.Tensor]:
-    """:func:`eager_pass` of a one-phase step (the task loss or a :class:`RecordedTaskLoss`) as the parts' graphs
-    (each micro-batch's parts' keys in ``keys``), the step's gradients handed to the parameters for the eager optimizer
-    step."""
-    parted.start_step()
-    values = []
-    for parts, part_keys in zip(micro_batches, keys):
-        losses = parted.add_gradients(parts, part_keys)
-        step_view = Step(client, parts, named, 0, step, {})
-        if phase.loss is None:
-            add_task_losses(task_sums, task_counts, parts, losses)
-        else:
-            phase.loss.record(step_view, losses)
-        values.append(step_view.task_loss(losses))
-    parted.hand_gradients()
-    return values
-
-
-def add_task_losses(sums: dict[int, torch.Tensor], counts: dict[int, int], parts: list[tuple[Task, Batch]],
-                     losses: list[torch.Tensor]) -> None:
-    for (task, _), loss in zip(parts, losses):
-        loss = loss.detach().float()
-        sums[task.index] = sums[task.index] + loss if task.index in sums else loss
-        counts[task.index] = counts.get(task.index, 0) + 1

@@ -1,9 +1,10 @@
-"""Batched multi-client steps (``train.batch_clients``): several clients of one actor trained in one forward and
-backward over their stacked parameters.
+"""The stacked plan (``train.batch_clients``): several clients of one actor trained in one forward and backward over
+their stacked parameters.
 
 An actor runs its round's local updates as threads that take turns in client-id order (:class:`Lockstep`): each
 runs its method's hook until the hook asks :meth:`ClientContext.train <rayfed.training.ClientContext.train>` for a
-plain update (the task loss, optionally plus a penalty; one phase, one task, no kept optimizer state) or returns.
+plain update (the task loss, optionally plus a penalty; one phase, one task, no kept optimizer state), which
+:class:`StackedPlan` hands to the lockstep, or returns.
 When every unfinished hook waits, the waiting updates that train the same parameters the same way run together
 (:func:`train_together`): ``torch.func.vmap`` over the clients' stacked values and batches, so every matrix
 product of the frozen backbone runs once over all of their rows and each client's LoRA products become batched
@@ -18,8 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch.func import functional_call, vmap
@@ -30,8 +31,9 @@ from rayfed.config import TrainConfig
 from rayfed.models.client import TrainableModule
 from rayfed.models.peft.modules import select_task
 from rayfed.tasks import Task
-from rayfed.training import ClientContext, Penalty, TrainResult, build_optimizer, mixed_precision, scheduled_lr
-from rayfed.types import TensorDict
+from rayfed.training.optimizers import build_optimizer, scheduled_lr
+from rayfed.training.plans.call import PlanClient, StepPlan, TrainCall, TrainResult
+from rayfed.training.precision import mixed_precision
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -40,17 +42,42 @@ R = TypeVar("R")
 ATTENTION_UNDER_VMAP = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 
 
+class StackedClient(PlanClient, Protocol):
+    """What the stacked plan reads of its client (:class:`rayfed.training.ClientContext`): the lockstep it waits in."""
+
+    lockstep: Lockstep | None
+
+
+class StackedPlan:
+    """Hands a plain update to its client's lockstep (:class:`Lockstep`), which trains it stacked with the other
+    clients' that wait with it. Keeps whether the model's steps run under vmap, and with ``train.compile`` their
+    compiled versions by task. A group of one trains by the plan ``alone`` picks for it."""
+
+    def __init__(self, alone: Callable[[StackedClient, TrainCall], StepPlan]):
+        self.alone = alone
+        self.stackable = True
+        self.compiled: dict[int, Callable] = {}
+
+    def run(self, client: StackedClient, call: TrainCall) -> TrainResult:
+        assert client.lockstep is not None
+        return client.lockstep.train(TrainRequest(client, call, self))
+
+    def mark_unstackable(self, model: TrainableModule, error: BaseException | None) -> None:
+        """This model's clients train one at a time from now on. E.g. Hugging Face's attention masks read a
+        tensor's value to pick a path (torch.compile's tracing avoids that), and on a GPU some bf16 kernels' batching
+        rules fail in the backward."""
+        self.stackable = False
+        log.warning("train.batch_clients: a step of this %s cannot run under torch.func.vmap (%s); its clients train "
+                    "one at a time.", type(model).__name__, str(error).splitlines()[0][:160])
+
+
 @dataclass
 class TrainRequest:
-    """One client's plain update, as :meth:`ClientContext.train` was asked for it."""
+    """One client's plain update, as :meth:`ClientContext.train` was asked for it, and the plan it waits in."""
 
-    client: ClientContext
-    params: TensorDict
-    steps: int
-    purpose: str
-    lr: float
-    extra_loss: Penalty | None
-    pool: torch.Tensor | None  # the rows it may draw from (ClientContext.arrived_rows)
+    client: StackedClient
+    call: TrainCall
+    plan: StackedPlan
     result: TrainResult | None = None
     error: BaseException | None = None
 
@@ -58,11 +85,12 @@ class TrainRequest:
         """Updates with equal keys can train together: the same trained tensors, task, batch shape and budget."""
         client = self.client
         part = client.data.parts[0]
-        rows = client.data.num_train if self.pool is None else len(self.pool)
+        call = self.call
+        rows = client.data.num_train if call.pool is None else len(call.pool)
         columns = tuple((name, tuple(column.shape[1:]), column.dtype) for name, column in part.train.items())
-        tensors = tuple((name, tuple(value.shape), value.dtype) for name, value in self.params.items())
-        return (tensors, part.task, columns, min(client.train_config.batch_size, rows), self.steps, self.purpose,
-                self.lr, id(client.model))
+        tensors = tuple((name, tuple(value.shape), value.dtype) for name, value in call.params.items())
+        return (tensors, part.task, columns, min(client.train_config.batch_size, rows), call.steps, call.purpose,
+                call.lr, id(client.model))
 
 
 class Lockstep(Generic[R]):
@@ -107,10 +135,8 @@ class Lockstep(Generic[R]):
                 raise error
         return results
 
-    def train(self, client: ClientContext, params: TensorDict, steps: int, purpose: str, lr: float,
-              extra_loss: Penalty | None, pool: torch.Tensor | None) -> TrainResult:
-        """A plain update of ``client`` (see :meth:`ClientContext.train`), trained with the other updates' ones."""
-        request = TrainRequest(client, params, steps, purpose, lr, extra_loss, pool)
+    def train(self, request: TrainRequest) -> TrainResult:
+        """A plain update (see :meth:`ClientContext.train`), trained with the other updates' ones."""
         index = self._local.index
         with self._cond:
             self._waiting[index] = request
@@ -149,14 +175,16 @@ def train_together(requests: Sequence[TrainRequest], max_clients: int) -> None:
     for members in groups.values():
         for start in range(0, len(members), max_clients):
             chunk = members[start:start + max_clients]
+            plan = chunk[0].plan
             try:
-                if len(chunk) > 1 and _stackable(chunk[0].client.model):
+                if len(chunk) > 1 and plan.stackable:
                     try:
                         results = _train_stacked(chunk)
                     except CannotStack as error:
-                        _mark_unstackable(chunk[0].client.model, error.__cause__)
-                if len(chunk) == 1 or not _stackable(chunk[0].client.model):
-                    results = [_train_alone(request) for request in chunk]
+                        plan.mark_unstackable(chunk[0].client.model, error.__cause__)
+                if len(chunk) == 1 or not plan.stackable:
+                    results = [plan.alone(request.client, request.call).run(request.client, request.call)
+                               for request in chunk]
                 for request, result in zip(chunk, results):
                     request.result = result
             except Exception as error:  # noqa: BLE001 - each client's thread raises it
@@ -168,42 +196,6 @@ class CannotStack(Exception):
     """The first stacked step failed (before any update): the model's forward or backward cannot run under vmap."""
 
 
-@dataclass
-class StackedSteps:
-    """What stacked training keeps with a model (in its attachments): whether its steps run under vmap, and with
-    ``train.compile`` their compiled versions by task."""
-
-    stackable: bool = True
-    compiled: dict[int, Callable] = field(default_factory=dict)
-
-
-def _stacked_steps(model: TrainableModule) -> StackedSteps:
-    return model.attachments.get(StackedSteps) or model.attachments.put(StackedSteps())
-
-
-def _stackable(model: TrainableModule) -> bool:
-    return _stacked_steps(model).stackable
-
-
-def _mark_unstackable(model: TrainableModule, error: BaseException | None) -> None:
-    """This model's clients train one at a time from now on. E.g. Hugging Face's attention masks read a
-    tensor's value to pick a path (torch.compile's tracing avoids that), and on a GPU some bf16 kernels' batching
-    rules fail in the backward."""
-    _stacked_steps(model).stackable = False
-    log.warning("train.batch_clients: a step of this %s cannot run under torch.func.vmap (%s); its clients train "
-                "one at a time.", type(model).__name__, str(error).splitlines()[0][:160])
-
-
-def _train_alone(request: TrainRequest) -> TrainResult:
-    client, lockstep = request.client, request.client.lockstep
-    client.lockstep = None
-    try:
-        return client.train(request.params, steps=request.steps, purpose=request.purpose, lr=request.lr,
-                            extra_loss=request.extra_loss)
-    finally:
-        client.lockstep = lockstep
-
-
 def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
     first = requests[0].client
     model, config, device = first.model, first.train_config, first.device
@@ -211,20 +203,21 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
     select_task(model, task.index)
     model.train()
     live = dict(model.named_parameters())
-    stacked = {name: torch.stack([r.params[name].to(device=device, dtype=live[name].dtype) for r in requests])
-               .requires_grad_(True) for name in requests[0].params}
-    optimizer = build_optimizer(config, list(stacked.values()), requests[0].lr)
+    stacked = {name: torch.stack([r.call.params[name].to(device=device, dtype=live[name].dtype) for r in requests])
+               .requires_grad_(True) for name in requests[0].call.params}
+    optimizer = build_optimizer(config, list(stacked.values()), requests[0].call.lr)
     for group in optimizer.param_groups:
         group["base_lr"] = group["lr"]
-    batch_orders = [r.client.batch_order(r.steps, r.purpose, r.pool) for r in requests]
+    batch_orders = [r.client.batch_order(r.call.steps, r.call.purpose, r.call.pool) for r in requests]
     # The first client's dropout stream; vmap draws each client's masks from it, different ones per client.
-    torch.manual_seed(seeding.torch_seed(first.seed, first.round, first.client_id, requests[0].purpose + ":dropout"))
+    purpose = requests[0].call.purpose
+    torch.manual_seed(seeding.torch_seed(first.seed, first.round, first.client_id, purpose + ":dropout"))
     part = first.data.parts[0]
-    step_fn = _stacked_step(model, task, config)
+    step_fn = _stacked_step(requests[0].plan, model, task, config)
     losses = torch.zeros(len(requests), device=device)
-    for step in range(requests[0].steps):
-        if config.schedule != "constant" and requests[0].purpose == "train":
-            global_step = first.round * requests[0].steps + step
+    for step in range(requests[0].call.steps):
+        if config.schedule != "constant" and requests[0].call.purpose == "train":
+            global_step = first.round * requests[0].call.steps + step
             for group in optimizer.param_groups:
                 group["lr"] = scheduled_lr(config, group["base_lr"], first.round, global_step)
         rows = [next(order) for order in batch_orders]
@@ -238,8 +231,9 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
             # Client i's values reach only its own loss: the sum's gradient is, row by row, each client's own.
             total = step_losses.sum()
             for i, request in enumerate(requests):
-                if request.extra_loss is not None:
-                    total = total + request.extra_loss({name: value[i] for name, value in stacked.items()})
+                extra_loss = request.call.phases[0].extra_loss
+                if extra_loss is not None:
+                    total = total + extra_loss({name: value[i] for name, value in stacked.items()})
             total.backward()
         except RuntimeError as error:
             if step > 0:
@@ -249,7 +243,7 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
             _clip_per_client(list(stacked.values()), config.grad_clip)
         optimizer.step()
         losses += step_losses.detach().float()
-    steps = max(requests[0].steps, 1)
+    steps = max(requests[0].call.steps, 1)
     results = []
     for i, request in enumerate(requests):
         loss = losses[i] / steps
@@ -258,9 +252,9 @@ def _train_stacked(requests: Sequence[TrainRequest]) -> list[TrainResult]:
     return results
 
 
-def _stacked_step(model: TrainableModule, task: Task, config: TrainConfig) -> Callable:
+def _stacked_step(plan: StackedPlan, model: TrainableModule, task: Task, config: TrainConfig) -> Callable:
     """Each client's task loss, given the clients' stacked values and batches: vmap over clients (with
-    ``train.compile``: its torch.compile, built once per model and task)."""
+    ``train.compile``: its torch.compile, built once per model and task and kept by ``plan``)."""
 
     def client_loss(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return task.kind.loss(functional_call(model, params, (batch,), strict=False), batch)
@@ -268,7 +262,7 @@ def _stacked_step(model: TrainableModule, task: Task, config: TrainConfig) -> Ca
     step = vmap(client_loss, randomness="different")
     if not config.compile:
         return step
-    compiled = _stacked_steps(model).compiled
+    compiled = plan.compiled
     if task.index not in compiled:
         compiled[task.index] = torch.compile(step)
     return compiled[task.index]

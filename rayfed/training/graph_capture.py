@@ -1,82 +1,30 @@
-"""What makes a training step fast on a GPU: bf16 autocast, ``torch.compile`` of the model (``train.compile``) and
-a step captured once as a CUDA graph and replayed (``train.cuda_graphs``)."""
+"""Training steps captured once as CUDA graphs and replayed (``train.cuda_graphs``): a whole step
+(:class:`GraphedStep`) or the parts of a step's micro-batches (:class:`GraphedParts`), and the captures' safety
+nets. Which calls run them, and where the graphs are kept: :mod:`rayfed.training.plans`."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch._dynamo.exc import TorchDynamoException
-from torch._dynamo.utils import counters
 
 from rayfed.config import TrainConfig
-from rayfed.data.batches import ClientData, TaskData
-from rayfed.errors import ConfigError
 from rayfed.models.client import TrainableModule
 from rayfed.models.peft.modules import select_task
-from rayfed.training.optimizers import build_optimizer
 from rayfed.tasks import Task
-from rayfed.types import Batch, TensorDict
+from rayfed.training.compiled_forward import trained_forward
+from rayfed.training.lru import LeastRecentlyUsed
+from rayfed.training.optimizers import build_optimizer
+from rayfed.training.penalties import TensorPenalty
+from rayfed.training.precision import mixed_precision
+from rayfed.types import Batch
 
 log = logging.getLogger(__name__)
-
-
-def mixed_precision(device: torch.device, autocast: str, cache_enabled: bool = True) -> torch.autocast:
-    """What a step or evaluation on ``device`` computes in: with ``train.autocast`` ``autocast`` = ``bf16``, bf16
-    autocast on a GPU; with ``off``, and on the CPU, nothing (float32)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and autocast == "bf16",
-                          cache_enabled=cache_enabled)
-
-
-def check_precision(model: nn.Module, config: TrainConfig, device: torch.device, where: str) -> None:
-    """Refuse ``train.autocast: off`` for a model on a GPU that stores weights in half precision (a ``llama:`` or
-    ``llava:`` backbone, a hub checkpoint shipped in bf16 or fp16): its steps would not be float32, and without
-    autocast its float32 adapters cannot run over them."""
-    half = next((p.dtype for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16)), None)
-    if config.autocast == "off" and device.type == "cuda" and half is not None:
-        raise ConfigError(f"train.autocast = 'off' computes in float32, but the model of {where} stores weights in "
-                          f"{str(half).removeprefix('torch.')} on a GPU (a llama: or llava: backbone, or a hub "
-                          "checkpoint shipped so), so train.autocast must be 'bf16' for it there.")
-
-
-PenaltyTerm = Callable[..., torch.Tensor]
-
-
-class TensorPenalty:
-    """An extra loss term a method declares safe to capture in a CUDA graph with its step (``train.cuda_graphs``):
-    ``term(params, inputs, *settings)``, pure tensor work on the live trained tensors (``params``, by name) and the
-    tensors ``inputs`` (slots of named tensors: the received global model, ...), its Python numbers in ``settings``.
-
-    ``term`` must not read a value back to the host, branch on one, or keep state between calls; it is a function of
-    its arguments alone (a closure, which could hold other tensors, is refused). A captured step reads copies of
-    ``inputs`` that each train call refills, and serves only penalties with the same ``term``, ``settings`` and input
-    shapes. Any other penalty (a plain function of the parameters) runs the step eagerly, which is the safe default.
-    """
-
-    def __init__(self, term: PenaltyTerm, inputs: dict[str, TensorDict], settings: tuple[float, ...] = ()):
-        if getattr(term, "__closure__", None):
-            raise TypeError(f"TensorPenalty's term {term.__qualname__} closes over variables of its surroundings; "
-                            "pass the tensors it reads as inputs and its numbers as settings.")
-        self.term, self.inputs, self.settings = term, inputs, tuple(settings)
-        self._on_device: dict[torch.device, dict[str, TensorDict]] = {}
-
-    def __call__(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        device = next(iter(params.values())).device
-        if device not in self._on_device:  # inputs arrive on the CPU; moved once, not every step
-            self._on_device[device] = {slot: {name: value.to(device) for name, value in values.items()}
-                                       for slot, values in self.inputs.items()}
-        return self.term(params, self._on_device[device], *self.settings)
-
-    def key(self) -> tuple:
-        """What a captured step bakes in: the term, its settings and its inputs' names, shapes and dtypes."""
-        specs = tuple((slot, tuple((name, tuple(value.shape), value.dtype) for name, value in values.items()))
-                      for slot, values in self.inputs.items())
-        return self.term, self.settings, specs
+MAX_PARTS_PER_MODEL = 256  # the parts share one pool and their task's inputs: each a graph past them
 
 
 @contextlib.contextmanager
@@ -117,7 +65,7 @@ class GraphedStep:
         self.lr_value = 0.0
         self.optimizer = build_optimizer(config, list(named.values()), self.lr, capturable=True)
         self.grad_clip = config.grad_clip
-        # Only the capture runs the forward: a replay holds no reference to the model, which keys _GRAPHS weakly.
+        # Only the capture runs the forward: a replay holds no reference to the model, which keeps this graph.
         forward = trained_forward(model, config)
         self.autocast = config.autocast
         self.batch = {name: column.clone() for name, column in batch.items()}
@@ -215,7 +163,7 @@ class GraphedParts:
                 self.gradients[name] = flat.view_as(param)
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)  # every warm-up and capture: what a stream sets up once is kept
-        self.parts: dict[tuple, _GraphedPart] = {}
+        self.parts: LeastRecentlyUsed[tuple, _GraphedPart] = LeastRecentlyUsed(MAX_PARTS_PER_MODEL)
         self.uncapturable: set[int] = set()  # tasks whose forward could not be captured (it reads a value back)
         self.reached: set[str] = set()  # the parameters this step's parts reached so far
         # by task, whatever the rows: the parameters its path reaches and its loss's dtype (from a first warm-up)
@@ -239,8 +187,8 @@ class GraphedParts:
     def key(model: TrainableModule, task: Task, batch: Batch, total: int) -> tuple:
         """A part's graph: its task, rows, the micro-batch's rows, its columns' shapes and its model's host choices."""
         rows = len(next(iter(batch.values())))
-        return (task.index, rows, total, tuple((name, tuple(column.shape[1:]), column.dtype)
-                                                for name, column in batch.items()), model.host_choices(task.index, batch))
+        columns = tuple((name, tuple(column.shape[1:]), column.dtype) for name, column in batch.items())
+        return task.index, rows, total, columns, model.host_choices(task.index, batch)
 
     def capture(self, model: TrainableModule, config: TrainConfig, used: Sequence[tuple],
                 wanted: dict[tuple, tuple[Task, Batch, int]]) -> bool:
@@ -250,15 +198,14 @@ class GraphedParts:
         if any(task.index in self.uncapturable for task, _, _ in wanted.values()):
             return False
         for key in dict.fromkeys(used):
-            if key in self.parts:
-                self.parts[key] = self.parts.pop(key)  # most recently used last
+            self.parts.use(key)
         for key, (task, batch, total) in wanted.items():
-            while len(self.parts) >= MAX_PARTS_PER_MODEL and next(iter(self.parts)) not in used:
-                del self.parts[next(iter(self.parts))]
             try:
                 select_task(model, task.index)
                 with model.making_choices(key[-1]):
-                    self.parts[key] = _GraphedPart(trained_forward(model, config), task, batch, total, config, self)
+                    self.parts.get_or_make(
+                        key, lambda: _GraphedPart(trained_forward(model, config), task, batch, total, config, self),
+                        keep=used)
             except RuntimeError as err:  # e.g. a forward that reads a value back to the host mid-step
                 log.warning("train.cuda_graphs: the training step of task %s of this %s could not be captured as a "
                             "CUDA graph (%s); its clients train eagerly.", task.name, type(model).__name__,
@@ -306,7 +253,8 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: tuple, stream: torch.cuda.Strea
 
 
 class _GraphedPart:
-    """One part's graph (see :class:`GraphedParts`): the rows it reads, the loss it leaves, the parameters it reaches."""
+    """One part's graph (see :class:`GraphedParts`): the rows it reads, the loss it leaves, the parameters it
+    reaches."""
 
     def __init__(self, forward: Callable[[Batch], torch.Tensor], task: Task, batch: Batch, total: int,
                  config: TrainConfig, owner: GraphedParts):
@@ -349,140 +297,3 @@ class _GraphedPart:
             self.batch[name].copy_(column, non_blocking=True)
         self.graph.replay()
         return self.loss.clone()
-
-
-class CompiledForward:
-    """A model's ``torch.compile``, kept in its attachments (a submodule of its model it must not become).
-
-    Where the model's code stops tracing (a value read back to the host, Python the compiler cannot follow), the
-    compiled forward runs in pieces with that code eagerly between them, which the first call reports in one
-    warning. Where compiling fails, it warns once and runs the model eagerly from then on; the step that failed
-    restarts eagerly (its dropout draws are then not the eager run's)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.compiled = torch.compile(model)
-        self.eager = False
-        self.called = False
-
-    def __call__(self, *args, **kwargs) -> torch.Tensor:
-        if self.eager:
-            return self.model(*args, **kwargs)
-        breaks = set(counters["graph_break"])
-        try:
-            outputs = self.compiled(*args, **kwargs)
-        except TorchDynamoException as err:
-            self.eager = True
-            log.warning("train.compile: the forward of this %s could not be compiled (%s: %s); it trains eagerly.",
-                        type(self.model).__name__, type(err).__name__, _first_line(err))
-            return self.model(*args, **kwargs)
-        if not self.called:
-            self.called = True
-            new = [reason for reason in counters["graph_break"] if reason not in breaks]
-            if new:
-                log.warning("train.compile: the forward of this %s compiles in pieces, with the code at %d place(s) "
-                            "running eagerly between them (%s).", type(self.model).__name__, len(new),
-                            "; ".join(_first_line(reason) for reason in new[:3]))
-        return outputs
-
-
-def _first_line(text: object) -> str:
-    return (str(text).strip().splitlines() or [""])[0][:200]
-
-
-def trained_forward(model: TrainableModule, config: TrainConfig) -> nn.Module | CompiledForward:
-    """What a training step calls: ``model``, or with ``train.compile`` its :class:`CompiledForward`, built once per
-    model.
-
-    Clients' values are loaded into the same parameter tensors, which the compiled code reads as inputs, so one
-    compilation (per task and batch shape) serves every client of the model. Before compiling, the model's patch
-    embeddings become matrix products (:class:`PatchMatmul`)."""
-    if not config.compile:
-        return model
-    compiled = model.attachments.get(CompiledForward)
-    if compiled is None:
-        for module in model.modules():
-            if PatchMatmul.replaces(module):
-                # In place, so that parameters, hooks and every reference to the module stay as they are.
-                module.__class__ = PatchMatmul
-        compiled = model.attachments.put(CompiledForward(model))
-    return compiled
-
-
-class PatchMatmul(nn.Conv2d):
-    """A convolution whose stride equals its kernel (a ViT's patch embedding), computed as one matrix product of
-    the non-overlapping patches with the flattened kernel: the same products and sums. cuDNN runs ViT-B/16's
-    at a sixth of the speed of the matrix product (0.59 ms against 0.09 ms at batch 64 on an H200), which was 3%
-    of a compiled LoRA step."""
-
-    @staticmethod
-    def replaces(module: nn.Module) -> bool:
-        """Whether ``module`` is a plain convolution over non-overlapping patches."""
-        return (type(module) is nn.Conv2d and module.stride == module.kernel_size and module.dilation == (1, 1)
-                and module.groups == 1 and module.padding in ((0, 0), "valid"))
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        if images.dim() != 4:
-            return super().forward(images)
-        batch, channels = images.shape[:2]
-        kernel_h, kernel_w = self.kernel_size
-        rows, cols = images.shape[2] // kernel_h, images.shape[3] // kernel_w
-        # A convolution drops the pixels past the last whole patch.
-        patches = (images[:, :, : rows * kernel_h, : cols * kernel_w]
-                   .reshape(batch, channels, rows, kernel_h, cols, kernel_w)
-                   .permute(0, 2, 4, 1, 3, 5)
-                   .reshape(batch * rows * cols, channels * kernel_h * kernel_w))
-        out = nn.functional.linear(patches, self.weight.reshape(self.out_channels, -1), self.bias)
-        return out.reshape(batch, rows, cols, self.out_channels).permute(0, 3, 1, 2)
-
-
-MAX_GRAPHS_PER_MODEL = 4  # each graph keeps a step's activations in a memory pool of its own
-MAX_PARTS_PER_MODEL = 256  # the parts share one pool and their task's inputs: each a graph past them
-_GRAPHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, GraphedStep | None]] = weakref.WeakKeyDictionary()
-_PARTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, GraphedParts]] = weakref.WeakKeyDictionary()
-
-
-def graphed_step(model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig,
-                  data: ClientData, task: Task, penalty: TensorPenalty | None = None) -> GraphedStep | None:
-    """The model's graph for this trained set, task (the forward path: heads, label space), batch shape,
-    optimizer, gradient clipping and penalty (captured on first use, the least recently used of
-    :data:`MAX_GRAPHS_PER_MODEL` dropped), its optimizer state zeroed and the penalty's inputs loaded; None when the
-    step cannot be captured (it then runs eagerly). The learning rate is not part of it: each step sets it."""
-    part: TaskData = data.parts[0]
-    batch_size = min(config.batch_size, data.num_train)
-    shapes = tuple((name, tuple(column.shape[1:]), column.dtype) for name, column in part.train.items())
-    key = (tuple(named), task.index, batch_size, shapes, config.optimizer, config.weight_decay, config.grad_clip,
-           config.autocast, None if penalty is None else penalty.key())
-    graphs = _GRAPHS.setdefault(model, {})
-    if key in graphs:
-        graphs[key] = graphs.pop(key)  # most recently used last
-    else:
-        if len(graphs) == MAX_GRAPHS_PER_MODEL:
-            del graphs[next(iter(graphs))]
-        device = next(iter(named.values())).device
-        try:
-            batch = {name: column[:batch_size].to(device) for name, column in part.train.items()}
-            graphs[key] = GraphedStep(model, named, config, batch, task, penalty)
-        except RuntimeError as err:  # e.g. a forward that reads a value back to the host mid-step
-            log.warning("train.cuda_graphs: the training step of this %s could not be captured as a CUDA graph "
-                        "(%s); it trains eagerly.", type(model).__name__, str(err).splitlines()[0])
-            graphs[key] = None
-    if graphs[key] is not None:
-        graphs[key].reset_optimizer()
-        graphs[key].load_penalty(penalty)
-    return graphs[key]
-
-
-def graphed_parts(model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig) -> GraphedParts:
-    """The model's captured parts for this trained set (:class:`GraphedParts`), made on first use."""
-    # What every part's graph bakes in besides its own key: the trained set, precision, compilation, accumulation.
-    key = (tuple((name, tuple(param.shape), param.dtype) for name, param in named.items()), config.autocast,
-           config.compile, config.grad_accum)
-    families = _PARTS.setdefault(model, {})
-    if key in families:
-        families[key] = families.pop(key)
-    else:
-        if len(families) == MAX_GRAPHS_PER_MODEL:
-            del families[next(iter(families))]
-        families[key] = GraphedParts(named)
-    return families[key]
