@@ -129,7 +129,8 @@ def test_a_config_value_is_coerced_and_passed_through_to_the_method():
     method = _built({"name": "takfl", "lambdas": "fixed", "lambda_matrix": [[0.5, 0.5], [1, 0]], "kd_epochs": 2.0})
     assert method.params.lambda_matrix == ((0.5, 0.5), (1.0, 0.0)) and method.params.kd_epochs == 2
     with pytest.raises(ConfigError, match=r"^methods\[0\] \(takfl\)\.lambda_matrix = \[\[-0\.5, 1\.5\]\] is invalid: "
-                                          r"input should be greater than or equal to 0 \(at lambda_matrix\[0\]\[0\]\)\.$"):
+                                          r"input should be greater than or equal to 0 "
+                                          r"\(at lambda_matrix\[0\]\[0\]\)\.$"):
         _built({"name": "takfl", "lambdas": "fixed", "lambda_matrix": [[-0.5, 1.5]]})
 
 

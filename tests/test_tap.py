@@ -770,7 +770,8 @@ def test_feddat_in_taps_model_validates_its_hyperparameters(actor):
     params = cls.Params
     with pytest.raises(ValueError, match="evaluate = dat needs a variant with a dual-adapter teacher"):
         params(evaluate="dat", variant="no_local")
-    with pytest.raises(ValueError, match="^uploads = 'all' is invalid: must be one of 'shared_adapters', 'all_but_local'.$"):
+    with pytest.raises(ValueError, match=r"^uploads = 'all' is invalid: must be one of 'shared_adapters', "
+                                         r"'all_but_local'\.$"):
         params(uploads="all")
     with pytest.raises(ValueError, match="^image_kd = 'l1' is invalid: must be one of 'softmax', 'mse'.$"):
         params(image_kd="l1")
