@@ -17,7 +17,6 @@ The model is TAP's (``model.client: mome``, docs/tap.md#the-model); any client m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -28,6 +27,7 @@ from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
 from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL
 from rayfed.models import Backbone
+from rayfed.params import NonNegative, NonNegativeInt, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Step
@@ -54,20 +54,12 @@ class CollectsLatents(Protocol):
     collected_latents: list[tuple[tuple[str, str], torch.Tensor]] | None
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class DisentAFLParams:
-    ortho_weight: float = 0.5  # Table 21
-    post_fl_microbatches: int = 0  # P of the "+ Post-train" views (0: none)
-    post_lr: float = 1e-4
+    ortho_weight: NonNegative = 0.5  # Table 21
+    post_fl_microbatches: NonNegativeInt = 0  # P of the "+ Post-train" views (0: none)
+    post_lr: Positive = 1e-4
     removed_hyperparameters: ClassVar[dict[str, str]] = MOVED_TO_CLIENT_MODEL
-
-    def __post_init__(self) -> None:
-        if self.ortho_weight < 0:
-            raise ValueError("ortho_weight must be >= 0")
-        if self.post_fl_microbatches < 0:
-            raise ValueError("post_fl_microbatches must be >= 0")
-        if not self.post_lr > 0:
-            raise ValueError("post_lr must be > 0")
 
 
 @register_method("disentafl")

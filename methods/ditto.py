@@ -8,23 +8,16 @@ are LoRA + head over the same frozen backbone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from rayfed.method import ClientState, LocalResult, Method, TensorDict
+from rayfed.params import AtLeastOne, NonNegative, hyperparameters
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, proximal_penalty
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class DittoParams:
-    lam: float = 0.1
-    personal_steps: int | None = None  # default: the same budget as the global update
-
-    def __post_init__(self) -> None:
-        if self.lam < 0:
-            raise ValueError("lam must be >= 0")
-        if self.personal_steps is not None and self.personal_steps <= 0:
-            raise ValueError("personal_steps must be > 0")
+    lam: NonNegative = 0.1
+    personal_steps: AtLeastOne | None = None  # default: the same budget as the global update
 
 
 @register_method("ditto")

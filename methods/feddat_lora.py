@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,6 +26,7 @@ from rayfed.method import ClientState, LocalResult, Method, TensorDict
 from rayfed.models import Backbone, build_lora_set
 from rayfed.models.peft import named_adapters
 from rayfed.param_names import adapter_of, with_adapter
+from rayfed.params import NonNegative, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase, Step, distillation_loss
@@ -36,17 +36,11 @@ STUDENT = {SHARED: 1.0}
 TEACHER = {FROZEN: 0.5, LOCAL: 0.5}
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class FedDATLoraParams:
-    tau: float = 3.0
-    kd_weight: float = 1.0  # the maximum of both KD weights
+    tau: Positive = 3.0
+    kd_weight: NonNegative = 1.0  # the maximum of both KD weights
     rampup: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.tau > 0:
-            raise ValueError("tau must be > 0")
-        if self.kd_weight < 0:
-            raise ValueError("kd_weight must be >= 0")
 
 
 def _answer_logits(batch: dict[str, torch.Tensor], logits: torch.Tensor) -> torch.Tensor:

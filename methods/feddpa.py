@@ -13,7 +13,6 @@ representation of the client's training samples, kept in its state.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,6 +22,7 @@ from rayfed.method import ClientState, LocalResult, Method, TensorDict
 from rayfed.models import Backbone, build_lora_set
 from rayfed.models.peft import named_adapters
 from rayfed.param_names import adapter_of
+from rayfed.params import AtLeastOne, UnitInterval, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase
@@ -30,17 +30,11 @@ from rayfed.training import ClientContext, Phase
 GLOBAL, LOCAL = "global", "local"
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class FedDPAParams:
-    local_weight: float = 0.5  # w while the local adapter trains
+    local_weight: UnitInterval = 0.5  # w while the local adapter trains
     dynamic: bool = True  # instance-wise w at inference (else local_weight)
-    local_steps: int | None = None  # steps of the local stage (default: the config's)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.local_weight <= 1:
-            raise ValueError("local_weight must be in [0, 1]")
-        if self.local_steps is not None and self.local_steps < 1:
-            raise ValueError("local_steps must be >= 1")
+    local_steps: AtLeastOne | None = None  # steps of the local stage (default: the config's)
 
 
 class InstanceWeights:

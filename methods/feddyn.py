@@ -14,22 +14,18 @@ Client m keeps a gradient state g_m (zero at first) and minimises
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.params import Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, TensorPenalty
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class FedDynParams:
-    alpha: float = 0.01
-
-    def __post_init__(self) -> None:
-        if not self.alpha > 0:
-            raise ValueError("alpha must be > 0")
+    alpha: Positive = 0.01
 
 
 @register_method("feddyn")

@@ -29,7 +29,6 @@ answer and into the student's vocabulary. Architectures of one tokenizer share i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,8 +36,9 @@ from torch import nn
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
-from rayfed.methods.token_alignment import STRATEGIES, Vocabulary, VocabularyMap, aligned_cut
+from rayfed.methods.token_alignment import Alignment, Vocabulary, VocabularyMap, aligned_cut
 from rayfed.param_names import prefix_of
+from rayfed.params import AtLeastOne, Positive, UnitInterval, hyperparameters
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PreFederation, PublicJob, PublicPass, same_answers, token_losses
 
@@ -47,29 +47,16 @@ IDS = ":ids"  # beside a top-k cut of logits: the token ids of its values
 VOCABULARIES = "vocabularies"  # the server slot of each architecture's vocabulary, when they differ
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class FedMKTParams:
-    public_samples: int = 80
-    kd_epochs: int = 1
-    kd_batch_size: int = 4
-    kd_lr: float | None = None  # default: train.lr
-    kd_alpha: float = 0.0  # weight of the answers' cross-entropy (FedMosaic 0; FATE-LLM 0.9)
+    public_samples: AtLeastOne = 80
+    kd_epochs: AtLeastOne = 1
+    kd_batch_size: AtLeastOne = 4
+    kd_lr: Positive | None = None  # default: train.lr
+    kd_alpha: UnitInterval = 0.0  # weight of the answers' cross-entropy (FedMosaic 0; FATE-LLM 0.9)
     keep_self_best: bool = False  # FATE-LLM: rows where the model itself is best distil toward its own logits
-    top_k: int | None = None  # a teacher's k largest logits per token (the original: 128); None: the whole vocabulary
-    alignment: str = "greedy_dp"  # across tokenizers: greedy_dp (FedMosaic's) or dtw (FATE-LLM's default)
-
-    def __post_init__(self) -> None:
-        for field in ("public_samples", "kd_epochs", "kd_batch_size"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1")
-        if self.kd_lr is not None and not self.kd_lr > 0:
-            raise ValueError("kd_lr must be > 0")
-        if not 0 <= self.kd_alpha <= 1:
-            raise ValueError("kd_alpha must be in [0, 1]")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError("top_k must be >= 1 or null (the whole vocabulary)")
-        if self.alignment not in STRATEGIES:
-            raise ValueError(f"alignment must be one of {', '.join(STRATEGIES)}")
+    top_k: AtLeastOne | None = None  # a teacher's k largest logits per token (the original: 128); null: all of them
+    alignment: Alignment = "greedy_dp"  # across tokenizers: greedy_dp (FedMosaic's) or dtw (FATE-LLM's default)
 
 
 def lowest_loss(losses: torch.Tensor, own: torch.Tensor, keep_self_best: bool) -> tuple[torch.Tensor, torch.Tensor]:

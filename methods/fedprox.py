@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from rayfed.method import Method, TensorDict
+from rayfed.params import NonNegative, hyperparameters
 from rayfed.registry import register_method
 from rayfed.training import Penalty, proximal_penalty
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class FedProxParams:
-    mu: float = 0.01
-
-    def __post_init__(self) -> None:
-        if self.mu < 0:
-            raise ValueError("mu must be >= 0")
+    mu: NonNegative = 0.01
 
 
 @register_method("fedprox")

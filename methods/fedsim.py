@@ -12,7 +12,6 @@ the received average.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from torch import nn
 
@@ -21,19 +20,16 @@ from rayfed.method import Method
 from rayfed.models import Backbone, build_lora_set
 from rayfed.models.peft import named_adapters
 from rayfed.param_names import adapter_of
+from rayfed.params import NonNegative, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 
 PERSONAL, SHARED = "personal", "shared"
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class FedSimParams:
-    personal_scale: float = 1.0  # the personal adapter's weight in the sum (1: the plain sum)
-
-    def __post_init__(self) -> None:
-        if self.personal_scale < 0:
-            raise ValueError("personal_scale must be >= 0")
+    personal_scale: NonNegative = 1.0  # the personal adapter's weight in the sum (1: the plain sum)
 
 
 @register_method("fedsim")

@@ -14,38 +14,27 @@ positions, teacher-forced, teachers in eval mode); every client of that architec
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
 from rayfed.param_names import prefix_of
+from rayfed.params import AtLeastOne, NonNegative, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PublicPass, distillation_loss, proximal_penalty, same_answers
 
 AVERAGE, TEACHER = "average", "teacher"
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class PerAdaParams:
-    mu: float = 1e-3  # the proximal weight (FedMosaic's run; PerAda's paper: 0.1 to 1, see P-e on its scale)
-    temperature: float = 2.0  # T of the server's KL (no T^2 factor)
-    public_samples: int = 80
-    kd_epochs: int = 1
-    kd_batch_size: int = 4
-    kd_lr: float | None = None  # default: train.lr
-
-    def __post_init__(self) -> None:
-        if self.mu < 0:
-            raise ValueError("mu must be >= 0")
-        if not self.temperature > 0:
-            raise ValueError("temperature must be > 0")
-        for field in ("public_samples", "kd_epochs", "kd_batch_size"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1")
-        if self.kd_lr is not None and not self.kd_lr > 0:
-            raise ValueError("kd_lr must be > 0")
+    mu: NonNegative = 1e-3  # the proximal weight (FedMosaic's run; PerAda's paper: 0.1 to 1, see P-e on its scale)
+    temperature: Positive = 2.0  # T of the server's KL (no T^2 factor)
+    public_samples: AtLeastOne = 80
+    kd_epochs: AtLeastOne = 1
+    kd_batch_size: AtLeastOne = 4
+    kd_lr: Positive | None = None  # default: train.lr
 
 
 def personal_penalty(centre: TensorDict | None, mu: float):

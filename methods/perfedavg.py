@@ -18,7 +18,6 @@ Generic over any model: the engine's default one, or the one ``model.client`` ch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -27,26 +26,19 @@ from torch import nn
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
 from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL
 from rayfed.models.peft.modules import select_task
+from rayfed.params import NonNegativeInt, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Step, scheduled_lr
 from rayfed.types import Batch
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class PerFedAvgParams:
-    inner_lr: float | None = None  # alpha; None: the configured lr on its schedule
-    post_fl_microbatches: int = 0  # P of the "+ Post-train" views (0: none)
-    post_lr: float = 1e-4
+    inner_lr: Positive | None = None  # alpha; None: the configured lr on its schedule
+    post_fl_microbatches: NonNegativeInt = 0  # P of the "+ Post-train" views (0: none)
+    post_lr: Positive = 1e-4
     removed_hyperparameters: ClassVar[dict[str, str]] = MOVED_TO_CLIENT_MODEL
-
-    def __post_init__(self) -> None:
-        if self.inner_lr is not None and not self.inner_lr > 0:
-            raise ValueError("inner_lr must be > 0")
-        if self.post_fl_microbatches < 0:
-            raise ValueError("post_fl_microbatches must be >= 0")
-        if not self.post_lr > 0:
-            raise ValueError("post_lr must be > 0")
 
 
 def _halves(batch: Batch) -> tuple[Batch, Batch]:

@@ -9,7 +9,6 @@ first ``n_ctx`` word embeddings; only they are trained, and they are FedAvg'd (s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -17,21 +16,16 @@ from torch import nn
 from rayfed.models.families.clip import add_learnable_context, build_classifier
 from rayfed.config import ModelConfig
 from rayfed.method import Method
+from rayfed.params import AtLeastOne, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.models import Backbone
 from rayfed.tasks import Task
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class PromptFLParams:
-    n_ctx: int = 16
-    ctx_std: float = 0.02
-
-    def __post_init__(self) -> None:
-        if self.n_ctx <= 0:
-            raise ValueError("n_ctx must be > 0")
-        if not self.ctx_std > 0:
-            raise ValueError("ctx_std must be > 0")
+    n_ctx: AtLeastOne = 16
+    ctx_std: Positive = 0.02
 
 
 @register_method("promptfl")

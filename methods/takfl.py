@@ -15,7 +15,7 @@ within an architecture).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -23,46 +23,33 @@ from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
 from rayfed.param_names import prefix_of
+from rayfed.params import AtLeastOne, NonNegative, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PublicPass, distillation_loss, same_answers
 
 AVERAGE, TEACHER, SELF, TASK_VECTOR = "average", "teacher", "self", "task_vector"
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class TAKFLParams:
-    temperature: float = 3.0  # T of the teacher term (x T^2)
-    self_temperature: float = 20.0  # T_s of the self-regulariser (x T_s^2)
-    self_weight: float = 0.01  # gamma, for every architecture
-    lambdas: str = "uniform"  # uniform: 1/K (FedMosaic); fixed: lambda_matrix
-    lambda_matrix: tuple[tuple[float, ...], ...] | None = None  # K x K, row = student, in config order
-    public_samples: int = 80  # the first P public rows, reshuffled every round
-    kd_epochs: int = 1
-    kd_batch_size: int = 4
-    kd_lr: float | None = None  # default: train.lr (FedMosaic's server uses the local optimizer's)
+    temperature: Positive = 3.0  # T of the teacher term (x T^2)
+    self_temperature: Positive = 20.0  # T_s of the self-regulariser (x T_s^2)
+    self_weight: NonNegative = 0.01  # gamma, for every architecture
+    lambdas: Literal["uniform", "fixed"] = "uniform"  # uniform: 1/K (FedMosaic); fixed: lambda_matrix
+    lambda_matrix: tuple[tuple[NonNegative, ...], ...] | None = None  # K x K, row = student, in config order
+    public_samples: AtLeastOne = 80  # the first P public rows, reshuffled every round
+    kd_epochs: AtLeastOne = 1
+    kd_batch_size: AtLeastOne = 4
+    kd_lr: Positive | None = None  # default: train.lr (FedMosaic's server uses the local optimizer's)
     weight_by_samples: bool = False  # the within-architecture mean weighted by samples (TAKFL's code), not uniform
     compat_zero_tau: bool = False  # FedMosaic's code: no distillation, FedAvg within an architecture
-    evaluate: str = "trained"  # trained: each client's adapter after its local training (FedMosaic); payload
+    evaluate: Literal["trained", "payload"] = "trained"  # trained: a client's adapter after local training (FedMosaic)
 
     def __post_init__(self) -> None:
-        for field in ("temperature", "self_temperature"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"{field} must be > 0")
-        if self.self_weight < 0:
-            raise ValueError("self_weight must be >= 0")
-        if self.lambdas not in ("uniform", "fixed"):
-            raise ValueError("lambdas must be one of uniform, fixed")
         if (self.lambdas == "fixed") != (self.lambda_matrix is not None):
             raise ValueError("lambda_matrix must be given exactly when lambdas = fixed")
-        if self.lambda_matrix is not None and any(abs(sum(row) - 1) > 1e-6 or min(row) < 0 for row in self.lambda_matrix):
-            raise ValueError("lambda_matrix's rows must be non-negative and sum to 1")
-        for field in ("public_samples", "kd_epochs", "kd_batch_size"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1")
-        if self.kd_lr is not None and not self.kd_lr > 0:
-            raise ValueError("kd_lr must be > 0")
-        if self.evaluate not in ("trained", "payload"):
-            raise ValueError("evaluate must be one of trained, payload")
+        if self.lambda_matrix is not None and any(abs(sum(row) - 1) > 1e-6 for row in self.lambda_matrix):
+            raise ValueError("lambda_matrix's rows must sum to 1")
 
 
 def merged(average: TensorDict, task_vectors: Sequence[TensorDict], weights: Sequence[float]) -> TensorDict:

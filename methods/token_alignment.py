@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ from rayfed.types import TensorDict
 
 MARKERS = ("Ġ", "▁")  # byte-level BPE's and SentencePiece's word-boundary marker
 ROLES = ("bos", "eos", "pad", "unk")
-STRATEGIES = ("greedy_dp", "dtw")
+Alignment = Literal["greedy_dp", "dtw"]  # aligned_cut's strategies
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ def dtw_pairs(student: Sequence[str], teacher: Sequence[str]) -> list[list[int]]
 
 
 def aligned_cut(student_ids: Sequence[int], teacher_ids: Sequence[int], values: torch.Tensor, ids: torch.Tensor,
-                mapping: VocabularyMap, strategy: str, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+                mapping: VocabularyMap, strategy: Alignment, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A text's teacher top-k cut (``values``, ``ids``: one row per teacher token of ``teacher_ids``) as a cut of
     ``width`` entries at the student's tokens ``student_ids`` in the student's vocabulary (module docstring). A row
     of fewer entries repeats its first (the same token and logit: the distribution is unchanged)."""

@@ -309,20 +309,17 @@ def method_model(method: Method, where: str, backbone: Backbone, config: ModelCo
 
 
 def _validated_params(params_cls: type, values: dict[str, Any], label: str) -> Any:
-    """``params_cls(**values)``, each value checked against (and coerced to) its field's annotation first.
+    """``params_cls(**values)``, each value (the defaults' too) checked against and coerced to its field's
+    annotation first (:func:`rayfed.params.checked_values`, for a plain dataclass as for a
+    :func:`rayfed.params.hyperparameters` one); one sentence naming the field, the value and what is allowed.
 
-    The check runs on a pydantic model made of the dataclass's field names, types and defaults rather than
-    on the dataclass itself: a class Ray sent by value (a user's own method) keeps its fields but not
-    ``dataclasses.MISSING``'s identity, which pydantic's dataclass support relies on.
+    Defaults are read from the dataclass's fields rather than left to pydantic's dataclass support: a class Ray
+    sent by value (a user's own method) keeps its fields but not ``dataclasses.MISSING``'s identity.
     """
-    import dataclasses
-    import typing
+    from rayfed.errors import suggest
+    from rayfed.params import InvalidHyperparameter, checked_values
 
-    import pydantic
-
-    from rayfed.errors import ConfigError, suggest
-
-    fields = dataclasses.fields(params_cls)
+    fields = [f for f in dataclasses.fields(params_cls) if f.init]
     allowed = [f.name for f in fields]
     for key in values:
         if key not in allowed:  # a Params class's removed_hyperparameters: {name: what to set instead}
@@ -330,33 +327,25 @@ def _validated_params(params_cls: type, values: dict[str, Any], label: str) -> A
             hint = f"it was removed: {removed}" if removed else f"allowed: {', '.join(allowed)}" if allowed else \
                 "it takes no hyperparameters"
             raise ConfigError(f"{label} has no hyperparameter {key!r}{suggest(key, allowed)}; {hint}.")
-    try:
-        hints = typing.get_type_hints(params_cls)
-    except (NameError, TypeError):  # annotations naming what this process cannot import: checked by __post_init__
-        hints = {}
     missing = type(dataclasses.MISSING)
-    spec: dict[str, Any] = {}
+    full = dict(values)
     for f in fields:
+        if f.name in full:
+            continue
         if not isinstance(f.default, missing):
-            default = f.default
+            full[f.name] = f.default
         elif not isinstance(f.default_factory, missing):
-            default = pydantic.Field(default_factory=f.default_factory)
+            full[f.name] = f.default_factory()
         else:
-            default = ...
-        spec[f.name] = (hints.get(f.name, Any), default)
-    model = pydantic.create_model(f"{params_cls.__name__}Check", __config__=pydantic.ConfigDict(arbitrary_types_allowed=True), **spec)
+            raise ConfigError(f"{label} needs the hyperparameter {f.name!r}, which has no default.")
     try:
-        checked = model(**values)
-        return params_cls(**{f.name: getattr(checked, f.name) for f in fields if f.init})
-    except pydantic.ValidationError as err:
-        first = err.errors()[0]
-        name = ".".join(str(p) for p in first["loc"]) or "params"
-        message, value = first["msg"], values.get(name, first.get("input"))
-    except (TypeError, ValueError) as err:  # the dataclass's own __post_init__ checks
+        return params_cls(**checked_values(params_cls, full))
+    except InvalidHyperparameter as err:
+        name, value, message = err.field, err.value, err.reason
+    except (TypeError, ValueError) as err:  # the dataclass's own __post_init__ checks (across fields)
         name = next((f for f in values if f in str(err)), "params")
         message, value = str(err), values.get(name, values)
-    message = message.removeprefix("Value error, ").rstrip(".")
-    raise ConfigError(f"{label}.{name} = {value!r} is invalid: {message}.") from None
+    raise ConfigError(f"{label}.{name} = {value!r} is invalid: {message.rstrip('.')}.") from None
 
 
 def post_fl_steps(microbatches: int, grad_accum: int) -> int:

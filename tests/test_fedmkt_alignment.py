@@ -110,7 +110,7 @@ def test_fedmkt_keeps_no_vocabularies_for_one_tokenizer_and_needs_a_cut_across_t
         FedMKT().before_federation(server, {"a": one, "b": other})
     kept = FedMKT(FedMKTParams(top_k=4)).before_federation(server, {"a": one, "b": other})
     assert set(kept["vocabularies"]) == {f"{arch}/{name}" for arch in "ab" for name in one}
-    with pytest.raises(ValueError, match="alignment must be one of greedy_dp, dtw"):
+    with pytest.raises(ValueError, match="^alignment = 'edit' is invalid: must be one of 'greedy_dp', 'dtw'.$"):
         FedMKTParams(alignment="edit")
 
 

@@ -413,7 +413,7 @@ def test_self_weight_include_is_eq_4_with_the_diagonal_and_exclude_the_softmax_o
     # Client 0 alone has sent a gradient: with exclude it keeps its own adapter; the others weigh it fully.
     _, lone = relevance_weights(gradients, torch.tensor([True, False, False, False]), tau, "exclude")
     assert torch.equal(lone, torch.tensor([[1.0, 0.0, 0.0, 0.0]] * 4))
-    allowed = r"self_weight = 'both' is invalid: self_weight must be one of include, exclude\.$"
+    allowed = r"\.self_weight = 'both' is invalid: must be one of 'include', 'exclude'\.$"
     with pytest.raises(ConfigError, match=allowed):
         build_method(load_config({"methods": [{"name": "fedmosaic", "self_weight": "both"}]}).methods[0], 0)
 
@@ -539,7 +539,7 @@ def test_offline_and_paper_configs_load_and_bad_hyperparameters_are_named():
     assert groups == {0, 1, 2} and offline.architectures["small"].clients == (0, 1, 2, 3)
     tune = load_config(ROOT / "configs" / "tune" / "fedmosaic_tau_blocks.yaml")
     assert tune.methods[0].name == "fedmosaic"
-    with pytest.raises(ConfigError, match=r"methods\[0\] \(fedmosaic\)\.tau = 0 is invalid: tau must be > 0"):
+    with pytest.raises(ConfigError, match=r"^methods\[0\] \(fedmosaic\)\.tau = 0 is invalid: must be > 0\.$"):
         build_method(load_config({"methods": [{"name": "fedmosaic", "tau": 0}]}).methods[0], 0)
     with pytest.raises(ConfigError, match="relevance_model must name W_s"):
         method = build_method(load_config({"methods": ["fedmosaic"]}).methods[0], 0, num_clients=2,

@@ -311,7 +311,8 @@ def test_task_config_errors_name_the_field(tiny_run):
     with pytest.raises(ConfigError, match=r"data.source is set next to data.tasks"):
         load_config({"data": {"source": "fashion_mnist", "tasks": [_task("a", 4, 0)]},
                      "federation": {"clients_per_round": 2}})
-    with pytest.raises(ConfigError, match=r"fedyolo.*sharing must be one of none, half, all"):
+    with pytest.raises(ConfigError, match=r"^methods\[0\] \(fedyolo\)\.sharing = 'some' is invalid: must be one of "
+                                          r"'none', 'half', 'all'\.$"):
         build_method(load_config({"methods": [{"name": "fedyolo", "sharing": "some"}]}).methods[0], 0)
 
 

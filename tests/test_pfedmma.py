@@ -319,7 +319,8 @@ def test_novel_evaluation_needs_a_text_classifier(tiny_hf_clip, tmp_path):
 def test_pfedmma_config_errors_name_the_field(tiny_hf_clip):
     from rayfed.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="variant"):
+    with pytest.raises(ConfigError, match=r"\(pfedmma\)\.variant = 'tied' is invalid: must be one of 'pfedmma', "
+                                          r".*'local_only'\.$"):
         build_method(load_config(_clip_run(tiny_hf_clip, [{"name": "pfedmma", "variant": "tied"}])).methods[0], 0)
     with pytest.raises(ConfigError, match="first_layer = 9"):
         _pfedmma(first_layer=9).build_model(None, ModelConfig(backbone=tiny_hf_clip, lora=None), TASKS, 0)

@@ -765,14 +765,15 @@ def test_feddat_in_taps_model_validates_its_hyperparameters(actor):
 
     with pytest.raises(ConfigError, match=r"model.client_options.backbone_module must be adapter for methods \(feddat\)"):
         build(backbone_module="lora")
-    with pytest.raises(ConfigError, match=r"model.client_options.adapter_dim must be >= 1\.$"):
+    with pytest.raises(ConfigError, match=r"^model.client_options.adapter_dim = 0 is invalid: must be >= 1 or null\.$"):
         build(adapter_dim=0)
     params = cls.Params
     with pytest.raises(ValueError, match="evaluate = dat needs a variant with a dual-adapter teacher"):
         params(evaluate="dat", variant="no_local")
-    with pytest.raises(ValueError, match="uploads must be one of shared_adapters, all_but_local"):
+    with pytest.raises(ValueError, match=r"^uploads = 'all' is invalid: must be one of 'shared_adapters', "
+                                         r"'all_but_local'\.$"):
         params(uploads="all")
-    with pytest.raises(ValueError, match="image_kd must be one of softmax, mse"):
+    with pytest.raises(ValueError, match="^image_kd = 'l1' is invalid: must be one of 'softmax', 'mse'.$"):
         params(image_kd="l1")
 
 

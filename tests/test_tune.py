@@ -389,3 +389,19 @@ def test_simulation_in_a_too_small_placement_group_says_which_bundle(tiny_run, t
     trial_group.bundle_specs = trial_group.bundle_specs[:2]
     with pytest.raises(ConfigError, match="need 3 bundles but the trial's placement group has 2"):
         fitted_slots(simulation.config)
+
+
+def test_a_swept_hyperparameter_reaches_the_methods_params_and_a_bad_one_is_named_with_its_range(tmp_path):
+    from rayfed.method import build_method
+    from rayfed.methods import DittoParams
+    from rayfed.tune.sweep import _trial_config
+
+    config = _sweep({"methods.0.lam": {"choice": [0.25, -1.0]}}, metric="ditto/local_acc")
+    config["methods"] = [{"name": "ditto", "personal_steps": 2}]
+    trial = _trial_config(config, {"methods.0.lam": 0.25})
+    assert build_method(trial.methods[0], 0).params == DittoParams(lam=0.25, personal_steps=2)
+    with pytest.raises(ConfigError) as err:
+        tune(config, out_dir=tmp_path, verbose=0)
+    assert str(err.value) == ("tune.space.methods.0.lam = -1.0 does not fit the config: methods[0] (ditto).lam = -1.0 "
+                              "is invalid: must be >= 0.")
+    assert not (tmp_path / "tune").exists()

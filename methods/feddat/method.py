@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -50,12 +49,13 @@ from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_tra
 from rayfed.models import AdapterSets, Backbone, client_model
 from rayfed.models.peft.modules import set_adapter_mix
 from rayfed.param_names import adapter_set_of, components, with_adapter_set
+from rayfed.params import AtLeastOne, NonNegative, NonNegativeInt, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
-from rayfed.training import IMAGE_KD, ClientContext, Phase, Step, output_distillation
+from rayfed.training import ClientContext, ImageKD, Phase, Step, output_distillation
 
 SHARED, FROZEN, LOCAL = "shared", "frozen", "local"
-VARIANTS = ("feddat", "no_frozen", "no_local", "no_mkd", "peft")
+Variant = Literal["feddat", "no_frozen", "no_local", "no_mkd", "peft"]
 # The adapters each variant holds per site, and its teacher / DAT mixture.
 ADAPTERS = {"feddat": ("shared", "frozen", "local"), "no_mkd": ("shared", "frozen", "local"),
             "no_frozen": ("shared", "local"), "no_local": ("shared", "frozen"), "peft": ()}
@@ -65,63 +65,38 @@ STUDENT = {"shared": 1.0}
 # The adapter views each variant reports: A_s alone, the DAT, A_c alone (the evaluated one under the plain names).
 VIEWS = {"feddat": ("shared", "local", "dat"), "no_mkd": ("shared", "local", "dat"), "no_frozen": ("shared", "local"),
          "no_local": ("shared",), "peft": ("shared",)}
-EVALUATED = ("shared", "dat")
-UPLOADS = ("shared_adapters", "all_but_local")
+Evaluated = Literal["shared", "dat"]
+Uploads = Literal["shared_adapters", "all_but_local"]
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class FedDATParams:
-    tau: float = 3.0  # KD temperature, with tau^2 scaling
-    alpha: float = 1.0  # max of the KD weight of L^s (DAT -> A_s)
-    beta: float = 1.0  # max of the KD weight of L^DAT (A_s -> DAT)
-    kd_schedule: str = "exp_rampup"  # or constant
-    rampup_rounds: int | None = None  # t_r; default ceil(rounds / 4)
-    objective_scale: float = 0.5  # each objective's factor (the code's (CE + KD) / 2)
-    update: str = "sequential"  # two steps per batch; joint: one step on the sum (an option of ours)
-    variant: str = "feddat"
+    tau: Positive = 3.0  # KD temperature, with tau^2 scaling
+    alpha: NonNegative = 1.0  # max of the KD weight of L^s (DAT -> A_s)
+    beta: NonNegative = 1.0  # max of the KD weight of L^DAT (A_s -> DAT)
+    kd_schedule: Literal["exp_rampup", "constant"] = "exp_rampup"
+    rampup_rounds: AtLeastOne | None = None  # t_r; default ceil(rounds / 4)
+    objective_scale: Positive = 0.5  # each objective's factor (the code's (CE + KD) / 2)
+    # two steps per batch; joint: one step on the sum (an option of ours)
+    update: Literal["sequential", "joint"] = "sequential"
+    variant: Variant = "feddat"
     federated: bool = True
-    aggregation: str = "uniform"  # uniform mean (Algorithm 1) or samples (Eq. 3)
-    evaluate: str = "shared"  # the view under the plain metric names: shared (A_s, the paper's) or dat (TAP's row)
-    post_fl_microbatches: int = 0  # P of the "+ Post-train" views pt and pt2 (0: none)
-    post_lr: float = 1e-4
-    image_kd: str = "softmax"  # image reconstruction's KD: softmax over the width axis (TAP's) or mse
+    aggregation: Literal["uniform", "samples"] = "uniform"  # uniform mean (Algorithm 1) or samples (Eq. 3)
+    evaluate: Evaluated = "shared"  # the view under the plain metric names: shared (A_s, the paper's) or dat (TAP's)
+    post_fl_microbatches: NonNegativeInt = 0  # P of the "+ Post-train" views pt and pt2 (0: none)
+    post_lr: Positive = 1e-4
+    image_kd: ImageKD = "softmax"  # image reconstruction's KD: softmax over the width axis (TAP's) or mse
     # what a client sends: A_s (heads and A_c stay local) or every trained tensor but A_c (TAP's FedDAT row)
-    uploads: str = "shared_adapters"
+    uploads: Uploads = "shared_adapters"
     removed_hyperparameters: ClassVar[dict[str, str]] = {
         "mome": "set model.client: mome with these options under model.client_options, and uploads: all_but_local "
                 "for TAP's FedDAT row"
     }
 
     def __post_init__(self) -> None:
-        if not self.tau > 0:
-            raise ValueError("tau must be > 0")
-        if self.alpha < 0 or self.beta < 0:
-            raise ValueError("alpha and beta must be >= 0")
-        if self.kd_schedule not in ("exp_rampup", "constant"):
-            raise ValueError("kd_schedule must be exp_rampup or constant")
-        if self.rampup_rounds is not None and self.rampup_rounds < 1:
-            raise ValueError("rampup_rounds must be >= 1")
-        if not self.objective_scale > 0:
-            raise ValueError("objective_scale must be > 0")
-        if self.update not in ("sequential", "joint"):
-            raise ValueError("update must be sequential or joint")
-        if self.variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
-        if self.aggregation not in ("uniform", "samples"):
-            raise ValueError("aggregation must be uniform or samples")
-        if self.evaluate not in EVALUATED:
-            raise ValueError(f"evaluate must be one of {', '.join(EVALUATED)}")
         if self.evaluate not in VIEWS[self.variant]:
             raise ValueError(f"evaluate = {self.evaluate} needs a variant with a dual-adapter teacher (feddat, "
                              f"no_mkd), not {self.variant}")
-        if self.post_fl_microbatches < 0:
-            raise ValueError("post_fl_microbatches must be >= 0")
-        if not self.post_lr > 0:
-            raise ValueError("post_lr must be > 0")
-        if self.image_kd not in IMAGE_KD:
-            raise ValueError(f"image_kd must be one of {', '.join(IMAGE_KD)}")
-        if self.uploads not in UPLOADS:
-            raise ValueError(f"uploads must be one of {', '.join(UPLOADS)}")
 
 
 @register_method("feddat")

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
+from annotated_types import Ge
 from torch import nn
 
 from rayfed import seeding
@@ -52,87 +53,58 @@ from rayfed.methods.fedmosaic.rela import (RelevanceSource, equal_weights, last_
 from rayfed.models import Backbone, ClientModel, build_backbone, build_task_model
 from rayfed.models.peft.named_adapters import adapted_modules, adapters_off
 from rayfed.param_names import adapter_of, adapter_part, components, layer_of, parent, with_adapter
+from rayfed.params import AtLeastOne, Fraction, NonNegative, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase, PreFederation, Step, stacked_forward_batch
 
 LOCAL, GLOBAL = "local", "global"
-RELEVANCE_VARIANTS = ("rela", "equal", "frozen_current", "training_current")
-CONV_AGG = ("rela_within_type", "equal_within_type", "none")
-SELF_WEIGHTS = ("include", "exclude")
+Relevance = Literal["rela", "equal", "frozen_current", "training_current"]  # Tab. 30
+ConvAgg = Literal["rela_within_type", "equal_within_type", "none"]
 TRAINING_COMPUTE_FACTOR = 1.098  # training-only relative compute (Tab. 15; docs/fedmosaic.md#the-offline-benchmark)
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class FedMosaicParams:
-    blocks: int = 4  # N_B: PQ-LoRA on the last decoder layer of each of N_B blocks (Eq. 6)
+    blocks: AtLeastOne = 4  # N_B: PQ-LoRA on the last decoder layer of each of N_B blocks (Eq. 6)
     pq: bool = True  # false: conventional LoRA everywhere (Tab. 7 "Vanilla")
-    relevance: str = "rela"  # rela | equal | frozen_current | training_current (Tab. 30)
-    tau: float = 0.5  # softmax temperature (Eq. 4)
-    self_weight: str = "include"  # include: w_ii in the softmax (Eq. 4); exclude: the others only (authors' code)
-    alpha: float = 0.5  # EMA ratio (Eq. 2)
-    sample_ratio: float = 0.4  # N_s: share of the gradient's entries kept (Eq. 3)
-    noise: float = 1e-4  # mu: std of the Gaussian noise added to the kept entries
-    grad_interval: int = 10  # m: local steps between two W_s gradients
-    ema_granularity: str = "round"  # round: Alg. 1 (one EMA update per round); step: Eq. 2 per gradient
-    noise_stage: str = "per_grad"  # per_grad: Alg. 1, noise on each gradient; on_upload: Eq. 3, on the decayed mean
-    last_layer: str = "down_proj"  # the last decoder layer's MLP output projection (our reading), or lm_head
+    relevance: Relevance = "rela"
+    tau: Positive = 0.5  # softmax temperature (Eq. 4)
+    # include: w_ii in the softmax (Eq. 4); exclude: the others only (authors' code)
+    self_weight: Literal["include", "exclude"] = "include"
+    alpha: Fraction = 0.5  # EMA ratio (Eq. 2)
+    sample_ratio: Fraction = 0.4  # N_s: share of the gradient's entries kept (Eq. 3)
+    noise: NonNegative = 1e-4  # mu: std of the Gaussian noise added to the kept entries
+    grad_interval: AtLeastOne = 10  # m: local steps between two W_s gradients
+    # round: Alg. 1 (one EMA update per round); step: Eq. 2 per gradient
+    ema_granularity: Literal["round", "step"] = "round"
+    # per_grad: Alg. 1, noise on each gradient; on_upload: Eq. 3, on the decayed mean
+    noise_stage: Literal["per_grad", "on_upload"] = "per_grad"
+    # the last decoder layer's MLP output projection (our reading), or lm_head
+    last_layer: Literal["down_proj", "lm_head"] = "down_proj"
     relevance_model: str = ""  # W_s's backbone (model.backbone syntax); "": the client's own (one architecture)
-    conv_agg: str = "rela_within_type"  # conventional-LoRA layers: rela_within_type | equal_within_type | none
-    pq_init: str = "zero"  # P, Q start at 0 (our reading), or identity: P = I
-    pq_scale: float = 1.0  # s of the PQ branch (the paper leaves it open); conventional LoRA: model.lora.alpha / rank
-    pq_lr: float | None = None  # learning rate of P and Q; default 2.5 x train.lr (the paper's 5e-5 vs 2e-5)
+    conv_agg: ConvAgg = "rela_within_type"  # conventional-LoRA layers
+    pq_init: Literal["zero", "identity"] = "zero"  # P, Q start at 0 (our reading), or identity: P = I
+    pq_scale: Positive = 1.0  # s of the PQ branch (open in the paper); conventional LoRA: model.lora.alpha / rank
+    pq_lr: Positive | None = None  # learning rate of P and Q; default 2.5 x train.lr (the paper's 5e-5 vs 2e-5)
     align: bool = True  # false: every architecture keeps its random orthonormal basis (Tab. 32)
     align_b: bool = True  # false: align A only
     pivot: str = ""  # the architecture others align to; "": the one with the fewest backbone parameters
-    align_lambda: float = 0.5  # lambda of the orthogonality term (Eq. 20)
-    align_epochs: int = 1
-    align_lr: float = 5e-5
-    align_batch_size: int = 4
-    align_samples: int | None = None  # public samples used (default: all of data.public)
-    cca_ridge: float = 1e-4  # relative ridge of the CCA covariances
-    b_features: str = "lora_output"  # CCA features: lora_output = (A h) B^T, P = I (our reading); base_output = W_p h
+    align_lambda: NonNegative = 0.5  # lambda of the orthogonality term (Eq. 20)
+    align_epochs: AtLeastOne = 1
+    align_lr: Positive = 5e-5
+    align_batch_size: AtLeastOne = 4
+    align_samples: Annotated[int, Ge(2)] | None = None  # public samples used (default: all of data.public)
+    cca_ridge: Positive = 1e-4  # relative ridge of the CCA covariances
+    # CCA features: lora_output = (A h) B^T, P = I (our reading); base_output = W_p h
+    b_features: Literal["lora_output", "base_output"] = "lora_output"
     ortho_b_after_cca: bool = False  # polar re-orthonormalization of the CCA basis
     relevance_history: bool = True  # keep every round's weight matrix in the server state
     compute_matched_steps: bool = False  # local steps / 1.098 (TRAINING_COMPUTE_FACTOR)
 
     def __post_init__(self) -> None:
-        if self.blocks < 1:
-            raise ValueError("blocks must be >= 1")
-        if self.relevance not in RELEVANCE_VARIANTS:
-            raise ValueError(f"relevance must be one of {', '.join(RELEVANCE_VARIANTS)}")
-        if not self.tau > 0:
-            raise ValueError("tau must be > 0")
-        if not 0 < self.alpha <= 1:
-            raise ValueError("alpha must be in (0, 1]")
-        if not 0 < self.sample_ratio <= 1:
-            raise ValueError("sample_ratio must be in (0, 1]")
-        if self.noise < 0:
-            raise ValueError("noise must be >= 0")
-        if self.grad_interval < 1:
-            raise ValueError("grad_interval must be >= 1")
-        for field, value, allowed in (("ema_granularity", self.ema_granularity, ("round", "step")),
-                                      ("noise_stage", self.noise_stage, ("per_grad", "on_upload")),
-                                      ("last_layer", self.last_layer, ("down_proj", "lm_head")),
-                                      ("conv_agg", self.conv_agg, CONV_AGG), ("pq_init", self.pq_init, ("zero", "identity")),
-                                      ("self_weight", self.self_weight, SELF_WEIGHTS),
-                                      ("b_features", self.b_features, ("lora_output", "base_output"))):
-            if value not in allowed:
-                raise ValueError(f"{field} must be one of {', '.join(allowed)}")
         if self.relevance == "training_current" and not self.pq:
             raise ValueError("relevance = training_current uses the gradient of the last PQ layer: it needs pq = true")
-        for field in ("align_epochs", "align_batch_size"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1")
-        if self.align_samples is not None and self.align_samples < 2:
-            raise ValueError("align_samples must be >= 2")
-        for field in ("pq_scale", "align_lr", "cca_ridge"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"{field} must be > 0")
-        if self.pq_lr is not None and not self.pq_lr > 0:
-            raise ValueError("pq_lr must be > 0")
-        if self.align_lambda < 0:
-            raise ValueError("align_lambda must be >= 0")
 
 
 def is_global(name: str) -> bool:

@@ -24,7 +24,7 @@ the upload grows (all tasks' slots + K counts per client).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from torch import nn
 from rayfed.config import ModelConfig
 from rayfed.method import (ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload, WeightedMean,
                            mean_as, weighted_sums)
+from rayfed.params import hyperparameters
 from rayfed.registry import register_method
 from rayfed.models import Backbone, build_task_model, num_blocks
 from rayfed.models.peft.modules import dedicated_blocks
@@ -39,17 +40,13 @@ from rayfed.param_names import task_of_name
 from rayfed.tasks import Task
 from rayfed.training import ClientContext
 
-SHARING = ("none", "half", "all")
+Sharing = Literal["none", "half", "all"]
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class FedYoloParams:
-    sharing: str = "none"
+    sharing: Sharing = "none"
     private_uploads: bool = False  # the privacy variant: every task's slots (zeros but one's own) + task counts
-
-    def __post_init__(self) -> None:
-        if self.sharing not in SHARING:
-            raise ValueError(f"sharing must be one of {', '.join(SHARING)}")
 
 
 @register_method("fedyolo")

@@ -16,7 +16,7 @@ clients (``first_round_all``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -27,11 +27,13 @@ from rayfed.errors import ConfigError
 from rayfed.method import Method
 from rayfed.methods.pfedmma.adapter import TOWERS, MultiModalAdapter, attach
 from rayfed.models import Backbone
+from rayfed.params import AtLeastOne, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 
 # Which adapter parameters (by name under ``adapter.``) each variant communicates.
-VARIANTS: dict[str, tuple[str, ...]] = {
+Variant = Literal["pfedmma", "all_global", "shared_personal", "vision_only", "text_only", "both", "local_only"]
+VARIANTS: dict[Variant, tuple[str, ...]] = {
     "pfedmma": ("shared.",),
     "all_global": ("",),
     "shared_personal": ("image_down.", "image_up.", "text_down.", "text_up."),
@@ -43,24 +45,14 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 UNTIED_VARIANTS = ("vision_only", "text_only", "both")
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class PFedMMAParams:
-    rank: int = 32  # r, the shared projection's size
-    first_layer: int = 10  # l: blocks l..L (1-based) of both towers are adapted
-    alpha: float = 0.005  # residual scale of the adapter branch
+    rank: AtLeastOne = 32  # r, the shared projection's size
+    first_layer: AtLeastOne = 10  # l: blocks l..L (numbered from 1) of both towers are adapted
+    alpha: Positive = 0.005  # residual scale of the adapter branch
     grad_scale: bool = True  # adapter gradients scaled by 1/alpha (the gradient-scale layer)
-    variant: str = "pfedmma"
+    variant: Variant = "pfedmma"
     first_round_all: bool = True  # round 0 trains every client, whatever the sampling
-
-    def __post_init__(self) -> None:
-        if self.rank <= 0:
-            raise ValueError("rank must be > 0")
-        if self.first_layer < 1:
-            raise ValueError("first_layer must be >= 1 (blocks are numbered from 1)")
-        if not self.alpha > 0:
-            raise ValueError("alpha must be > 0")
-        if self.variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
 
 
 @register_method("pfedmma")

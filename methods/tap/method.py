@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -46,13 +45,13 @@ from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL, TASK_KEYS, task_ke
 from rayfed.models import Backbone
 from rayfed.models.module_walks import functional_forward
 from rayfed.models.peft.modules import select_task
+from rayfed.params import NonNegativeInt, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
-from rayfed.training import (IMAGE_KD, ClientContext, RecordedTaskLoss, Step, TrainResult, output_distillation,
+from rayfed.training import (ClientContext, ImageKD, RecordedTaskLoss, Step, TrainResult, output_distillation,
                               scheduled_lr)
 from rayfed.types import host_copies
 
-HISTORIES = ("weighted", "plain")
 # Per task key, in the order of TASK_KEYS: image-cls, image-gen, text-cls, text-gen.
 PAPER_MARGINS_FLAVA = (0.01, 0.005, 0.005, 0.01)  # Table 22
 PAPER_KD_WEIGHTS = (2e-3, 2e-3, 2e-3, 1.0)  # Table 21 as extracted: text generation 1
@@ -78,16 +77,17 @@ def kd_weight_vector(weights: str | Sequence[float], name: str = "kd_weights") -
     return tuple(weights)
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class TAPParams:
     margins: tuple[float, ...] = PAPER_MARGINS_FLAVA  # m_o per task key (image-cls, image-gen, text-cls, text-gen)
     kd_weights: str | tuple[float, ...] = "paper"  # beta_o per task key, or a preset of KD_WEIGHT_PRESETS
     alt_kd_weights: str | tuple[float, ...] | None = None  # a second distilled X (view kdalt), e.g. "code"
-    kd_temperature: float = 1.0  # tau
-    image_kd: str = "softmax"  # image generation's KD: softmax over the width axis (code) or mse
-    history: str = "weighted"  # a task's loss history: lambda-weighted mean over micro-batches (code) or plain
-    post_fl_microbatches: int = 50  # P, in micro-batches (train.grad_accum of them make one optimizer step)
-    post_lr: float = 1e-4
+    kd_temperature: Positive = 1.0  # tau
+    image_kd: ImageKD = "softmax"  # image generation's KD: softmax over the width axis (code) or mse
+    # a task's loss history: lambda-weighted mean over micro-batches (code) or plain
+    history: Literal["weighted", "plain"] = "weighted"
+    post_fl_microbatches: NonNegativeInt = 50  # P, in micro-batches (train.grad_accum of them make one optimizer step)
+    post_lr: Positive = 1e-4
     two_p: bool = True  # also W post-trained 2P micro-batches (view pt2)
     no_kd: bool = True  # also X post-trained without distillation (view nokd)
     swap_batches: bool = True  # after a replacement, X trains on other batches than W this round [C]
@@ -95,21 +95,11 @@ class TAPParams:
     federated: bool = True  # False: nothing is communicated (Local)
     removed_hyperparameters: ClassVar[dict[str, str]] = MOVED_TO_CLIENT_MODEL
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # vectors of one value per task key (TASK_KEYS)
         _per_key(self.margins, "margins")
         kd_weight_vector(self.kd_weights, "kd_weights")
         if self.alt_kd_weights is not None:
             kd_weight_vector(self.alt_kd_weights, "alt_kd_weights")
-        if not self.kd_temperature > 0:
-            raise ValueError("kd_temperature must be > 0")
-        if self.image_kd not in IMAGE_KD:
-            raise ValueError(f"image_kd must be one of {', '.join(IMAGE_KD)}")
-        if self.history not in HISTORIES:
-            raise ValueError(f"history must be one of {', '.join(HISTORIES)}")
-        if self.post_fl_microbatches < 0:
-            raise ValueError("post_fl_microbatches must be >= 0")
-        if not self.post_lr > 0:
-            raise ValueError("post_lr must be > 0")
 
     def margin(self, key: str) -> float:
         return self.margins[TASK_KEYS.index(key)]

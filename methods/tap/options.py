@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from annotated_types import Interval
 
 from rayfed.errors import ConfigError, suggest
 from rayfed.models import Backbone
 from rayfed.models.client_plugin import OPTIONS_FIELD
 from rayfed.param_names import task_key as run_task_key
+from rayfed.params import AtLeastOne, hyperparameters
 from rayfed.tasks import Task
 
 IMAGE, TEXT, SHARED = "image", "text", "shared"
 MODALITIES = (IMAGE, TEXT)
 TASK_KEYS = ("image_classification", "image_generation", "text_classification", "text_generation")
 FAMILIES = ("flava", "vilt")
-ADAPTOR_INITS = ("default", "identity", "none")
-BACKBONE_MODULES = ("lora", "adapter")
 # Per family (Table 21 and the code; docs/tap.md#the-model): the LoRA ranks of the encoders, the backbone's
 # attention and the experts (alpha = 2 rank everywhere), L, and the bottleneck of FedDAT's expert adapters.
 FAMILY_DEFAULTS: dict[str, dict[str, int]] = {
@@ -28,37 +28,25 @@ FAMILY_DEFAULTS: dict[str, dict[str, int]] = {
 }
 
 
-@dataclass(frozen=True)
+@hyperparameters
 class MoMEOptions:
     """The modular model's architecture (docs/tap.md#hyperparameters); None takes the backbone family's value."""
 
-    layers: int | None = None  # L: MoTE from pretrained layers 0..L-1, MoME from L..2L-1 (FLAVA 1, ViLT 4)
-    encoder_rank: int | None = None  # FLAVA: LoRA on the encoders' query/value (8); ViLT: on the patch projection (4)
-    attention_rank: int | None = None  # LoRA on the backbone's query/value (FLAVA 16, ViLT 8)
-    expert_rank: int | None = None  # LoRA on both linears of every expert (FLAVA 4, ViLT 8)
-    lora_dropout: float = 0.3
+    layers: AtLeastOne | None = None  # L: MoTE from pretrained layers 0..L-1, MoME from L..2L-1 (FLAVA 1, ViLT 4)
+    # FLAVA: LoRA on the encoders' query/value (8); ViLT: on the patch projection (4)
+    encoder_rank: AtLeastOne | None = None
+    attention_rank: AtLeastOne | None = None  # LoRA on the backbone's query/value (FLAVA 16, ViLT 8)
+    expert_rank: AtLeastOne | None = None  # LoRA on both linears of every expert (FLAVA 4, ViLT 8)
+    lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.3
     domains: dict[str, str] | None = None  # task name -> domain of its MoDE experts; default: one per task
-    text_positions: int = 32  # the text decoder's output positions (the longest target it can produce)
+    text_positions: AtLeastOne = 32  # the text decoder's output positions (the longest target it can produce)
     condition_text_decoder: bool = True  # False: the released code's decoder, which never reads the features
-    input_adaptor: str = "default"  # the image adaptor's init: default (the code's), identity; none: resize only
+    # the image adaptor's init: default (the code's), identity; none: resize only
+    input_adaptor: Literal["default", "identity", "none"] = "default"
     # lora: LoRA on the backbone's attention and experts (TAP); adapter: none, a bottleneck adapter set after every
     # expert's FFN instead (FedDAT in this model, docs/tap.md#baselines: Linear D -> b, ReLU, Linear b -> D, residual)
-    backbone_module: str = "lora"
-    adapter_dim: int | None = None  # b of the expert adapters (FLAVA 32, ViLT 16)
-
-    def __post_init__(self) -> None:
-        for name in ("layers", "encoder_rank", "attention_rank", "expert_rank", "adapter_dim"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if not 0 <= self.lora_dropout < 1:
-            raise ValueError("lora_dropout must be in [0, 1)")
-        if self.text_positions < 1:
-            raise ValueError("text_positions must be >= 1")
-        if self.input_adaptor not in ADAPTOR_INITS:
-            raise ValueError(f"input_adaptor must be one of {', '.join(ADAPTOR_INITS)}")
-        if self.backbone_module not in BACKBONE_MODULES:
-            raise ValueError(f"backbone_module must be one of {', '.join(BACKBONE_MODULES)}")
+    backbone_module: Literal["lora", "adapter"] = "lora"
+    adapter_dim: AtLeastOne | None = None  # b of the expert adapters (FLAVA 32, ViLT 16)
 
     @classmethod
     def parse(cls, values: Mapping[str, Any] | None, where: str = OPTIONS_FIELD) -> MoMEOptions:

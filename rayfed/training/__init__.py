@@ -26,6 +26,8 @@ terms methods add to a task loss, and re-exports the rest.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
@@ -57,7 +59,7 @@ def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature:
     return nn.functional.kl_div(log_student, log_teacher, reduction="batchmean", log_target=True) * temperature**2
 
 
-IMAGE_KD = ("softmax", "mse")  # how output_distillation compares two images: KL over the width axis, or MSE
+ImageKD = Literal["softmax", "mse"]  # how output_distillation compares two images: KL over the width axis, or MSE
 
 
 def output_distillation(student: torch.Tensor, teacher: torch.Tensor, temperature: float,
