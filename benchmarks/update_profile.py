@@ -67,7 +67,7 @@ def kernel_family(name: str) -> str:
 # version of the engine renames is reported as missing, not silently skipped.
 HOST_PHASES: dict[str, tuple[str, ...]] = {
     "batch building": ("rayfed.training.client_context:ClientContext.batch_order",
-                       "rayfed.training.client_context:ClientContext._micro_batch"),
+                       "rayfed.training.client_context:ClientContext.micro_batch"),
     "payloads and states to the device": ("rayfed.actors.client:ClientActor._on_device",
                                           "rayfed.actors.client:states_to"),
     "uploads to the host": ("rayfed.actors.client:to_host",),
