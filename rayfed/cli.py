@@ -59,6 +59,7 @@ def _run(args: argparse.Namespace) -> int:
     except BaseException as err:
         if not _interrupted(err):
             raise
+        _close_progress_bars()
         print(interrupted_message(None if sim is None else sim.run_dir, args.quiet), file=sys.stderr)
         return INTERRUPTED
     print(f"results: {sim.run_dir}")
@@ -79,6 +80,14 @@ def _interrupted(err: BaseException | None) -> bool:
             return True
         err = err.__context__
     return False
+
+
+def _close_progress_bars() -> None:
+    """Close the bars a stopped run left open: they would print again over the last lines when the process ends."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def interrupted_message(run_dir: Path | None, quiet: bool = False) -> str:
