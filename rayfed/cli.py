@@ -8,8 +8,12 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rayfed.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 # `rayfed bench --workload`: benchmarks/overhead.py's WORKLOADS (named here so that the parser imports no benchmark)
 GENERIC_WORKLOADS = ("cpu", "gpu", "llm", "llm-cpu")
@@ -38,22 +42,84 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume:
         if args.config or args.overrides:
             raise ConfigError("--resume continues a run with its own config.yaml; give no CONFIG or key=value with it.")
-        sim = Simulation.resume(args.resume, progress=not args.quiet)
-    else:
-        if not args.config:
-            raise ConfigError("rayfed run needs a CONFIG file (or --resume RUN_DIR).")
-        overrides = list(args.overrides)
-        if args.seed is not None:
-            overrides.append(f"seed={args.seed}")
-        if args.address:
-            overrides.append(f"ray.address={args.address}")
-        sim = Simulation(args.config, overrides=overrides, out_dir=args.out, progress=not args.quiet)
-    summary = sim.run()
+    elif not args.config:
+        raise ConfigError("rayfed run needs a CONFIG file (or --resume RUN_DIR).")
+    sim = None
+    try:
+        if args.resume:
+            sim = Simulation.resume(args.resume, progress=not args.quiet)
+        else:
+            overrides = list(args.overrides)
+            if args.seed is not None:
+                overrides.append(f"seed={args.seed}")
+            if args.address:
+                overrides.append(f"ray.address={args.address}")
+            sim = Simulation(args.config, overrides=overrides, out_dir=args.out, progress=not args.quiet)
+        summary = sim.run()
+    except BaseException as err:
+        if not _interrupted(err):
+            raise
+        _close_progress_bars()
+        print(interrupted_message(None if sim is None else sim.run_dir, args.quiet), file=sys.stderr)
+        return INTERRUPTED
     print(f"results: {sim.run_dir}")
     for label, result in summary["methods"].items():
         means = ", ".join(f"{k}={v:.4f}" for k, v in result["mean"].items())
         print(f"  {label}: {means}")
     return 0
+
+
+INTERRUPTED = 130  # a shell's exit status for a command stopped by Ctrl-C (128 + SIGINT)
+
+
+def _interrupted(err: BaseException | None) -> bool:
+    """Whether Ctrl-C stopped the run: a KeyboardInterrupt, or an error raised while the run was stopping on one
+    (Ray's processes get the terminal's SIGINT too)."""
+    while err is not None:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        err = err.__context__
+    return False
+
+
+def _close_progress_bars() -> None:
+    """Close the bars a stopped run left open: they would print again over the last lines when the process ends."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def interrupted_message(run_dir: Path | None, quiet: bool = False) -> str:
+    """What ``rayfed run`` prints when Ctrl-C stops it: one sentence saying what ``run_dir`` keeps of each method
+    (its results, or the round of its last checkpoint), then the command that resumes the run from there."""
+    import shlex
+
+    import yaml
+
+    from rayfed.results.checkpoint import latest_round
+
+    if run_dir is None or not (run_dir / "config.yaml").is_file():
+        return "rayfed: interrupted before the run wrote anything to resume from; run the same command again."
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    federation, kept, restarted = config["federation"], [], []
+    for entry in config["methods"]:
+        label = entry["label"]
+        done = latest_round(run_dir / "checkpoints", label)
+        if (run_dir / "results" / f"{label}.json").is_file():
+            kept.append(f"{label}'s results")
+        elif done is not None:
+            kept.append(f"{label}'s checkpoint of round {done} of {federation['rounds']}")
+        else:
+            restarted.append(label)
+    saved = ", ".join(kept) if kept else "no results or checkpoints"
+    if restarted:
+        unsaved = f"{', '.join(restarted)} restart{'s' if len(restarted) == 1 else ''} at round 1"
+        if not federation["checkpoint_every"]:
+            unsaved += " (federation.checkpoint_every = 0 writes no checkpoints)"
+        saved += f"; {unsaved}"
+    command = f"rayfed run --resume {shlex.quote(str(run_dir))}" + (" --quiet" if quiet else "")
+    return f"rayfed: interrupted; {run_dir} keeps {saved}. Resume it with:\n  {command}"
 
 
 def _tune(args: argparse.Namespace) -> int:

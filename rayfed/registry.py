@@ -242,11 +242,24 @@ def name_of(kind: str, obj: Any) -> str:
     for entry in _ENTRIES[kind].values():
         if entry.obj is obj and not entry.prefix:
             return entry.name
-    owner = obj if isinstance(obj, type) or callable(obj) else type(obj)
-    qualname = getattr(owner, "__qualname__", type(owner).__qualname__)
-    name = f"{getattr(owner, '__module__', '__main__')}:{qualname}"
+    name = import_path_of(obj)
     register(kind, name, obj)
     return name
+
+
+def import_path_of(obj: Any) -> str:
+    """``"module:QualifiedName"`` of ``obj`` (an instance: of its class)."""
+    owner = obj if isinstance(obj, type) or callable(obj) else type(obj)
+    qualname = getattr(owner, "__qualname__", type(owner).__qualname__)
+    return f"{getattr(owner, '__module__', '__main__')}:{qualname}"
+
+
+def registered_name(kind: str, obj: Any) -> str | None:
+    """The name ``obj`` was registered under in this process (the first, not a prefix nor its own import path, which
+    :func:`name_of` registers), or None."""
+    path = import_path_of(obj)
+    return next((entry.name for entry in _ENTRIES[kind].values()
+                 if entry.obj is obj and not entry.prefix and entry.name != path), None)
 
 
 def defined_in(kind: str, value: Any) -> tuple[str, str] | None:

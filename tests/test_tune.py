@@ -179,6 +179,24 @@ def test_a_trial_that_reported_nothing_is_listed_with_the_values_ray_wrote_for_i
         assert (record.params, record.status, record.metric, record.rounds) == (params, "stopped early", None, 0)
 
 
+def test_best_yaml_records_every_hyperparameter_of_the_best_trial_defaults_included(tmp_path):
+    """Not only the swept and the set values: every field of each method's Params, as the best trial built it."""
+    from rayfed.tune.runner import _finish
+    from rayfed.tune.sweep import _Sweep
+
+    config = _sweep({"methods.0.lam": {"grid": [0.5, 2.0]}}, metric="ditto/local_acc")
+    config["methods"] = [{"name": "ditto", "personal_steps": 2}, "fedprox"]
+    sweep = _Sweep.build(load_config(config), tmp_path, None)
+    [key] = sweep.space.param_space()
+    grid = [SimpleNamespace(metrics={"ditto/local_acc": acc, "final": True, "round": 4}, config={key: lam}, error=None,
+                            path=str(tmp_path / f"trial_{lam}")) for lam, acc in ((0.5, 0.4), (2.0, 0.7))]
+    best = yaml.safe_load(_finish(sweep, tmp_path, grid).best_config.read_text())
+    assert [entry["params"] for entry in best["methods"]] == [{"lam": 2.0, "personal_steps": 2}, {"mu": 0.01}]
+    assert best["tune"] is None and best["federation"]["rounds"] == 4
+    rebuilt = load_config(best)
+    assert rebuilt.methods[0].params == {"lam": 2.0, "personal_steps": 2}
+
+
 def test_trial_resources_has_the_driver_bundle_then_one_bundle_per_client_actor(tiny_run):
     tiny_run["placement"] = {"clients_per_actor": 3, "cpus_per_actor": 2, "gpus_per_actor": 0.25,
                              "driver_cpus": 1, "strategy": "SPREAD"}

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, PlainSerializer
 from pydantic_core import to_jsonable_python
 
 from rayfed import registry
+from rayfed.errors import ConfigError
 
 MOVED = "moved"  # the error type of a field that is no longer read, whose message says what to write instead
 
@@ -52,6 +53,21 @@ def is_built_method(method: Any) -> bool:
 
 def method_class(method: Any) -> Any:
     return type(method) if is_built_method(method) else method
+
+
+def method_label(method: Any) -> str:
+    """A method entry's default label: the name its class is registered under (the name written, for a name), else
+    its class's name; the same whether it is given by name, as ``"module:Class"``, or from Python as its class or a
+    built method."""
+    if isinstance(method, str) and ":" not in method:
+        return method
+    if isinstance(method, str):
+        try:
+            method = registry.resolve("method", method).obj
+        except ConfigError:  # not importable here: building the method says so, in one sentence
+            return method.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+    owner = method_class(method)
+    return registry.registered_name("method", owner) or owner.__qualname__.rsplit(".", 1)[-1]
 
 
 def plain_params(params: Any) -> dict[str, Any]:

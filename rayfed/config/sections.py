@@ -8,8 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (BeforeValidator, Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer,
                       model_validator)
 
-from rayfed import registry
-from rayfed.config.fields import BackboneName, MethodName, Section, is_built_method, method_class, plain_params
+from rayfed.config.fields import BackboneName, MethodName, Section, is_built_method, method_label, plain_params
 
 
 class FederationConfig(Section):
@@ -231,9 +230,7 @@ class MethodEntry(Section):
     @model_validator(mode="after")
     def _default_label(self) -> MethodEntry:
         if not self.label:
-            name = self.name if isinstance(self.name, str) else registry.name_of("method", method_class(self.name))
-            label = name.rsplit(":", 1)[-1].rsplit(".", 1)[-1] + ("+post" if self.post_train_steps else "")
-            object.__setattr__(self, "label", label)
+            object.__setattr__(self, "label", method_label(self.name) + ("+post" if self.post_train_steps else ""))
         return self
 
     @model_serializer(mode="wrap")

@@ -116,6 +116,12 @@ def load_checkpoint(root: Path, label: str, config: dict[str, Any] | None = None
     return Checkpoint(meta["round"], server, clients, meta)
 
 
+def latest_round(root: Path, label: str) -> int | None:
+    """The round of ``label``'s latest complete checkpoint under ``root``, or None when there is none."""
+    pointer = Path(root) / label / "latest.json"
+    return int(_read_json(pointer)["round"]) if pointer.is_file() else None
+
+
 def _check_config(meta: dict[str, Any], config: dict[str, Any], round_dir: Path) -> None:
     recorded = meta.get("config", {})
     expected = meta.get("fingerprint") or config_fingerprint(recorded)  # older checkpoints kept only the config

@@ -53,10 +53,11 @@ directory must be on a filesystem every node sees (as Ray Tune requires of a loc
 
 Results, in ``runs/<name>/tune/`` (or ``--out DIR``/tune): ``trials.csv`` and ``trials.md`` (every
 trial: swept values, metric, round of the metric, status), ``best.yaml`` (the best completed
-trial's full config, ready for ``rayfed run``), ``metric_vs_params.png``, ``sweep.yaml`` (the
-sweep itself, read by ``--resume``), ``runs/`` (one run directory per trial) and ``experiment/``
-(Ray Tune's state). With a ``tracking:`` section, every trial is a tracked run of Ray Tune's own W&B, MLflow and
-TensorBoard integrations, grouped by the sweep, beside the sweep's own tracked run (:mod:`rayfed.tracking`).
+trial's full config, every method hyperparameter included, ready for ``rayfed run``),
+``metric_vs_params.png``, ``sweep.yaml`` (the sweep itself, read by ``--resume``), ``runs/`` (one run directory per
+trial) and ``experiment/`` (Ray Tune's state). With a ``tracking:`` section, every trial is a tracked run of Ray
+Tune's own W&B, MLflow and TensorBoard integrations, grouped by the sweep, beside the sweep's own tracked run
+(:mod:`rayfed.tracking`).
 
 One job a module: ``spec`` (the ``tune:`` section), ``space`` (search spaces), ``sweep`` (the checked sweep,
 Tune's objects and the trial function), ``metric`` (what a trial reports), ``resources`` (a trial's placement

@@ -17,7 +17,7 @@ from ray import tune as ray_tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from rayfed import registry
-from rayfed.config import RunConfig, TrackingConfig, apply_overrides, build_config
+from rayfed.config import RunConfig, TrackingConfig, apply_overrides, build_config, with_full_params
 from rayfed.errors import ConfigError, suggest
 from rayfed.method import build_method
 from rayfed.config.sections import MEASURED
@@ -151,9 +151,8 @@ def _trial_config(base: dict[str, Any], values: dict[str, Any]) -> RunConfig:
     # safe_dump writes values in the form apply_overrides' YAML parsing reads back unchanged (e.g. 1.0e-07).
     overrides = [f"{path}={yaml.safe_dump(value, default_flow_style=True)}" for path, value in values.items()]
     config = build_config(apply_overrides(raw, overrides))
-    for index, entry in enumerate(config.methods):  # the methods' hyperparameters, as each trial will build them
-        build_method(entry, index)
-    return config
+    # Every hyperparameter of each method as the trial builds it, defaults included: best.yaml records them all.
+    return with_full_params(config, [build_method(entry, index).params for index, entry in enumerate(config.methods)])
 
 
 def _checked_configs(base: dict[str, Any], space: SearchSpace) -> list[RunConfig]:
