@@ -7,8 +7,11 @@ import pytest
 import safetensors.torch
 import torch
 
+from rayfed.method import Method
 from rayfed.results.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.state_tree import flatten_tree, map_levels, nested_paths, tree_at, unflatten_tree
+
+from test_aggregation import _driver, _round
 
 
 def _report() -> dict:
@@ -85,3 +88,30 @@ def test_a_client_slot_holding_a_tree_round_trips_through_a_checkpoint(tmp_path)
     assert float(loaded.clients[4]["history"]["x"]["text_generation"]) == 2.5
     assert loaded.clients[4]["history"]["w"]["text_generation"].dtype == torch.float64
     assert loaded.clients[4]["personal"] == {}
+
+
+class SendsATree(Method):
+    """FedAvg whose server keeps a tree and sends part of it as a tree of its own next to the parameters."""
+
+    def init_server(self, initial_shared):
+        control = {name: torch.full_like(value, 2.0) for name, value in initial_shared.items()}
+        return {"global": initial_shared, "extra": {"control": control, "count": {"rounds": torch.zeros(())}}}
+
+    def aggregate(self, server, uploads):
+        extra = {**server["extra"], "count": {"rounds": server["extra"]["count"]["rounds"] + 1}}
+        return {**super().aggregate(server, uploads), "extra": extra}
+
+    def payload(self, server, client_id):
+        return {**server["global"], "control": server["extra"]["control"]}
+
+
+def test_a_payloads_tree_reaches_each_architecture_under_its_clients_names_and_a_server_tree_is_checked(tiny_run):
+    driver = _driver(tiny_run, {"a": {"p": torch.ones(2)}, "b": {"p": torch.ones(3)}}, SendsATree)
+    payloads = driver.payloads([0, 2])
+    assert payloads[0].keys() == payloads[2].keys() == {"p", "control"}
+    assert payloads[0]["control"].keys() == {"p"} and torch.equal(payloads[0]["control"]["p"], torch.full((2,), 2.0))
+    assert torch.equal(payloads[2]["control"]["p"], torch.full((3,), 2.0))
+    assert driver.down_params == 2 * 2 + 2 * 3  # the tree's tensors are counted with the parameters
+    _round(driver, {0: {"p": torch.zeros(2)}})
+    assert float(driver.server["extra"]["count"]["rounds"]) == 1.0 and torch.equal(driver.server["global"]["a/p"],
+                                                                                   torch.zeros(2))
