@@ -56,6 +56,7 @@ from rayfed.param_names import components
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase, PreFederation, Step
+
 RELEVANCE_VARIANTS = ("rela", "equal", "frozen_current", "training_current")
 CONV_AGG = ("rela_within_type", "equal_within_type", "none")
 SELF_WEIGHTS = ("include", "exclude")
@@ -157,10 +158,12 @@ class FedMosaic(Method):
         lora, params = config.lora, self.params
 
         def attach(encoder: nn.Module, seed_of: Callable[[str], int]) -> pqlora.PQPlacement:
-            return pqlora.attach(encoder, rank=lora.rank, adapters=(LOCAL, GLOBAL), pq_blocks=params.blocks if params.pq
-                                 else 0, scale=lora.alpha / lora.rank, pq_scale=params.pq_scale, frozen=(GLOBAL,),
-                                 gate=True, scope=backbone.lora_scope, targets=lora.targets or backbone.lora_targets,
-                                 pq_init=params.pq_init, seed_of=seed_of)
+            # the dual adapter, PQ-LoRA on the last layer of each block (none with pq: false), the global one frozen
+            return pqlora.attach(
+                encoder, rank=lora.rank, adapters=(LOCAL, GLOBAL), pq_blocks=params.blocks if params.pq else 0,
+                scale=lora.alpha / lora.rank, pq_scale=params.pq_scale, frozen=(GLOBAL,), gate=True,
+                scope=backbone.lora_scope, targets=lora.targets or backbone.lora_targets, pq_init=params.pq_init,
+                seed_of=seed_of)
 
         model = build_lora_set(backbone, config, tasks, seed, (LOCAL, GLOBAL), frozen=(GLOBAL,), stream="fedmosaic",
                                owner="methods (fedmosaic)", attach=attach)
