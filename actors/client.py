@@ -34,6 +34,7 @@ from rayfed.seeding import SERVER, torch_seed
 from rayfed.tasks import task_view
 from rayfed.training import ClientContext, check_precision
 from rayfed.transport import use_raw_tensor_transport
+from rayfed.state_tree import flatten_tree, map_tree
 from rayfed.types import moved_together, states_to
 
 Payloads = dict[int, TensorDict | None]
@@ -315,18 +316,18 @@ class _OnDevice:
         payload = self.payloads[client_id]
         if payload is None:
             return None
-        previous = self.previous
-        new = {name: value for name, value in payload.items() if id(value) not in previous}
+        previous, flat = self.previous, flatten_tree(payload)  # a payload may hold trees (rayfed.state_tree)
+        new = {name: value for name, value in flat.items() if id(value) not in previous}
         check_tensors(new, self.specs, self.source.format(f"client {client_id}"), "the client model's parameter")
         copies = moved_together(new.values(), self.device, copy=True)
         self.buffers.update(copy.untyped_storage().data_ptr() for copy in copies.values())
         moved = {id(value): previous[id(value)] if id(value) in previous else copies[id(value)]
-                 for value in payload.values()}
+                 for value in flat.values()}
         self.previous = moved
-        return {name: moved[id(value)] for name, value in payload.items()}
+        return map_tree(payload, lambda value: moved[id(value)])
 
     def unshared(self, state: ClientState) -> ClientState:
         """``state`` with each tensor that views a payload's buffer copied into storage of its own: kept between
         rounds, a view would keep the whole buffer (every payload tensor of its client) alive."""
-        return {slot: {name: value.clone() if value.untyped_storage().data_ptr() in self.buffers else value
-                       for name, value in values.items()} for slot, values in state.items()}
+        return map_tree(state, lambda value: value.clone() if value.untyped_storage().data_ptr() in self.buffers
+                        else value)

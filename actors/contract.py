@@ -17,6 +17,7 @@ import torch
 from rayfed.method import (ClientState, LocalResult, Method, MethodOutputError, ServerState, TensorDict, Upload,
                            check_tensors, tensor_specs)
 from rayfed.param_names import behind
+from rayfed.state_tree import flatten_tree, tree_leaves
 from rayfed.training import ClientContext
 from rayfed.actors.uploads import RoundUploads
 
@@ -82,7 +83,7 @@ class ClientContract:
 def _versions(payload: TensorDict | None) -> dict[str, tuple[torch.Tensor, int]]:
     """Each payload tensor with its version counter (which an in-place write raises), held so that a hook replacing
     the payload's entry is not taken for one writing into it; an inference tensor has no version."""
-    return {name: (value, value._version) for name, value in (payload or {}).items()
+    return {name: (value, value._version) for name, value in flatten_tree(payload or {}).items()
             if isinstance(value, torch.Tensor) and not value.is_inference()}
 
 
@@ -172,7 +173,7 @@ class ServerWatch:
     after it); if not, a warning, once, naming the method: its uploads may go where nothing reads them."""
 
     def __init__(self) -> None:
-        self.seen: dict[tuple[str, str], tuple[torch.Tensor, int]] | None = None
+        self.seen: dict[tuple[str, ...], tuple[torch.Tensor, int]] | None = None
         self.pending = True
 
     def before_first_round(self, server: ServerState, uploads: Sequence[Upload]) -> None:
@@ -194,8 +195,7 @@ class ServerWatch:
                           "and returns new tensors.", RuntimeWarning, stacklevel=2)
 
 
-def _identities(server: ServerState) -> dict[tuple[str, str], tuple[torch.Tensor, int]]:
-    """Each server tensor with its version (a new tensor or an in-place write changes one of them)."""
-    return {(slot, name): (value, value._version if not value.is_inference() else -1)
-            for slot, values in server.items() if isinstance(values, Mapping)
-            for name, value in values.items() if isinstance(value, torch.Tensor)}
+def _identities(server: ServerState) -> dict[tuple[str, ...], tuple[torch.Tensor, int]]:
+    """Each server tensor (of a slot's tree too) with its version (a new tensor or an in-place write changes one)."""
+    return {path: (value, value._version if not value.is_inference() else -1)
+            for path, value in tree_leaves(server) if len(path) > 1 and isinstance(value, torch.Tensor)}

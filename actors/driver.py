@@ -25,6 +25,7 @@ from rayfed.errors import raised_in
 from rayfed.method import (Method, MethodOutputError, ServerState, TensorDict, TensorSpecs, check_tensors, largest_magnitudes,
                            nonfinite_names, tensor_bytes, tensor_params, tensor_specs)
 from rayfed.tasks import client_tasks, task_view
+from rayfed.state_tree import flatten_tree, map_levels, tree_leaves
 from rayfed.transport import use_raw_tensor_transport
 from rayfed.types import ReadOnlyTensors
 
@@ -94,12 +95,15 @@ class DriverActor:
         for cid in client_ids:
             architecture = self.architecture_of[cid]
             with raised_in(f"{type(self.method).__name__}.payload for client {cid}"):
-                own = unprefixed(self.method.payload(self.server, cid), architecture)
-            payloads[cid] = task_view(own, self.tasks_of[cid], self.tags[architecture])
+                payload = self.method.payload(self.server, cid)
+            # each level of a tree under the client's names, restricted to its tasks' view
+            payloads[cid] = None if payload is None else map_levels(
+                payload, lambda level: task_view(unprefixed(level, architecture), self.tasks_of[cid],
+                                                 self.tags[architecture]))
         if count_bytes:
             self.down_bytes += sum(tensor_bytes(p) for p in payloads.values())
             self.down_params += sum(tensor_params(p) for p in payloads.values())
-            distinct = {id(value): value for p in payloads.values() if p for value in p.values()}
+            distinct = {id(value): value for p in payloads.values() if p for _, value in tree_leaves(p)}
             self.store_bytes += sum(tensor_bytes(value) for value in distinct.values())
         self.call_times.append({"call": "payloads", "start": started, "end": time.time()})
         return payloads
@@ -184,7 +188,11 @@ class DriverActor:
             if not isinstance(values, Mapping):
                 raise MethodOutputError(f"{source}: server slot {slot!r} is a {type(values).__name__}, not a dict of "
                                         "named tensors.")
-        check_tensors(_by_path(server), self.server_specs, source, "init_server's tensor")
+        try:
+            flat = _by_path(server)
+        except ValueError as err:  # two paths of a slot's tree flatten to one name
+            raise MethodOutputError(f"{source}: {err}.") from None
+        check_tensors(flat, self.server_specs, source, "init_server's tensor")
 
     def get_state(self) -> ServerState:
         return self.server
@@ -215,9 +223,10 @@ class KnownFinite:
                            if not value.is_inference()})  # an inference tensor has no version: read at each check
 
     def nonfinite_names(self, server: ServerState) -> list[str]:
-        """The ``slot/name`` of every non-finite tensor of ``server``, reading only the tensors not known finite."""
-        unknown = {slot: {name: value for name, value in values.items() if not self._known(f"{slot}/{name}", value)}
-                   for slot, values in server.items()}
+        """The ``slot/name`` of every non-finite tensor of ``server`` (a tree's name its path joined by ``/``),
+        reading only the tensors not known finite."""
+        unknown = {slot: {name: value for name, value in flatten_tree(values).items()
+                          if not self._known(f"{slot}/{name}", value)} for slot, values in server.items()}
         names = nonfinite_names({0: largest_magnitudes(unknown)}).get(0, [])
         for slot, values in unknown.items():
             self.add({name: value for name, value in values.items() if f"{slot}/{name}" not in names}, slot)
@@ -225,5 +234,5 @@ class KnownFinite:
 
 
 def _by_path(server: ServerState) -> dict[str, object]:
-    """A server state's values under ``slot/name``."""
-    return {f"{slot}/{name}": value for slot, values in server.items() for name, value in values.items()}
+    """A server state's values under ``slot/name`` (a tree's name its path joined by ``/``)."""
+    return flatten_tree(server)

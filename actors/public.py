@@ -12,6 +12,7 @@ from rayfed.data.clients import encode_public
 from rayfed.errors import raised_in
 from rayfed.method import Method, TensorDict
 from rayfed.models import Backbone
+from rayfed.state_tree import map_tree
 from rayfed.tasks import Task
 from rayfed.training import PreFederation, PublicPass
 
@@ -29,7 +30,7 @@ def pre_federation(method: Method, config: RunConfig, architecture: str, model: 
     public_task, public = public_data(config, backbone)
     stage = PreFederation(architecture, model, {n: v.to(device) for n, v in initial_params.items()},
                           public, public_task, config.train, device, config.seed)
-    return {name: value.detach().cpu() for name, value in method.pre_federation(stage).items()}
+    return map_tree(method.pre_federation(stage), lambda value: value.detach().cpu())  # a tree (rayfed.state_tree)
 
 
 def public_pass(method: Method, config: RunConfig, architecture: str, model: torch.nn.Module,

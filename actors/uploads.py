@@ -14,6 +14,7 @@ import torch
 
 from rayfed.aggregation import Aggregation, Mixture, presums
 from rayfed.method import PartialSum, TensorDict, Upload, largest_magnitudes, nonfinite_names
+from rayfed.state_tree import map_tree, tree_leaves
 from rayfed.transport import in_ray_actor
 from rayfed.types import ReadOnlyTensors, host_copies, moved_together, pinned_copies
 
@@ -180,7 +181,7 @@ def to_host(uploads: Sequence[Upload], sent_only_slot: str | None = None) -> Non
 
 
 def slots_to(slots: dict[str, TensorDict], device: torch.device | str) -> dict[str, TensorDict]:
-    """Every tensor of each slot, detached, on ``device``, those elsewhere moved in one copy per dtype
-    (:func:`rayfed.types.moved_together`)."""
-    moved = moved_together([value for values in slots.values() for value in values.values()], device)
-    return {slot: {name: moved[id(value)] for name, value in values.items()} for slot, values in slots.items()}
+    """Every tensor of each slot (a slot may hold a tree), detached, on ``device``, those elsewhere moved in one copy
+    per dtype (:func:`rayfed.types.moved_together`)."""
+    moved = moved_together([value for _, value in tree_leaves(slots)], device)
+    return map_tree(slots, lambda value: moved[id(value)])

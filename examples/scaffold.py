@@ -24,8 +24,7 @@ import rayfed
 from rayfed.errors import ConfigError
 from rayfed.method import weighted_mean, weighted_sums
 
-CONTROL = "control"  # the client-state, server-state and upload slot of the control variates
-CONTROL_SUFFIX = "#control"  # c's tensors in the payload: "<parameter name>#control"
+CONTROL = "control"  # the client-state, server-state and upload slot of the control variates, and c's payload entry
 
 
 @dataclass(frozen=True)
@@ -37,11 +36,10 @@ class ScaffoldParams:
             raise ValueError("server_lr must be > 0")
 
 
-def controls_of(payload: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A payload's parameters x and server control c, each by parameter name."""
-    params = {n: v for n, v in payload.items() if not n.endswith(CONTROL_SUFFIX)}
-    control = {n.removesuffix(CONTROL_SUFFIX): v for n, v in payload.items() if n.endswith(CONTROL_SUFFIX)}
-    return params, control
+def controls_of(payload: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A payload's parameters x and server control c (its ``control`` tree), each by parameter name."""
+    params = {n: v for n, v in payload.items() if n != CONTROL}
+    return params, payload.get(CONTROL, {})
 
 
 def gradient_correction(correction: dict[str, torch.Tensor]):
@@ -94,7 +92,8 @@ class Scaffold(rayfed.Method):
         return {"global": initial_shared, CONTROL: {n: torch.zeros_like(v) for n, v in initial_shared.items()}}
 
     def payload(self, server, client_id):
-        return {**server["global"], **{n + CONTROL_SUFFIX: v for n, v in server[CONTROL].items()}}
+        # x as every payload holds parameters, and c as a tree of its own: the engine moves trees whole
+        return {**server["global"], CONTROL: server[CONTROL]}
 
     def aggregate(self, server, uploads):
         uploaded = [u for u in uploads if u.tensors.get("shared")]

@@ -78,7 +78,8 @@ class FedDATLora(Method):
     Params = FedDATLoraParams
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
-        return build_lora_set("feddat_lora", backbone, config, tasks, seed, (SHARED, FROZEN, LOCAL), frozen=(FROZEN,))
+        return build_lora_set(backbone, config, tasks, seed, (SHARED, FROZEN, LOCAL), frozen=(FROZEN,),
+                              stream="feddat_lora", owner="methods (feddat_lora)")
 
     def is_shared(self, name: str) -> bool:
         return adapter_of(name) == SHARED

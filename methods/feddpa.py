@@ -69,7 +69,8 @@ class FedDPA(Method):
     _profile: torch.Tensor | None = None  # the evaluated client's profile, from eval_views to activate_view
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
-        model = build_lora_set("feddpa", backbone, config, tasks, seed, (GLOBAL, LOCAL))
+        model = build_lora_set(backbone, config, tasks, seed, (GLOBAL, LOCAL), stream="feddpa",
+                               owner="methods (feddpa)")
         if self.params.dynamic:
             model.attachments.put(InstanceWeights(model, backbone.lora_scope))
         return model

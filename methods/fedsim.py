@@ -37,7 +37,8 @@ class FedSim(Method):
     Params = FedSimParams
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
-        model = build_lora_set("fedsim", backbone, config, tasks, seed, (PERSONAL, SHARED))
+        model = build_lora_set(backbone, config, tasks, seed, (PERSONAL, SHARED), stream="fedsim",
+                               owner="methods (fedsim)")
         if self.params.personal_scale != 1.0:
             named_adapters.set_mix(model, {PERSONAL: self.params.personal_scale, SHARED: 1.0})
         return model

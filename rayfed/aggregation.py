@@ -25,6 +25,7 @@ import torch
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
 from rayfed.param_names import PREFIX_SEP, split_prefix
+from rayfed.state_tree import tree_at
 from rayfed.types import Loss, ServerState, TensorDict, tensor_bytes, tensor_params
 
 
@@ -197,23 +198,29 @@ class EachUpload:
 @dataclass(frozen=True)
 class Mixture:
     """Each client gets its own mixture of every client's latest upload of ``slot``, by the weight matrix at
-    ``weights`` (``"<server slot>/<name>"``; row i: client i's weights over the clients).
+    ``weights``: its path in the server state, ``(<server slot>, <name>, ...)`` (a slot may hold a tree; the
+    string ``"<server slot>/<name>"`` is read as that path); row i: client i's weights over the clients.
 
     ``within_weights``: another matrix for the tensors mixed within an architecture (default: ``weights``).
     ``across``: given one architecture's shared tensor names, those that mix across architectures, each with its
     group's key; every architecture must have one tensor of each group, of one shape.
     """
 
-    weights: str
-    within_weights: str | None = None
+    weights: tuple[str, ...] | str
+    within_weights: tuple[str, ...] | str | None = None
     slot: str = "shared"
     across: Callable[[Sequence[str]], Mapping[str, str]] | None = None
 
     def __post_init__(self) -> None:
         for field in ("weights", "within_weights"):
             path = getattr(self, field)
-            if path is not None and path.count(PREFIX_SEP) != 1:
-                raise ValueError(f"Mixture.{field} = {path!r} must be '<server slot>/<tensor name>'")
+            if isinstance(path, str):
+                if path.count(PREFIX_SEP) != 1:
+                    raise ValueError(f"Mixture.{field} = {path!r} must be '<server slot>/<tensor name>' or a path "
+                                     "of names, (<server slot>, <name>, ...)")
+                object.__setattr__(self, field, tuple(split_prefix(path)))
+            elif path is not None and (len(path) < 2 or not all(isinstance(key, str) for key in path)):
+                raise ValueError(f"Mixture.{field} = {path!r} must be a path of names, (<server slot>, <name>, ...)")
 
 
 Aggregation = WeightedMean | EachUpload | Mixture
@@ -227,9 +234,8 @@ def presums(aggregation: Aggregation) -> bool:
     return isinstance(aggregation, WeightedMean)
 
 
-def _matrix(server: ServerState, path: str) -> torch.Tensor:
-    slot, name = split_prefix(path)
-    return server[slot][name]
+def _matrix(server: ServerState, path: Sequence[str]) -> torch.Tensor:
+    return tree_at(server, path)
 
 
 _MIX_COLUMNS = 1 << 14

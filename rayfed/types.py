@@ -3,6 +3,7 @@
 State is plain tensors so that it can be checkpointed as safetensors:
 - ``ClientState``: named slots of tensors kept for one client between rounds (e.g. "personal");
 - ``ServerState``: named slots kept by the server (e.g. "global");
+  a slot of either may hold a tree (nested dicts of named tensors, :mod:`rayfed.state_tree`);
 - an upload: named slots a client sends to the server in one round (e.g. "shared").
 """
 
@@ -12,6 +13,8 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
+
+from rayfed.state_tree import map_tree, tree_leaves
 
 TensorDict = dict[str, torch.Tensor]
 ClientState = dict[str, TensorDict]
@@ -74,10 +77,9 @@ def states_to(states: dict[Any, ClientState], device: torch.device | str) -> dic
     owner: dict[int, Any] = {}  # id of each tensor to move -> the first state holding it
     moving: dict[int, torch.Tensor] = {}
     for key, state in states.items():
-        for values in state.values():
-            for value in values.values():
-                if not _is_on(value, device) and id(value) not in moving:
-                    owner[id(value)], moving[id(value)] = key, value
+        for _, value in tree_leaves(state):  # a slot may hold a tree (rayfed.state_tree)
+            if not _is_on(value, device) and id(value) not in moving:
+                owner[id(value)], moving[id(value)] = key, value
     tensors = list(moving.values())
     if device.type == "cuda" and tensors and all(value.device.type == "cpu" for value in tensors):
         moved = _host_to_gpu(tensors, device)
@@ -85,8 +87,7 @@ def states_to(states: dict[Any, ClientState], device: torch.device | str) -> dic
         moved = _own_host_copies(_gpu_to_pinned(tensors), tensors, owner)
     else:
         moved = {id(value): value.detach().to(device) for value in tensors}
-    return {key: {slot: {name: moved.get(id(value), value) for name, value in values.items()}
-                  for slot, values in state.items()} for key, state in states.items()}
+    return {key: map_tree(state, lambda value: moved.get(id(value), value)) for key, state in states.items()}
 
 
 def moved_together(tensors: Iterable[torch.Tensor], device: torch.device | str,

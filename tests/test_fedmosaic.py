@@ -24,10 +24,11 @@ from rayfed.config import ModelConfig, load_config
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
 from rayfed.method import TensorDict, Upload, build_method
-from rayfed.methods.fedmosaic import FedMosaic, FedMosaicParams, linear_weight_gradient, pqlora, relevance_weights
+from rayfed.methods.fedmosaic import FedMosaic, FedMosaicParams, linear_weight_gradient, pqlora, rela, relevance_weights
 from rayfed.methods.fedmosaic.task_groups import answer_maps
 from rayfed.models import build_backbone
 from rayfed.run_methods import run_methods
+from rayfed.state_tree import flatten_tree, tree_at, tree_leaves
 from rayfed.tasks import Task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,7 +279,7 @@ def test_the_relevance_gradient_of_a_step_holding_several_tasks_is_the_whole_bat
     assert len(parts) == 2
 
     def gradient(step_parts) -> torch.Tensor:
-        return host.method._relevance_gradient(training.Step(client, step_parts, named, 0, 0, {}))
+        return rela.relevance_gradient(training.Step(client, step_parts, named, 0, 0, {}), host.method.params.relevance)
 
     rows = [len(batch["input_ids"]) for _, batch in parts]
     expected = sum(count / sum(rows) * gradient([part]) for count, part in zip(rows, parts))
@@ -572,9 +573,12 @@ def test_client_and_server_state_survive_a_checkpoint_and_replay_the_same_round(
         assert first.tensors.keys() == second.tensors.keys()
         for slot in first.tensors:
             assert all(torch.equal(v, second.tensors[slot][n]) for n, v in first.tensors[slot].items())
-    for slot, values in server.items():
-        assert all(torch.equal(v, replayed_server[slot][n]) for n, v in values.items()), slot
+    server_flat, replayed_flat = flatten_tree(server), flatten_tree(replayed_server)  # the alignment report is a tree
+    assert server_flat.keys() == replayed_flat.keys()
+    assert all(torch.equal(v, replayed_flat[n]) for n, v in server_flat.items()), n
     assert server["relevance"]["history"].shape == (2, 4, 4)
+    path, value = next(tree_leaves(restored.server["alignment"]))  # read back as the tree it was: arch/block/module
+    assert len(path) == 4 and torch.equal(value, tree_at(server["alignment"], path))
 
 
 def test_the_alignment_features_are_float32_when_the_backbone_runs_in_bfloat16():
@@ -585,8 +589,8 @@ def test_the_alignment_features_are_float32_when_the_backbone_runs_in_bfloat16()
     actor.start_method(0)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as a GPU's steps run
         prepared = actor.pre_federation(0)
-    features = {name: value for name, value in prepared.items() if name.startswith(("h/", "y/"))}
-    assert features and {value.dtype for value in features.values()} == {torch.float32}
+    features = [value for path, value in tree_leaves(prepared) if path[-1] in ("h", "y")]
+    assert features and {value.dtype for value in features} == {torch.float32}
 
 
 def test_the_alignment_forward_stops_before_the_output_head_and_pools_the_same_features(monkeypatch):
@@ -602,7 +606,8 @@ def test_the_alignment_forward_stops_before_the_output_head_and_pools_the_same_f
     monkeypatch.setattr(pqlora, "output_head_skipped", lambda model: contextlib.nullcontext(StopIteration))
     whole = actor.pre_federation(0)
     assert head_calls  # the whole forward ran the head
-    assert prepared.keys() == whole.keys() and any(name.startswith("h/") for name in prepared)
+    prepared, whole = flatten_tree(prepared), flatten_tree(whole)
+    assert prepared.keys() == whole.keys() and any(name.endswith("/h") for name in prepared)
     assert all(torch.equal(prepared[name], whole[name]) for name in prepared)
 
 

@@ -26,6 +26,7 @@ from rayfed.tasks.kinds import causal_from_target_logits
 from rayfed.models.client import channel_values
 from rayfed.models.peft.modules import AdaptedMLP, set_adapter_mix
 from rayfed.tasks import sample_round, task_view
+from rayfed.state_tree import flatten_tree
 from rayfed.training import ClientContext
 
 from conftest import CountedOps, compiled_update_gap, made_instances, method_class
@@ -271,8 +272,8 @@ def test_a_first_participation_replaces_every_seen_task(actor):
     assert result.stats == {"seen/topics": 1.0, "replaced/topics": 1.0, "seen/recon": 1.0, "replaced/recon": 1.0}
     # Both tasks replaced: X trains from the locally trained W on every block of both paths, i.e. all of them.
     assert _equal(starts[1], results[0][0].params)
-    assert set(result.state["history"]) == {"w:text_classification", "w:image_generation", "x:text_classification",
-                                            "x:image_generation"}
+    assert {model: set(losses) for model, losses in result.state["history"].items()} == {
+        "w": {"text_classification", "image_generation"}, "x": {"text_classification", "image_generation"}}
 
 
 def test_a_replacement_copies_exactly_the_task_path_from_the_pre_aggregation_w(actor):
@@ -281,7 +282,7 @@ def test_a_replacement_copies_exactly_the_task_path_from_the_pre_aggregation_w(a
     state = copy.deepcopy(actor.states[1])
     state["x"] = {n: v + 1.0 for n, v in state["x"].items()}  # an X unlike W everywhere
     # Image generation is never replaced (its X loss beats anything); text classification's X loss is +inf.
-    state["history"] = {"x:image_generation": torch.tensor(-math.inf, dtype=torch.float64)}
+    state["history"] = {"x": {"image_generation": torch.tensor(-math.inf, dtype=torch.float64)}}
     result, starts, results = _recorded_update(actor, method, 1, state, payload)
     assert result.stats["replaced/topics"] == 1.0 and result.stats["replaced/recon"] == 0.0
     trained_w, x_start = results[0][0].params, starts[1]
@@ -372,7 +373,7 @@ def test_packing_clients_into_actors_does_not_change_tap(actor):
     assert _equal(together, apart)
     for cid in CLIENTS:
         assert _equal(states_together[cid]["x"], states_apart[cid]["x"])
-        assert _equal(states_together[cid]["history"], states_apart[cid]["history"])
+        assert _equal(flatten_tree(states_together[cid]["history"]), flatten_tree(states_apart[cid]["history"]))
 
 
 def test_the_vilt_model_trains_its_patch_projection_and_keeps_word_embeddings_frozen():

@@ -13,7 +13,8 @@ Before round 1 (``pre_federation``) every architecture's actor runs the public d
 pretrained model and returns the inputs of its PQ layers, mean-pooled per sequence; the server then trains each
 non-pivot architecture's ``A`` to reproduce the pivot's codes (L2 + ``align_lambda`` orthogonality, Eq. 20), makes it
 exactly orthonormal (thin SVD), computes its ``B`` by ridge CCA (Alg. 4) and sends the aligned basis to each of that
-architecture's clients once (they keep it, frozen; docs/fedmosaic.md#cross-model-alignment).
+architecture's clients once (they keep it, frozen; docs/fedmosaic.md#cross-model-alignment;
+:mod:`rayfed.methods.fedmosaic.alignment`).
 
 RELA (docs/fedmosaic.md#rela): every ``grad_interval`` local steps a client takes the gradient of the last linear
 layer of one frozen small model ``W_s`` (``relevance_model``, the same for all clients, without adapters) on the batch
@@ -33,8 +34,8 @@ layer, no decay), ``align: false`` (random non-pivot basis, Tab. 32).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Annotated, Literal
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
 
 import torch
 from annotated_types import Ge
@@ -44,21 +45,20 @@ from rayfed import seeding
 from rayfed.aggregation import Mixture
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.config import ModelConfig
-from rayfed.data.batches import num_rows
 from rayfed.errors import ConfigError
 from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
 from rayfed.methods.fedmosaic import pqlora
-from rayfed.methods.fedmosaic.rela import (RelevanceSource, equal_weights, last_linear, linear_weight_gradient,
-                                           relevance_weights)
-from rayfed.models import Backbone, ClientModel, build_backbone, build_task_model
-from rayfed.models.peft.named_adapters import adapted_modules, adapters_off
-from rayfed.param_names import adapter_of, adapter_part, components, layer_of, parent, with_adapter
+from rayfed.methods.fedmosaic.alignment import aligned_basis, public_features
+from rayfed.methods.fedmosaic.pqlora import GLOBAL, LOCAL, global_name, is_global, is_local
+from rayfed.methods.fedmosaic.rela import (RelevanceSource, decayed_gradient, equal_weights, last_linear,
+                                           relevance_gradient, relevance_weights)
+from rayfed.models import Backbone, ClientModel, build_backbone, build_lora_set
+from rayfed.param_names import components
 from rayfed.params import AtLeastOne, Fraction, NonNegative, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
-from rayfed.training import ClientContext, Phase, PreFederation, Step, stacked_forward_batch
+from rayfed.training import ClientContext, Phase, PreFederation, Step
 
-LOCAL, GLOBAL = "local", "global"
 Relevance = Literal["rela", "equal", "frozen_current", "training_current"]  # Tab. 30
 ConvAgg = Literal["rela_within_type", "equal_within_type", "none"]
 TRAINING_COMPUTE_FACTOR = 1.098  # training-only relative compute (Tab. 15; docs/fedmosaic.md#the-offline-benchmark)
@@ -107,18 +107,6 @@ class FedMosaicParams:
             raise ValueError("relevance = training_current uses the gradient of the last PQ layer: it needs pq = true")
 
 
-def is_global(name: str) -> bool:
-    return adapter_of(name) == GLOBAL
-
-
-def is_local(name: str) -> bool:
-    return adapter_of(name) == LOCAL
-
-
-def global_name(name: str) -> str:
-    return with_adapter(name, GLOBAL) if is_local(name) else name
-
-
 @register_method("fedmosaic")
 class FedMosaic(Method):
     Params = FedMosaicParams
@@ -134,26 +122,23 @@ class FedMosaic(Method):
         every client (matched by block and module), the conventional layers within the architecture, the weights
         renormalized there, or equal ones (``conv_agg: equal_within_type``, ``relevance: equal``)."""
         equal = self.params.conv_agg == "equal_within_type" or self.params.relevance == "equal"
-        return Mixture(weights="relevance/weights", within_weights="relevance/within" if equal else None,
+        return Mixture(weights=("relevance", "weights"), within_weights=("relevance", "within") if equal else None,
                        across=pqlora.pq_groups)
 
     # The model ---------------------------------------------------------------------------------------------
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
-        lora = config.lora
-        if lora is None:
-            raise ConfigError("methods (fedmosaic) trains LoRA adapters: set model.lora (rank, alpha, targets).")
-        model = build_task_model(backbone, config.model_copy(update={"module": "head", "lora": None}), tasks, seed)
-        targets = lora.targets or backbone.lora_targets
-        try:
-            placement = pqlora.attach(
-                model.encoder, rank=lora.rank, adapters=(LOCAL, GLOBAL), pq_blocks=self.params.blocks if self.params.pq else 0,
-                scale=lora.alpha / lora.rank, pq_scale=self.params.pq_scale, frozen=(GLOBAL,), gate=True,
-                scope=backbone.lora_scope, targets=targets, pq_init=self.params.pq_init,
-                seed_of=lambda purpose: seeding.torch_seed(seed, 0, seeding.SERVER, f"fedmosaic:{purpose}"),
-            )
-        except ValueError as err:
-            raise ConfigError(f"methods (fedmosaic) on model.backbone = {backbone.name!r}: {err}.") from None
-        model.attachments.put(placement)
+        lora, params = config.lora, self.params
+
+        def attach(encoder: nn.Module, seed_of: Callable[[str], int]) -> pqlora.PQPlacement:
+            # the dual adapter, PQ-LoRA on the last layer of each block (none with pq: false), the global one frozen
+            return pqlora.attach(
+                encoder, rank=lora.rank, adapters=(LOCAL, GLOBAL), pq_blocks=params.blocks if params.pq else 0,
+                scale=lora.alpha / lora.rank, pq_scale=params.pq_scale, frozen=(GLOBAL,), gate=True,
+                scope=backbone.lora_scope, targets=lora.targets or backbone.lora_targets, pq_init=params.pq_init,
+                seed_of=seed_of)
+
+        model = build_lora_set(backbone, config, tasks, seed, (LOCAL, GLOBAL), frozen=(GLOBAL,), stream="fedmosaic",
+                               owner="methods (fedmosaic)", attach=attach)
         if self.params.relevance in ("rela", "frozen_current"):
             self._attach_relevance_model(model, backbone, tasks, seed)
         return model
@@ -167,7 +152,8 @@ class FedMosaic(Method):
                                   "architectures.")
             name = backbone.name
         if name == backbone.name:  # W_s is this backbone: the client model with its adapters off
-            model.attachments.put(RelevanceSource(last_linear(model.encoder, backbone.lora_scope, self.params.last_layer)))
+            layer = last_linear(model.encoder, backbone.lora_scope, self.params.last_layer)
+            model.attachments.put(RelevanceSource(layer))
             return
         # random weights are drawn where the client's backbone is (an actor's GPU; meta in the driver's preflight)
         relevance = build_backbone(ModelConfig(backbone=name), seed, next(backbone.encoder.parameters()).device)
@@ -179,8 +165,8 @@ class FedMosaic(Method):
         wrapper = ClientModel(relevance, nn.Identity(), tasks)
         wrapper.requires_grad_(False)
         model.relevance_model = wrapper  # a frozen submodule: moved with the model, never in its trainable state
-        model.attachments.put(RelevanceSource(last_linear(relevance.encoder, relevance.lora_scope, self.params.last_layer),
-                                              wrapper))
+        layer = last_linear(relevance.encoder, relevance.lora_scope, self.params.last_layer)
+        model.attachments.put(RelevanceSource(layer, wrapper))
 
     def is_shared(self, name: str) -> bool:
         if not is_local(name):
@@ -201,12 +187,13 @@ class FedMosaic(Method):
         params = {**state["personal"], **received}  # the received global adapter (and, once, the aligned basis)
         pq_lr = self.params.pq_lr or 2.5 * client.train_config.lr
         gradients: list[torch.Tensor] = []
-        noise = torch.Generator().manual_seed(seeding.torch_seed(client.seed, client.round, client.client_id, "rela_noise"))
+        noise = torch.Generator().manual_seed(
+            seeding.torch_seed(client.seed, client.round, client.client_id, "rela_noise"))
         tracking = self.params.relevance != "equal"
 
         def loss(step: Step) -> torch.Tensor:
             if tracking and (step.index + 1) % self.params.grad_interval == 0:
-                gradient = self._relevance_gradient(step)
+                gradient = relevance_gradient(step, self.params.relevance)
                 mask = self._mask(client.seed, gradient.numel())
                 kept = gradient.flatten()[mask]
                 if self.params.noise_stage == "per_grad" and self.params.noise:
@@ -226,7 +213,8 @@ class FedMosaic(Method):
         new_state: ClientState = {"personal": personal, "optimizer": result.optimizer_state or {}, "relevance": {}}
         stats: dict[str, float] = {}
         if tracking:
-            decayed = self._decay(state["relevance"].get("decayed"), gradients)
+            decayed = decayed_gradient(state["relevance"].get("decayed"), gradients, self.params.alpha,
+                                       self.params.relevance.endswith("_current"), self.params.ema_granularity)
             if decayed is not None:
                 new_state["relevance"] = {"decayed": decayed}
                 sent = decayed
@@ -236,20 +224,6 @@ class FedMosaic(Method):
                 rms = float(decayed.pow(2).mean().sqrt())
                 stats = {"relevance_rms": rms, "noise_over_rms": self.params.noise / rms if rms > 0 else 0.0}
         return LocalResult(new_state, upload, result.loss, weight=1.0, stats=stats)
-
-    def _decay(self, previous: torch.Tensor | None, gradients: list[torch.Tensor]) -> torch.Tensor | None:
-        """Eq. 2 once per round on the round's mean (Alg. 1), per gradient, or the latest gradient alone."""
-        if not gradients:
-            return previous
-        alpha = self.params.alpha
-        if self.params.relevance.endswith("_current"):
-            return gradients[-1]
-        decayed = torch.zeros_like(gradients[0]) if previous is None else previous.to(gradients[0].device)
-        if self.params.ema_granularity == "round":
-            return (1 - alpha) * decayed + alpha * torch.stack(gradients).mean(0)
-        for gradient in gradients:
-            decayed = (1 - alpha) * decayed + alpha * gradient
-        return decayed
 
     def _mask(self, seed: int, size: int) -> torch.Tensor:
         """The kept entries of the relevance gradient: one random subset of the run (its seed), the same on every
@@ -261,48 +235,14 @@ class FedMosaic(Method):
             self._masks[key] = torch.randperm(size, generator=generator)[:kept].sort().values
         return self._masks[key]
 
-    def _relevance_gradient(self, step: Step) -> torch.Tensor:
-        """The gradient on this step's batch: of W_s's last linear layer (frozen, no adapters), or, for
-        ``training_current``, of the trained model's last PQ layer (its P and Q)."""
-        model = step.model
-        if self.params.relevance == "training_current":
-            last = max(model.attachments[pqlora.PQPlacement].pq_layers) - 1
-            names = sorted(n for n in step.params if is_local(n) and pqlora.is_pq(n) and layer_of(n) == last)
-            grads = torch.autograd.grad(step.task_loss(), [step.params[n] for n in names], allow_unused=True)
-            return torch.cat([(g if g is not None else torch.zeros_like(step.params[n])).flatten().float()
-                              for g, n in zip(grads, names)]).detach().cpu()
-        source = model.attachments[RelevanceSource]
-        relevance_model = source.model
-        total = sum(next(iter(batch.values())).shape[0] for _, batch in step.parts)
-
-        def run() -> torch.Tensor:
-            target = relevance_model if relevance_model is not None else model
-            stacked = stacked_forward_batch(target, step.parts)  # the tasks in one forward, where W_s allows
-            if stacked is None:
-                outputs = [task.kind.forward(target, batch) for task, batch in step.parts]
-            else:
-                outputs = step.parts[0][0].kind.forward(target, stacked).split([num_rows(b) for _, b in step.parts])
-            losses = []
-            for (task, batch), output in zip(step.parts, outputs):
-                share = next(iter(batch.values())).shape[0] / total
-                losses.append(share * task.kind.loss(output, batch))
-            return sum(losses)
-
-        if relevance_model is None:
-            with adapters_off(model):
-                gradient = linear_weight_gradient(run, source.layer)
-        else:
-            relevance_model.to(step.client.device)
-            gradient = linear_weight_gradient(run, source.layer)
-        return gradient.detach().cpu()
-
     # Before round 1: the alignment of the PQ basis ---------------------------------------------------------
-    def pre_federation(self, stage: PreFederation) -> TensorDict:
+    def pre_federation(self, stage: PreFederation) -> dict[str, Any]:
+        """The architecture's public features, a tree (:func:`~rayfed.methods.fedmosaic.alignment.public_features`)."""
         if not (self.params.pq and self.params.align) or not stage.public:
             return {}
-        return _public_features(stage, self.params)
+        return public_features(stage, self.params)
 
-    def before_federation(self, server: ServerState, prepared: dict[str, TensorDict]) -> ServerState:
+    def before_federation(self, server: ServerState, prepared: dict[str, dict[str, Any]]) -> ServerState:
         prepared = {arch: tensors for arch, tensors in prepared.items() if tensors}
         if len(prepared) < 2:
             if len(set(self.architecture_of)) > 1 and self.params.pq and self.params.align:
@@ -313,7 +253,7 @@ class FedMosaic(Method):
         if pivot not in prepared:
             raise ConfigError(f"methods (fedmosaic).pivot = {pivot!r} is not an architecture of the run; allowed: "
                               f"{', '.join(sorted(prepared))}.")
-        aligned, report = _aligned_basis(server["pq_layout"], prepared, pivot, self.params)
+        aligned, report = aligned_basis(server["pq_layout"], prepared, pivot, self.params)
         return {**server, "aligned": aligned, "alignment": report}
 
     # Server side: the weights of the engine's mixture (rayfed.aggregation.Mixture) -----------------------------
@@ -365,96 +305,4 @@ class FedMosaic(Method):
             arch = self.architecture_of[client_id]
             payload.update(prefixed(unprefixed(server["aligned"], arch), arch))
         return payload
-
-
-def _public_features(stage: PreFederation, params: FedMosaicParams) -> TensorDict:
-    """An architecture's public-data features for the alignment: the inputs (and, for ``b_features:
-    base_output``, outputs) of its PQ layers, mean-pooled per sequence, its bases A and B, its backbone's size."""
-    model = stage.model
-    model.load_trainable(stage.initial)
-    placement = model.attachments[pqlora.PQPlacement]
-    block_of = {layer: k for k, layer in enumerate(placement.pq_layers)}
-    modules = dict(adapted_modules(model.encoder))
-    pq_modules = {}
-    for qualified, layer, _ in placement.modules:
-        if layer in block_of:
-            module_name = qualified.split(f".{layer - 1}.", 1)[1]
-            pq_modules[f"{block_of[layer]}/{module_name}"] = modules[qualified]
-    rows = len(next(iter(stage.public.values())))
-    rows = min(rows, params.align_samples or rows)
-    batch_size = stage.train_config.eval_batch_size
-    pooled: dict[str, list[torch.Tensor]] = {}
-    outputs = params.b_features == "base_output"
-    task = stage.public_task
-    # batches of eval_batch_size on the actor's device, pooled there (one copy to the host at the end), the forward
-    # stopped before the output head: only the PQ layers' inputs are needed (a paper-size LM's head is 128k wide)
-    with torch.no_grad(), adapters_off(model), pqlora.captured_inputs(pq_modules, outputs) as captured, \
-            pqlora.output_head_skipped(model.encoder) as skipped:
-        for first in range(0, rows, batch_size):
-            batch = {name: column[first:first + batch_size].to(stage.device) for name, column in stage.public.items()}
-            try:
-                task.kind.forward(model, batch)
-            except skipped:
-                pass
-            for key, values in captured.items():
-                pooled.setdefault(key, []).append(pqlora.mean_pool(values, batch["attention_mask"]))
-    prepared: TensorDict = {}
-    for key, module in pq_modules.items():
-        # float32 as A and B are: a GPU's forward (bf16 weights, autocast) pools bf16 features
-        prepared[f"h/{key}"] = torch.cat(pooled[key]).cpu().float()
-        if outputs:
-            prepared[f"y/{key}"] = torch.cat(pooled[key + ":out"]).cpu().float()
-        prepared[f"A/{key}"] = module.A.detach().cpu()
-        prepared[f"B/{key}"] = module.B.detach().cpu()
-    frozen = sum(p.numel() for p in model.encoder.parameters() if not p.requires_grad)
-    prepared["backbone_params"] = torch.tensor(float(frozen), dtype=torch.float64)
-    return prepared
-
-
-def _aligned_basis(layout: TensorDict, prepared: dict[str, TensorDict], pivot: str,
-                   params: FedMosaicParams) -> tuple[TensorDict, TensorDict]:
-    """Each non-pivot architecture's PQ basis aligned to the pivot's (Eq. 20, then ridge CCA for B, Alg. 4), under the
-    server's names, and the alignment's losses and correlations."""
-    aligned: TensorDict = {}
-    report: TensorDict = {}
-    reference = prepared[pivot]
-    generator = torch.Generator().manual_seed(seeding.torch_seed(0, 0, seeding.SERVER, "fedmosaic:align"))
-    for arch, tensors in sorted(prepared.items()):
-        if arch == pivot:
-            continue
-        for key in sorted(k[2:] for k in tensors if k.startswith("A/")):
-            if f"A/{key}" not in reference:
-                raise ConfigError(f"methods (fedmosaic): architecture {arch!r} has PQ module {key} but the pivot "
-                                  f"{pivot!r} does not; architectures must share their linear layer names.")
-            pivot_h, pivot_a, pivot_b = reference[f"h/{key}"], reference[f"A/{key}"], reference[f"B/{key}"]
-            other_h, other_a, other_b = tensors[f"h/{key}"], tensors[f"A/{key}"], tensors[f"B/{key}"]
-            if len(pivot_h) != len(other_h):
-                raise ConfigError("methods (fedmosaic): the architectures saw different numbers of public samples.")
-            new_a, losses = pqlora.align_rows(
-                other_h, pivot_h @ pivot_a.T, other_a, ortho_weight=params.align_lambda,
-                epochs=params.align_epochs, lr=params.align_lr, batch_size=params.align_batch_size,
-                generator=generator)
-            new_b = other_b
-            if params.align_b:
-                if params.b_features == "base_output":
-                    pivot_y, other_y = reference[f"y/{key}"], tensors[f"y/{key}"]
-                else:  # the B-branch output with P = I
-                    pivot_y, other_y = (pivot_h @ pivot_a.T) @ pivot_b.T, (other_h @ new_a.T) @ other_b.T
-                new_b, correlations = pqlora.cca_basis(pivot_y, other_y, pivot_b, params.cca_ridge)
-                if params.ortho_b_after_cca:
-                    new_b = pqlora.nearest_orthonormal_columns(new_b)
-                report[f"{arch}/{key}/cca_mean_correlation"] = correlations.mean()
-            stem = _pq_stem(layout, arch, key)
-            aligned.update(prefixed({f"{stem}.A": new_a, f"{stem}.B": new_b}, arch))
-            for name, value in losses.items():
-                report[f"{arch}/{key}/{name}"] = torch.tensor(value)
-    return aligned, report
-
-
-def _pq_stem(layout: TensorDict, arch: str, key: str) -> str:
-    """The name, without ``.local_P``, of ``arch``'s PQ module at ``key`` (``<block>/<module>``)."""
-    for name, block in unprefixed(layout, arch).items():
-        if adapter_part(name) == (LOCAL, "P") and pqlora.pq_key(int(block), name) == f"pq/{key}/P":
-            return parent(name)
-    raise KeyError(f"{arch}: no PQ module at {key}")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,15 +33,29 @@ from torch import nn
 
 from rayfed.models.peft import named_adapters
 from rayfed.models.peft.named_adapters import LINEAR_TARGETS, AdaptedLinear, LinearBuilder, Mix, Placement
-from rayfed.param_names import adapter_param, adapter_part, adapter_tensor, layer_of
+from rayfed.param_names import adapter_of, adapter_param, adapter_part, adapter_tensor, layer_of, with_adapter
 
 GATE = "adapter_gate"
+LOCAL, GLOBAL = "local", "global"  # FedMosaic's two adapters: the client's own, and the one it receives
 
 
 def is_pq(name: str) -> bool:
     """Whether parameter ``name`` is a PQ layer's P or Q (of any adapter)."""
     parsed = adapter_part(name)
     return parsed is not None and parsed[1] in ("P", "Q")
+
+
+def is_global(name: str) -> bool:
+    return adapter_of(name) == GLOBAL
+
+
+def is_local(name: str) -> bool:
+    return adapter_of(name) == LOCAL
+
+
+def global_name(name: str) -> str:
+    """A local adapter's tensor ``name`` as the global adapter's (other names as they are)."""
+    return with_adapter(name, GLOBAL) if is_local(name) else name
 
 
 def attachment_layers(depth: int, blocks: int) -> tuple[int, ...]:
@@ -244,16 +258,17 @@ def attach(root: nn.Module, *, rank: int, adapters: Sequence[str], pq_blocks: in
 
 
 @contextlib.contextmanager
-def captured_inputs(modules: Mapping[str, AdaptedLinear], outputs: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-    """While open, every forward through ``modules`` records each one's input (and, with ``outputs``, its frozen
-    base layer's output, as ``<name>:out``) of the latest forward, detached, in the yielded dict."""
-    captured: dict[str, torch.Tensor] = {}
+def captured_inputs(modules: Mapping[Hashable, AdaptedLinear],
+                    outputs: bool = False) -> Iterator[dict[Hashable, dict[str, torch.Tensor]]]:
+    """While open, every forward through ``modules`` records each one's input ``h`` (and, with ``outputs``, its frozen
+    base layer's output ``y``) of the latest forward, detached, in the yielded dict, by the module's key."""
+    captured: dict[Hashable, dict[str, torch.Tensor]] = {}
     handles = []
-    for name, module in modules.items():
-        def hook(module, args, output, name=name):
-            captured[name] = args[0].detach()
+    for key, module in modules.items():
+        def hook(module, args, output, key=key):
+            captured[key] = {"h": args[0].detach()}
             if outputs:
-                captured[name + ":out"] = module.base(args[0]).detach()
+                captured[key]["y"] = module.base(args[0]).detach()
 
         handles.append(module.register_forward_hook(hook))
     try:

@@ -1,5 +1,6 @@
 """RELA's pieces for FedMosaic (:mod:`rayfed.methods.fedmosaic.method`, docs/fedmosaic.md#rela): the gradient of one
-frozen linear layer that each client shares, and the relevance weights the server turns those gradients into."""
+frozen linear layer that each client takes on its batches and decays over the rounds, and the relevance weights the
+server turns those gradients into."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rayfed.data.batches import num_rows
 from rayfed.errors import ConfigError
+from rayfed.methods.fedmosaic import pqlora
 from rayfed.models import ClientModel
-from rayfed.models.peft.named_adapters import AdaptedLinear, decoder_layers
+from rayfed.models.peft.named_adapters import AdaptedLinear, adapters_off, decoder_layers
+from rayfed.param_names import layer_of
+from rayfed.training import Step, stacked_forward_batch
 
 
 def linear_weight_gradient(run: Callable[[], torch.Tensor], layer: nn.Linear) -> torch.Tensor:
@@ -55,7 +60,8 @@ def last_linear(encoder: nn.Module, scope: str | None, which: str) -> nn.Linear:
     for name, module in layers[-1].named_modules():
         if name.endswith("down_proj"):
             return module.base if isinstance(module, AdaptedLinear) else module
-    raise ConfigError("methods (fedmosaic).last_layer = 'down_proj': the last decoder layer has no down_proj; use lm_head.")
+    raise ConfigError("methods (fedmosaic).last_layer = 'down_proj': the last decoder layer has no down_proj; "
+                      "use lm_head.")
 
 
 def relevance_weights(gradients: torch.Tensor, present: torch.Tensor, tau: float,
@@ -88,3 +94,55 @@ def equal_weights(clients: int, self_weight: str) -> torch.Tensor:
     if self_weight == "include" or clients == 1:
         return torch.full((clients, clients), 1.0 / clients)
     return torch.full((clients, clients), 1.0 / (clients - 1)).fill_diagonal_(0.0)
+
+
+def decayed_gradient(previous: torch.Tensor | None, gradients: list[torch.Tensor], alpha: float, current: bool,
+                     granularity: str) -> torch.Tensor | None:
+    """Eq. 2 once per round on the round's mean (Alg. 1, ``granularity: round``), per gradient (``step``), or, with
+    ``current``, the latest gradient alone."""
+    if not gradients:
+        return previous
+    if current:
+        return gradients[-1]
+    decayed = torch.zeros_like(gradients[0]) if previous is None else previous.to(gradients[0].device)
+    if granularity == "round":
+        return (1 - alpha) * decayed + alpha * torch.stack(gradients).mean(0)
+    for gradient in gradients:
+        decayed = (1 - alpha) * decayed + alpha * gradient
+    return decayed
+
+
+def relevance_gradient(step: Step, variant: str) -> torch.Tensor:
+    """The gradient on this step's batch: of W_s's last linear layer (frozen, no adapters), or, for the ``variant``
+    ``training_current``, of the trained model's last PQ layer (its P and Q)."""
+    model = step.model
+    if variant == "training_current":
+        last = max(model.attachments[pqlora.PQPlacement].pq_layers) - 1
+        names = sorted(n for n in step.params if pqlora.is_local(n) and pqlora.is_pq(n) and layer_of(n) == last)
+        grads = torch.autograd.grad(step.task_loss(), [step.params[n] for n in names], allow_unused=True)
+        return torch.cat([(g if g is not None else torch.zeros_like(step.params[n])).flatten().float()
+                          for g, n in zip(grads, names)]).detach().cpu()
+    source = model.attachments[RelevanceSource]
+    relevance_model = source.model
+    total = sum(next(iter(batch.values())).shape[0] for _, batch in step.parts)
+
+    def run() -> torch.Tensor:
+        target = relevance_model if relevance_model is not None else model
+        stacked = stacked_forward_batch(target, step.parts)  # the tasks in one forward, where W_s allows
+        if stacked is None:
+            outputs = [task.kind.forward(target, batch) for task, batch in step.parts]
+        else:
+            outputs = step.parts[0][0].kind.forward(target, stacked).split([num_rows(b) for _, b in step.parts])
+        losses = []
+        for (task, batch), output in zip(step.parts, outputs):
+            share = next(iter(batch.values())).shape[0] / total
+            losses.append(share * task.kind.loss(output, batch))
+        return sum(losses)
+
+    if relevance_model is None:
+        with adapters_off(model):
+            gradient = linear_weight_gradient(run, source.layer)
+    else:
+        relevance_model.to(step.client.device)
+        gradient = linear_weight_gradient(run, source.layer)
+    return gradient.detach().cpu()

@@ -50,6 +50,7 @@ from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import (ClientContext, ImageKD, RecordedTaskLoss, Step, TrainResult, output_distillation,
                               scheduled_lr)
+from rayfed.state_tree import map_tree, tree_leaves
 from rayfed.types import host_copies
 
 # Per task key, in the order of TASK_KEYS: image-cls, image-gen, text-cls, text-gen.
@@ -228,7 +229,9 @@ class TAP(Method):
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
         groups = client_groups(self.tasks, client.data.tasks)
         trained, w_losses = self._train(client, self._w(state, payload), groups)
-        history = {**state["history"], **{f"w:{key}": value.to(torch.float64) for key, value in w_losses.items()}}
+        previous = state["history"]  # each model's latest loss by task key: {"w": {key: loss}, "x": {key: loss}}
+        history = {"w": {**previous.get("w", {}), **{key: value.to(torch.float64) for key, value in w_losses.items()}},
+                   "x": dict(previous.get("x", {}))}
         new_state = {**state, "history": history}
         upload = {"shared": trained.params} if self.params.federated else {}
         if not self.params.federated:
@@ -239,7 +242,7 @@ class TAP(Method):
         x = dict(state["x"])
         losses = _read(history)  # W's losses and X's previous ones, read from the device together (one wait)
         replaced = [key for key in w_losses
-                    if losses[f"w:{key}"] + self.params.margin(key) < losses.get(f"x:{key}", math.inf)]
+                    if losses["w"][key] + self.params.margin(key) < losses["x"].get(key, math.inf)]
         model = client.model
         assert isinstance(model, MoMEModel), "TAP trains rayfed.methods.tap.MoMEModel"
         for key in replaced:  # Eq. 4: a hard copy of o's path from the locally trained, pre-aggregation W
@@ -250,7 +253,7 @@ class TAP(Method):
             x_trained, x_losses = self._train(client, x, groups, purpose="personal:swapped", lr=lr)
         else:  # the batches, dropout and learning rate of W's update
             x_trained, x_losses = self._train(client, x, groups)
-        history.update({f"x:{key}": value.to(torch.float64) for key, value in x_losses.items()})
+        history["x"].update({key: value.to(torch.float64) for key, value in x_losses.items()})
         new_state["x"] = x_trained.params
         stats = {}
         for key, indices in groups.items():
@@ -302,7 +305,7 @@ class TAP(Method):
         return self.eval_views(state, payload)[""]
 
 
-def _read(values: TensorDict) -> dict[str, float]:
-    """0-d tensors' values, read together (one wait for the device)."""
-    on_host = host_copies(values.values())
-    return {name: float(on_host[id(value)]) for name, value in values.items()}
+def _read(values: dict[str, Any]) -> dict[str, Any]:
+    """A tree of 0-d tensors' values, read together (one wait for the device)."""
+    on_host = host_copies(value for _, value in tree_leaves(values))
+    return map_tree(values, lambda value: float(on_host[id(value)]))

@@ -45,14 +45,15 @@ from torch import nn
 
 from rayfed.errors import ConfigError
 from rayfed.tasks.kinds import IGNORE, causal_from_target_logits
-from rayfed.methods.tap.encoders import ImageEncoder, TextEncoder
-from rayfed.methods.tap.heads import ClassificationHead, ImageGenerationHead, TextGenerationHead, decoded_tokens
-from rayfed.methods.tap.layers import Expert, MoEBlock, frozen_copy
-from rayfed.methods.tap.options import (FAMILY_DEFAULTS, IMAGE, MODALITIES, SHARED, TASK_KEYS, TEXT, MoMEOptions,
-                                        family_of, head_key, task_key, task_modalities)
+from rayfed.methods.tap.builders import (Routes, build_blocks, build_encoders, build_expert_tables, build_heads,
+                                         expert_factory)
+from rayfed.methods.tap.heads import decoded_tokens
+from rayfed.methods.tap.layers import frozen_copy
+from rayfed.methods.tap.options import (FAMILY_DEFAULTS, IMAGE, SHARED, TEXT, MoMEOptions, family_of, head_key,
+                                        task_key, task_modalities)
 from rayfed.models import Backbone, ClientModelRequest, TrainableModule
 from rayfed.models.client_plugin import OPTIONS_FIELD
-from rayfed.models.peft.modules import adapter_set, select_task, tag_tasks
+from rayfed.models.peft.modules import select_task
 from rayfed.registry import register_client_model
 from rayfed.tasks import Task
 from rayfed.types import Batch
@@ -111,99 +112,21 @@ class MoMEModel(TrainableModule):
         self.active_task = tasks[0].index
         self.collected_latents: list[tuple[tuple[str, str], torch.Tensor]] | None = None  # DisentAFL's, when a list
 
-        every = frozenset(self.tasks)
-        modalities = [m for m in MODALITIES if any(m in self.task_modalities[t] for t in every)]
-        keys = [k for k in TASK_KEYS if k in self.keys.values()]
-
-        def users(modality: str | None = None, key: str | None = None, domain: str | None = None) -> frozenset[int]:
-            return frozenset(t for t in every if (modality is None or modality in self.task_modalities[t])
-                             and (key is None or self.keys[t] == key) and (domain is None or self.domain[t] == domain))
-
-        def tagged(module: nn.Module, tasks_using: frozenset[int]) -> nn.Module:
-            return module if tasks_using == every else tag_tasks(module, tasks_using)
-
+        routes = Routes(self.task_modalities, self.keys, self.domain)
         torch.manual_seed(seed)
         dropout = options.lora_dropout
         lora = options.backbone_module == "lora"
-
-        def make_expert(first: nn.Linear, second: nn.Linear) -> Expert:
-            if lora:
-                return Expert(first, second, option["expert_rank"], dropout)
-            return Expert(first, second, None, dropout, adapter_set(adapters, second.out_features,
-                                                                    option["adapter_dim"], "relu", "normal",
-                                                                    frozen_adapters))
-        built = {}
-        if IMAGE in modalities:
-            built[IMAGE] = tagged(ImageEncoder(backbone, family, width, option["encoder_rank"], dropout,
-                                               options.input_adaptor), users(IMAGE))
-        if TEXT in modalities:
-            built[TEXT] = tagged(TextEncoder(backbone, family, width, option["encoder_rank"], dropout), users(TEXT))
-        self.encoders = nn.ModuleDict(built)
+        make_expert = expert_factory(lora, option, dropout, adapters, frozen_adapters)
+        self.encoders = build_encoders(routes, backbone, family, width, option["encoder_rank"], dropout,
+                                       options.input_adaptor)
         self.shared_proj = nn.Linear(width, width)
-
         # One frozen copy of each pretrained layer's FFN, under every expert made from it (only LoRA differs).
         ffns = [(frozen_copy(layer.intermediate.dense), frozen_copy(layer.output.dense))
                 for layer in layers[:2 * self.num_layers]]
-
-        def block(first_layer: int, tasks_using: frozenset[int]) -> nn.Module:
-            used = sorted({self.domain[t] for t in tasks_using})
-            chosen = range(first_layer, first_layer + self.num_layers)
-            made = MoEBlock([layers[i] for i in chosen], [ffns[i] for i in chosen], heads,
-                            option["attention_rank"] if lora else None, dropout, used, make_expert)
-            for name in used:
-                for layer in made.layers:
-                    tagged(layer.mode_q[name], tasks_using & users(domain=name))
-                    tagged(layer.mode_v[name], tasks_using & users(domain=name))
-            return tagged(made, tasks_using)
-
-        self.mote = nn.ModuleDict({m: block(0, users(m)) for m in modalities} | {SHARED: block(0, every)})
-        self.mome = nn.ModuleDict({k: block(self.num_layers, users(key=k)) for k in keys}
-                                  | {SHARED: block(self.num_layers, every)})
-
-        def expert(layer: int, tasks_using: frozenset[int]) -> nn.Module:
-            return tagged(make_expert(*ffns[layer]), tasks_using)
-
-        # E^T[l][mod | shared][key | shared] and E^M[l][key | shared][mod | shared], only the cells a task uses.
-        mote_experts, mome_experts = {}, {}
-        for index in range(self.num_layers):
-            cells = {}
-            for m in [*modalities, SHARED]:
-                row = {}
-                for k in [*keys, SHARED]:
-                    tasks_using = users(None if m == SHARED else m, None if k == SHARED else k)
-                    if tasks_using:
-                        row[k] = expert(index, tasks_using)
-                cells[m] = nn.ModuleDict(row)
-            mote_experts[str(index)] = nn.ModuleDict(cells)
-            cells = {}
-            for k in [*keys, SHARED]:
-                row = {}
-                for m in [*modalities, SHARED]:
-                    tasks_using = users(None if m == SHARED else m, None if k == SHARED else k)
-                    if tasks_using:
-                        row[m] = expert(self.num_layers + index, tasks_using)
-                cells[k] = nn.ModuleDict(row)
-            mome_experts[str(index)] = nn.ModuleDict(cells)
-        self.mote_experts = nn.ModuleDict(mote_experts)
-        self.mome_experts = nn.ModuleDict(mome_experts)
-
-        heads_built: dict[str, nn.Module] = {}
-        for task in tasks:
-            key = head_key(task)
-            if key in heads_built:
-                continue
-            if key == "image_generation":
-                size = max(max(t.image_shape[1:]) for t in tasks if head_key(t) == key)
-                heads_built[key] = tagged(ImageGenerationHead(width, size), users(key=key))
-            elif key == "text_generation":
-                if self.tokenizer is None:
-                    raise ConfigError(f"{backbone.config_field} = {backbone.name!r} has no tokenizer for text "
-                                      "generation.")
-                heads_built[key] = tagged(TextGenerationHead(width, len(self.tokenizer), options.text_positions,
-                                                             options.condition_text_decoder), users(key=key))
-            else:
-                heads_built[key] = tag_tasks(ClassificationHead(family, width, task.num_classes), [task.index])
-        self.heads = nn.ModuleDict(heads_built)
+        self.mote, self.mome = build_blocks(routes, layers, ffns, self.num_layers, heads,
+                                            option["attention_rank"] if lora else None, dropout, make_expert)
+        self.mote_experts, self.mome_experts = build_expert_tables(routes, ffns, self.num_layers, make_expert)
+        self.heads = build_heads(routes, tasks, backbone, family, width, options)
 
     # Routing -------------------------------------------------------------------------------------------
     def select_task(self, index: int) -> None:

@@ -62,21 +62,34 @@ def build_task_model(
     return model
 
 
-def build_lora_set(method: str, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int,
-                   adapters: Sequence[str], frozen: Sequence[str] = ()) -> ClientModel:
+def build_lora_set(backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int,
+                   adapters: Sequence[str], *, stream: str, owner: str, frozen: Sequence[str] = (),
+                   attach: Callable[[nn.Module, Callable[[str], int]], named_adapters.Placement] | None = None,
+                   ) -> ClientModel:
     """The task model with named conventional-LoRA ``adapters`` on the backbone's ``model.lora.targets`` (default:
-    the family's), rank and scale from ``model.lora``; the same initial values on every actor."""
+    the family's), rank and scale from ``model.lora``, ``frozen`` of them not trained; its placement in the model's
+    attachments. The adapters' initial values come from the random stream ``<stream>:<module>`` of ``seed``, the
+    same on every actor. ``owner``: who trains the adapters, as a sentence names it (e.g. ``methods (fedsim)``).
+    ``attach(encoder, seed_of)``: puts other adapters on the encoder instead, initial values from ``seed_of(module)``,
+    and returns their placement."""
     lora = config.lora
     if lora is None:
-        raise ConfigError(f"methods ({method}) trains LoRA adapters: set model.lora (rank, alpha, targets).")
+        raise ConfigError(f"{owner} trains LoRA adapters: set model.lora (rank, alpha, targets).")
     model = build_task_model(backbone, config.model_copy(update={"module": "head", "lora": None}), tasks, seed)
+
+    def seed_of(purpose: str) -> int:
+        return torch_seed(seed, 0, SERVER, f"{stream}:{purpose}")
+
     try:
-        named_adapters.attach(
-            model.encoder, named_adapters.lora(lora.rank, adapters, scale=lora.alpha / lora.rank, frozen=frozen),
-            scope=backbone.lora_scope, targets=lora.targets or backbone.lora_targets,
-            seed_of=lambda purpose: torch_seed(seed, 0, SERVER, f"{method}:{purpose}"))
+        if attach is None:
+            placement = named_adapters.attach(
+                model.encoder, named_adapters.lora(lora.rank, adapters, scale=lora.alpha / lora.rank, frozen=frozen),
+                scope=backbone.lora_scope, targets=lora.targets or backbone.lora_targets, seed_of=seed_of)
+        else:
+            placement = attach(model.encoder, seed_of)
     except ValueError as err:
-        raise ConfigError(f"methods ({method}) on model.backbone = {backbone.name!r}: {err}.") from None
+        raise ConfigError(f"{owner} on model.backbone = {backbone.name!r}: {err}.") from None
+    model.attachments.put(placement)
     return model
 
 

@@ -3,7 +3,8 @@
 Layout, per method label::
 
     checkpoints/<label>/latest.json          -> {"round": R, "dir": "round_R"}
-    checkpoints/<label>/round_R/meta.json     round, counters, slot names, resolved config and its fingerprint
+    checkpoints/<label>/round_R/meta.json     round, counters, slot names (and the paths of slots holding trees),
+                                              resolved config and its fingerprint
     checkpoints/<label>/round_R/server.safetensors
     checkpoints/<label>/round_R/clients.safetensors
 
@@ -29,6 +30,7 @@ from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_bytes, atomic_write_json
 from rayfed.method import ClientState, ServerState
 from rayfed.param_names import prefixed_name, split_prefix
+from rayfed.state_tree import flatten_tree, nested_paths, unflatten_tree
 
 
 @dataclass
@@ -39,20 +41,30 @@ class Checkpoint:
     meta: dict[str, Any]
 
 
-def _flatten(slots: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _flatten(slots: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Every tensor of the slots under ``<slot>/<name>``, a tree's name its path joined by ``/``
+    (:func:`rayfed.state_tree.flatten_tree`)."""
     return {
         prefixed_name(slot, name): value.detach().cpu().contiguous().clone()
         for slot, values in slots.items()
-        for name, value in values.items()
+        for name, value in flatten_tree(values).items()
     }
 
 
-def _unflatten(flat: dict[str, torch.Tensor], slot_names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+def _trees(slots: dict[str, dict[str, Any]]) -> dict[str, list[list[str]]]:
+    """The paths of the slots that hold trees (:func:`rayfed.state_tree.nested_paths`), recorded in meta.json."""
+    return {slot: paths for slot, values in slots.items() if (paths := nested_paths(values))}
+
+
+def _unflatten(flat: dict[str, torch.Tensor], slot_names: list[str],
+               trees: dict[str, list[list[str]]]) -> dict[str, dict[str, Any]]:
+    """The slots of a :func:`_flatten` result; a slot without recorded paths (every slot of a checkpoint written
+    before trees) flat, each name as it was saved."""
     slots: dict[str, dict[str, torch.Tensor]] = {slot: {} for slot in slot_names}
     for key, value in flat.items():
         slot, name = split_prefix(key)
         slots.setdefault(slot, {})[name] = value
-    return slots
+    return {slot: unflatten_tree(values, trees.get(slot, ())) for slot, values in slots.items()}
 
 
 UNCHECKED_SECTIONS = ("placement", "ray", "tracking")
@@ -88,6 +100,12 @@ def save_checkpoint(
         "server_slots": sorted(server),
         "client_slots": {str(cid): sorted(state) for cid, state in clients.items()},
     }
+    server_trees = _trees(server)
+    client_trees = {str(cid): trees for cid, state in clients.items() if (trees := _trees(state))}
+    if server_trees:
+        full_meta["server_trees"] = server_trees
+    if client_trees:
+        full_meta["client_trees"] = client_trees
     atomic_write_json(round_dir / "meta.json", full_meta)
     atomic_write_json(method_dir / "latest.json", {"round": round_idx, "dir": round_dir.name})
     for old in method_dir.glob("round_*"):
@@ -107,12 +125,15 @@ def load_checkpoint(root: Path, label: str, config: dict[str, Any] | None = None
     meta = _read_json(round_dir / "meta.json")
     if config is not None:
         _check_config(meta, config, round_dir)
-    server = _unflatten(_read_tensors(round_dir / "server.safetensors"), meta["server_slots"])
+    server = _unflatten(_read_tensors(round_dir / "server.safetensors"), meta["server_slots"],
+                        meta.get("server_trees", {}))
     grouped: dict[int, dict[str, torch.Tensor]] = {int(cid): {} for cid in meta["client_slots"]}
     for key, value in _read_tensors(round_dir / "clients.safetensors").items():
         cid, rest = split_prefix(key)
         grouped[int(cid)][rest] = value
-    clients = {cid: _unflatten(flat, meta["client_slots"][str(cid)]) for cid, flat in grouped.items()}
+    client_trees = meta.get("client_trees", {})
+    clients = {cid: _unflatten(flat, meta["client_slots"][str(cid)], client_trees.get(str(cid), {}))
+               for cid, flat in grouped.items()}
     return Checkpoint(meta["round"], server, clients, meta)
 
 
