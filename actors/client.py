@@ -1,7 +1,8 @@
 """ClientActor: hosts one or more clients over one frozen backbone built once.
 
 For every hosted client it keeps that client's state (personal parameters, method state) and
-its data, loaded here rather than pushed through the driver. Per round it swaps each sampled
+its data, loaded here rather than pushed through the driver (:class:`~rayfed.actors.hosted.HostedClients`, which
+also holds the guests trained here for a round). Per round it swaps each sampled
 client's parameters into the one resident model, runs the method's local update, and returns
 the uploads. The class is plain Python; the simulation wraps it with ``ray.remote``.
 """
@@ -22,20 +23,19 @@ from rayfed.training.plans.stacked import Lockstep
 from rayfed.compute import counted_flops
 from rayfed.actors import public
 from rayfed.actors.contract import ClientContract
-from rayfed.actors.devices import gpu_peak_bytes, resident_data, resident_device, resource_usage, round_device
+from rayfed.actors.devices import gpu_peak_bytes, round_device
 from rayfed.actors.evaluation import ClientEvaluation
+from rayfed.actors.hosted import HostedClients
 from rayfed.actors.uploads import RoundUploads, round_collector, slots_to, to_host
-from rayfed.method import (ClientState, LocalResult, Method, TensorDict, TensorSpecs, Upload, check_tensors,
-                           method_model, tensor_bytes)
+from rayfed.method import ClientState, LocalResult, Method, TensorDict, TensorSpecs, Upload, check_tensors, method_model
 from rayfed.models import build_backbone
 from rayfed.models.peft.modules import select_task
 from rayfed.run_methods import run_methods
 from rayfed.seeding import SERVER, torch_seed
-from rayfed.tasks import task_view
 from rayfed.training import ClientContext, check_precision
 from rayfed.transport import use_raw_tensor_transport
 from rayfed.state_tree import flatten_tree, map_tree
-from rayfed.types import moved_together, states_to
+from rayfed.types import moved_together
 
 Payloads = dict[int, TensorDict | None]
 
@@ -47,7 +47,15 @@ def set_process_options(config: RunConfig) -> None:
     torch.backends.cuda.enable_cudnn_sdp(config.train.cudnn_attention)
 
 
+def _hosted(name: str) -> property:
+    """The hosted clients' attribute ``name`` (:class:`HostedClients`), read as the actor's own."""
+    return property(lambda actor: getattr(actor.hosted, name), doc=f"``hosted.{name}``")
+
+
 class ClientActor:
+    states, data, initial, initial_params, eval_sets, state_device = map(_hosted, (
+        "states", "data", "initial", "initial_params", "eval_sets", "state_device"))
+
     def __init__(
         self, config: RunConfig | dict, client_ids: Sequence[int], methods: Sequence[Method] | None = None,
         plugins: Sequence[registry.Entry] = (), architecture: str = "", federation: Federation | None = None,
@@ -70,19 +78,15 @@ class ClientActor:
         self.methods = list(methods) if methods is not None else run_methods(self.config, federation)
         self.federation = federation
         self.tasks = list(federation.tasks)
-        self.tasks_of = {cid: federation.tasks_of(cid) for cid in self.client_ids}
         # random weights (paper-size backbones) are drawn on the actor's device, not on its one CPU thread
         self.backbone = build_backbone(self.model_config, torch_seed(self.config.seed, 0, SERVER, "backbone"),
                                        self.device)
-        self.data_device, self.data, self.eval_sets = resident_data(
-            federation, self.client_ids, self.backbone, self.device, self.config.placement.client_state)
+        self.hosted = HostedClients(federation, client_ids, self.backbone, self.device, self.config.placement)
         self.stream = self.config.data.stream
-        self.evaluation = ClientEvaluation(self.config, federation, self.backbone, self.device, self.data_device)
+        self.evaluation = ClientEvaluation(self.config, federation, self.backbone, self.device, self.hosted.data_device)
         self.others = self.evaluation.others  # in a stream: each client's other tasks, as ClientEvaluation keeps them
         self.method: Method | None = None
         self.train_config = self.config.train  # the started method's (start_method: its local steps)
-        self.states: dict[int, ClientState] = {}
-        self.guest_states: dict[int, ClientState] = {}  # guests' new states, until their hosts take them
         self.round_times: list[dict[str, float]] = []  # see get_round_times
         self._stats: dict[str, float] = {}
         self.public_passes = public.PublicPasses(self.config, self.backbone)
@@ -103,14 +107,8 @@ class ClientActor:
         self.tags = self.model.task_tags()
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
         self.contract = ClientContract(self.label, initial)  # what payloads and uploads are checked against
-        self.state_device = resident_device(self.device, self.config.placement.client_state,
-                                            3 * tensor_bytes(initial) * len(self.client_ids))
-        resident = {name: value.to(self.state_device) for name, value in initial.items()}  # one copy, shared
-        self.initial_params = resident
-        # A client holds, trains and uploads only its tasks' view (shared + its tasks' own parameters).
-        self.initial = {cid: task_view(resident, self.tasks_of[cid], self.tags) for cid in self.client_ids}
-        self.states = {cid: self.method.init_client(self.initial[cid]) for cid in self.client_ids}
-        self.evaluation.start_method(self.model, self.tasks_of, resident, self.tags, self.initial)
+        self.hosted.start(self.method, initial, self.tags)
+        self.evaluation.start_method(self.model, self.hosted.tasks_of, self.initial_params, self.tags, self.initial)
         shared, _ = self.method.split(initial)
         return shared
 
@@ -133,7 +131,7 @@ class ClientActor:
         return self.tags
 
     def _context(self, client_id: int, round_idx: int) -> ClientContext:
-        select_task(self.model, self.tasks_of[client_id][0])
+        select_task(self.model, self.hosted.tasks_of[client_id][0])
         return ClientContext(
             client_id, round_idx, self.config.seed, self.data[client_id], self.model,
             self.train_config, self.device, self.eval_sets, self.tasks, self.stream, self.others.get(client_id, ()),
@@ -158,7 +156,7 @@ class ClientActor:
         """The clients' local updates in order (with ``train.batch_clients``, run in lockstep so that their plain
         steps train together); each new state is kept here, each upload is left on :func:`round_device`."""
         on = round_device(self.device, self.state_device, (self.states[cid] for cid in client_ids))
-        self.states.update(states_to({cid: self.states[cid] for cid in client_ids}, on))
+        self.hosted.move(client_ids, on)
         payloads = self._on_device(payloads, on, f"round {round_idx + 1}")
         batch = self.config.train.batch_clients
         if batch == 1 or len(client_ids) == 1:
@@ -179,7 +177,7 @@ class ClientActor:
             results = lockstep.run([lambda cid=cid: update(cid) for cid in client_ids])
             for cid, result in zip(client_ids, results):
                 yield self._keep(cid, result, on, payloads)
-        self.states.update(states_to({cid: self.states[cid] for cid in client_ids}, self.state_device))
+        self.hosted.move(client_ids, self.state_device)
 
     def _hook(self, hook: str, client_id: int, when: str) -> AbstractContextManager[None]:
         """Marks an error raised within with the method's hook, the client and the round (``when``)."""
@@ -206,8 +204,7 @@ class ClientActor:
         built here from the same federation, so they train exactly as on their host.
         """
         started, self._stats = time.time(), {}
-        for cid, state in zip(guests, guest_states):
-            self._welcome(cid, state)
+        self.hosted.welcome(guests, guest_states, self.evaluation)
         collected = round_collector(self.method.aggregation, weight_scale, send_ahead)
         updating = time.perf_counter()
         for upload in self._local_updates(round_idx, sorted(client_ids), payloads):
@@ -216,36 +213,23 @@ class ClientActor:
         busy_s, updated = time.perf_counter() - updating, time.time()
         nonfinite = collected.nonfinite(lambda cid: self._context(cid, round_idx).arrived_rows())
         uploads = collected.on_host()
-        for cid in guests:
-            self.guest_states[cid] = slots_to(self.states.pop(cid), "cpu")
+        self.hosted.keep_guest_states(guests)
         self.round_times.append({"round": round_idx, "start": started, "updated": updated, "end": time.time(),
                                  "update_s": busy_s})
         return RoundUploads(uploads, collected.up_bytes, collected.up_params, losses, self._stats, busy_s, nonfinite,
                             round_idx, collected.slot_clients, gpu_peak_bytes(self.device))
 
-    def _welcome(self, client_id: int, state: ClientState) -> None:
-        """A guest client's state on this actor, and what it needs here: its tasks, data, initial view and (a stream)
-        other tasks."""
-        self.states[client_id] = slots_to(state, self.state_device)
-        if client_id in self.data:
-            return
-        self.tasks_of[client_id] = self.federation.tasks_of(client_id)
-        self.data[client_id] = self.federation.client_data(client_id, self.backbone).to(self.data_device)
-        self.initial[client_id] = task_view(self.initial_params, self.tasks_of[client_id], self.tags)
-        self.evaluation.add_client(client_id, self.tasks_of[client_id], self.initial_params, self.tags)
-
     def client_state(self, client_id: int) -> ClientState:
-        """A hosted client's state, to train it on another actor this round."""
-        return slots_to(self.states[client_id], "cpu")
+        """:meth:`HostedClients.client_state`."""
+        return self.hosted.client_state(client_id)
 
     def take_guest_states(self) -> dict[int, ClientState]:
-        """The new states of the guests trained here, for their hosts (emptied)."""
-        states, self.guest_states = self.guest_states, {}
-        return states
+        """:meth:`HostedClients.take_guest_states`."""
+        return self.hosted.take_guest_states()
 
     def put_states(self, states: dict[int, ClientState]) -> None:
-        """Hosted clients' new states, trained on another actor."""
-        self.states.update({cid: slots_to(state, self.state_device) for cid, state in states.items() if cid in self.client_ids})
+        """:meth:`HostedClients.put_states`."""
+        self.hosted.put_states(states)
 
     def evaluate(self, round_idx: int, payloads: Payloads) -> dict[int, dict[str, float]]:
         payloads, metrics = self._on_device(payloads, self.state_device, f"the evaluation after round {round_idx}"), {}
@@ -275,8 +259,8 @@ class ClientActor:
         return metrics
 
     def resource_usage(self) -> dict[str, int]:
-        """Peak GPU memory, resident host memory, and the bytes of hosted client state and data."""
-        return resource_usage(self.device, len(self.client_ids), self.states, self.data)
+        """:meth:`HostedClients.resource_usage`."""
+        return self.hosted.resource_usage()
 
     def get_round_times(self) -> list[dict[str, float]]:
         """Per train_round call: its wall-clock start, the end of its local updates (``updated``) and its end
@@ -285,10 +269,10 @@ class ClientActor:
         return self.round_times
 
     def get_states(self) -> dict[int, ClientState]:
-        return states_to(self.states, "cpu")
+        return self.hosted.get_states()
 
     def set_states(self, states: dict[int, ClientState]) -> None:
-        self.states = {cid: slots_to(states[cid], self.state_device) for cid in self.client_ids}
+        self.hosted.set_states(states)
 
     def _on_device(self, payloads: Payloads, device: torch.device, when: str) -> _OnDevice:
         """``payloads`` on ``device``, each tensor checked against the model's parameter of its name."""

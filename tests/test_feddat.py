@@ -16,7 +16,7 @@ import transformers
 from rayfed.actors.client import ClientActor
 from rayfed.actors.driver import DriverActor
 from rayfed.config import ModelConfig, load_config
-from rayfed.data import multimodal
+from rayfed.data import multimodal, multimodal_texts
 from rayfed.errors import ConfigError
 from rayfed.method import Upload
 from rayfed.models import IMAGE, TEXT, Backbone, build_client_model, vilt_features
@@ -406,7 +406,7 @@ def test_new_wordings_and_question_functions_use_only_known_words_and_answers():
     extra = multimodal.vqa_columns(200, seed=0, question_types=multimodal.EXTRA_QUESTION_TYPES)
     assert set(extra["question_type"]) == set(multimodal.EXTRA_QUESTION_TYPES)
     for text in questions + list(extra["text"]):
-        assert set(multimodal._split_words(text)) <= vocabulary, text
+        assert set(multimodal_texts._split_words(text)) <= vocabulary, text
     assert {a for a, kind in zip(extra["class_name"], extra["question_type"]) if kind == "arithmetic"} <= {"two", "three", "four"}
     plain, worded = multimodal.vqa_columns(32, seed=3), multimodal.vqa_columns(32, seed=3, wording=3)
     assert np.array_equal(plain["image"], worded["image"]) and np.array_equal(plain["label"], worded["label"])

@@ -15,14 +15,14 @@ all 64 classes, 16 of which (:data:`NOVEL_CLASSES`) no pretrained model has seen
 on plain statements (the ``statements`` task); the fine-tuning text tasks (topic labels, descriptions,
 multiple-choice answers) and their output formats never occur in pretraining.
 
-The images, their classes and render styles are :mod:`rayfed.data.shape_scenes`'.
+The images, their classes and render styles are :mod:`rayfed.data.shape_scenes`'; the words (templates, questions,
+facts, the vocabulary) :mod:`rayfed.data.multimodal_texts`'.
 
 Same arguments and seed give the same dataset, bit for bit.
 """
 
 from __future__ import annotations
 
-import re
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -30,87 +30,22 @@ from typing import Any
 import numpy as np
 
 # The image vocabulary, classes and Distribution are shape_scenes'; importable from here too.
-from rayfed.data.shape_scenes import (CLASSES, COLORS, FINETUNE_STYLES, MAX_OBJECTS, NOVEL_CLASSES, PRETRAIN_STYLES,
-                                      SEEN_CLASSES, SHAPES, STYLES, TEXTURES, Distribution, draw_objects,
-                                      object_columns, render)
+from rayfed.data.shape_scenes import (  # noqa: F401
+    CLASSES, COLORS, FINETUNE_STYLES, MAX_OBJECTS, NOVEL_CLASSES, PRETRAIN_STYLES, SEEN_CLASSES, SHAPES, STYLES,
+    TEXTURES, Distribution, draw_objects, object_columns, render,
+)
+# The words (templates, questions, facts, vocabulary) are multimodal_texts'; importable from here too.
+from rayfed.data.multimodal_texts import (  # noqa: F401
+    ALL_QUESTION_TYPES, CLASS_PROMPT, EXTRA_QUESTION_TYPES, LETTERS, NUMBERS, QUESTION_TYPES, SUBJECTS, TOPICS,
+    VQA_ANSWERS, VQA_QUESTIONS, VQA_WORDINGS, class_prompts, draw_captions, subject_facts, topic_sentences,
+    vocabulary,
+)
 from rayfed.errors import ConfigError, choice_error
 from rayfed.lazy import DeferredModule
 
 datasets = DeferredModule("datasets")
 
 VERSION = 1  # bump when the same arguments generate different samples (pretrained models then rebuild)
-
-NUMBERS = ("one", "two", "three", "four", "five", "six", "seven", "eight")
-
-TOPICS = {  # 8 nouns, then 4 verbs
-    "sports": ("team", "match", "coach", "goal", "season", "player", "league", "stadium",
-               "won", "scored", "trained", "defeated"),
-    "science": ("researchers", "study", "cells", "planet", "energy", "experiment", "telescope", "genes",
-                "discovered", "measured", "observed", "tested"),
-    "business": ("company", "market", "shares", "profit", "bank", "investors", "prices", "sales",
-                 "rose", "reported", "bought", "sold"),
-    "world": ("leaders", "government", "election", "border", "minister", "treaty", "capital", "protest",
-              "agreed", "announced", "visited", "signed"),
-}  # fmt: skip
-_TOPIC_NOUNS = 8
-_FILLER_OPENERS = ("the", "a new", "this week the", "on monday the", "after a long day the")
-_FILLER_MIDDLE = ("with the", "near the", "and the", "over the", "against the")
-_FILLER_ENDINGS = ("today", "again", "last night", "this year", "on friday", "after all")
-
-# (question, answer, statement) facts of the multiple-choice subjects; statements go to pretraining.
-_COLOR_FACTS = (("tomato", "red"), ("leaf", "green"), ("sky", "blue"), ("lemon", "yellow"),
-                ("plum", "purple"), ("ice", "cyan"), ("carrot", "orange"), ("flamingo", "pink"))  # fmt: skip
-_SHAPE_FACTS = (
-    ("has three corners", "triangle"), ("has four equal sides", "square"), ("is perfectly round", "circle"),
-    ("has a hole in the middle", "ring"), ("has five points", "star"), ("looks like a plus sign", "cross"),
-    ("is a square turned on its corner", "diamond"), ("is long and flat", "bar"),
-)  # fmt: skip
-SUBJECTS = ("colors", "shapes", "numbers")
-_LETTERS = ("A", "B", "C", "D")
-
-_CAPTION_TEMPLATES = (
-    "a photo of a {color} {shape}.",
-    "a {texture} {color} {shape}.",
-    "a {color} {shape} on a {style} background.",
-    "there is a {color} {shape} in the picture.",
-)
-CLASS_PROMPT = "a photo of a {}."
-_VQA_QUESTIONS = {
-    "color": "what color is the object?",
-    "shape": "what shape is the object?",
-    "count": "how many objects are there?",
-}
-QUESTION_TYPES = tuple(_VQA_QUESTIONS)
-# Other wordings of each question (index 1..; 0 is the question above), built from words the generators already
-# emit (so every tokenizer built on :func:`vocabulary` reads them): a domain's own phrasing, for a domain shift.
-VQA_WORDINGS = {
-    "color": ("what color are the objects in the picture?", "the object is what color?",
-              "which color is the object in the photo?", "what is the color of the object?"),
-    "shape": ("what shape are the objects in the picture?", "the object is what shape?",
-              "which shape is the object in the photo?", "what is the shape of the object?"),
-    "count": ("how many objects are in the picture?", "there are how many objects?",
-              "how many objects are in this photo?", "how many objects are on the background?"),
-}  # fmt: skip
-# Question functions beyond reading the image, for a shift of functions, opt-in through ``question_types``:
-# ``knowledge`` asks a fact (the colour of a thing, the shape with a property), ``arithmetic`` a sum of two numbers;
-# both answer with words of VQA_ANSWERS.
-EXTRA_QUESTION_TYPES = ("knowledge", "arithmetic")
-ALL_QUESTION_TYPES = QUESTION_TYPES + EXTRA_QUESTION_TYPES
-VQA_ANSWERS = COLORS + SHAPES + NUMBERS[:MAX_OBJECTS]
-_FORMATS = (
-    "Answer: {answer}",
-    "Concepts: {concepts}",
-    "Description: {description}",
-    "Question: {question} Options: {options}",
-    "Correct answer on {subject}: {letter}. {answer}",
-    "what color is the {thing}?",
-    "which shape {property}?",
-    "what is {a} plus {b}?",
-    "the {thing} is {color}.",
-    "the {shape} {property}.",
-    "{a} plus {b} is {total}.",
-    "a {texture} {color} {shape}.",
-)
 
 TASKS = ("shapes", "vqa", "topics", "description", "multiple-choice", "statements")
 _MODALITY = {"shapes": "image+text", "vqa": "image+text", "topics": "text", "description": "text",
@@ -133,26 +68,6 @@ def features(image_size: int = 32) -> datasets.Features:
     })  # fmt: skip
 
 
-def vocabulary() -> list[str]:
-    """Every word and punctuation mark the generators can emit, sorted (no special tokens)."""
-    texts: list[str] = [*_CAPTION_TEMPLATES, *_VQA_QUESTIONS.values(), *_FORMATS, CLASS_PROMPT]
-    texts += [*SHAPES, *COLORS, *TEXTURES, *STYLES, *NUMBERS, *SUBJECTS, *_LETTERS]
-    texts += [*_FILLER_OPENERS, *_FILLER_MIDDLE, *_FILLER_ENDINGS]
-    texts += [word for words in TOPICS.values() for word in words] + list(TOPICS)
-    texts += [thing for thing, _ in _COLOR_FACTS] + [prop for prop, _ in _SHAPE_FACTS]
-    words = {token for text in texts for token in _split_words(re.sub(r"\{\w+\}", " ", text))}
-    return sorted(words)
-
-
-def _split_words(text: str) -> list[str]:
-    """The same split as the tokenizers' ``Whitespace`` pre-tokenizer."""
-    return re.findall(r"\w+|[^\w\s]+", text)
-
-
-def class_prompts(classes: Sequence[str] = CLASSES, template: str = CLASS_PROMPT) -> list[str]:
-    """Zero-shot prompts, one per class name: ``"a photo of a red circle."``."""
-    return [template.format(name) for name in classes]
-
 
 def _rng(seed: int, purpose: str) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(purpose.encode())]))
@@ -174,13 +89,6 @@ def _columns(n: int, task: str, **values: Any) -> dict[str, Any]:
     return columns
 
 
-def _captions(objects: dict[str, np.ndarray], rng: np.random.Generator) -> list[str]:
-    templates = rng.integers(0, len(_CAPTION_TEMPLATES), len(objects["class"]))
-    return [
-        _CAPTION_TEMPLATES[t].format(color=COLORS[c], shape=SHAPES[s], texture=TEXTURES[x], style=STYLES[y])
-        for t, c, s, x, y in zip(templates, objects["color"], objects["shape"], objects["texture"], objects["style"])
-    ]
-
 
 def shape_columns(n: int, *, seed: int, distribution: Distribution = FINETUNE, image_size: int = 32) -> dict[str, Any]:
     """Columns of :func:`shapes` (images as one uint8 array), for code that trains on arrays directly."""
@@ -189,7 +97,7 @@ def shape_columns(n: int, *, seed: int, distribution: Distribution = FINETUNE, i
     counts = np.ones(n, np.int64)
     images = render(objects["shape"], objects["color"], objects["texture"], objects["style"], counts, rng, image_size)
     return _columns(
-        n, "shapes", **object_columns(objects, counts, images), text=_captions(objects, rng),
+        n, "shapes", **object_columns(objects, counts, images), text=draw_captions(objects, rng),
         label=objects["class"].astype(np.int64), class_name=[CLASSES[k] for k in objects["class"]],
     )  # fmt: skip
 
@@ -223,7 +131,7 @@ def vqa_columns(
         if kind in EXTRA_QUESTION_TYPES:
             question, answer = facts[index]
         else:
-            question = _VQA_QUESTIONS[kind] if wording == 0 else VQA_WORDINGS[kind][wording - 1]
+            question = VQA_QUESTIONS[kind] if wording == 0 else VQA_WORDINGS[kind][wording - 1]
             answer = COLORS[c] if kind == "color" else SHAPES[s] if kind == "shape" else NUMBERS[k - 1]
         texts.append(question)
         answers.append(answer)
@@ -236,21 +144,12 @@ def vqa_columns(
 
 def _extra_questions(kinds: np.ndarray, rng: np.random.Generator) -> dict[int, tuple[str, str]]:
     """(question, answer) of each ``knowledge`` or ``arithmetic`` question among ``kinds``, by position."""
-    knowledge = [(q, a) for subject in ("colors", "shapes") for q, a, _ in _facts(subject)]
-    arithmetic = [(q, a) for q, a, _ in _facts("numbers") if a in VQA_ANSWERS]  # sums up to four
+    knowledge = [(q, a) for subject in ("colors", "shapes") for q, a, _ in subject_facts(subject)]
+    arithmetic = [(q, a) for q, a, _ in subject_facts("numbers") if a in VQA_ANSWERS]  # sums up to four
     pools = {"knowledge": knowledge, "arithmetic": arithmetic}
     return {index: pools[kind][rng.integers(len(pools[kind]))]
             for index, kind in enumerate(kinds) if kind in EXTRA_QUESTION_TYPES}
 
-
-def _topic_sentences(n: int, rng: np.random.Generator, topic_ids: np.ndarray) -> list[str]:
-    sentences = []
-    for topic in topic_ids:
-        words = TOPICS[list(TOPICS)[topic]]
-        nouns, verbs = words[:_TOPIC_NOUNS], words[_TOPIC_NOUNS:]
-        parts = (_FILLER_OPENERS, nouns, verbs, _FILLER_MIDDLE, nouns, _FILLER_ENDINGS)
-        sentences.append(" ".join(part[rng.integers(len(part))] for part in parts) + ".")
-    return sentences
 
 
 def topic_columns(n: int, *, seed: int, label_noise: float = 0.0) -> dict[str, Any]:
@@ -259,7 +158,7 @@ def topic_columns(n: int, *, seed: int, label_noise: float = 0.0) -> dict[str, A
         raise ConfigError(f"label_noise = {label_noise} is invalid: it must be in [0, 1).")
     rng = _rng(seed, "topics")
     topic_ids = rng.integers(0, len(TOPICS), n)
-    texts = _topic_sentences(n, rng, topic_ids)
+    texts = topic_sentences(n, rng, topic_ids)
     flip = rng.random(n) < label_noise
     labels = np.where(flip, (topic_ids + rng.integers(1, len(TOPICS), n)) % len(TOPICS), topic_ids)
     names = [list(TOPICS)[k] for k in labels]
@@ -282,14 +181,6 @@ def description_columns(n: int, *, seed: int, distribution: Distribution = FINET
     )  # fmt: skip
 
 
-def _facts(subject: str) -> list[tuple[str, str, str]]:
-    """(question, answer, statement) triples of one multiple-choice subject."""
-    if subject == "colors":
-        return [(f"what color is the {t}?", c, f"the {t} is {c}.") for t, c in _COLOR_FACTS]
-    if subject == "shapes":
-        return [(f"which shape {p}?", s, f"the {s} {p}.") for p, s in _SHAPE_FACTS]
-    sums = [(NUMBERS[a], NUMBERS[b], NUMBERS[a + b + 1]) for a in range(4) for b in range(4)]
-    return [(f"what is {a} plus {b}?", total, f"{a} plus {b} is {total}.") for a, b, total in sums]
 
 
 def multiple_choice_columns(n: int, *, seed: int, subjects: Sequence[str] = SUBJECTS) -> dict[str, Any]:
@@ -300,15 +191,15 @@ def multiple_choice_columns(n: int, *, seed: int, subjects: Sequence[str] = SUBJ
     rng = _rng(seed, "multiple-choice")
     texts, targets, labels, answers, domains, choices = [], [], [], [], [], []
     for subject in np.asarray(subjects)[rng.integers(0, len(subjects), n)]:
-        facts = _facts(str(subject))
+        facts = subject_facts(str(subject))
         question, answer, _ = facts[rng.integers(len(facts))]
         distractors = sorted({a for _, a, _ in facts} - {answer})
         options = [distractors[i] for i in rng.permutation(len(distractors))[:3]]
         correct = int(rng.integers(4))
         options.insert(correct, answer)
-        listing = " ".join(f"{letter}. {option}" for letter, option in zip(_LETTERS, options))
+        listing = " ".join(f"{letter}. {option}" for letter, option in zip(LETTERS, options))
         texts.append(f"Question: {question} Options: {listing}")
-        targets.append(f"Correct answer on {subject}: {_LETTERS[correct]}. {answer}")
+        targets.append(f"Correct answer on {subject}: {LETTERS[correct]}. {answer}")
         labels.append(correct)
         answers.append(answer)
         domains.append(str(subject))
@@ -322,10 +213,10 @@ def multiple_choice_columns(n: int, *, seed: int, subjects: Sequence[str] = SUBJ
 def statement_columns(n: int, *, seed: int, distribution: Distribution = PRETRAIN) -> dict[str, Any]:
     """Columns of :func:`statements`: a text-only corpus of captions, facts and news sentences."""
     rng = _rng(seed, "statements")
-    facts = [statement for subject in SUBJECTS for _, _, statement in _facts(subject)]
+    facts = [statement for subject in SUBJECTS for _, _, statement in subject_facts(subject)]
     kinds = rng.integers(0, 3, n)  # 0: caption of an image class, 1: fact, 2: news sentence
-    captions = _captions(draw_objects(n, rng, distribution), rng)
-    news = _topic_sentences(n, rng, rng.integers(0, len(TOPICS), n))
+    captions = draw_captions(draw_objects(n, rng, distribution), rng)
+    news = topic_sentences(n, rng, rng.integers(0, len(TOPICS), n))
     fact_ids = rng.integers(0, len(facts), n)
     texts = [captions[i] if kind == 0 else facts[fact_ids[i]] if kind == 1 else news[i] for i, kind in enumerate(kinds)]
     domains = [("captions", "facts", "news")[kind] for kind in kinds]

@@ -1,7 +1,9 @@
 """The driver process's side of a run, one job per module:
 
-- :mod:`~rayfed.simulation.run`: :class:`Simulation`, set up fresh or resumed, every method with retries, evaluations
-  and checkpoints;
+- :mod:`~rayfed.simulation.run`: :class:`Simulation`, set up fresh or resumed, every method in turn, started again
+  after an actor died;
+- :mod:`~rayfed.simulation.method_run`: one method's run: restored from its checkpoint, its rounds with their
+  evaluations and checkpoints, its final stages and results file;
 - :mod:`~rayfed.simulation.rounds`: one round (plan, assign, dispatch, aggregate);
 - :mod:`~rayfed.simulation.actors`: the run's ClientActors and DriverActor, started and called together;
 - :mod:`~rayfed.simulation.placement`: the actors' slots fitted to the cluster, and which actor trains whom;

@@ -1,5 +1,6 @@
-"""A run: set up fresh or resumed from its folder, then every method in turn, round after round, with retries after
-an actor died, evaluations, checkpoints and the results written. Runs in the user's process (driver script or CLI).
+"""A run: set up fresh or resumed from its folder, then every method in turn (:class:`MethodRun`: round after round,
+with evaluations, checkpoints and its results written), started again after an actor died, and the run's summary and
+report written. Runs in the user's process (driver script or CLI).
 
 Only ObjectRefs of payloads and uploads pass through this process; client data is loaded by the actors that host the
 clients.
@@ -18,7 +19,6 @@ import ray
 from tqdm.auto import tqdm
 
 from rayfed.architectures import actor_slots
-from rayfed.results.checkpoint import load_checkpoint, save_checkpoint
 from rayfed.compute import matched_steps
 from rayfed.config import RunConfig, dump_config, load_config, model_configs, with_full_params
 from rayfed.data.clients import build_federation
@@ -29,12 +29,13 @@ from rayfed.run_methods import run_methods
 from rayfed.simulation.actors import RunActors
 from rayfed.simulation.nonfinite import NonfiniteCheck
 from rayfed.simulation.gpu_memory import fitted_slots_measured
+from rayfed.simulation.method_run import MethodRun
 from rayfed.simulation.placement import planned_costs
 from rayfed.simulation.preflight import check_model
 from rayfed.simulation.ray_setup import (ObjectStoreCheck, import_plugin_modules, init_ray, is_actor_failure,
                                         unwrap_actor_error)
-from rayfed.simulation.results import MetricsLog, mean_std, method_results, run_summary
-from rayfed.simulation.rounds import measured_costs, run_round
+from rayfed.simulation.results import MetricsLog, run_summary
+from rayfed.simulation.rounds import measured_costs
 
 RoundCallback = Callable[["Simulation", str, int], None]
 """Called as ``callback(simulation, method_label, rounds_done)`` after every round."""
@@ -202,8 +203,9 @@ class Simulation:
             try:
                 self.run_actors.start_method(method_index, local_steps)
                 self.federation = self.run_actors.federation  # on Ray: views of the object store's copy
-                start_round, counters = self._restore(method_index)
-                self._rounds(method_index, start_round, counters)
+                MethodRun(self.config, method_index, self.methods[method_index], self.run_actors, self.federation,
+                          self.num_train, self.log, self.nonfinite, self.object_store_check, self._results_dir,
+                          self._checkpoint_dir, self._after_round, self.progress).run()
                 return
             except Exception as err:  # noqa: BLE001 - only actor/node deaths are retried
                 if not is_actor_failure(err):
@@ -217,78 +219,10 @@ class Simulation:
                     ) from err
                 tqdm.write(f"[rayfed] {entry.label}: an actor died ({type(err).__name__}); restoring from the last checkpoint")
 
-    def _restore(self, method_index: int) -> tuple[int, dict[str, float]]:
-        """Every state from the method's last checkpoint; without one, a fresh start through the method's
-        stages before round 1 (a checkpoint at round 0 keeps a resumed run from running them again)."""
-        label = self.config.methods[method_index].label
-        checkpoint = load_checkpoint(self._checkpoint_dir, label, self.config.to_dict())
-        if checkpoint is None:
-            self.log.restart_method(label, 0)
-            counters = {"up_bytes": 0, "down_bytes": 0, "up_params": 0, "down_params": 0, "wall_time_s": 0.0}
-            self.run_actors.before_federation(method_index)
-            if self.methods[method_index].pre_federation_stage and self.config.federation.checkpoint_every:
-                self._checkpoint(label, 0, counters)
-            return 0, counters
-        self.run_actors.set_states(checkpoint)
-        self.log.restart_method(label, checkpoint.round)
-        return checkpoint.round, dict(checkpoint.meta["counters"])
-
-    def _rounds(self, method_index: int, start_round: int, counters: dict[str, float]) -> None:
-        """The method's rounds from ``start_round``: each logged, evaluated and checkpointed as the config asks."""
-        federation, entry = self.config.federation, self.config.methods[method_index]
-        bar = tqdm(total=federation.rounds, initial=start_round, desc=entry.label, unit="round",
-                   disable=not self.progress, dynamic_ncols=True)
-        if start_round == 0 and federation.eval_round_zero:
-            self._evaluate(entry.label, 0)
-        for round_idx in range(start_round, federation.rounds):
-            started = time.perf_counter()
-            done = run_round(self.run_actors, method_index, round_idx, self.num_train)
-            stats, rounds_done = done.stats, round_idx + 1
-            if "nonfinite" in stats:
-                self.nonfinite(entry.label, f"in round {rounds_done}", stats["nonfinite"])
-            wall = time.perf_counter() - started
-            self.object_store_check(entry.label, rounds_done, stats["store_bytes"], self.run_actors.object_store)
-            done.count(counters, wall)
-            self.log.append(done.event(entry.label, rounds_done, wall))
-            postfix = {"loss": "-" if stats["train_loss"] is None else f"{stats['train_loss']:.3f}"}
-            if rounds_done % federation.eval_every == 0 and rounds_done < federation.rounds:
-                _, _, means = self._evaluate(entry.label, rounds_done)
-                postfix.update({k: f"{v:.3f}" for k, v in means.items() if k.endswith("acc")})
-            if federation.checkpoint_every and rounds_done % federation.checkpoint_every == 0:
-                self._checkpoint(entry.label, rounds_done, counters)
-            bar.set_postfix(postfix)
-            bar.update(1)
-            for callback in self.callbacks:
-                callback(self, entry.label, rounds_done)
-        final = self._finish(method_index, counters)
-        bar.set_postfix({k: f"{v:.3f}" for k, v in final.items() if k.endswith("acc")})
-        bar.close()
-
-    def _evaluate(self, label: str, rounds_done: int, post_train_steps: int | None = None
-                  ) -> tuple[dict[int, dict[str, float]], dict[str, Any], dict[str, float]]:
-        """Every client's metrics after ``rounds_done`` rounds, logged (with ``post_train_steps``: the final ones,
-        after the method's final stages): the clients' metrics, what of them is non-finite, and their means."""
-        final = post_train_steps is not None
-        clients = self.run_actors.client_metrics(rounds_done, post_train_steps)
-        when = f"at the {'final ' if final else ''}evaluation after round {rounds_done}"
-        nonfinite = self.nonfinite.in_metrics(label, when, clients)
-        means, _ = mean_std(clients)
-        self.log.append({"event": "eval", "method": label, "round": rounds_done, **({"final": True} if final else {}),
-                         **means, **nonfinite, "clients": {str(c): m for c, m in clients.items()}})
-        return clients, nonfinite, means
-
-    def _finish(self, method_index: int, counters: dict[str, float]) -> dict[str, float]:
-        """The method's final stages and evaluation, logged and written to its results file; the means."""
-        entry = self.config.methods[method_index]
-        clients, nonfinite, means = self._evaluate(entry.label, self.config.federation.rounds, entry.post_train_steps)
-        atomic_write_json(self._results_dir / f"{entry.label}.json", method_results(
-            self.config, self.federation, entry.label, clients, nonfinite, self.log.events, counters))
-        return means
-
-    def _checkpoint(self, label: str, rounds_done: int, counters: dict[str, float]) -> None:
-        clients, server = self.run_actors.states()
-        save_checkpoint(self._checkpoint_dir, label, rounds_done, server, clients,
-                        {"counters": counters, "config": self.config.to_dict(), "method": label})
+    def _after_round(self, label: str, rounds_done: int) -> None:
+        """Every callback, after a round of the method ``label``."""
+        for callback in self.callbacks:
+            callback(self, label, rounds_done)
 
 
 @contextlib.contextmanager
