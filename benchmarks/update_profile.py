@@ -69,7 +69,7 @@ HOST_PHASES: dict[str, tuple[str, ...]] = {
     "batch building": ("rayfed.training.client_context:ClientContext.batch_order",
                        "rayfed.training.client_context:ClientContext.micro_batch"),
     "payloads and states to the device": ("rayfed.actors.client:ClientActor._on_device",
-                                          "rayfed.actors.client:states_to"),
+                                          "rayfed.actors.hosted:states_to"),
     "uploads to the host": ("rayfed.actors.client:to_host",),
 }
 # The host blocked on the GPU; aten::_local_scalar_dense is a read of a GPU value (``.item()``), a sync inside.
