@@ -22,5 +22,11 @@ def packages_below(name: str, folder: Path) -> list[str]:
     return found
 
 
-package_dir = load_file(ROOT / "pyproject.toml")["tool"]["setuptools"]["package-dir"]
-setup(packages=[package for name, folder in package_dir.items() for package in packages_below(name, ROOT / folder)])
+def packages() -> list[str]:
+    """Every package of the distribution."""
+    package_dir = load_file(ROOT / "pyproject.toml")["tool"]["setuptools"]["package-dir"]
+    return [package for name, folder in package_dir.items() for package in packages_below(name, ROOT / folder)]
+
+
+if __name__ == "__main__":  # as setuptools runs it
+    setup(packages=packages())

@@ -27,7 +27,7 @@ MOVED_MODULES = {
 }  # fmt: skip
 # Scripts that left the installed package for the repository's benchmarks/papers/ (run from the checkout's root, or
 # with --repo): importing or running one by its old module path fails in one sentence naming the command. By module:
-# rayfed.methods.experiments.<script>, rayfed.methods.<paper>.<kind> and rayfed.benchmarks.<script>.
+# rayfed.methods.experiments(.<script>), rayfed.methods.<paper>.<kind> and rayfed.benchmarks.<script>.
 SCRIPT_KINDS = {"tables": "tables", "configs": "configs", "paper_configs": "configs", "costs": "costs",
                 "others": "others"}
 FORMER_BENCHMARK_SCRIPTS = ("offline_runs", "offline_twins")
@@ -36,8 +36,8 @@ FORMER_BENCHMARK_SCRIPTS = ("offline_runs", "offline_twins")
 def moved_script(name: str) -> str | None:
     """The file under benchmarks/papers/ that module ``name`` became, or None when it names no moved script."""
     parts = name.split(".")
-    if parts[:3] == ["rayfed", "methods", "experiments"] and len(parts) <= 4:
-        return f"{parts[3] if len(parts) == 4 else 'offline_runs'}.py"
+    if parts == ["rayfed", "methods", "experiments"]:  # a script under it is asked for after its package
+        return f"{' or '.join(f'{script}.py' for script in FORMER_BENCHMARK_SCRIPTS)}"
     if parts[:2] == ["rayfed", "methods"] and len(parts) == 4 and parts[3] in SCRIPT_KINDS:
         return f"{parts[2]}_{SCRIPT_KINDS[parts[3]]}.py"
     if parts[:2] == ["rayfed", "benchmarks"] and len(parts) == 3 and parts[2] in FORMER_BENCHMARK_SCRIPTS:
