@@ -179,7 +179,7 @@ def feddat_scene(index: int) -> dict[str, Any]:
     return {"styles": [FEDDAT_STYLES[index % len(FEDDAT_STYLES)]], "question_types": ["color"]}
 
 
-# FedMosaic (docs/fedmosaic.md): the offline benchmark's tasks (methods/fedmosaic/configs.py) per client
+# FedMosaic (docs/fedmosaic.md): the offline benchmark's tasks (fedmosaic_configs.py) per client
 # at 1,250 samples each, D_p's 5,000 public samples; texts hold LLaVA-1.5's 576 image tokens.
 MOSAIC_SAMPLES_PER_TASK = 1250
 MOSAIC_TEXT_LENGTH = 576 + 10  # the image tokens, <|begin_of_text|>, a question and its one-word answer
