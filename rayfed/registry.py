@@ -162,8 +162,9 @@ def load_plugins() -> None:
     global _plugins_loaded
     if _plugins_loaded:
         return
-    _plugins_loaded = True
-    for module in plugin_modules():
+    modules = plugin_modules()
+    _plugins_loaded = True  # before importing: a listed module may look a name up while it loads
+    for module in modules:
         try:
             importlib.import_module(module)
         except ImportError as err:

@@ -64,7 +64,13 @@ def test_a_listed_module_that_cannot_be_imported_is_one_sentence(tmp_path, monke
 
 
 def test_an_install_without_rayfed_s_list_says_to_reinstall(monkeypatch, fresh_registry):
+    listed = registry.importlib.metadata.entry_points
     monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [])
     with pytest.raises(ConfigError, match=r"rayfed's installed metadata lists no rayfed\.plugins entry points .*: "
                                           r"reinstall rayfed \(pip install -e \.\)\.$"):
         registry.resolve("method", "fedavg")
+    imported = []  # reinstalled, the same process loads the list at its next look-up
+    monkeypatch.setattr(registry.importlib.metadata, "entry_points", listed)
+    monkeypatch.setattr(registry.importlib, "import_module", imported.append)
+    registry.names("method")
+    assert imported == registry.plugin_modules()
