@@ -183,7 +183,8 @@ def test_a_resumed_job_continues_from_its_checkpoint_and_a_job_without_one_start
     monkeypatch.setattr(offline_runs, "job_config", tiny)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a CPU job hides the GPUs: undone after the test
     job = {"plan": "p", "configs": str(CONFIGS), "config": "c", "label": "fedavg", "overrides": {}, "seed": 3,
-           "extra": {}, "device": "cpu", "threads": 1, "compute_match": None, "stems": [], "checkpoint_every": 3, "resume": False}
+           "extra": {}, "device": "cpu", "threads": 1, "compute_match": None, "stems": [], "checkpoint_every": 3,
+           "resume": False}
     first = offline_runs.run_job({**job, "run_dir": str(tmp_path / "first")})
     assert "error" not in first, first.get("error")
     interrupted = tmp_path / "interrupted"
