@@ -16,13 +16,12 @@ know overlapping halves of its rule and together all of it.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
-from repo_argument import add_repo_argument, configs_of
+from repo_argument import configs_of, run_generator
 
 SMALL, LARGE = (0, 1, 2, 3), (4, 5, 6, 7, 8, 9)
 GROUPS = {0: (0, 4, 5), 1: (6, 7, 8), 2: (1, 2, 3, 9)}  # Tab. 37: visual relation, reasoning, VQA
@@ -241,11 +240,7 @@ def write(repo: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_repo_argument(parser)
-    repo = parser.parse_args(argv).repo
-    for path in write(repo):
-        print(path.relative_to(repo))
+    run_generator(__doc__.splitlines()[0], write, argv)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ Every file runs unchanged with a network (HF datasets and ViT weights by name) a
 
 from __future__ import annotations
 
-import argparse
 import copy
 from pathlib import Path
 from typing import Any
 
 import yaml
-from repo_argument import add_repo_argument, configs_of
+from repo_argument import configs_of, run_generator
 
 # HF-format ViTs (patch 16, 224 px, no pooler used). The paper uses Google's augreg
 # ImageNet-21k ViTs via timm; B and L are Google's in21k releases, T and S are HF conversions of
@@ -167,9 +166,7 @@ def write(repo: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_repo_argument(parser)
-    write(parser.parse_args(argv).repo)
+    run_generator(__doc__.splitlines()[0], write, argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ mean nothing.
 
 from __future__ import annotations
 
-import argparse
 import copy
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 import yaml
 from fedmosaic_configs import client_tasks
-from repo_argument import add_repo_argument, configs_of
+from repo_argument import configs_of, run_generator
 
 # The paper's backbone (hub name) -> the offline backbone of its architecture at its size (rayfed/zoo/paper.py,
 # rayfed/models/families/; open_clip:ViT-B-16 without model.pretrained is open_clip's own random init).
@@ -279,11 +278,7 @@ def write(repo: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_repo_argument(parser)
-    repo = parser.parse_args(argv).repo
-    for path in write(repo):
-        print(path.relative_to(repo))
+    run_generator(__doc__.splitlines()[0], write, argv)
 
 
 if __name__ == "__main__":

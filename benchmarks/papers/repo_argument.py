@@ -4,6 +4,7 @@ folder). The scripts never locate the checkout from their own path, so they run 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -20,3 +21,12 @@ def configs_of(repo: Path) -> Path:
         raise SystemExit(f"--repo {str(repo)!r} has no configs/ folder: pass the rayfed repository's root (default: "
                          "the current folder).")
     return configs
+
+
+def run_generator(description: str, write: Callable[[Path], list[Path]], argv: list[str] | None = None) -> None:
+    """A config generator's command line: ``write`` into the ``--repo`` given, then list the files it wrote."""
+    parser = argparse.ArgumentParser(description=description)
+    add_repo_argument(parser)
+    repo = parser.parse_args(argv).repo
+    for path in write(repo):
+        print(path.relative_to(repo))
