@@ -1,34 +1,34 @@
-"""The built-in PFL methods, one module each; each registers itself by name (``rayfed.register_method``).
+"""The built-in PFL methods, one module each, and one package per seed paper; each registers its plug-ins by name
+(``rayfed.register_method``).
 
-Importing this package registers them all; configs name them (``methods: [fedavg, ditto]``) and the
-engine finds them through :mod:`rayfed.registry`, never by importing a method itself. A method of one's own
-may start from a built-in one: ``from rayfed.methods import Ditto, DittoParams`` and subclass it.
+The registry imports them from the one list of plug-in modules (pyproject.toml's ``rayfed.plugins`` entry points;
+see :mod:`rayfed.registry`); configs name them (``methods: [fedavg, ditto]``), and the engine never imports a method
+itself. A method of one's own may start from a built-in one: ``from rayfed.methods import Ditto, DittoParams`` and
+subclass it: every built-in method class and its Params class import from here, found among the registered methods.
 """
 
-from rayfed.methods.clip_zeroshot import ClipZeroShot
-from rayfed.methods.disentafl import DisentAFL, DisentAFLParams
-from rayfed.methods.ditto import Ditto, DittoParams
-from rayfed.methods.fedavg import FedAvg
-from rayfed.methods.feddat import FedDAT, FedDATParams
-from rayfed.methods.feddat_lora import FedDATLora, FedDATLoraParams
-from rayfed.methods.feddpa import FedDPA, FedDPAParams
-from rayfed.methods.feddyn import FedDyn, FedDynParams
-from rayfed.methods.fedmkt import FedMKT, FedMKTParams
-from rayfed.methods.fedmosaic import FedMosaic, FedMosaicParams
-from rayfed.methods.fedprox import FedProx, FedProxParams
-from rayfed.methods.fedsim import FedSim, FedSimParams
-from rayfed.methods.fedyolo import FedYolo, FedYoloParams
-from rayfed.methods.local import Local
-from rayfed.methods.perada import PerAda, PerAdaParams
-from rayfed.methods.perfedavg import PerFedAvg, PerFedAvgParams
-from rayfed.methods.pfedmma import PFedMMA, PFedMMAParams
-from rayfed.methods.promptfl import PromptFL, PromptFLParams
-from rayfed.methods.takfl import TAKFL, TAKFLParams
-from rayfed.methods.tap import TAP, TAPParams
+from __future__ import annotations
 
-__all__ = [
-    "ClipZeroShot", "DisentAFL", "DisentAFLParams", "Ditto", "DittoParams", "FedAvg", "FedDAT", "FedDATParams",
-    "FedDATLora", "FedDATLoraParams", "FedDPA", "FedDPAParams", "FedDyn", "FedDynParams", "FedMKT", "FedMKTParams", "FedMosaic",
-    "FedMosaicParams", "FedProx", "FedProxParams", "FedSim", "FedSimParams", "FedYolo", "FedYoloParams", "Local",
-    "PerAda", "PerAdaParams", "PerFedAvg", "PerFedAvgParams", "PFedMMA", "PFedMMAParams", "PromptFL", "PromptFLParams", "TAKFL", "TAKFLParams", "TAP", "TAPParams",
-]
+from typing import Any
+
+
+def _built_in_classes() -> dict[str, type]:
+    """Every built-in method class and its Params class (but the shared empty one), by class name."""
+    from rayfed import registry
+    from rayfed.method import NoParams
+
+    found: dict[str, type] = {}
+    for entry in registry.entries("method"):
+        if entry.builtin and isinstance(entry.obj, type):
+            found[entry.obj.__name__] = entry.obj
+            if entry.obj.Params is not NoParams:
+                found[entry.obj.Params.__name__] = entry.obj.Params
+    return found
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__all__":
+        return sorted(_built_in_classes())
+    if not name.startswith("__") and (found := _built_in_classes().get(name)) is not None:
+        return found
+    raise AttributeError(f"module 'rayfed.methods' has no attribute {name!r}")

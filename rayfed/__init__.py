@@ -10,9 +10,9 @@ What a driver script needs is importable from here: ``Simulation``, the config, 
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import TYPE_CHECKING, Any
 
+from rayfed.compat import MOVED_MODULES, install_moved_module_finder, moved_module
 from rayfed.registry import (
     register,
     register_backbone,
@@ -53,44 +53,12 @@ __all__ = [
     "register_partitioner", "register_preparer", "register_source", "register_task_kind",
 ]
 
-# Modules that moved into subpackages: importing one by its old path fails in one sentence naming the new one.
-MOVED_MODULES = {
-    "rayfed.kinds": "rayfed.tasks.kinds", "rayfed.kind_protocols": "rayfed.tasks.kind_protocols",
-    "rayfed.decoders": "rayfed.tasks.decoders", "rayfed.text_metrics": "rayfed.tasks.text_metrics",
-    "rayfed.report": "rayfed.results.report", "rayfed.checkpoint": "rayfed.results.checkpoint",
-    "rayfed.metrics": "rayfed.results.derived_metrics", "rayfed.modules": "rayfed.models.peft.modules",
-    "rayfed.models.attach": "rayfed.models.peft.attach", "rayfed.lora_groups": "rayfed.models.peft.lora_groups",
-    "rayfed.models.named_adapters": "rayfed.models.peft.named_adapters",
-    "rayfed.benchmarks.offline_runs": "rayfed.methods.experiments.offline_runs",
-    "rayfed.benchmarks.offline_twins": "rayfed.methods.experiments.offline_twins",
-    "rayfed.client_context": "rayfed.training.client_context", "rayfed.optimizers": "rayfed.training.optimizers",
-    "rayfed.fast_steps": "rayfed.training", "rayfed.scoring": "rayfed.training.scoring",
-    "rayfed.public_pass": "rayfed.training.public_pass", "rayfed.batching": "rayfed.training.plans.stacked",
-    "rayfed.training.fast_steps": "rayfed.training", "rayfed.training.batching": "rayfed.training.plans.stacked",
-    "rayfed.streams": "rayfed.data.streams", "rayfed.clip": "rayfed.models.families.clip",
-}  # fmt: skip
-
-
-def _moved(old: str) -> str:
-    return f"{old} moved to {MOVED_MODULES[old]}; import it from there."
-
-
-class _MovedModuleFinder:
-    """Asked before the other finders for a module not yet imported; answers only for the moved ones."""
-
-    @staticmethod
-    def find_spec(name: str, path: object = None, target: object = None) -> None:
-        if name in MOVED_MODULES:
-            raise ImportError(_moved(name), name=name)
-
-
-if not any(type(finder).__name__ == _MovedModuleFinder.__name__ for finder in sys.meta_path):
-    sys.meta_path.insert(0, _MovedModuleFinder())
+install_moved_module_finder()
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if f"rayfed.{name}" in MOVED_MODULES:
-        raise AttributeError(_moved(f"rayfed.{name}"))
+    if (moved := moved_module(f"rayfed.{name}")) is not None:
+        raise AttributeError(moved)
     raise AttributeError(f"module 'rayfed' has no attribute {name!r}")

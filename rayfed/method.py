@@ -21,6 +21,7 @@ from torch import nn
 
 from rayfed.aggregation import (ROWS, Aggregation, EachUpload, MixedRows, Mixture, PartialSum, Upload, WeightedMean,
                                 mean_as, presum, weighted_mean, weighted_sums)
+from rayfed import compat
 from rayfed.errors import ConfigError
 from rayfed.types import ClientState, Loss, ServerState, TensorDict, tensor_bytes, tensor_params
 
@@ -139,9 +140,7 @@ class Method:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "presums_uploads" in vars(cls):
-            raise TypeError(f"{cls.__name__} sets presums_uploads, which rayfed no longer reads: declare aggregation = "
-                            "rayfed.WeightedMean() instead of True, or rayfed.EachUpload() instead of False.")
+        compat.check_method_attributes(cls)
 
     def __init__(self, params: Any = None):
         self.params = params if params is not None else self.Params()
@@ -322,8 +321,8 @@ def _validated_params(params_cls: type, values: dict[str, Any], label: str) -> A
     fields = [f for f in dataclasses.fields(params_cls) if f.init]
     allowed = [f.name for f in fields]
     for key in values:
-        if key not in allowed:  # a Params class's removed_hyperparameters: {name: what to set instead}
-            removed = getattr(params_cls, "removed_hyperparameters", {}).get(key)
+        if key not in allowed:
+            removed = compat.removed_hyperparameter(params_cls, key)
             hint = f"it was removed: {removed}" if removed else f"allowed: {', '.join(allowed)}" if allowed else \
                 "it takes no hyperparameters"
             raise ConfigError(f"{label} has no hyperparameter {key!r}{suggest(key, allowed)}; {hint}.")

@@ -8,8 +8,10 @@ A method, a data source, a partitioner, a backbone, a client model and a task ki
 - an importable ``"package.module:Name"`` string;
 - or, from Python, the object itself.
 
-Built-ins register through the same decorators as users (``@register_method("fedavg")``); their modules
-are imported the first time a kind is looked up. What a driver script registers is shipped to the actors
+Built-ins register through the same decorators as users (``@register_method("fedavg")``). The modules that
+register plug-ins are listed once, as entry points of the group ``rayfed.plugins`` (rayfed's own in pyproject.toml,
+the engine's and the papers' alike; another installed distribution may add its own): the first look-up of any kind
+imports every listed module (:func:`load_plugins`). What a driver script registers is shipped to the actors
 with the run (:func:`user_entries`, :func:`install`), so a class defined in a user's ``__main__`` works on
 every actor.
 """
@@ -17,6 +19,7 @@ every actor.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -25,7 +28,7 @@ from rayfed.errors import ConfigError, suggest
 
 T = TypeVar("T")
 
-# kind -> the config field it is named in (for error messages), and the modules holding its built-ins
+# kind -> the config field it is named in (for error messages)
 KINDS: dict[str, str] = {
     "method": "methods[i].name",
     "source": "data.source",
@@ -35,15 +38,7 @@ KINDS: dict[str, str] = {
     "task_kind": "data.kind",
     "preparer": "benchmark",  # rayfed prepare BENCHMARK
 }
-_BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
-    "method": ("rayfed.methods",),
-    "source": ("rayfed.data.sources", "rayfed.methods"),  # rayfed.methods: the papers' packages register theirs
-    "partitioner": ("rayfed.data.partition", "rayfed.methods"),
-    "backbone": ("rayfed.models", "rayfed.models.families.clip", "rayfed.methods"),
-    "client_model": ("rayfed.methods",),
-    "task_kind": ("rayfed.tasks.kinds",),
-    "preparer": ("rayfed.methods",),  # each paper's package registers the benchmarks it reads
-}
+PLUGIN_GROUP = "rayfed.plugins"  # the entry-point group listing the modules that register plug-ins
 
 
 @dataclass(frozen=True)
@@ -72,7 +67,7 @@ class Resolved:
 
 
 _ENTRIES: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
-_loaded: set[str] = set()
+_plugins_loaded = False
 
 
 def _check_kind(kind: str) -> None:
@@ -145,34 +140,44 @@ def register_preparer(name: str) -> Callable[[T], T]:
     return register("preparer", name)
 
 
-_MOVED_FIELDS: dict[str, str] = {}
+def plugin_modules() -> list[str]:
+    """The modules listed under the entry-point group ``rayfed.plugins``, each once: rayfed's own first, the engine's
+    before the methods' (so a kind's built-ins register in the same order however the list is sorted), then other
+    installed distributions'."""
+    listed = importlib.metadata.entry_points(group=PLUGIN_GROUP)
+    own = sorted((point.value for point in listed if _distribution(point) == "rayfed"),
+                 key=lambda module: module.startswith("rayfed.methods."))
+    if not own:
+        raise ConfigError(f"rayfed's installed metadata lists no {PLUGIN_GROUP} entry points (pyproject.toml's "
+                          f"[project.entry-points.\"{PLUGIN_GROUP}\"]): reinstall rayfed (pip install -e .).")
+    return list(dict.fromkeys([*own, *(point.value for point in listed if _distribution(point) != "rayfed")]))
 
 
-def register_moved_field(field: str, sentence: str) -> None:
-    """Refuse config field ``field`` (``data.<key>``), which a plug-in replaced, with ``sentence``: one sentence
-    saying what to write instead. A package registers this beside the plug-in that replaced the field."""
-    _MOVED_FIELDS[field] = sentence
+def _distribution(point: importlib.metadata.EntryPoint) -> str | None:
+    return point.dist.name if point.dist is not None else None
 
 
-def moved_field(field: str) -> str | None:
-    """What to write instead of config field ``field``, where a plug-in replaced it; None for any other field.
-    Built-ins register theirs as their modules load, so every kind's are loaded first."""
-    for kind in KINDS:
-        _load_builtins(kind)
-    return _MOVED_FIELDS.get(field)
-
-
-def _load_builtins(kind: str) -> None:
-    if kind not in _loaded:
-        _loaded.add(kind)
-        for module in _BUILTIN_MODULES[kind]:
+def load_plugins() -> None:
+    """Import every module :func:`plugin_modules` lists (once per process), which registers their plug-ins."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    modules = plugin_modules()
+    _plugins_loaded = True  # before importing: a listed module may look a name up while it loads
+    for module in modules:
+        try:
             importlib.import_module(module)
+        except ImportError as err:
+            if module.startswith("rayfed."):
+                raise
+            raise ConfigError(f"plug-in module {module!r} (listed under the entry-point group {PLUGIN_GROUP}) cannot "
+                              f"be imported ({err}).") from None
 
 
 def entries(kind: str) -> list[Entry]:
     """Every registered plug-in of ``kind``, built-ins first, each group in registration order."""
     _check_kind(kind)
-    _load_builtins(kind)
+    load_plugins()
     registered = list(_ENTRIES[kind].values())
     return [e for e in registered if e.builtin] + [e for e in registered if not e.builtin]
 
@@ -188,7 +193,7 @@ def resolve(kind: str, value: Any, field: str | None = None) -> Resolved:
     field = field or KINDS[kind]
     if not isinstance(value, str):
         return Resolved(value, name_of(kind, value))
-    _load_builtins(kind)
+    load_plugins()
     entry = _registered(kind, value)
     if entry is not None:
         return Resolved(entry.obj, value, value[len(entry.name):] if entry.prefix else None)

@@ -24,6 +24,10 @@ import torch.utils._python_dispatch  # noqa: E402
 
 from rayfed.simulation import init_local_ray  # noqa: E402
 
+# The papers' reproduction and config scripts (benchmarks/papers/, outside the installed package) import as the
+# top-level modules they are when run as `python benchmarks/papers/<script>.py`.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "papers"))
+
 TINY_RUN = {
     "name": "tiny",
     "seed": 3,

@@ -117,9 +117,9 @@ def test_the_old_base_novel_section_says_what_to_write_instead(tiny_run):
 
 
 def test_a_data_field_a_plug_in_replaced_is_refused_with_the_plug_ins_sentence(tiny_run, monkeypatch):
-    from rayfed import registry
+    from rayfed import compat
 
-    monkeypatch.setitem(registry._MOVED_FIELDS, "data.old_split", "data.old_split is now a partitioner: write "
+    monkeypatch.setitem(compat._MOVED_FIELDS, "data.old_split", "data.old_split is now a partitioner: write "
                         "data.partition: {name: new_split} instead.")
     tiny_run["data"]["old_split"] = {"k": 1}
     assert _error(tiny_run, []) == "data.old_split is now a partitioner: write data.partition: {name: new_split} instead."

@@ -150,7 +150,7 @@ def test_ladder_module_counts_and_uplink_ratio(num_classes: int) -> None:
 
 def test_tables_report_the_uplink_cost_at_the_target(tmp_path: Path) -> None:
     """Rounds to 95% of fedavg-full's best, the uplink sent until then, and full's cost over the method's."""
-    from rayfed.methods.fedyolo.tables import tables
+    from fedyolo_tables import tables
 
     per_round = {"fedavg-full": 1000, "fedavg-head": 10}
     accuracy = {"fedavg-full": [0.5, 0.8, 1.0], "fedavg-head": [0.96, 0.97, 0.97]}  # evaluated every 2 rounds
@@ -174,7 +174,7 @@ def test_tables_report_the_uplink_cost_at_the_target(tmp_path: Path) -> None:
 
 
 def test_tables_give_the_forgetting_ratio_on_the_global_test_set(tmp_path: Path) -> None:
-    from rayfed.methods.fedyolo.tables import tables
+    from fedyolo_tables import tables
 
     global_acc = {"fedavg-full": 0.8, "fedavg-full+local": 0.6}
     (tmp_path / "metrics.jsonl").write_text("")

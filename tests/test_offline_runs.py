@@ -1,4 +1,4 @@
-"""methods/experiments/offline_runs.py: every plan's job is one existing method of a valid config."""
+"""benchmarks/papers/offline_runs.py: every plan's job is one existing method of a valid config."""
 
 from __future__ import annotations
 
@@ -7,8 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from rayfed.methods.experiments.offline_runs import PLANS, job_config
+from offline_runs import plans
+
 from rayfed.config import build_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PLANS = plans(CONFIGS)
+
+
+def job_config(stem: str, label: str, overrides: dict, seed: int, extra: dict) -> dict:
+    from offline_runs import job_config
+
+    return job_config(CONFIGS, stem, label, overrides, seed, extra)
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
@@ -31,7 +41,7 @@ def test_overrides_reach_nested_method_fields() -> None:
 
 
 def test_others_are_grouped_by_the_other_tasks_group_and_architecture() -> None:
-    from rayfed.methods.fedmosaic.others import by_relation
+    from fedmosaic_others import by_relation
 
     def task(name: str, client: int, group: int) -> dict:
         return {"name": name, "clients": [client], "options": {"group": group}}
@@ -50,8 +60,7 @@ def test_others_are_grouped_by_the_other_tasks_group_and_architecture() -> None:
 def test_the_settings_paired_with_offline_dynamic_differ_from_it_only_in_their_methods() -> None:
     import yaml
 
-    from rayfed.methods.fedmosaic.tables import SAME_CLIENTS, SAME_CLIENTS_STATIC
-    from rayfed.methods.experiments.offline_runs import CONFIGS
+    from fedmosaic_tables import SAME_CLIENTS, SAME_CLIENTS_STATIC
 
     def without_methods(setting: str) -> dict:
         config = yaml.safe_load((CONFIGS / f"fedmosaic/offline_{setting}.yaml").read_text())
@@ -71,7 +80,7 @@ def _tables_row(setting: str, label: str, value: float = 0.3, extra: dict | None
 
 
 def test_each_settings_rows_stand_next_to_that_settings_paper_numbers() -> None:
-    from rayfed.methods.fedmosaic.tables import results_table
+    from fedmosaic_tables import results_table
 
     row = _tables_row
     lines = {line.split(" |")[0].lstrip("| "): line for line in results_table(
@@ -84,7 +93,7 @@ def test_each_settings_rows_stand_next_to_that_settings_paper_numbers() -> None:
 
 
 def test_each_setting_with_its_own_sft_is_paired_with_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from rayfed.methods.fedmosaic.tables import main
+    from fedmosaic_tables import main
 
     more_steps = {"train.local_steps": 30}  # offline_runs --set: another setting, paired with its own SFT
     rows = [_tables_row("dynamic", "local", 0.1), _tables_row("dynamic", "fedmosaic", 0.2),
@@ -101,7 +110,7 @@ def test_each_setting_with_its_own_sft_is_paired_with_it(tmp_path: Path, capsys:
 
 
 def test_the_static_competitors_pair_with_static_sft_and_not_dynamic_sft() -> None:
-    from rayfed.methods.fedmosaic.tables import paired_gaps
+    from fedmosaic_tables import paired_gaps
 
     rows = [_tables_row("static", "local", 0.1), _tables_row("competitors_static", "takfl", 0.25),
             _tables_row("dynamic", "local", 0.5), _tables_row("competitors", "takfl", 0.55)]
@@ -110,7 +119,7 @@ def test_the_static_competitors_pair_with_static_sft_and_not_dynamic_sft() -> No
 
 
 def test_a_result_line_records_the_overrides_of_offline_runs_set() -> None:
-    from rayfed.methods.experiments.offline_runs import _key
+    from offline_runs import _key
 
     job = {"plan": "fedmosaic", "config": "fedmosaic/offline_dynamic", "label": "local", "overrides": {}, "seed": 1,
            "extra": {"train.local_steps": 30}}
@@ -122,22 +131,22 @@ def test_a_compute_matched_job_trains_the_steps_its_measured_cost_gives_it() -> 
 
     from conftest import TINY_RUN
 
-    from rayfed.methods.experiments.offline_runs import compute_matched
+    from offline_runs import compute_matched
 
     config = copy.deepcopy(TINY_RUN)
     config["train"]["local_steps"] = 4
     config["methods"] = ["ditto"]  # two trainings of train.local_steps steps each: twice FedAvg's FLOPs
     config["placement"] = {"executor": "local", "clients_per_actor": 2}
-    matched_config, measured = compute_matched(config, "fedavg", ["fedmosaic/offline_dynamic"])
+    matched_config, measured = compute_matched(config, "fedavg", ["fedmosaic/offline_dynamic"], CONFIGS)
     assert measured["reference"] == "fedavg" and measured["cost_ratio"] == pytest.approx(2.0, rel=0.02)
     assert measured["local_steps"] == matched_config["train"]["local_steps"] == 2
     assert config["train"]["local_steps"] == 4 and matched_config["methods"] == ["ditto"]
     with pytest.raises(ValueError, match="--compute-match nope: no config of the plans"):
-        compute_matched(config, "nope", ["fedmosaic/offline_dynamic"])
+        compute_matched(config, "nope", ["fedmosaic/offline_dynamic"], CONFIGS)
 
 
 def test_compute_matched_rows_are_their_own_setting_with_the_papers_numbers_and_a_cost_table() -> None:
-    from rayfed.methods.fedmosaic.tables import compute_matching, paired_gaps, results_table
+    from fedmosaic_tables import compute_matching, paired_gaps, results_table
 
     matched = []
     for label, value, ratio, steps in (("local", 0.1, 1.0, 10), ("fedmosaic", 0.3, 1.16, 9)):
@@ -164,17 +173,18 @@ def test_a_resumed_job_continues_from_its_checkpoint_and_a_job_without_one_start
 
     from conftest import TINY_RUN
 
-    from rayfed.methods.experiments import offline_runs
+    import offline_runs
 
-    def tiny(stem, label, overrides, seed, extra):
+    def tiny(configs, stem, label, overrides, seed, extra):
         config = copy.deepcopy(TINY_RUN)
         config.update(seed=seed, placement={"executor": "local", "clients_per_actor": 2})
         return config
 
     monkeypatch.setattr(offline_runs, "job_config", tiny)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a CPU job hides the GPUs: undone after the test
-    job = {"plan": "p", "config": "c", "label": "fedavg", "overrides": {}, "seed": 3, "extra": {}, "device": "cpu",
-           "threads": 1, "compute_match": None, "stems": [], "checkpoint_every": 3, "resume": False}
+    job = {"plan": "p", "configs": str(CONFIGS), "config": "c", "label": "fedavg", "overrides": {}, "seed": 3,
+           "extra": {}, "device": "cpu", "threads": 1, "compute_match": None, "stems": [], "checkpoint_every": 3,
+           "resume": False}
     first = offline_runs.run_job({**job, "run_dir": str(tmp_path / "first")})
     assert "error" not in first, first.get("error")
     interrupted = tmp_path / "interrupted"
@@ -190,10 +200,22 @@ def test_a_resumed_job_continues_from_its_checkpoint_and_a_job_without_one_start
 
 
 def test_configs_outside_the_plans_are_refused_naming_the_plans_configs(capsys, tmp_path) -> None:
-    from rayfed.methods.experiments.offline_runs import main
+    from offline_runs import main
 
     with pytest.raises(SystemExit):
-        main(["--plan", "fedmosaic-competitors", "--configs", "fedmosaic/offline_dynamc", "--out", str(tmp_path / "o")])
+        main(["--repo", str(CONFIGS.parent), "--plan", "fedmosaic-competitors", "--configs", "fedmosaic/offline_dynamc",
+              "--out", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
     assert ("--configs fedmosaic/offline_dynamc: not a config of the plans; choose from fedmosaic/offline_competitors, "
             "fedmosaic/offline_competitors_static") in capsys.readouterr().err
+
+
+def test_an_unknown_plan_and_a_repository_without_configs_are_refused_in_one_sentence(capsys, tmp_path) -> None:
+    from offline_runs import main
+
+    with pytest.raises(SystemExit):
+        main(["--repo", str(CONFIGS.parent), "--plan", "fedmosiac", "--out", str(tmp_path / "o")])
+    assert "--plan fedmosiac: not a plan; choose from feddat-domain, " in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=f"--repo '{tmp_path}' has no configs/ folder: pass the rayfed repository's"):
+        main(["--repo", str(tmp_path), "--plan", "fedmosaic", "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()

@@ -1,6 +1,6 @@
 """Every paper config (one that loads a model from the hub) has an offline twin beside it: the generator's output
-(methods/experiments/offline_twins.py), valid offline, naming only offline paper-size backbones and synthetic sources, with
-its paper config's federation, training, placement, methods and adapter / LoRA / prompt sizes, clients and task
+(benchmarks/papers/offline_twins.py), valid offline, naming only offline paper-size backbones and synthetic sources,
+with its paper config's federation, training, placement, methods and adapter / LoRA / prompt sizes, clients and task
 layout, and the paper datasets' numbers of classes. Validation only: no model is built."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from rayfed.methods.experiments import offline_twins
+import offline_twins
+
 from rayfed.config import DataConfig, RunConfig, load_config
 from rayfed.registry import resolve
 
@@ -37,7 +38,8 @@ DATA_SOURCE_FIELDS = {"source", "options", "path", "split", "image_column", "lab
 
 def _loads_from_the_hub(raw: dict[str, Any]) -> bool:
     model = raw.get("model") or {}
-    backbones = [model.get("backbone", ""), *((a or {}).get("backbone", "") for a in (raw.get("architectures") or {}).values())]
+    architectures = (raw.get("architectures") or {}).values()
+    backbones = [model.get("backbone", ""), *((a or {}).get("backbone", "") for a in architectures)]
     return model.get("pretrained") is not None or any(str(b).startswith("hf:") for b in backbones)
 
 
@@ -62,7 +64,7 @@ def test_the_twins_backbones_are_registered_offline_builders_not_hub_names():
 def test_every_paper_config_has_a_twin_and_the_generator_knows_every_paper_config():
     assert len(PAPERS) >= 70  # TAP 2, FedDAT 3, FedMosaic 3, FedYolo 52, pFedMMA 11
     assert [p for p in PAPERS if not _twin(p).exists()] == []
-    assert sorted(offline_twins.paper_configs()) == PAPERS
+    assert sorted(offline_twins.paper_configs(ROOT)) == PAPERS
     twins = sorted(p for p in (ROOT / "configs").rglob("*_offline.yaml"))
     assert twins == sorted(_twin(p) for p in PAPERS)  # and no twin without its paper config
 
@@ -70,7 +72,7 @@ def test_every_paper_config_has_a_twin_and_the_generator_knows_every_paper_confi
 @pytest.mark.parametrize("paper", PAPERS, ids=_name)
 def test_the_twin_is_what_the_generator_writes_from_its_paper_config(paper):
     assert _twin(paper).read_text() == offline_twins.twin_text(paper), (
-        f"{_name(_twin(paper))} is stale: run python -m rayfed.methods.experiments.offline_twins")
+        f"{_name(_twin(paper))} is stale: run python benchmarks/papers/offline_twins.py")
 
 
 def _sections(data: DataConfig) -> list[DataConfig]:

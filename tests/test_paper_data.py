@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from offline_twins import paper_configs
 
 from rayfed.config import load_config
 from rayfed.data import load_source
 from rayfed.models.image_processing import image_preprocessing
-from rayfed.methods.experiments.offline_twins import paper_configs
 from rayfed.models.families.clip import class_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -309,7 +309,8 @@ def _raw_sections(raw: dict[str, Any]) -> list[dict[str, Any]]:
 @functools.lru_cache(maxsize=1)
 def checked_configs() -> list[Path]:
     """The paper configs this module loads: all but those reading folders `rayfed prepare` builds."""
-    return [path for path in paper_configs() if not path.relative_to(ROOT / "configs").as_posix().startswith(PREPARED_ELSEWHERE)
+    return [path for path in paper_configs(ROOT)
+            if not path.relative_to(ROOT / "configs").as_posix().startswith(PREPARED_ELSEWHERE)
             and all("path" not in section for section in _raw_sections(yaml.safe_load(path.read_text())))]
 
 
@@ -489,7 +490,7 @@ def test_no_paper_config_guesses_its_gpu_share():
     from rayfed.config import PlacementConfig
 
     headroom = PlacementConfig().memory_headroom_gib
-    for path in paper_configs():
+    for path in paper_configs(ROOT):
         share = yaml.safe_load(path.read_text())["placement"]["gpus_per_actor"]
         name = _name(path)
         if share in ("measured", 1):

@@ -878,7 +878,7 @@ def test_the_tables_average_over_clients_as_the_paper_does(tmp_path):
     """Avg. columns are client-weighted: FLAVA's Avg.Gen = (3 FMNIST + 6 Caltech) / 9 in the paper."""
     import json
 
-    from rayfed.methods.tap.tables import replacements, rows
+    from tap_tables import replacements, rows
 
     config = {"data": {"tasks": [{"name": "fmnist", "clients": [0]}, {"name": "caltech", "clients": [1, 2]},
                                  {"name": "mmlu_colors", "clients": [3]}, {"name": "mmlu_shapes", "clients": [3]}]}}

@@ -21,7 +21,8 @@ import numpy as np
 from rayfed.data.partition import LabelSpace, Partition, PartitionRequest, SharedTest, split_train_test
 from rayfed.data.sources import DataError
 from rayfed.errors import suggest
-from rayfed.registry import register_moved_field, register_partitioner
+from rayfed.compat import register_moved_field
+from rayfed.registry import register_partitioner
 
 _PURPOSE_SHOTS = 0xBA5E
 _UNUSED_FIELDS = ("alpha", "classes_per_client", "samples_per_client", "clients_per_domain")

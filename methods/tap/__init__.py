@@ -1,6 +1,6 @@
 """TAP (*TAP: Two-Stage Adaptive Personalization of Multi-Task and Multi-Modal Foundation Models in Federated
 Learning*, arXiv 2509.26524; docs/tap.md): the method ``tap``, its modular MoTE/MoME client model ``mome``, the
-data source ``tap:`` and the paper's tables (``python -m rayfed.methods.tap.tables``). Importing the package
+data source ``tap:`` (the paper's tables: the repository's ``benchmarks/papers/tap_tables.py``). Importing the package
 registers all three plug-ins."""
 
 from rayfed.methods.tap.data import TAP_DATASETS, tap_columns, tap_dataset

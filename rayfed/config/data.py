@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from rayfed import registry
+from rayfed import compat
 from rayfed.config.fields import MOVED, PartitionerName, Section, SourceName, TaskKindName
 
 
@@ -129,15 +129,11 @@ class DataConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _earlier_fields(cls, raw: Any) -> Any:
-        # `synthetic:` is the earlier name of `options:` (the generators' options); both are read. A field a plug-in
-        # replaced (rayfed.registry.register_moved_field) is refused with the plug-in's sentence.
-        if isinstance(raw, dict) and "synthetic" in raw:
-            if raw.get("options") is not None:
-                raise ValueError("data.synthetic and data.options are both set; data.synthetic is the old name of "
-                                 "data.options, keep one")
-            raw = {**{k: v for k, v in raw.items() if k != "synthetic"}, "options": raw["synthetic"]}
+        # Earlier field names are read (rayfed.compat.RENAMED_FIELDS); a field a plug-in replaced
+        # (rayfed.compat.register_moved_field) is refused with the plug-in's sentence.
+        raw = compat.renamed_fields("data", raw)
         for key in raw if isinstance(raw, dict) else ():
-            if key not in cls.model_fields and (moved := registry.moved_field(f"data.{key}")) is not None:
+            if key not in cls.model_fields and (moved := compat.moved_field(f"data.{key}")) is not None:
                 raise PydanticCustomError(MOVED, "{moved}", {"moved": moved})
         return raw
 

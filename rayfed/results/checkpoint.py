@@ -26,6 +26,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from rayfed import compat
 from rayfed.errors import ConfigError
 from rayfed.io import atomic_write_bytes, atomic_write_json
 from rayfed.method import ClientState, ServerState
@@ -145,7 +146,7 @@ def latest_round(root: Path, label: str) -> int | None:
 
 def _check_config(meta: dict[str, Any], config: dict[str, Any], round_dir: Path) -> None:
     recorded = meta.get("config", {})
-    expected = meta.get("fingerprint") or config_fingerprint(recorded)  # older checkpoints kept only the config
+    expected = compat.checkpoint_fingerprint(meta, config_fingerprint)
     if config_fingerprint(config) == expected:
         return
     checked = [{k: v for k, v in c.items() if k not in UNCHECKED_SECTIONS} for c in (recorded, config)]

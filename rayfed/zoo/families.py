@@ -1,5 +1,6 @@
 """The registry of pretrainable tiny model families (``tiny-pretrained:<family>``): the engine's, below, and those
-a package of ``methods/`` adds with :func:`register_family` (a paper's own pretraining data)."""
+a plug-in module adds with :func:`register_family` (a paper's own pretraining data), listed as the registry's
+plug-ins are (pyproject.toml's ``rayfed.plugins`` entry points)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ _LLAVA = {
 
 
 class FamilyTable(Mapping[str, Family]):
-    """Families by name. The first look-up imports the modules of the registry's built-in backbones, where a
-    package adds its families (:func:`register_family`), so that ``tiny-pretrained:<family>`` finds them on
-    any process."""
+    """Families by name. The first look-up imports every plug-in module the registry lists
+    (:func:`rayfed.registry.load_plugins`), where a package adds its families (:func:`register_family`), so that
+    ``tiny-pretrained:<family>`` finds them on any process."""
 
     def __init__(self, families: Iterable[Family]) -> None:
         self._families = {family.name: family for family in families}
@@ -33,7 +34,7 @@ class FamilyTable(Mapping[str, Family]):
         self._families[family.name] = family
 
     def _loaded(self) -> dict[str, Family]:
-        registry.entries("backbone")
+        registry.load_plugins()
         return self._families
 
     def __getitem__(self, name: str) -> Family:

@@ -2,7 +2,7 @@
 client's local update relative to SFT's, the one-time alignment, and the overhead of a round with 100 and 1,000
 simulated clients on four actors (two per architecture), against SFT (local training alone) and FedAvg.
 
-    python -m rayfed.methods.fedmosaic.costs --clients 10 100 1000 --out runs/fedmosaic_costs.json
+    python benchmarks/papers/fedmosaic_costs.py --clients 10 100 1000 --out runs/fedmosaic_costs.json
 
 The actors are driven in-process, one after another (``placement.executor: local``; one thread): the times are CPU
 seconds of this process (robust to other work on the machine) for the tiny LLaVAs, not the paper's GPUs. Each round:
@@ -98,10 +98,11 @@ def measure(clients: int, label: str, local_steps: int, grad_interval: int, roun
         per_round.append(timing)
     last = per_round[-1]  # the first round builds optimizers and the aligned basis: the second is the steady state
     state_bytes = sum(tensor_bytes(actor.states) for actor in actors)
-    frozen = {actor.architecture: sum(p.numel() * p.element_size() for p in actor.model.parameters() if not p.requires_grad)
-              for actor in actors}
+    frozen = {actor.architecture: sum(p.numel() * p.element_size() for p in actor.model.parameters()
+                                      if not p.requires_grad) for actor in actors}
     return {"clients": clients, "method": label, "local_steps": local_steps, "setup_s": round(setup_s, 2),
-            "alignment_s": round(alignment_s, 2), **{k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()},
+            "alignment_s": round(alignment_s, 2),
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()},
             "train_s_per_client": round(last["train_s"] / clients, 4),
             "client_state_bytes_per_client": state_bytes // clients, "server_state_bytes": tensor_bytes(driver.server),
             "frozen_model_bytes": frozen, "rss_bytes": psutil.Process().memory_info().rss,

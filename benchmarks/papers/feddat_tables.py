@@ -1,10 +1,10 @@
 """Markdown tables of FedDAT's offline results (FedDAT, arXiv 2308.12305: Tables 2-4 and Fig. 5; docs/feddat.md#results)
-from the ``results.jsonl`` files of :mod:`rayfed.methods.experiments.offline_runs` (plans ``feddat-*``):
+from the ``results.jsonl`` files of ``benchmarks/papers/offline_runs.py`` (plans ``feddat-*``):
 final-round ``local_acc`` (%) per method and benchmark, mean ± std over seeds, next to the paper's ViLT numbers;
 the ablations and inference views (Table 4); the convergence at rounds 5 / 10 / 15 / 20 (Fig. 5); and the
 seed-paired gaps the acceptance asks about.
 
-    python -m rayfed.methods.feddat.tables runs/feddat/results.jsonl [more.jsonl ...]
+    python benchmarks/papers/feddat_tables.py runs/feddat/results.jsonl [more.jsonl ...]
 """
 
 from __future__ import annotations
@@ -106,11 +106,12 @@ def main(argv: list[str] | None = None) -> None:
     print("\n## Convergence (Fig. 5): rounds 5 / 10 / 15 / 20\n\n"
           + convergence_table(table, ("clf-L", "Adapter-L", "Adapter", "FedDAT")))
     print("\n## Seed-paired gaps\n")
-    for better, worse, at_round in (("FedDAT", "Adapter", None), ("FedDAT", "Adapter", 5), ("Adapter", "Adapter-L", None),
-                                    ("Adapter-L", "clf-L", None), ("FedDAT", "FedDAT-no_mkd", None),
-                                    ("FedDAT-no_mkd", "FedDAT-no_frozen", None), ("FedDAT-no_mkd", "FedDAT-no_local", None),
-                                    ("FedDAT-no_frozen", "Adapter", None), ("FedDAT-no_local", "Adapter", None),
-                                    ("FedDAT", "FedDAT@dat", None), ("FedDAT@dat", "FedDAT@local", None)):
+    for better, worse, at_round in (("FedDAT", "Adapter", None), ("FedDAT", "Adapter", 5),
+                                    ("Adapter", "Adapter-L", None), ("Adapter-L", "clf-L", None),
+                                    ("FedDAT", "FedDAT-no_mkd", None), ("FedDAT-no_mkd", "FedDAT-no_frozen", None),
+                                    ("FedDAT-no_mkd", "FedDAT-no_local", None), ("FedDAT-no_frozen", "Adapter", None),
+                                    ("FedDAT-no_local", "Adapter", None), ("FedDAT", "FedDAT@dat", None),
+                                    ("FedDAT@dat", "FedDAT@local", None)):
         print(paired_gaps(table, better, worse, at_round))
 
 

@@ -1,8 +1,8 @@
 """Write ``configs/fedmosaic/*.yaml`` and ``configs/tune/fedmosaic_tau_blocks.yaml``: FedMosaic's offline
 benchmark (docs/fedmosaic.md#the-offline-benchmark) and the paper's DRAKE / HFLB settings with real models by name
 (docs/fedmosaic.md#the-papers-settings).
-Run ``python -m rayfed.methods.fedmosaic.configs`` after changing a setting here (then ``python -m
-rayfed.methods.experiments.offline_twins`` for the paper settings' offline twins); tests load every file.
+Run ``python benchmarks/papers/fedmosaic_configs.py [--repo PATH]`` after changing a setting here (then ``python
+benchmarks/papers/offline_twins.py`` for the paper settings' offline twins); tests load every file and regenerate them.
 
 Offline benchmark (DRAKE's shape, reduced): 10 clients, 4 on the small tiny LLaVA (8 layers x 48) and 6 on the
 large one (16 x 64), as DRAKE's 4 x 1B + 6 x 3B (Tab. 8); three task groups of 3 / 3 / 4 clients as Tab. 37
@@ -21,9 +21,7 @@ from typing import Any
 
 import numpy as np
 import yaml
-
-ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "configs" / "fedmosaic"
+from repo_argument import configs_of, run_generator
 
 SMALL, LARGE = (0, 1, 2, 3), (4, 5, 6, 7, 8, 9)
 GROUPS = {0: (0, 4, 5), 1: (6, 7, 8), 2: (1, 2, 3, 9)}  # Tab. 37: visual relation, reasoning, VQA
@@ -106,10 +104,11 @@ RELA_VARIANTS = [mosaic("equal", relevance="equal"), mosaic("training_current", 
 ALIGNMENT = [mosaic("random_basis", align=False), mosaic("fedmosaic")]
 
 HEADER = {
-    "offline_dynamic": "PFL-Dynamic offline (docs/fedmosaic.md#the-offline-benchmark): SFT, FedAvg within an architecture "
-                       "and Tab. 7's ablation (Vanilla, + PQ-LoRA, FedMosaic)",
+    "offline_dynamic": "PFL-Dynamic offline (docs/fedmosaic.md#the-offline-benchmark): SFT, FedAvg within an "
+                       "architecture and Tab. 7's ablation (Vanilla, + PQ-LoRA, FedMosaic)",
     "offline_static": "PFL-Static offline: the same clients with their 4 tasks mixed into one stream from round 0",
-    "offline_async": "PFL-Dynamic, asynchronous (Tab. 40): each client's task windows from (5,5,5,5), (3,7,3,7), (7,3,7,3)",
+    "offline_async": "PFL-Dynamic, asynchronous (Tab. 40): each client's task windows from (5,5,5,5), (3,7,3,7), "
+                     "(7,3,7,3)",
     "offline_baselines": "the other baselines of Tab. 2 that need no public-data distillation (Fed-ET: within an "
                          "architecture): Ditto, FedSim, FedDPA, FedDAT-style dual adapters",
     "offline_competitors": "the public-data distillation baselines of Tab. 2 (TAKFL, PerAda, FedMKT) on PFL-Dynamic",
@@ -211,8 +210,11 @@ def paper_configs() -> dict[str, dict[str, Any]]:
     }
 
 
-def write() -> list[Path]:
-    OUT.mkdir(parents=True, exist_ok=True)
+def write(repo: Path) -> list[Path]:
+    """Write the configs under ``repo``'s ``configs/``; the paths written."""
+    configs = configs_of(repo)
+    out = configs / "fedmosaic"
+    out.mkdir(parents=True, exist_ok=True)
     written = []
     headers = {**HEADER,
                "paper_drake_dynamic": "DRAKE PFL-Dynamic (Tab. 2): 4 x LLaVA-Llama-3.2-1B + 6 x 3B. Data: "
@@ -222,19 +224,24 @@ def write() -> list[Path]:
                "paper_hflb_dynamic": "HFLB PFL-Dynamic (Tab. 2): 3 x 1B + 6 x 3B. Data: `rayfed prepare hflb --out "
                                      "data/hflb` and `export HFLB_ROOT=data/hflb`"}
     for name, config in {**offline_configs(), **paper_configs()}.items():
-        path = OUT / f"{name}.yaml"
-        comment = f"# {headers[name]}.\n# Written by methods/fedmosaic/configs.py; docs/fedmosaic.md has the results.\n"
+        path = out / f"{name}.yaml"
+        comment = (f"# {headers[name]}.\n"
+                   "# Written by benchmarks/papers/fedmosaic_configs.py; docs/fedmosaic.md has the results.\n")
         comment += f"#   rayfed run configs/fedmosaic/{name}.yaml --seed 0      (then 1, 2)\n"
         path.write_text(comment + yaml.safe_dump(config, sort_keys=False, width=120, default_flow_style=None))
         written.append(path)
-    path = ROOT / "configs" / "tune" / "fedmosaic_tau_blocks.yaml"
-    path.write_text("# FedMosaic's tau (Fig. 17) and N_B (Tab. 29) on the offline PFL-Dynamic benchmark; metric: Others.\n"
+    path = configs / "tune" / "fedmosaic_tau_blocks.yaml"
+    path.write_text("# FedMosaic's tau (Fig. 17) and N_B (Tab. 29) on the offline PFL-Dynamic benchmark; "
+                    "metric: Others.\n"
                     "#   rayfed tune configs/tune/fedmosaic_tau_blocks.yaml [--out DIR]\n"
                     + yaml.safe_dump(tune_config(), sort_keys=False, width=120, default_flow_style=None))
     written.append(path)
     return written
 
 
+def main(argv: list[str] | None = None) -> None:
+    run_generator(__doc__.splitlines()[0], write, argv)
+
+
 if __name__ == "__main__":
-    for path in write():
-        print(path.relative_to(ROOT))
+    main()

@@ -1,6 +1,7 @@
 """Write the offline twin of every paper config: ``configs/<paper>/paper_<x>_offline.yaml`` beside ``paper_<x>.yaml``
-(pFedMMA: ``<dataset>_offline.yaml`` beside ``<dataset>.yaml``). Run ``python -m rayfed.methods.experiments.offline_twins``
-after changing a paper config or a setting here; ``tests/test_offline_twins.py`` fails until the files match.
+(pFedMMA: ``<dataset>_offline.yaml`` beside ``<dataset>.yaml``). Run ``python benchmarks/papers/offline_twins.py
+[--repo PATH]`` after changing a paper config or a setting here; ``tests/test_offline_twins.py`` fails until the
+files match.
 
 A twin is its paper config with two things replaced (docs/offline_models.md, "Offline twins"): every backbone by the
 offline paper-size backbone of the same architecture (random init), and every hub dataset by a synthetic source of
@@ -19,11 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from rayfed.methods.fedmosaic.configs import client_tasks
-
-ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "configs"
+from fedmosaic_configs import client_tasks
+from repo_argument import configs_of, run_generator
 
 # The paper's backbone (hub name) -> the offline backbone of its architecture at its size (rayfed/zoo/paper.py,
 # rayfed/models/families/; open_clip:ViT-B-16 without model.pretrained is open_clip's own random init).
@@ -180,7 +178,7 @@ def feddat_scene(index: int) -> dict[str, Any]:
     return {"styles": [FEDDAT_STYLES[index % len(FEDDAT_STYLES)]], "question_types": ["color"]}
 
 
-# FedMosaic (docs/fedmosaic.md): the offline benchmark's tasks (methods/fedmosaic/configs.py) per client
+# FedMosaic (docs/fedmosaic.md): the offline benchmark's tasks (fedmosaic_configs.py) per client
 # at 1,250 samples each, D_p's 5,000 public samples; texts hold LLaVA-1.5's 576 image tokens.
 MOSAIC_SAMPLES_PER_TASK = 1250
 MOSAIC_TEXT_LENGTH = 576 + 10  # the image tokens, <|begin_of_text|>, a question and its one-word answer
@@ -221,8 +219,10 @@ PAPERS: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = {
     "tap": ("TAP's archetypes on synthetic tasks of the paper's kinds, image sizes (64 px) and text lengths", tap_data),
     "feddat/paper_domain": ("one synthetic VQA client per dataset, each its own render style and wording",
                             lambda data: feddat_data(data, feddat_domain)),
-    "feddat/paper_function": ("one synthetic VQA client per question type", lambda data: feddat_data(data, feddat_function)),
-    "feddat/paper_scene": ("one synthetic VQA client per scene (render style)", lambda data: feddat_data(data, feddat_scene)),
+    "feddat/paper_function": ("one synthetic VQA client per question type",
+                              lambda data: feddat_data(data, feddat_function)),
+    "feddat/paper_scene": ("one synthetic VQA client per scene (render style)",
+                           lambda data: feddat_data(data, feddat_scene)),
     "fedmosaic": ("the offline benchmark's grouped VQA tasks (1,250 samples each, D_p of 5,000)",
                   fedmosaic_data),
     "fedyolo": ("the `synthetic` source at each dataset's classes, image size and client sizes", fedyolo_data),
@@ -230,11 +230,13 @@ PAPERS: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = {
 }
 
 
-def paper_configs() -> list[Path]:
-    """Every paper config: ``configs/{tap,feddat,fedmosaic,fedyolo}/paper_*.yaml`` and pFedMMA's dataset configs."""
+def paper_configs(repo: Path) -> list[Path]:
+    """Every paper config of ``repo``: ``configs/{tap,feddat,fedmosaic,fedyolo}/paper_*.yaml`` and pFedMMA's dataset
+    configs."""
+    configs = configs_of(repo)
     papers = [path for folder in ("tap", "feddat", "fedmosaic", "fedyolo")
-              for path in sorted((CONFIGS / folder).glob("paper_*.yaml"))]
-    papers += sorted((CONFIGS / "pfedmma").glob("*.yaml"))
+              for path in sorted((configs / folder).glob("paper_*.yaml"))]
+    papers += sorted((configs / "pfedmma").glob("*.yaml"))
     return [path for path in papers if not path.stem.startswith("offline") and not path.stem.endswith("_offline")]
 
 
@@ -243,7 +245,7 @@ def twin_path(paper: Path) -> Path:
 
 
 def _recipe(paper: Path) -> tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]:
-    relative = paper.relative_to(CONFIGS).with_suffix("").as_posix()
+    relative = f"{paper.parent.name}/{paper.stem}"  # configs/<paper>/<name>.yaml
     return PAPERS.get(relative) or PAPERS[relative.split("/")[0]]
 
 
@@ -251,27 +253,33 @@ def twin_text(paper: Path) -> str:
     """The twin's file: a header and the YAML of :func:`twin`."""
     what, data = _recipe(paper)
     config = twin(yaml.safe_load(paper.read_text()), data)
-    backbones = sorted({config["model"]["backbone"], *(a["backbone"] for a in (config.get("architectures") or {}).values())})
-    relative = twin_path(paper).relative_to(ROOT).as_posix()
+    architectures = (config.get("architectures") or {}).values()
+    backbones = sorted({config["model"]["backbone"], *(a["backbone"] for a in architectures)})
+    relative = f"configs/{paper.parent.name}/{twin_path(paper).name}"
     header = (
-        f"# Offline twin of {paper.name}: its clients, rounds, steps, batch, methods and adapter / LoRA / prompt sizes\n"
+        f"# Offline twin of {paper.name}: its clients, rounds, steps, batch, methods and adapter / LoRA / prompt "
+        "sizes\n"
         f"# on {', '.join(backbones)} (paper-size, randomly initialised) and {what}.\n"
         "# Measures system cost at the paper's scale (memory, time, communication); accuracies mean nothing.\n"
-        "# Generated by `python -m rayfed.methods.experiments.offline_twins` from the paper config; docs/offline_models.md.\n"
+        "# Generated by `python benchmarks/papers/offline_twins.py` from the paper config; docs/offline_models.md.\n"
         f"#   rayfed run {relative}\n"
     )
     return header + yaml.safe_dump(config, sort_keys=False, width=120, default_flow_style=None)
 
 
-def write() -> list[Path]:
+def write(repo: Path) -> list[Path]:
+    """Write the twin of every paper config of ``repo``; the paths written."""
     written = []
-    for paper in paper_configs():
+    for paper in paper_configs(repo):
         path = twin_path(paper)
         path.write_text(twin_text(paper))
         written.append(path)
     return written
 
 
+def main(argv: list[str] | None = None) -> None:
+    run_generator(__doc__.splitlines()[0], write, argv)
+
+
 if __name__ == "__main__":
-    for path in write():
-        print(path.relative_to(ROOT))
+    main()

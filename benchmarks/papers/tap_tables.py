@@ -1,6 +1,6 @@
 """TAP's result tables (arXiv 2509.26524, Tables 1-6 and 8-10; docs/tap.md#data-and-metrics) from rayfed runs.
 
-``python -m rayfed.methods.tap.tables RUN_DIR [RUN_DIR ...]``: the run directories of one config at several
+``python benchmarks/papers/tap_tables.py RUN_DIR [RUN_DIR ...]``: the run directories of one config at several
 seeds (configs/tap/*). Every row is a method, or one of TAP's views (``TAP@pt`` = FedAvg + Post-train, ...), and
 every column a dataset (a run task, or several: MMLU's subjects) with the mean over its (seed, client) pairs, or
 an "Avg." column: the client-weighted mean over the (seed, client, dataset) pairs of a task key, as the paper

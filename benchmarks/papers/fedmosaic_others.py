@@ -1,7 +1,7 @@
 """Where a method's Others score comes from in the offline PFL-Dynamic runs: each client's final model on every
 other client's task, grouped by whether that task's client shares the client's task group and architecture.
 
-    python -m rayfed.methods.fedmosaic.others runs/fedmosaic/runs/* --out benchmarks/results/fedmosaic_others.json
+    python benchmarks/papers/fedmosaic_others.py runs/fedmosaic/runs/* --out benchmarks/results/fedmosaic_others.json
 
 Each argument is the run folder of a finished single-method job (``offline_runs``). A copy of it with
 ``data.stream.others_by_task`` on is resumed from its last checkpoint, which only runs the final evaluation (every

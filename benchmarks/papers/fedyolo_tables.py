@@ -1,6 +1,6 @@
 """Mean +- std over seeds of the FedYolo study's metrics, as markdown tables (docs/fedyolo.md).
 
-``python -m rayfed.methods.fedyolo.tables RUN_DIR [RUN_DIR ...]``: the run directories of one
+``python benchmarks/papers/fedyolo_tables.py RUN_DIR [RUN_DIR ...]``: the run directories of one
 config run with different seeds. Per method: final mean local accuracy (and per task in multi-task
 runs), uplink parameters per round and in total (the paper's T x M x P), the full/method uplink
 ratio, rounds to 95% of fedavg-full's best accuracy, the uplink parameters sent until then (the
@@ -40,7 +40,8 @@ def _uplink_until(events: list[dict], label: str, rounds: int | None) -> float |
     """Uplink parameters ``label`` sent in its first ``rounds`` rounds (None: the target was never reached)."""
     if rounds is None:
         return None
-    return sum(e["up_params"] for e in events if e.get("event") == "round" and e["method"] == label and e["round"] <= rounds)
+    return sum(e["up_params"] for e in events
+               if e.get("event") == "round" and e["method"] == label and e["round"] <= rounds)
 
 
 def _cost_ratio(full: list[float | None], method: list[float | None]) -> str:
@@ -82,7 +83,8 @@ def tables(run_dirs: list[Path]) -> str:
         row.append(", ".join("never" if r is None else str(r) for r in reached))
         costs = [s["uplink_to_target"].get(label) for s in summaries]
         row.append(", ".join("-" if c is None else f"{c:,.0f}" for c in costs))
-        row.append("-" if full_label is None else _cost_ratio([s["uplink_to_target"].get(full_label) for s in summaries], costs))
+        full_costs = [s["uplink_to_target"].get(full_label) for s in summaries]
+        row.append("-" if full_label is None else _cost_ratio(full_costs, costs))
         if has_shift:
             row.append(f"{np.mean([r['mean']['rep_shift'] for r in results]):.4f}")
         lines.append("| " + " | ".join(row) + " |")
@@ -108,7 +110,8 @@ def _forgetting(summaries: list[dict], labels: list[str]) -> list[str]:
                     f"{np.mean(ratios):.3f} ± {np.std(ratios):.3f} |")
     if not rows:
         return []
-    return ["", "| method | global acc (%) | global acc after +local (%) | forgetting ratio |", "|---|---|---|---|", *rows]
+    return ["", "| method | global acc (%) | global acc after +local (%) | forgetting ratio |", "|---|---|---|---|",
+            *rows]
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Markdown tables of FedMosaic's offline results (``results.jsonl`` of :mod:`rayfed.methods.experiments.offline_runs`):
+"""Markdown tables of FedMosaic's offline results (``results.jsonl`` of ``benchmarks/papers/offline_runs.py``):
 Self / Others A_last and A_AUC (token F1 x 100, mean +- std over seeds) next to the paper's, seed-paired gaps, the
 RELA weight matrix's block structure by task group, and communication per round.
 
-    python -m rayfed.methods.fedmosaic.tables runs/fedmosaic/results.jsonl [more.jsonl ...]
+    python benchmarks/papers/fedmosaic_tables.py runs/fedmosaic/results.jsonl [more.jsonl ...]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from rayfed.methods.fedmosaic.configs import GROUPS
+from fedmosaic_configs import GROUPS
 
 METRICS = (("self_token_f1", "a_last"), ("self_token_f1", "a_auc"), ("others_token_f1", "a_last"),
            ("others_token_f1", "a_auc"))
@@ -110,7 +110,8 @@ def paired_gaps(rows: list[dict[str, Any]], reference: str, setting: str = "dyna
     for row in rows:
         by_seed[key(row)][row["seed"]] = row
     base = by_seed.get(f"{setting}:{reference}", {})
-    base_setting, brace, extra = setting.partition("{")  # the same --set / compute matching over the same clients pair too
+    # the same --set / compute matching over the same clients pair too
+    base_setting, brace, extra = setting.partition("{")
     same_clients = {"dynamic": SAME_CLIENTS, "static": SAME_CLIENTS_STATIC}.get(base_setting)
     settings = tuple(same + brace + extra for same in same_clients) if same_clients else (setting,)
     lines = [f"| method - {setting}:{reference} | seeds | Self A_last | Self A_AUC | Others A_last | Others A_AUC |",
@@ -166,12 +167,14 @@ def block_structure(rows: list[dict[str, Any]], label: str = "fedmosaic", settin
         if (r + 1) % 5 == 0 or r == 0:
             w, a = statistics.mean(within), statistics.mean(across)
             lines.append(f"| {r + 1} | {w:.4f} | {a:.4f} | {w / a:.2f} | {statistics.mean(own):.4f} |")
-    final = [[statistics.mean(run["history"][-1][i][j] for run in runs) for j in range(clients)] for i in range(clients)]
+    final = [[statistics.mean(run["history"][-1][i][j] for run in runs) for j in range(clients)]
+             for i in range(clients)]
     header = "| i \\ j | " + " | ".join(f"{j}{group_of(j)}" for j in range(clients)) + " |"
     matrix = [header, "| --- " * (clients + 1) + "|"]
     for i in range(clients):
         matrix.append(f"| {i}{group_of(i)} | " + " | ".join(f"{final[i][j]:.3f}" for j in range(clients)) + " |")
-    return "\n".join(lines) + "\n\nLast round's weights w_ij (mean over seeds; letter = task group):\n\n" + "\n".join(matrix)
+    return ("\n".join(lines) + "\n\nLast round's weights w_ij (mean over seeds; letter = task group):\n\n"
+            + "\n".join(matrix))
 
 
 def communication(rows: list[dict[str, Any]], rounds: int = 20) -> str:
