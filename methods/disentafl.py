@@ -25,7 +25,8 @@ from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
+from rayfed.method import (AfterFederationStage, ClientState, LocalResult, Method, TensorDict, post_train_views,
+                           stored_views)
 from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL
 from rayfed.models import Backbone
 from rayfed.registry import register_method
@@ -73,6 +74,7 @@ class DisentAFLParams:
 @register_method("disentafl")
 class DisentAFL(Method):
     Params = DisentAFLParams
+    stages = (AfterFederationStage(),)
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         model = super().build_model(backbone, config, tasks, seed)

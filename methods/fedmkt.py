@@ -36,7 +36,8 @@ from torch import nn
 
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.method import (ClientState, EachUpload, LocalResult, Method, PreFederationStage, PublicPassStage,
+                           ServerState, TensorDict, Upload)
 from rayfed.methods.token_alignment import STRATEGIES, Vocabulary, VocabularyMap, aligned_cut
 from rayfed.param_names import prefix_of
 from rayfed.registry import register_method
@@ -112,8 +113,9 @@ def full_logits(entries: TensorDict, name: str, vocabulary: int) -> torch.Tensor
 class FedMKT(Method):
     Params = FedMKTParams
     aggregation = EachUpload()  # every client's own adapter is a candidate teacher
-    public_passes = 2  # every adapter's losses and logits; then each architecture's two distillations
-    pre_federation_stage = True  # each architecture's vocabulary, for the alignment across tokenizers
+    # each architecture's vocabulary (for the alignment across tokenizers); after each round, two passes: every
+    # adapter's losses and logits, then each architecture's two distillations
+    stages = (PreFederationStage(), PublicPassStage(2))
 
     def __init__(self, params: FedMKTParams | None = None):
         super().__init__(params)

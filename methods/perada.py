@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from rayfed.architectures import prefixed, unprefixed
-from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.method import (ClientState, EachUpload, LocalResult, Method, PublicPassStage, ServerState, TensorDict,
+                           Upload)
 from rayfed.param_names import prefix_of
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PublicPass, distillation_loss, proximal_penalty, same_answers
@@ -57,7 +58,7 @@ def personal_penalty(centre: TensorDict | None, mu: float):
 class PerAda(Method):
     Params = PerAdaParams
     aggregation = EachUpload()  # every client's own adapter is a teacher
-    public_passes = 2  # the teachers' logits per architecture; then each architecture's distillation
+    stages = (PublicPassStage(2),)  # the teachers' logits per architecture; then each architecture's distillation
 
     def __init__(self, params: PerAdaParams | None = None):
         super().__init__(params)

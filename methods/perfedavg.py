@@ -24,7 +24,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
+from rayfed.method import (AfterFederationStage, ClientState, LocalResult, Method, TensorDict, post_train_views,
+                           stored_views)
 from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL
 from rayfed.models.peft.modules import select_task
 from rayfed.registry import register_method
@@ -79,6 +80,7 @@ def inner_step(step: Step, parts: Sequence[tuple[Task, Batch]], alpha: float) ->
 @register_method("perfedavg")
 class PerFedAvg(Method):
     Params = PerFedAvgParams
+    stages = (AfterFederationStage(),)
 
     def _alpha(self, client: ClientContext) -> float:
         if self.params.inner_lr is not None:

@@ -21,7 +21,8 @@ import torch
 
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.method import (ClientState, EachUpload, LocalResult, Method, PublicPassStage, ServerState, TensorDict,
+                           Upload)
 from rayfed.param_names import prefix_of
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PublicPass, distillation_loss, same_answers
@@ -78,12 +79,12 @@ def merged(average: TensorDict, task_vectors: Sequence[TensorDict], weights: Seq
 class TAKFL(Method):
     Params = TAKFLParams
     aggregation = EachUpload()  # every client's own adapter is a teacher
-    public_passes = 2  # teachers' and self outputs per architecture; then K distillations per student
+    stages = (PublicPassStage(2),)  # teachers' and self outputs per architecture; then K distillations per student
 
     def __init__(self, params: TAKFLParams | None = None):
         super().__init__(params)
         if self.params.compat_zero_tau:
-            self.public_passes = 0
+            self.stages = ()
         self._uploads: dict[int, TensorDict] = {}  # the round's uploads, server-named, until the passes are done
         self._outputs: dict[str, TensorDict] = {}
 

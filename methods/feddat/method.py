@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from rayfed.config import ModelConfig
-from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
+from rayfed.method import (AfterFederationStage, ClientState, LocalResult, Method, TensorDict, post_train_views,
+                           stored_views)
 from rayfed.models import AdapterSets, Backbone, client_model
 from rayfed.models.peft.modules import set_adapter_mix
 from rayfed.param_names import adapter_set_of, components, with_adapter_set
@@ -127,6 +128,7 @@ class FedDATParams:
 @register_method("feddat")
 class FedDAT(Method):
     Params = FedDATParams
+    stages = (AfterFederationStage(),)
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         variant = self.params.variant

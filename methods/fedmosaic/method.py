@@ -45,7 +45,7 @@ from rayfed.architectures import prefixed, unprefixed
 from rayfed.config import ModelConfig
 from rayfed.data.batches import num_rows
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.method import ClientState, LocalResult, Method, PreFederationStage, ServerState, TensorDict, Upload
 from rayfed.methods.fedmosaic import pqlora
 from rayfed.methods.fedmosaic.rela import (RelevanceSource, equal_weights, last_linear, linear_weight_gradient,
                                            relevance_weights)
@@ -150,7 +150,7 @@ def global_name(name: str) -> str:
 @register_method("fedmosaic")
 class FedMosaic(Method):
     Params = FedMosaicParams
-    pre_federation_stage = True
+    stages = (PreFederationStage(),)
 
     def __init__(self, params: FedMosaicParams | None = None):
         super().__init__(params)

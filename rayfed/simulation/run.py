@@ -35,6 +35,7 @@ from rayfed.simulation.ray_setup import (ObjectStoreCheck, import_plugin_modules
                                         unwrap_actor_error)
 from rayfed.simulation.results import MetricsLog, mean_std, method_results, run_summary
 from rayfed.simulation.rounds import measured_costs, run_round
+from rayfed.stages import PreFederationStage, declared
 
 RoundCallback = Callable[["Simulation", str, int], None]
 """Called as ``callback(simulation, method_label, rounds_done)`` after every round."""
@@ -226,7 +227,7 @@ class Simulation:
             self.log.restart_method(label, 0)
             counters = {"up_bytes": 0, "down_bytes": 0, "up_params": 0, "down_params": 0, "wall_time_s": 0.0}
             self.run_actors.before_federation(method_index)
-            if self.methods[method_index].pre_federation_stage and self.config.federation.checkpoint_every:
+            if declared(self.methods[method_index], PreFederationStage) and self.config.federation.checkpoint_every:
                 self._checkpoint(label, 0, counters)
             return 0, counters
         self.run_actors.set_states(checkpoint)
