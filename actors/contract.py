@@ -21,7 +21,7 @@ from rayfed.training import ClientContext
 from rayfed.actors.uploads import RoundUploads
 from rayfed.types import Slot
 
-PARAMETER_SLOT = Slot.SHARED  # the upload slot of the model's shared parameters (Method.local_update's default)
+PARAMETER_SLOT = Slot.SHARED.value  # the upload slot of the model's shared parameters (Method.local_update's default)
 
 
 class ClientContract:
@@ -69,14 +69,14 @@ class ClientContract:
         if unknown is not None:
             example = next(iter(self.specs), "")
             raise MethodOutputError(
-                f"{source}: upload tensor {unknown!r} in slot {PARAMETER_SLOT.value!r} is no trainable parameter of the "
+                f"{source}: upload tensor {unknown!r} in slot {PARAMETER_SLOT!r} is no trainable parameter of the "
                 f"client model, whose payloads the server builds from it: name it as the model does (e.g. {example!r}).")
         kept = result.state.get(Slot.PERSONAL, {}) if isinstance(result.state, Mapping) else {}
         both = sorted(self.personal(method).intersection(uploaded).intersection(kept))
         if both:
             raise MethodOutputError(
                 f"{source}: parameter {both[0]!r} is both personal ({type(method).__name__}.is_shared says so and "
-                f"the new state keeps it in 'personal') and uploaded in slot {PARAMETER_SLOT.value!r}, so the server would "
+                f"the new state keeps it in 'personal') and uploaded in slot {PARAMETER_SLOT!r}, so the server would "
                 "average it and send it back over every client's own: upload only shared parameters.")
 
 

@@ -201,8 +201,8 @@ class DriverActor:
         source = f"method {self.label!r}, hook {hook}"
         for slot, values in server.items():
             if not isinstance(values, Mapping):
-                raise MethodOutputError(f"{source}: server slot {str(slot)!r} is a {type(values).__name__}, not a dict of "
-                                        "named tensors.")
+                raise MethodOutputError(f"{source}: server slot {str(slot)!r} is a {type(values).__name__}, not a "
+                                        "dict of named tensors.")
         check_tensors(_by_path(server), self.server_specs, source, "init_server's tensor")
 
     def get_state(self) -> ServerState:

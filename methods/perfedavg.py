@@ -31,7 +31,7 @@ from rayfed.models.peft.modules import select_task
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Step, scheduled_lr
-from rayfed.types import Batch
+from rayfed.types import Batch, Slot
 
 
 @dataclass(frozen=True)
@@ -96,13 +96,13 @@ class PerFedAvg(Method):
             inner, outer = [(task, h) for task, (h, _) in halves], [(task, h) for task, (_, h) in halves]
             return _task_loss(step.model, inner_step(step, inner, alpha), outer)
 
-        start = {**state["personal"], **(payload or {})}
+        start = {**state[Slot.PERSONAL], **(payload or {})}
         result = client.train(start, loss=maml_loss)
         shared, personal = self.split(result.params)
-        return LocalResult({**state, "personal": personal}, {"shared": shared} if shared else {}, result.loss)
+        return LocalResult({**state, Slot.PERSONAL: personal}, {Slot.SHARED: shared} if shared else {}, result.loss)
 
     def after_federation(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> ClientState:
-        global_params = {**state["personal"], **(payload or {})}
+        global_params = {**state[Slot.PERSONAL], **(payload or {})}
         alpha = self._alpha(client)
         adapted: dict[str, TensorDict] = {}
 
@@ -118,7 +118,7 @@ class PerFedAvg(Method):
         return state
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
-        global_params = {**state["personal"], **(payload or {})}
+        global_params = {**state[Slot.PERSONAL], **(payload or {})}
         if "view:adapted" not in state:  # during the rounds: the global model
             return {"": global_params}
         views = stored_views(state)

@@ -36,7 +36,8 @@ def legacy_stages(cls: type, base: type) -> tuple[Stage, ...] | None:
     if legacy_after:
         stages.append(AfterFederationStage())
     declaration = ", ".join(f"rayfed.{type(stage).__name__}({getattr(stage, 'count', '')})" for stage in stages)
-    was = ", ".join([*(f"{flag} = {own[flag]!r}" for flag in flags), *(["an after_federation"] if legacy_after else [])])
+    was = ", ".join([*(f"{flag} = {own[flag]!r}" for flag in flags),
+                     *(["an after_federation"] if legacy_after else [])])
     declared = f"({declaration}{',' if len(stages) == 1 else ''})"
     warnings.warn(f"{cls.__name__}: {was} is deprecated; declare stages = {declared} instead.", FutureWarning,
                   stacklevel=3)

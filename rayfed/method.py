@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from rayfed.aggregation import (Aggregation, EachUpload, MixedServer, Mixture, PartialSum, Upload, WeightedMean, mean_as,
-                                presum, weighted_mean, weighted_sums)
+from rayfed.aggregation import (Aggregation, EachUpload, MixedServer, Mixture, PartialSum, Upload, WeightedMean,
+                                mean_as, presum, weighted_mean, weighted_sums)
 from rayfed.compat import legacy_stages
 from rayfed.errors import ConfigError
 from rayfed.stages import AfterFederationStage, PreFederationStage, PublicPassStage, Stage, check_stages
@@ -214,7 +214,8 @@ class Method:
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
         """The parameters a client is evaluated with."""
-        return {**read_slot(state, Slot.PERSONAL, f"{type(self).__name__}.eval_params's client state"), **(payload or {})}
+        personal = read_slot(state, Slot.PERSONAL, f"{type(self).__name__}.eval_params's client state")
+        return {**personal, **(payload or {})}
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
         """Every parameter view a client is evaluated with, by name; ``""`` is the method's own (its metrics

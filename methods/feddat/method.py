@@ -54,6 +54,7 @@ from rayfed.param_names import adapter_set_of, components, with_adapter_set
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import IMAGE_KD, ClientContext, Phase, Step, output_distillation
+from rayfed.types import Slot
 
 SHARED, FROZEN, LOCAL = "shared", "frozen", "local"
 VARIANTS = ("feddat", "no_frozen", "no_local", "no_mkd", "peft")
@@ -147,7 +148,7 @@ class FedDAT(Method):
 
     # Client side ---------------------------------------------------------------------------------------
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
-        start = {**state["personal"], **(payload or {})}
+        start = {**state[Slot.PERSONAL], **(payload or {})}
         if self.params.variant == "peft":
             result = client.train(start)
         else:
@@ -156,7 +157,8 @@ class FedDAT(Method):
             set_adapter_mix(client.model, None)
         shared, personal = self.split(result.params)
         weight = 1.0 if self.params.aggregation == "uniform" else None
-        return LocalResult({**state, "personal": personal}, {"shared": shared} if shared else {}, result.loss, weight)
+        upload = {Slot.SHARED: shared} if shared else {}
+        return LocalResult({**state, Slot.PERSONAL: personal}, upload, result.loss, weight)
 
     def _frozen_copy(self, start: TensorDict) -> TensorDict:
         """Â_s: the A_s a client starts from (the received one; its own when nothing is communicated)."""
@@ -224,7 +226,7 @@ class FedDAT(Method):
         microbatches = self.params.post_fl_microbatches
         if not microbatches:
             return state
-        start = {**state["personal"], **(payload or {})}
+        start = {**state[Slot.PERSONAL], **(payload or {})}
         if self.params.variant == "peft":
             return {**state, **post_train_views(client, start, microbatches, self.params.post_lr)}
         client.model.load_trainable(self._frozen_copy(start))
@@ -233,7 +235,7 @@ class FedDAT(Method):
         return {**state, **views}
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
-        own = {**state["personal"], **(payload or {})}
+        own = {**state[Slot.PERSONAL], **(payload or {})}
         frozen = self._frozen_copy(own)
         own.update(frozen)
         views = {view: own for view in self._view_mixtures()}
