@@ -129,7 +129,9 @@ class Method:
     """Base class: FedAvg semantics over the parameters :meth:`is_shared` selects.
 
     Subclasses set ``Params`` (a frozen dataclass whose defaults are the paper's values and
-    whose ``__post_init__`` validates them) and override the hooks that differ.
+    whose ``__post_init__`` validates them) and override the hooks that differ: mostly of :data:`CORE_HOOKS`, those
+    of :data:`OPTIONAL_HOOKS` where needed. The server side of each aggregation kind (a mixture's rows) is the
+    DriverActor's, not the method's: no hook depends on another having called ``super()``.
     """
 
     Params: ClassVar[type] = NoParams
