@@ -32,6 +32,7 @@ from rayfed.models import build_backbone
 from rayfed.models.peft.modules import select_task
 from rayfed.run_methods import run_methods
 from rayfed.seeding import SERVER, torch_seed
+from rayfed.stages import AfterFederationStage, declared
 from rayfed.training import ClientContext, check_precision
 from rayfed.transport import use_raw_tensor_transport
 from rayfed.state_tree import flatten_tree, map_tree
@@ -119,7 +120,7 @@ class ClientActor:
 
     def public_pass(self, method_index: int, round_idx: int, index: int, request: TensorDict) -> TensorDict:
         """The method's public pass ``index`` after round ``round_idx`` on this actor's architecture (see
-        ``Method.public_passes``); the public data is encoded once per actor."""
+        ``rayfed.PublicPassStage``); the public data is encoded once per actor."""
         return self.public_passes.run(self.method, self.architecture, self.model, self.device, round_idx, index, request)
 
     def count_public_flops(self, counting: bool) -> float:
@@ -249,7 +250,9 @@ class ClientActor:
         for cid in self.client_ids:
             client = self._context(cid, round_idx)
             with self._hook("after_federation", cid, f"after round {round_idx}"):
-                state = self.method.after_federation(client, self.states[cid], payloads[cid])
+                state = self.states[cid]
+                if declared(self.method, AfterFederationStage):
+                    state = self.method.after_federation(client, state, payloads[cid])
                 params = None
                 if post_train_steps:
                     own = self.method.eval_params(state, payloads[cid])

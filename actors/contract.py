@@ -20,8 +20,9 @@ from rayfed.param_names import behind
 from rayfed.state_tree import flatten_tree, tree_leaves
 from rayfed.training import ClientContext
 from rayfed.actors.uploads import RoundUploads
+from rayfed.types import Slot
 
-PARAMETER_SLOT = "shared"  # the upload slot of the model's shared parameters (Method.local_update's default)
+PARAMETER_SLOT = Slot.SHARED.value  # the upload slot of the model's shared parameters (Method.local_update's default)
 
 
 class ClientContract:
@@ -71,7 +72,7 @@ class ClientContract:
             raise MethodOutputError(
                 f"{source}: upload tensor {unknown!r} in slot {PARAMETER_SLOT!r} is no trainable parameter of the "
                 f"client model, whose payloads the server builds from it: name it as the model does (e.g. {example!r}).")
-        kept = result.state.get("personal", {}) if isinstance(result.state, Mapping) else {}
+        kept = result.state.get(Slot.PERSONAL, {}) if isinstance(result.state, Mapping) else {}
         both = sorted(self.personal(method).intersection(uploaded).intersection(kept))
         if both:
             raise MethodOutputError(
@@ -136,8 +137,8 @@ def watched(uploads: Sequence[Upload]) -> list[SlotReads]:
 def check_slots_read(reads: Sequence[SlotReads], method: Method, label: str, parts: Sequence[RoundUploads]) -> None:
     """One sentence for an upload slot of the round's ``parts`` that neither the engine nor ``aggregate`` read
     (``reads``, :func:`watched`): the server never uses it. It names the first client that uploaded it."""
-    read = set().union(*(slots.read for slots in reads))
-    unread = sorted({slot for slots in reads for slot in dict.keys(slots)} - read)
+    read = {str(slot) for slots in reads for slot in slots.read}
+    unread = sorted({str(slot) for slots in reads for slot in dict.keys(slots)} - read)
     if not unread:
         return
     slot = unread[0]
@@ -157,7 +158,7 @@ def check_global(server: ServerState, method: Method, label: str, hook: str, arc
     """One sentence for a tensor that the server's ``global`` slot gained (``known``: init_server's ``slot/name``s)
     of a parameter that ``method.is_shared`` calls personal: the default payload would send it over every client's
     own. ``hook``: the hook that returned ``server``, with its round."""
-    for name in server.get("global", {}):
+    for name in server.get(Slot.GLOBAL, {}):
         if f"global/{name}" in known:
             continue
         own = next((rest for arch in architectures if arch and (rest := behind(name, arch)) is not None), name)

@@ -17,7 +17,7 @@ from rayfed import registry
 from rayfed.actors.client import RoundUploads, run_methods
 from rayfed.actors.contract import ServerWatch, check_global, check_slots_read, watched
 from rayfed.actors.uploads import fetch_sent_slots
-from rayfed.aggregation import ROWS, Mixture
+from rayfed.aggregation import MixedRows, MixedServer, Mixture
 from rayfed.architectures import architecture_of, prefixed, unprefixed
 from rayfed.config import RunConfig, build_config, model_configs
 from rayfed.data.clients import build_federation
@@ -27,7 +27,7 @@ from rayfed.method import (Method, MethodOutputError, ServerState, TensorDict, T
 from rayfed.tasks import client_tasks, task_view
 from rayfed.state_tree import flatten_tree, map_levels, tree_leaves
 from rayfed.transport import use_raw_tensor_transport
-from rayfed.types import ReadOnlyTensors
+from rayfed.types import ReadOnlyTensors, Slot
 
 
 class DriverActor:
@@ -49,6 +49,8 @@ class DriverActor:
         self.store_bytes = 0  # what a round's payloads put into Ray's object store (each distinct tensor once a call)
         self.known_finite = KnownFinite()
         self.call_times: list[dict[str, float]] = []  # see get_call_times
+        self.mixed_rows: MixedRows | None = None  # a Mixture method's rows index (start_method)
+        self._server: ServerState = {}
 
     def start_method(self, method_index: int, architectures: list[str], *initial_and_tags: dict) -> None:
         """The method's initial server state, from each architecture's initial shared parameters and task tags
@@ -61,12 +63,29 @@ class DriverActor:
         self.tags = {name: arch_tags for name, arch_tags in zip(architectures, tags)}
         shared = {key: value for name, values in zip(architectures, initial) for key, value in prefixed(values, name).items()}
         self.server_specs: TensorSpecs = {}
-        self.server: ServerState = self.method.init_server(shared)
-        self._check_server(self.server, "init_server")
+        # The server side of the method's aggregation kind: a Mixture's rows and their index are the engine's.
+        self.mixed_rows = None
+        if isinstance(self.method.aggregation, Mixture):
+            self.mixed_rows = MixedRows(self.method.aggregation, self.method.architecture_of, shared,
+                                        type(self.method).__name__)
+        server = self.method.init_server(shared)
+        self._check_server(server, "init_server")
+        if self.mixed_rows is not None:
+            server = {Slot.ROWS: self.mixed_rows.initial_rows(shared), **server}
+        self.server = server
         # A later server state's tensor of a (slot, name) init_server gave keeps its shape and dtype.
         self.server_specs = tensor_specs(_by_path(self.server))
         self.down_bytes = self.down_params = self.store_bytes = 0
         self.server_watch = ServerWatch()
+
+    @property
+    def server(self) -> ServerState:
+        """The server state as the method's hooks get it: with a Mixture, a :class:`MixedServer` (its rows' index)."""
+        return self._server
+
+    @server.setter
+    def server(self, server: ServerState) -> None:
+        self._server = server if self.mixed_rows is None else MixedServer(server, self.mixed_rows)
 
     def before_federation(self, architectures: list[str], *prepared: TensorDict) -> None:
         """The method's server-side stage before round 1, given what its pre-federation stage returned on
@@ -75,7 +94,7 @@ class DriverActor:
         self._check_server(self.server, "before_federation")
 
     def public_request(self, index: int, architecture: str) -> TensorDict:
-        """What the method's public pass ``index`` sends to ``architecture``'s actor (see ``Method.public_passes``)."""
+        """What the method's public pass ``index`` sends to ``architecture``'s actor (``rayfed.PublicPassStage``)."""
         with raised_in(f"{type(self.method).__name__}.public_request"):
             return self.method.public_request(self.server, index, architecture)
 
@@ -128,12 +147,12 @@ class DriverActor:
         if not (nonfinite and stop):
             self.server_watch.before_first_round(self.server, uploads)
             reads = watched(uploads)  # which upload slots the engine and the method read
-            if isinstance(self.method.aggregation, Mixture):  # each upload into its client's rows, then the weights
+            if self.mixed_rows is not None:  # each upload into its client's rows, then the weights
                 storing = time.time()
-                rows_finite = self.known_finite.all(self.server[ROWS])
-                self.method.mixed_rows.store(self.server, uploads)
+                rows_finite = self.known_finite.all(self.server[Slot.ROWS])
+                self.mixed_rows.store(self.server, uploads)
                 if rows_finite and not nonfinite:  # finite rows, and uploads the actors found finite
-                    self.known_finite.add(self.server[ROWS])
+                    self.known_finite.add(self.server[Slot.ROWS])
                 times["store_s"] = time.time() - storing
             aggregating = time.time()
             with raised_in(f"{type(self.method).__name__}.aggregate"):
@@ -186,8 +205,8 @@ class DriverActor:
         source = f"method {self.label!r}, hook {hook}"
         for slot, values in server.items():
             if not isinstance(values, Mapping):
-                raise MethodOutputError(f"{source}: server slot {slot!r} is a {type(values).__name__}, not a dict of "
-                                        "named tensors.")
+                raise MethodOutputError(f"{source}: server slot {str(slot)!r} is a {type(values).__name__}, not a "
+                                        "dict of named tensors.")
         try:
             flat = _by_path(server)
         except ValueError as err:  # two paths of a slot's tree flatten to one name
@@ -213,11 +232,11 @@ class KnownFinite:
         seen = self.found.get(path)
         return seen is not None and seen[0]() is value and seen[1] == value._version
 
-    def all(self, values: TensorDict, slot: str = ROWS) -> bool:
+    def all(self, values: TensorDict, slot: str = Slot.ROWS) -> bool:
         """Whether every tensor of server slot ``slot`` (``values``) is known finite."""
         return all(self._known(f"{slot}/{name}", value) for name, value in values.items())
 
-    def add(self, values: TensorDict, slot: str = ROWS) -> None:
+    def add(self, values: TensorDict, slot: str = Slot.ROWS) -> None:
         """Take every tensor of server slot ``slot`` (``values``) as finite as it is now."""
         self.found.update({f"{slot}/{name}": (weakref.ref(value), value._version) for name, value in values.items()
                            if not value.is_inference()})  # an inference tensor has no version: read at each check

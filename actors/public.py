@@ -1,5 +1,5 @@
 """A method's stages on ``data.public`` on one ClientActor's architecture: the stage before round 1
-(``Method.pre_federation``) and the passes after aggregations (``Method.public_passes``)."""
+(``Method.pre_federation``, a ``PreFederationStage``) and the passes after aggregations (a ``PublicPassStage``)."""
 
 from __future__ import annotations
 

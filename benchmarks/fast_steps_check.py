@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from rayfed.compute import WITHOUT_MATCHING
+from rayfed.stages import PreFederationStage, declared
 
 # Each mode sets both fields: a config's own (TAP's offline configs turn CUDA graphs on) must not leak into another.
 MODES = {"eager": {"compile": False, "cuda_graphs": False}, "compile": {"compile": True, "cuda_graphs": False},
@@ -65,7 +66,7 @@ def round_uploads(config: Path | dict, overrides: Sequence[str], clients: Sequen
     initial = [each.start_method(0) for each in actors]
     driver = DriverActor(raw)
     driver.start_method(0, names, *initial, *(each.task_tags() for each in actors))
-    if actor.method.pre_federation_stage:
+    if declared(actor.method, PreFederationStage):
         driver.before_federation(names, *(each.pre_federation(0) for each in actors))
     payloads = driver.payloads(list(clients))
     uploads: Uploads = {}

@@ -51,6 +51,7 @@ from rayfed.errors import ConfigError, choice_error
 from rayfed.io import atomic_write_json, atomic_write_text
 from rayfed.results.report import format_table
 from rayfed.simulation import Simulation, import_plugin_modules
+from rayfed.stages import PreFederationStage, declared, public_pass_count
 from rayfed.system import plan_round
 from rayfed.tasks import sample_round
 from rayfed.training import local_steps
@@ -133,7 +134,7 @@ class MethodLoop:
         names = list(self.hosts)
         initial = [host.start_method(0) for host in self.hosts.values()]
         self.driver.start_method(0, names, *initial, *(host.task_tags() for host in self.hosts.values()))
-        if self.method.pre_federation_stage:
+        if declared(self.method, PreFederationStage):
             self.driver.before_federation(names, *(host.pre_federation(0) for host in self.hosts.values()))
         self.num_train = {cid: federation.sizes(cid)["num_train"] for cid in range(federation.num_clients)}
 
@@ -161,7 +162,7 @@ class MethodLoop:
 
     def _public_passes(self, round_idx: int) -> None:
         names = list(self.hosts)
-        for index in range(self.method.public_passes):
+        for index in range(public_pass_count(self.method)):
             results = [self.hosts[name].public_pass(0, round_idx, index, self.driver.public_request(index, name))
                        for name in names]
             self.driver.after_public_pass(index, names, *results)

@@ -24,13 +24,15 @@ from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
+from rayfed.method import (AfterFederationStage, ClientState, LocalResult, Method, TensorDict, post_train_views,
+                           stored_views)
 from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL
 from rayfed.models import Backbone
 from rayfed.params import NonNegative, NonNegativeInt, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Step
+from rayfed.types import Slot
 
 
 def orthogonality_loss(latents: Sequence[tuple[tuple[str, str], torch.Tensor]]) -> torch.Tensor | None:
@@ -65,6 +67,7 @@ class DisentAFLParams:
 @register_method("disentafl")
 class DisentAFL(Method):
     Params = DisentAFLParams
+    stages = (AfterFederationStage(),)
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         model = super().build_model(backbone, config, tasks, seed)
@@ -87,19 +90,19 @@ class DisentAFL(Method):
         return loss + self.params.ortho_weight * ortho
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
-        result = client.train({**state["personal"], **(payload or {})}, loss=self.loss)
+        result = client.train({**state[Slot.PERSONAL], **(payload or {})}, loss=self.loss)
         shared, personal = self.split(result.params)
-        return LocalResult({**state, "personal": personal}, {"shared": shared} if shared else {}, result.loss)
+        return LocalResult({**state, Slot.PERSONAL: personal}, {Slot.SHARED: shared} if shared else {}, result.loss)
 
     def after_federation(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> ClientState:
         if not self.params.post_fl_microbatches:
             return state
-        start = {**state["personal"], **(payload or {})}
+        start = {**state[Slot.PERSONAL], **(payload or {})}
         return {**state, **post_train_views(client, start, self.params.post_fl_microbatches, self.params.post_lr,
                                             loss=self.loss)}
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
-        return {"": {**state["personal"], **(payload or {})}, **stored_views(state)}
+        return {"": {**state[Slot.PERSONAL], **(payload or {})}, **stored_views(state)}
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
         return self.eval_views(state, payload)[""]

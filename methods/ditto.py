@@ -12,6 +12,7 @@ from rayfed.method import ClientState, LocalResult, Method, TensorDict
 from rayfed.params import AtLeastOne, NonNegative, hyperparameters
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, proximal_penalty
+from rayfed.types import Slot
 
 
 @hyperparameters
@@ -25,7 +26,7 @@ class Ditto(Method):
     Params = DittoParams
 
     def init_client(self, initial: TensorDict) -> ClientState:
-        return {"personal": {}, "personal_model": dict(initial)}
+        return {Slot.PERSONAL: {}, "personal_model": dict(initial)}
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
         global_update = client.train(payload)
@@ -34,7 +35,7 @@ class Ditto(Method):
             extra_loss=proximal_penalty(payload, self.params.lam),
         )
         new_state = {**state, "personal_model": personal_update.params}
-        return LocalResult(new_state, {"shared": global_update.params}, global_update.loss)
+        return LocalResult(new_state, {Slot.SHARED: global_update.params}, global_update.loss)
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
         return state["personal_model"]

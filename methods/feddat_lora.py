@@ -30,6 +30,7 @@ from rayfed.params import NonNegative, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase, Step, distillation_loss
+from rayfed.types import Slot
 
 SHARED, FROZEN, LOCAL = "shared", "frozen", "local"
 STUDENT = {SHARED: 1.0}
@@ -100,16 +101,16 @@ class FedDATLora(Method):
         def teacher(step: Step) -> torch.Tensor:
             return _mutual_loss(step, TEACHER, STUDENT, kd, tau, teacher_key="z_s")
 
-        params = {**state["personal"], **received, **self._frozen_copy(received)}
+        params = {**state[Slot.PERSONAL], **received, **self._frozen_copy(received)}
         result = client.train(params, phases=[Phase(trains=self.is_shared, loss=student),
                                               Phase(trains=lambda n: adapter_of(n) == LOCAL, loss=teacher)])
         named_adapters.set_mix(client.model, None)
         shared = {n: v for n, v in result.params.items() if self.is_shared(n)}
         personal = {n: v for n, v in result.params.items() if adapter_of(n) == LOCAL}
-        return LocalResult({**state, "personal": personal}, {"shared": shared}, result.loss)
+        return LocalResult({**state, Slot.PERSONAL: personal}, {Slot.SHARED: shared}, result.loss)
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
-        own = {**state["personal"], **(payload or {}), **self._frozen_copy(payload or {})}
+        own = {**state[Slot.PERSONAL], **(payload or {}), **self._frozen_copy(payload or {})}
         return {"": own, "dat": own}
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:

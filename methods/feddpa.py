@@ -26,6 +26,7 @@ from rayfed.params import AtLeastOne, UnitInterval, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Phase
+from rayfed.types import Slot
 
 GLOBAL, LOCAL = "global", "local"
 
@@ -80,7 +81,7 @@ class FedDPA(Method):
 
     def init_client(self, initial: TensorDict) -> ClientState:
         _, personal = self.split(initial)
-        return {"personal": personal, "profile": {}}
+        return {Slot.PERSONAL: personal, "profile": {}}
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
         model, received = client.model, payload or {}
@@ -88,24 +89,24 @@ class FedDPA(Method):
         if weights is not None:
             weights.profile = None
         named_adapters.set_mix(model, {GLOBAL: 1.0})
-        global_update = client.train({**state["personal"], **received}, phases=[Phase(trains=self.is_shared)])
+        global_update = client.train({**state[Slot.PERSONAL], **received}, phases=[Phase(trains=self.is_shared)])
         trained_global = {n: v for n, v in global_update.params.items() if self.is_shared(n)}
         named_adapters.set_mix(model, {GLOBAL: 1 - self.params.local_weight, LOCAL: self.params.local_weight})
         if weights is not None:
             weights.record = []
-        local_update = client.train({**state["personal"], **trained_global}, steps=self.params.local_steps,
+        local_update = client.train({**state[Slot.PERSONAL], **trained_global}, steps=self.params.local_steps,
                                     purpose="local", phases=[Phase(trains=lambda n: not self.is_shared(n))])
-        new_state = {**state, "personal": {n: v for n, v in local_update.params.items() if not self.is_shared(n)}}
+        new_state = {**state, Slot.PERSONAL: {n: v for n, v in local_update.params.items() if not self.is_shared(n)}}
         if weights is not None:
             sums, counts = weights.record[0::2], weights.record[1::2]
             weights.record = None
             if sums:
                 new_state["profile"] = {"mean": (torch.stack(sums).sum(0) / torch.stack(counts).sum()).cpu()}
         named_adapters.set_mix(model, None)
-        return LocalResult(new_state, {"shared": trained_global}, global_update.loss)
+        return LocalResult(new_state, {Slot.SHARED: trained_global}, global_update.loss)
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
-        return {**state["personal"], **(payload or {})}
+        return {**state[Slot.PERSONAL], **(payload or {})}
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
         self._profile = state.get("profile", {}).get("mean")

@@ -21,6 +21,7 @@ from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerSt
 from rayfed.params import Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, TensorPenalty
+from rayfed.types import Slot
 
 
 @hyperparameters
@@ -35,29 +36,29 @@ class FedDyn(Method):
 
     def init_client(self, initial: TensorDict) -> ClientState:
         shared, personal = self.split(initial)
-        return {"personal": personal, "dyn_grad": {n: torch.zeros_like(v) for n, v in shared.items()}}
+        return {Slot.PERSONAL: personal, "dyn_grad": {n: torch.zeros_like(v) for n, v in shared.items()}}
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
-        start = {**state["personal"], **payload}
+        start = {**state[Slot.PERSONAL], **payload}
         result = client.train(start, extra_loss=self._dynamic_penalty(state["dyn_grad"], payload))
         shared, personal = self.split(result.params)
         alpha = self.params.alpha
         grad = {n: g - alpha * (shared[n] - payload[n].to(g.device)) for n, g in state["dyn_grad"].items()}
-        return LocalResult({**state, "personal": personal, "dyn_grad": grad}, {"shared": shared}, result.loss)
+        return LocalResult({**state, Slot.PERSONAL: personal, "dyn_grad": grad}, {Slot.SHARED: shared}, result.loss)
 
     def _dynamic_penalty(self, grad: TensorDict, anchor: TensorDict) -> TensorPenalty:
         inputs = {"grad": grad, "anchor": {n: anchor[n] for n in grad}}
         return TensorPenalty(_dynamic_term, inputs, (self.params.alpha,))
 
     def init_server(self, initial_shared: TensorDict) -> ServerState:
-        return {"global": initial_shared, "h": {n: torch.zeros_like(v) for n, v in initial_shared.items()}}
+        return {Slot.GLOBAL: initial_shared, "h": {n: torch.zeros_like(v) for n, v in initial_shared.items()}}
 
     def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
-        alpha, current = self.params.alpha, server["global"]
+        alpha, current = self.params.alpha, server[Slot.GLOBAL]
         sums: TensorDict = {}
         counts: dict[str, int] = {}
         for upload in sorted(uploads, key=lambda u: u.client_id):
-            for name, value in upload.tensors.get("shared", {}).items():
+            for name, value in upload.tensors.get(Slot.SHARED, {}).items():
                 sums[name] = sums[name] + value if name in sums else value.clone()
                 counts[name] = counts.get(name, 0) + 1
         h = dict(server["h"])
@@ -65,10 +66,10 @@ class FedDyn(Method):
         for name, total in sums.items():
             h[name] = h[name] - (alpha / self.num_clients) * (total - counts[name] * current[name])
             new_global[name] = total / counts[name] - h[name] / alpha
-        return {**server, "global": new_global, "h": h}
+        return {**server, Slot.GLOBAL: new_global, "h": h}
 
     def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
-        return server["global"]
+        return server[Slot.GLOBAL]
 
 
 def _dynamic_term(params: dict[str, torch.Tensor], inputs: dict[str, TensorDict], alpha: float) -> torch.Tensor:

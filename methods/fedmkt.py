@@ -35,12 +35,14 @@ from torch import nn
 
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.method import (ClientState, EachUpload, LocalResult, Method, PreFederationStage, PublicPassStage,
+                           ServerState, TensorDict, Upload)
 from rayfed.methods.token_alignment import Alignment, Vocabulary, VocabularyMap, aligned_cut
 from rayfed.param_names import prefix_of
 from rayfed.params import AtLeastOne, Positive, UnitInterval, hyperparameters
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PreFederation, PublicJob, PublicPass, same_answers, token_losses
+from rayfed.types import Slot
 
 GLOBAL = "global"
 IDS = ":ids"  # beside a top-k cut of logits: the token ids of its values
@@ -99,8 +101,9 @@ def full_logits(entries: TensorDict, name: str, vocabulary: int) -> torch.Tensor
 class FedMKT(Method):
     Params = FedMKTParams
     aggregation = EachUpload()  # every client's own adapter is a candidate teacher
-    public_passes = 2  # every adapter's losses and logits; then each architecture's two distillations
-    pre_federation_stage = True  # each architecture's vocabulary, for the alignment across tokenizers
+    # each architecture's vocabulary (for the alignment across tokenizers); after each round, two passes: every
+    # adapter's losses and logits, then each architecture's two distillations
+    stages = (PreFederationStage(), PublicPassStage(2))
 
     def __init__(self, params: FedMKTParams | None = None):
         super().__init__(params)
@@ -109,17 +112,18 @@ class FedMKT(Method):
         self._maps: dict[tuple[str, str], VocabularyMap] = {}  # (teacher, student) architectures -> M, kept
 
     def init_client(self, initial: TensorDict) -> ClientState:
-        return {"personal": dict(initial)}
+        return {Slot.PERSONAL: dict(initial)}
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
-        result = client.train(payload or state["personal"])
-        return LocalResult({**state, "personal": result.params}, {"shared": result.params}, result.loss, weight=1.0)
+        result = client.train(payload or state[Slot.PERSONAL])
+        return LocalResult({**state, Slot.PERSONAL: result.params}, {Slot.SHARED: result.params}, result.loss,
+                           weight=1.0)
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
-        return state["personal"]
+        return state[Slot.PERSONAL]
 
     def init_server(self, initial_shared: TensorDict) -> ServerState:
-        return {"global": dict(initial_shared), "clients": {}}
+        return {Slot.GLOBAL: dict(initial_shared), "clients": {}}
 
     def pre_federation(self, stage: PreFederation) -> TensorDict:
         tokenizer = getattr(stage.model, "tokenizer", None)
@@ -150,7 +154,7 @@ class FedMKT(Method):
         return None if mapping.teacher == mapping.student else mapping
 
     def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
-        self._uploads = {u.client_id: u.tensors["shared"] for u in uploads if u.tensors.get("shared")}
+        self._uploads = {u.client_id: u.tensors[Slot.SHARED] for u in uploads if u.tensors.get(Slot.SHARED)}
         return server
 
     def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
@@ -160,7 +164,7 @@ class FedMKT(Method):
         return [cid for cid in sorted(self._uploads) if self.architecture_of[cid] == architecture]
 
     def public_request(self, server: ServerState, index: int, architecture: str) -> TensorDict:
-        request = prefixed(unprefixed(server["global"], architecture), GLOBAL)
+        request = prefixed(unprefixed(server[Slot.GLOBAL], architecture), GLOBAL)
         for cid in self._clients(architecture):
             request.update(prefixed(unprefixed(self._uploads[cid], architecture), f"client:{cid}"))
         if index == 0:
@@ -258,10 +262,10 @@ class FedMKT(Method):
                 same_answers(same, "fedmkt")
             self._outputs = results
             return server
-        new_global, clients = dict(server["global"]), dict(server["clients"])
+        new_global, clients = dict(server[Slot.GLOBAL]), dict(server["clients"])
         for arch, result in results.items():
             new_global.update(prefixed(unprefixed(result, GLOBAL), arch))
             for cid in self._clients(arch):
                 clients.update(prefixed(prefixed(unprefixed(result, f"client:{cid}"), arch), f"client:{cid}"))
         self._uploads, self._outputs = {}, {}
-        return {**server, "global": new_global, "clients": clients}
+        return {**server, Slot.GLOBAL: new_global, "clients": clients}

@@ -18,11 +18,13 @@ from collections.abc import Sequence
 import torch
 
 from rayfed.architectures import prefixed, unprefixed
-from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.method import (ClientState, EachUpload, LocalResult, Method, PublicPassStage, ServerState, TensorDict,
+                           Upload)
 from rayfed.param_names import prefix_of
 from rayfed.params import AtLeastOne, NonNegative, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PublicPass, distillation_loss, proximal_penalty, same_answers
+from rayfed.types import Slot
 
 AVERAGE, TEACHER = "average", "teacher"
 
@@ -46,7 +48,7 @@ def personal_penalty(centre: TensorDict | None, mu: float):
 class PerAda(Method):
     Params = PerAdaParams
     aggregation = EachUpload()  # every client's own adapter is a teacher
-    public_passes = 2  # the teachers' logits per architecture; then each architecture's distillation
+    stages = (PublicPassStage(2),)  # the teachers' logits per architecture; then each architecture's distillation
 
     def __init__(self, params: PerAdaParams | None = None):
         super().__init__(params)
@@ -54,20 +56,20 @@ class PerAda(Method):
         self._teacher: torch.Tensor | None = None
 
     def init_client(self, initial: TensorDict) -> ClientState:
-        return {"personal": {}, "personal_adapter": dict(initial)}
+        return {Slot.PERSONAL: {}, "personal_adapter": dict(initial)}
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
         shared = client.train(payload)
         # The same batches as the global update.
         personal = client.train(state["personal_adapter"], extra_loss=personal_penalty(payload, self.params.mu))
-        return LocalResult({**state, "personal_adapter": personal.params}, {"shared": shared.params}, shared.loss,
+        return LocalResult({**state, "personal_adapter": personal.params}, {Slot.SHARED: shared.params}, shared.loss,
                            weight=1.0)
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
         return state["personal_adapter"]
 
     def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
-        self._uploads = {u.client_id: u.tensors["shared"] for u in uploads if u.tensors.get("shared")}
+        self._uploads = {u.client_id: u.tensors[Slot.SHARED] for u in uploads if u.tensors.get(Slot.SHARED)}
         return super().aggregate(server, uploads)
 
     def public_request(self, server: ServerState, index: int, architecture: str) -> TensorDict:
@@ -77,7 +79,7 @@ class PerAda(Method):
                 if self.architecture_of[cid] == architecture:
                     request.update(prefixed(unprefixed(self._uploads[cid], architecture), f"client:{cid}"))
             return request
-        return {**prefixed(unprefixed(server["global"], architecture), AVERAGE), TEACHER: self._teacher}
+        return {**prefixed(unprefixed(server[Slot.GLOBAL], architecture), AVERAGE), TEACHER: self._teacher}
 
     def public_pass(self, stage: PublicPass, index: int, request: TensorDict) -> TensorDict:
         rows = stage.rows(self.params.public_samples)
@@ -103,8 +105,8 @@ class PerAda(Method):
             # The teacher: the mean of all the round's clients' logits, 1/N each, whatever their architecture.
             self._teacher = (sum(r["teacher_sum"] for r in results.values()) / len(self._uploads)).float()
             return server
-        new_global = dict(server["global"])
+        new_global = dict(server[Slot.GLOBAL])
         for arch, result in results.items():
             new_global.update(prefixed(unprefixed(result, "distilled"), arch))
         self._uploads, self._teacher = {}, None
-        return {**server, "global": new_global}
+        return {**server, Slot.GLOBAL: new_global}

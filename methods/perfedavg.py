@@ -23,14 +23,15 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
+from rayfed.method import (AfterFederationStage, ClientState, LocalResult, Method, TensorDict, post_train_views,
+                           stored_views)
 from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL
 from rayfed.models.peft.modules import select_task
 from rayfed.params import NonNegativeInt, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, Step, scheduled_lr
-from rayfed.types import Batch
+from rayfed.types import Batch, Slot
 
 
 @hyperparameters
@@ -71,6 +72,7 @@ def inner_step(step: Step, parts: Sequence[tuple[Task, Batch]], alpha: float) ->
 @register_method("perfedavg")
 class PerFedAvg(Method):
     Params = PerFedAvgParams
+    stages = (AfterFederationStage(),)
 
     def _alpha(self, client: ClientContext) -> float:
         if self.params.inner_lr is not None:
@@ -86,13 +88,13 @@ class PerFedAvg(Method):
             inner, outer = [(task, h) for task, (h, _) in halves], [(task, h) for task, (_, h) in halves]
             return _task_loss(step.model, inner_step(step, inner, alpha), outer)
 
-        start = {**state["personal"], **(payload or {})}
+        start = {**state[Slot.PERSONAL], **(payload or {})}
         result = client.train(start, loss=maml_loss)
         shared, personal = self.split(result.params)
-        return LocalResult({**state, "personal": personal}, {"shared": shared} if shared else {}, result.loss)
+        return LocalResult({**state, Slot.PERSONAL: personal}, {Slot.SHARED: shared} if shared else {}, result.loss)
 
     def after_federation(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> ClientState:
-        global_params = {**state["personal"], **(payload or {})}
+        global_params = {**state[Slot.PERSONAL], **(payload or {})}
         alpha = self._alpha(client)
         adapted: dict[str, TensorDict] = {}
 
@@ -108,7 +110,7 @@ class PerFedAvg(Method):
         return state
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
-        global_params = {**state["personal"], **(payload or {})}
+        global_params = {**state[Slot.PERSONAL], **(payload or {})}
         if "view:adapted" not in state:  # during the rounds: the global model
             return {"": global_params}
         views = stored_views(state)

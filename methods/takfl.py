@@ -21,11 +21,13 @@ import torch
 
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, EachUpload, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.method import (ClientState, EachUpload, LocalResult, Method, PublicPassStage, ServerState, TensorDict,
+                           Upload)
 from rayfed.param_names import prefix_of
 from rayfed.params import AtLeastOne, NonNegative, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.training import ClientContext, PublicPass, distillation_loss, same_answers
+from rayfed.types import Slot
 
 AVERAGE, TEACHER, SELF, TASK_VECTOR = "average", "teacher", "self", "task_vector"
 
@@ -65,22 +67,23 @@ def merged(average: TensorDict, task_vectors: Sequence[TensorDict], weights: Seq
 class TAKFL(Method):
     Params = TAKFLParams
     aggregation = EachUpload()  # every client's own adapter is a teacher
-    public_passes = 2  # teachers' and self outputs per architecture; then K distillations per student
+    stages = (PublicPassStage(2),)  # teachers' and self outputs per architecture; then K distillations per student
 
     def __init__(self, params: TAKFLParams | None = None):
         super().__init__(params)
         if self.params.compat_zero_tau:
-            self.public_passes = 0
+            self.stages = ()
         self._uploads: dict[int, TensorDict] = {}  # the round's uploads, server-named, until the passes are done
         self._outputs: dict[str, TensorDict] = {}
 
     def init_client(self, initial: TensorDict) -> ClientState:
-        return {"personal": {}, "trained": {}}
+        return {Slot.PERSONAL: {}, "trained": {}}
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
         result = client.train(payload)
         weight = None if self.params.weight_by_samples else 1.0
-        return LocalResult({**state, "trained": result.params}, {"shared": result.params}, result.loss, weight=weight)
+        return LocalResult({**state, "trained": result.params}, {Slot.SHARED: result.params}, result.loss,
+                           weight=weight)
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
         if self.params.evaluate == "trained" and state["trained"]:
@@ -88,14 +91,14 @@ class TAKFL(Method):
         return payload or {}
 
     def aggregate(self, server: ServerState, uploads: Sequence[Upload]) -> ServerState:
-        self._uploads = {u.client_id: u.tensors["shared"] for u in uploads if u.tensors.get("shared")}
+        self._uploads = {u.client_id: u.tensors[Slot.SHARED] for u in uploads if u.tensors.get(Slot.SHARED)}
         return super().aggregate(server, uploads)
 
     def _clients(self, architecture: str) -> list[int]:
         return [cid for cid in sorted(self._uploads) if self.architecture_of[cid] == architecture]
 
     def public_request(self, server: ServerState, index: int, architecture: str) -> TensorDict:
-        request = prefixed(unprefixed(server["global"], architecture), AVERAGE)
+        request = prefixed(unprefixed(server[Slot.GLOBAL], architecture), AVERAGE)
         if index == 0:
             if not self._clients(architecture):
                 raise ConfigError(f"methods (takfl) distils every architecture's mean logits, but no client of "
@@ -143,9 +146,9 @@ class TAKFL(Method):
             self._outputs = results
             return server
         names = list(results)
-        new_global = dict(server["global"])
+        new_global = dict(server[Slot.GLOBAL])
         for k, student in enumerate(names):
-            average = unprefixed(server["global"], student)
+            average = unprefixed(server[Slot.GLOBAL], student)
             vectors = [unprefixed(results[student], f"{TASK_VECTOR}:{teacher}") for teacher in names]
             weights = self.params.lambda_matrix[k] if self.params.lambda_matrix else [1 / len(names)] * len(names)
             if len(weights) != len(names):
@@ -153,4 +156,4 @@ class TAKFL(Method):
                                  f"{len(names)} architectures ({', '.join(names)}).")
             new_global.update(prefixed(merged(average, vectors, weights), student))
         self._uploads, self._outputs = {}, {}
-        return {**server, "global": new_global}
+        return {**server, Slot.GLOBAL: new_global}

@@ -6,8 +6,10 @@
 - :class:`EachUpload`: ``aggregate`` reads every client's own upload (a count of uploads, teachers, a median).
 - :class:`Mixture`: client i receives ``sum_j W_ij x_j`` of every tensor of a slot, ``x_j`` the latest upload of
   client j (its architecture's initial value before it has sent one) and ``W`` a clients x clients matrix that the
-  method keeps in its server state. The engine keeps the rows (server slot ``stacks``), writes each upload into its
-  client's row before ``aggregate`` runs, and mixes them for ``payload``; the method only computes ``W``.
+  method keeps in its server state. The DriverActor keeps the rows (server slot ``Slot.ROWS``) and their index
+  (:class:`MixedRows`), writes each upload into its client's row before ``aggregate`` runs, and hands the hooks the
+  state as a :class:`MixedServer`, whose :meth:`MixedServer.mixed` the default ``payload`` sends; the method only
+  computes ``W``.
 
 In a run of several architectures a mixture runs within client i's architecture, ``W``'s row i restricted to it and
 renormalized (a client with no weight there keeps its own row), except for the tensors that ``Mixture.across`` puts in
@@ -26,7 +28,7 @@ from rayfed.architectures import prefixed, unprefixed
 from rayfed.errors import ConfigError
 from rayfed.param_names import PREFIX_SEP, split_prefix
 from rayfed.state_tree import tree_at
-from rayfed.types import Loss, ServerState, TensorDict, tensor_bytes, tensor_params
+from rayfed.types import Loss, ServerState, Slot, TensorDict, tensor_bytes, tensor_params
 
 
 @dataclass
@@ -182,7 +184,7 @@ def presum(uploads: Sequence[Upload]) -> Upload:
     return partial.upload()
 
 
-ROWS = "stacks"  # the server slot of a mixture's rows: one stack per tensor (or group), a row per client
+ROWS = Slot.ROWS  # the server slot of a mixture's rows: one stack per tensor (or group), a row per client
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,7 @@ class Mixture:
 
     weights: tuple[str, ...] | str
     within_weights: tuple[str, ...] | str | None = None
-    slot: str = "shared"
+    slot: str = Slot.SHARED
     across: Callable[[Sequence[str]], Mapping[str, str]] | None = None
 
     def __post_init__(self) -> None:
@@ -312,7 +314,7 @@ class MixedRows:
         for upload in sorted(uploads, key=lambda u: u.client_id):
             for name, value in upload.tensors.get(self.mixture.slot, {}).items():
                 if name not in self.stack_of:
-                    raise ConfigError(f"client {upload.client_id} uploads {name!r} in slot {self.mixture.slot!r}, "
+                    raise ConfigError(f"client {upload.client_id} uploads {name!r} in slot {str(self.mixture.slot)!r}, "
                                       "which has no rows: a Mixture mixes the tensors that init_server was given.")
                 key, row = self._row(name, upload.client_id)
                 stacks[key][row] = value.to(stacks[key].dtype)
@@ -354,6 +356,23 @@ class MixedRows:
             # a view: Ray ships the row's bytes alone, and an actor copies it
             payload[name] = self._mixed_stack(server, key, architecture)[row]
         return payload
+
+
+class MixedServer(dict):
+    """A :class:`Mixture` method's server state as the DriverActor hands it to the method's hooks: the state's slots,
+    and the engine's index of its rows, which :meth:`mixed` reads. Pickled (a checkpoint, a transfer through Ray) it
+    is the plain dict of its slots; a dict made from it (``{**server, ...}``) is a plain state again."""
+
+    def __init__(self, server: ServerState, rows: MixedRows):
+        super().__init__(server)
+        self.rows = rows
+
+    def mixed(self, client_id: int) -> TensorDict:
+        """Client ``client_id``'s mixture of every client's rows of its architecture, under the server's names."""
+        return self.rows.payload(self, client_id)
+
+    def __reduce__(self) -> tuple:
+        return dict, (dict(self),)
 
 
 def _seen(tensors: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, int], ...]:

@@ -5,7 +5,7 @@ A method's cost is the FLOPs of one client's local update as :class:`torch.utils
 counts them: matrix products, convolutions and attention, forward and backward (not the optimizer's elementwise
 updates), measured on the run's model and data with ``train.local_steps`` steps for every method, so that work a
 method does once per update or every few steps is part of its cost; plus, for a method with server-side passes on
-public data (``Method.public_passes``, e.g. distillation), the client's share of them: the FLOPs of the passes that
+public data (a ``PublicPassStage``, e.g. distillation), the client's share of them: the FLOPs of the passes that
 round 1 ran on the client's architecture over the clients of that architecture in the round. With C = cost(method) /
 cost(reference), the method trains ``round(train.local_steps / C)`` steps (halves up), C counted per local step as a
 relative cost per iteration is. A method that counts no FLOPs (it trains nothing) keeps ``train.local_steps``.

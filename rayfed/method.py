@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from rayfed.aggregation import (ROWS, Aggregation, EachUpload, MixedRows, Mixture, PartialSum, Upload, WeightedMean,
+from rayfed.aggregation import (Aggregation, EachUpload, MixedServer, Mixture, PartialSum, Upload, WeightedMean,
                                 mean_as, presum, weighted_mean, weighted_sums)
 from rayfed import compat
 from rayfed.errors import ConfigError
-from rayfed.types import ClientState, Loss, ServerState, TensorDict, tensor_bytes, tensor_params
+from rayfed.stages import AfterFederationStage, PreFederationStage, PublicPassStage, Stage, check_stages
+from rayfed.types import ClientState, Loss, ServerState, Slot, TensorDict, read_slot, tensor_bytes, tensor_params
 
 if TYPE_CHECKING:
     from rayfed.config import ModelConfig
@@ -31,10 +32,20 @@ if TYPE_CHECKING:
     from rayfed.tasks import Task
     from rayfed.training import ClientContext, PreFederation, PublicPass
 
-__all__ = ["ClientState", "EachUpload", "LocalResult", "Method", "MethodOutputError", "Mixture", "NoParams",
-           "NonFiniteError", "PartialSum", "ServerState", "TensorDict", "Upload", "WeightedMean", "check_tensors",
-           "largest_magnitudes", "mean_as", "nonfinite_names", "post_fl_steps", "post_train_views", "presum",
-           "stored_views", "tensor_bytes", "tensor_params", "tensor_specs", "weighted_mean", "weighted_sums"]
+__all__ = ["AfterFederationStage", "ClientState", "CORE_HOOKS", "EachUpload", "LocalResult", "Method",
+           "MethodOutputError", "Mixture", "NoParams", "NonFiniteError", "OPTIONAL_HOOKS", "PartialSum",
+           "PreFederationStage", "PublicPassStage", "ServerState", "Slot", "TensorDict", "Upload", "WeightedMean",
+           "check_tensors", "largest_magnitudes", "mean_as", "nonfinite_names", "post_fl_steps", "post_train_views",
+           "presum", "stored_views", "tensor_bytes", "tensor_params", "tensor_specs", "weighted_mean", "weighted_sums"]
+
+CORE_HOOKS = ("build_model", "is_shared", "init_client", "local_update", "eval_params", "init_server", "aggregate",
+              "payload")
+"""The hooks that make a method: what its clients train and keep, what they upload, and what the server makes of
+it. Each has a FedAvg default; a method overrides those that differ."""
+OPTIONAL_HOOKS = ("participants", "local_penalty", "eval_views", "activate_view", "pre_federation",
+                  "before_federation", "public_request", "public_pass", "after_public_pass", "after_federation")
+"""Hooks for what few methods need: picking a round's clients, a penalty for the default ``local_update``, several
+evaluated views, and the hooks of the stages a method declares (:mod:`rayfed.stages`), which run only then."""
 
 
 @dataclass(frozen=True)
@@ -118,33 +129,34 @@ class Method:
     """Base class: FedAvg semantics over the parameters :meth:`is_shared` selects.
 
     Subclasses set ``Params`` (a frozen dataclass whose defaults are the paper's values and
-    whose ``__post_init__`` validates them) and override the hooks that differ.
+    whose ``__post_init__`` validates them) and override the hooks that differ: mostly of :data:`CORE_HOOKS`, those
+    of :data:`OPTIONAL_HOOKS` where needed. The server side of each aggregation kind (a mixture's rows) is the
+    DriverActor's, not the method's: no hook depends on another having called ``super()``.
     """
 
     Params: ClassVar[type] = NoParams
     communicates: ClassVar[bool] = True
-    pre_federation_stage: ClassVar[bool] = False
-    """Whether :meth:`pre_federation` runs before round 1, once per architecture, on an actor holding that
-    architecture's model (e.g. aligning adapters on public data); declared, never inferred."""
+    stages: ClassVar[tuple[Stage, ...]] = ()
+    """The stages besides the rounds that the engine runs (:mod:`rayfed.stages`): ``PreFederationStage()``
+    (:meth:`pre_federation`, :meth:`before_federation`), ``PublicPassStage(count)`` (:meth:`public_request`,
+    :meth:`public_pass`, :meth:`after_public_pass`), ``AfterFederationStage()`` (:meth:`after_federation`).
+    Declared, never inferred: overriding a stage's hook without declaring it is refused."""
     aggregation: ClassVar[Aggregation] = WeightedMean()
     """How the uploads combine (:mod:`rayfed.aggregation`), which decides what the engine keeps and sends:
     :class:`WeightedMean` (:meth:`aggregate` reads only the uploads' per-tensor weighted sums, which the actors then
     pre-sum), :class:`EachUpload` (it reads every client's own upload) or :class:`Mixture` (the engine keeps every
     client's latest upload and sends each client its own mix of them, by a weight matrix that :meth:`aggregate`
     computes). Declared by each method, never inferred."""
-    public_passes: ClassVar[int] = 0
-    """How many server-side passes on public data follow each round's :meth:`aggregate` (e.g. distillation
-    between architectures): pass p asks :meth:`public_request` for each architecture's request, runs
-    :meth:`public_pass` on one actor of that architecture (its model, the public data), and hands what every
-    architecture returned to :meth:`after_public_pass`. Declared, never inferred."""
-
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         compat.check_method_attributes(cls)
+        legacy = compat.legacy_stages(cls, Method)
+        if legacy is not None:
+            cls.stages = legacy
+        check_stages(cls, cls.stages, Method)
 
     def __init__(self, params: Any = None):
         self.params = params if params is not None else self.Params()
-        self.mixed_rows: MixedRows | None = None  # a Mixture's rows index, built by init_server
         # Facts of the run, set once when the run builds the method: the federation's size, its tasks, the
         # number of rounds and every client's architecture (all "" in a run of one).
         self.num_clients = 0
@@ -174,6 +186,7 @@ class Method:
         return self.communicates
 
     def split(self, params: TensorDict) -> tuple[TensorDict, TensorDict]:
+        """``params`` as the shared and the personal ones, by :meth:`is_shared` (a helper, not a hook)."""
         shared = {n: v for n, v in params.items() if self.is_shared(n)}
         personal = {n: v for n, v in params.items() if not self.is_shared(n)}
         return shared, personal
@@ -181,14 +194,14 @@ class Method:
     # Client side -----------------------------------------------------------------------
     def init_client(self, initial: TensorDict) -> ClientState:
         _, personal = self.split(initial)
-        return {"personal": personal}
+        return {Slot.PERSONAL: personal}
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
-        start = {**state["personal"], **(payload or {})}
-        result = client.train(start, extra_loss=self.local_penalty(payload))
+        personal = read_slot(state, Slot.PERSONAL, f"{type(self).__name__}.local_update's client state")
+        result = client.train({**personal, **(payload or {})}, extra_loss=self.local_penalty(payload))
         shared, personal = self.split(result.params)
-        upload = {"shared": shared} if shared else {}
-        return LocalResult({**state, "personal": personal}, upload, result.loss)
+        upload = {Slot.SHARED: shared} if shared else {}
+        return LocalResult({**state, Slot.PERSONAL: personal}, upload, result.loss)
 
     def local_penalty(self, payload: TensorDict | None):
         """An extra loss term on the trainable parameters during local training, or None."""
@@ -196,7 +209,8 @@ class Method:
 
     def eval_params(self, state: ClientState, payload: TensorDict | None) -> TensorDict:
         """The parameters a client is evaluated with."""
-        return {**state["personal"], **(payload or {})}
+        personal = read_slot(state, Slot.PERSONAL, f"{type(self).__name__}.eval_params's client state")
+        return {**personal, **(payload or {})}
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
         """Every parameter view a client is evaluated with, by name; ``""`` is the method's own (its metrics
@@ -207,20 +221,20 @@ class Method:
         """Set up ``model`` to evaluate view ``view`` (e.g. which adapters its forward uses). Default: nothing."""
 
     def after_federation(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> ClientState:
-        """A client-side stage after the last round (distillation, ...). Default: nothing."""
+        """The client-side stage after the last round (with an :class:`AfterFederationStage`: distillation, ...)."""
         return state
 
     # Server side -----------------------------------------------------------------------
     def init_server(self, initial_shared: TensorDict) -> ServerState:
         """The server state before round 1. Default: ``global``, the initial shared tensors; with a
-        :class:`Mixture`, its rows (``stacks``), every client's at its architecture's initial values."""
+        :class:`Mixture`, nothing: the DriverActor adds the rows it keeps (``Slot.ROWS``), every client's at its
+        architecture's initial values, whatever this returns."""
         if isinstance(self.aggregation, Mixture):
-            self.mixed_rows = MixedRows(self.aggregation, self.architecture_of, initial_shared, type(self).__name__)
-            return {ROWS: self.mixed_rows.initial_rows(initial_shared)}
-        return {"global": initial_shared}
+            return {}
+        return {Slot.GLOBAL: initial_shared}
 
     def pre_federation(self, stage: PreFederation) -> TensorDict:
-        """The client-side stage before round 1 (with :attr:`pre_federation_stage`): once per architecture, on
+        """The client-side stage before round 1 (with a :class:`PreFederationStage`): once per architecture, on
         one of its actors, with its model, the run's public data and the round-0 parameters. What it returns
         goes to :meth:`before_federation`."""
         return {}
@@ -236,11 +250,12 @@ class Method:
         :class:`Mixture`, the state as it is (the engine has written the uploads into their rows)."""
         if isinstance(self.aggregation, Mixture):
             return server
-        with_shared = [u for u in uploads if u.tensors.get("shared")]
+        with_shared = [u for u in uploads if u.tensors.get(Slot.SHARED)]
         if not with_shared:
             return server
         # A tensor nobody uploaded this round keeps its value.
-        return {**server, "global": {**server["global"], **weighted_mean(with_shared, "shared")}}
+        kept = read_slot(server, Slot.GLOBAL, f"{type(self).__name__}.aggregate's server state")
+        return {**server, Slot.GLOBAL: {**kept, **weighted_mean(with_shared, Slot.SHARED)}}
 
     def public_request(self, server: ServerState, index: int, architecture: str) -> TensorDict:
         """What public pass ``index`` of a round sends to ``architecture``'s actor (server names). Default: nothing."""
@@ -257,12 +272,14 @@ class Method:
 
     def payload(self, server: ServerState, client_id: int) -> TensorDict | None:
         """What client ``client_id`` receives from the server (None = nothing). Default: ``global``; with a
-        :class:`Mixture`, the client's own mix of every client's rows."""
+        :class:`Mixture`, the client's own mix of every client's rows (``server.mixed``: the DriverActor hands the
+        hooks a :class:`~rayfed.aggregation.MixedServer`)."""
         if isinstance(self.aggregation, Mixture):
-            if self.mixed_rows is None:
-                raise RuntimeError(f"{type(self).__name__}.payload: init_server has not run on this method object.")
-            return self.mixed_rows.payload(server, client_id)
-        return server.get("global") or None
+            if not isinstance(server, MixedServer):
+                raise ConfigError(f"{type(self).__name__}.payload mixes the rows of a server state the DriverActor "
+                                  f"hands out, but got a {type(server).__name__}: pass the state as it was given.")
+            return server.mixed(client_id)
+        return server.get(Slot.GLOBAL) or None
 
 
 def build_method(entry: Any, index: int, *, num_clients: int = 0, tasks: Sequence[Task] = (), rounds: int = 0,

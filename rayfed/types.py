@@ -1,15 +1,18 @@
 """Plain-tensor state shared by every layer: what clients and the server keep and send.
 
 State is plain tensors so that it can be checkpointed as safetensors:
-- ``ClientState``: named slots of tensors kept for one client between rounds (e.g. "personal");
-- ``ServerState``: named slots kept by the server (e.g. "global");
+- ``ClientState``: named slots of tensors kept for one client between rounds (e.g. ``Slot.PERSONAL``);
+- ``ServerState``: named slots kept by the server (e.g. ``Slot.GLOBAL``);
   a slot of either may hold a tree (nested dicts of named tensors, :mod:`rayfed.state_tree`);
-- an upload: named slots a client sends to the server in one round (e.g. "shared").
+- an upload: named slots a client sends to the server in one round (e.g. ``Slot.SHARED``).
+
+A method may add slots of its own names; :class:`Slot` names those the engine and the default hooks read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -25,6 +28,44 @@ Loss = torch.Tensor | float
 """A training loss: a 0-d tensor on the training device (or a float). ``float(loss)`` reads it, waiting for the
 device to finish the steps behind it; an actor reads a round's losses together after its last client, so that
 the host never waits for the GPU between two clients."""
+
+
+class Slot(StrEnum):
+    """The slots the engine and the default hooks read. Each equals its bare string (``Slot.SHARED == "shared"``,
+    the same dict key), so a method may write either; ``Slot(name)`` of any other name is refused in one sentence
+    naming these."""
+
+    SHARED = "shared"
+    """Upload slot of the shared parameters: the default ``local_update`` writes it, the default ``aggregate`` and
+    a ``Mixture`` read it."""
+    GLOBAL = "global"
+    """Server slot of the shared parameters: the default ``init_server``, ``aggregate`` and ``payload`` use it."""
+    PERSONAL = "personal"
+    """Client-state slot of the personal parameters: the default ``init_client``, ``local_update`` and
+    ``eval_params`` use it."""
+    ROWS = "stacks"
+    """Server slot of a ``Mixture``'s rows, which the engine keeps: one stack per tensor (or group), a row per
+    client."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> Slot:
+        from rayfed.errors import ConfigError
+
+        raise ConfigError(f"{value!r} is not a rayfed slot; the slots are {', '.join(repr(s.value) for s in cls)}.")
+
+
+def read_slot(slots: Mapping[str, TensorDict], slot: Slot, what: str) -> TensorDict:
+    """``slots[slot]``; one sentence naming ``what`` held them (e.g. "Ditto.eval_params's client state"), the slot,
+    those it has and the engine's slots when it has none of that name."""
+    try:
+        return slots[slot]
+    except KeyError:
+        from rayfed.errors import ConfigError
+
+        held = ", ".join(repr(str(name)) for name in slots) or "none"
+        raise ConfigError(f"{what} has no slot {slot.value!r} (its slots: {held}); the default hooks read the slots "
+                          f"{', '.join(repr(s.value) for s in Slot)}: override the hook that reads it, or keep the "
+                          "slot.") from None
 
 
 class ReadOnlyTensors(dict):

@@ -17,7 +17,7 @@ from rayfed.architectures import actor_slots, architecture_of
 from rayfed.config import load_config
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
-from rayfed.method import Method
+from rayfed.method import Method, PreFederationStage
 from rayfed.simulation import Simulation
 from rayfed.simulation.placement import fitted_slots, gpus_holding
 from rayfed.tasks import sample_round
@@ -108,7 +108,7 @@ class AlignedStart(Method):
     data's first batch (a stand-in for an alignment); the server keeps it per architecture."""
 
     Params = StageParams
-    pre_federation_stage = True
+    stages = (PreFederationStage(),)
 
     def pre_federation(self, stage):
         batch = next(stage.batches(batch_size=4, steps=1))

@@ -20,6 +20,7 @@ from rayfed.training import public_pass
 from rayfed.methods.fedmkt import cut_logits, full_logits, lowest_loss, soft_cross_entropy
 from rayfed.methods.takfl import merged
 from rayfed.simulation import Simulation
+from rayfed.stages import PreFederationStage, declared, public_pass_count
 from rayfed.training import PublicJob, PublicPass
 
 from test_fedmosaic import HETERO
@@ -48,14 +49,14 @@ def _one_round(method: dict, clients_per_actor: int = 2, run: dict | None = None
     driver = DriverActor(config)
     driver.start_method(0, names, *(initial[actors.index(first[n])] for n in names),
                         *(first[n].task_tags() for n in names))
-    if driver.method.pre_federation_stage:
+    if declared(driver.method, PreFederationStage):
         driver.before_federation(names, *(first[n].pre_federation(0) for n in names))
     parts = [actor.train_round(0, actor.client_ids, driver.payloads(actor.client_ids), dict.fromkeys(actor.client_ids, 1.0))
              for actor in actors]
     driver.aggregate(*parts)
     aggregated = copy.deepcopy(driver.get_state())
     requests, results = [], []
-    for index in range(driver.method.public_passes):
+    for index in range(public_pass_count(driver.method)):
         requests.append({n: driver.public_request(index, n) for n in names})
         results.append({n: first[n].public_pass(0, 0, index, copy.deepcopy(requests[-1][n])) for n in names})
         driver.after_public_pass(index, names, *results[-1].values())

@@ -26,6 +26,7 @@ from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_slots
 from rayfed.config import load_config
 from rayfed.method import tensor_bytes
+from rayfed.stages import PreFederationStage, declared
 
 MOSAIC = {"name": "fedmosaic", "relevance_model": "tiny-pretrained:llava", "relevance_history": False,
           "align_lr": 0.001}
@@ -73,7 +74,7 @@ def measure(clients: int, label: str, local_steps: int, grad_interval: int, roun
     seen: dict[str, ClientActor] = {}
     for actor in actors:
         seen.setdefault(actor.architecture, actor)
-    if driver.method.pre_federation_stage:
+    if declared(driver.method, PreFederationStage):
         driver.before_federation(names, *(seen[n].pre_federation(0) for n in names))
     alignment_s = time.process_time() - started
     per_round = []

@@ -45,7 +45,8 @@ import torch
 from torch import nn
 
 from rayfed.config import ModelConfig
-from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_train_views, stored_views
+from rayfed.method import (AfterFederationStage, ClientState, LocalResult, Method, TensorDict, post_train_views,
+                           stored_views)
 from rayfed.models import AdapterSets, Backbone, client_model
 from rayfed.models.peft.modules import set_adapter_mix
 from rayfed.param_names import adapter_set_of, components, with_adapter_set
@@ -53,6 +54,7 @@ from rayfed.params import AtLeastOne, NonNegative, NonNegativeInt, Positive, hyp
 from rayfed.registry import register_method
 from rayfed.tasks import Task
 from rayfed.training import ClientContext, ImageKD, Phase, Step, output_distillation
+from rayfed.types import Slot
 
 SHARED, FROZEN, LOCAL = "shared", "frozen", "local"
 Variant = Literal["feddat", "no_frozen", "no_local", "no_mkd", "peft"]
@@ -102,6 +104,7 @@ class FedDATParams:
 @register_method("feddat")
 class FedDAT(Method):
     Params = FedDATParams
+    stages = (AfterFederationStage(),)
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         variant = self.params.variant
@@ -120,7 +123,7 @@ class FedDAT(Method):
 
     # Client side ---------------------------------------------------------------------------------------
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
-        start = {**state["personal"], **(payload or {})}
+        start = {**state[Slot.PERSONAL], **(payload or {})}
         if self.params.variant == "peft":
             result = client.train(start)
         else:
@@ -129,7 +132,8 @@ class FedDAT(Method):
             set_adapter_mix(client.model, None)
         shared, personal = self.split(result.params)
         weight = 1.0 if self.params.aggregation == "uniform" else None
-        return LocalResult({**state, "personal": personal}, {"shared": shared} if shared else {}, result.loss, weight)
+        upload = {Slot.SHARED: shared} if shared else {}
+        return LocalResult({**state, Slot.PERSONAL: personal}, upload, result.loss, weight)
 
     def _frozen_copy(self, start: TensorDict) -> TensorDict:
         """Â_s: the A_s a client starts from (the received one; its own when nothing is communicated)."""
@@ -197,7 +201,7 @@ class FedDAT(Method):
         microbatches = self.params.post_fl_microbatches
         if not microbatches:
             return state
-        start = {**state["personal"], **(payload or {})}
+        start = {**state[Slot.PERSONAL], **(payload or {})}
         if self.params.variant == "peft":
             return {**state, **post_train_views(client, start, microbatches, self.params.post_lr)}
         client.model.load_trainable(self._frozen_copy(start))
@@ -206,7 +210,7 @@ class FedDAT(Method):
         return {**state, **views}
 
     def eval_views(self, state: ClientState, payload: TensorDict | None) -> dict[str, TensorDict]:
-        own = {**state["personal"], **(payload or {})}
+        own = {**state[Slot.PERSONAL], **(payload or {})}
         frozen = self._frozen_copy(own)
         own.update(frozen)
         views = {view: own for view in self._view_mixtures()}

@@ -46,7 +46,7 @@ from rayfed.aggregation import Mixture
 from rayfed.architectures import prefixed, unprefixed
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, LocalResult, Method, ServerState, TensorDict, Upload
+from rayfed.method import ClientState, LocalResult, Method, PreFederationStage, ServerState, TensorDict, Upload
 from rayfed.methods.fedmosaic import pqlora
 from rayfed.methods.fedmosaic.alignment import aligned_basis, public_features
 from rayfed.methods.fedmosaic.pqlora import GLOBAL, LOCAL, global_name, is_global, is_local
@@ -110,7 +110,7 @@ class FedMosaicParams:
 @register_method("fedmosaic")
 class FedMosaic(Method):
     Params = FedMosaicParams
-    pre_federation_stage = True
+    stages = (PreFederationStage(),)
 
     def __init__(self, params: FedMosaicParams | None = None):
         super().__init__(params)

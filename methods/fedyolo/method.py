@@ -39,6 +39,7 @@ from rayfed.models.peft.modules import dedicated_blocks
 from rayfed.param_names import task_of_name
 from rayfed.tasks import Task
 from rayfed.training import ClientContext
+from rayfed.types import Slot
 
 Sharing = Literal["none", "half", "all"]
 
@@ -60,13 +61,13 @@ class FedYolo(Method):
         result = super().local_update(client, state, payload)
         if not self.params.private_uploads:
             return result
-        sent = dict(result.upload.get("shared", {}))
+        sent = dict(result.upload.get(Slot.SHARED, {}))
         for name, value in client.model.trainable_params().items():
             if task_of_name(name) not in (None, client.task):
                 sent[name] = torch.zeros_like(value)
         counts = torch.zeros(len(client.model.head), dtype=torch.float64)
         counts[client.task] = client.num_samples
-        return LocalResult(result.state, {"shared": sent, "task_counts": {"counts": counts}}, result.train_loss)
+        return LocalResult(result.state, {Slot.SHARED: sent, "task_counts": {"counts": counts}}, result.train_loss)
 
     @property
     def aggregation(self) -> WeightedMean | EachUpload:
@@ -77,13 +78,13 @@ class FedYolo(Method):
     def aggregate(self, server: ServerState, uploads: list[Upload]) -> ServerState:
         if not self.params.private_uploads:
             return super().aggregate(server, uploads)
-        sums, totals = weighted_sums(uploads, "shared")
+        sums, totals = weighted_sums(uploads, Slot.SHARED)
         # sum(c_k): the weight of task k's own clients only (the zeros others sent carry none).
         task_totals = sum(u.tensors["task_counts"]["counts"] * u.weight_scale for u in uploads)
-        merged = dict(server["global"])
+        merged = dict(server[Slot.GLOBAL])
         for name, total in sums.items():
             task = task_of_name(name)
             weight = totals[name] if task is None else float(task_totals[task])
             if weight > 0:  # a task without sampled clients keeps its slots
-                merged[name] = mean_as(total, weight, server["global"][name].dtype)
-        return {**server, "global": merged}
+                merged[name] = mean_as(total, weight, server[Slot.GLOBAL][name].dtype)
+        return {**server, Slot.GLOBAL: merged}

@@ -39,7 +39,8 @@ from torch import nn
 
 from rayfed.config import ModelConfig
 from rayfed.errors import ConfigError
-from rayfed.method import ClientState, LocalResult, Method, TensorDict, post_fl_steps, post_train_views, stored_views
+from rayfed.method import (AfterFederationStage, ClientState, LocalResult, Method, TensorDict, post_fl_steps,
+                           post_train_views, stored_views)
 from rayfed.methods.tap.model import MoMEModel, task_outputs
 from rayfed.methods.tap.options import MOVED_TO_CLIENT_MODEL, TASK_KEYS, task_key
 from rayfed.models import Backbone
@@ -199,6 +200,7 @@ class Distillation:
 @register_method("tap")
 class TAP(Method):
     Params = TAPParams
+    stages = (AfterFederationStage(),)
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
         model = super().build_model(backbone, config, tasks, seed)

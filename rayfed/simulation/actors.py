@@ -18,6 +18,7 @@ from rayfed.executors import LocalExecutor, RayExecutor
 from rayfed.method import ClientState, Method, TensorDict
 from rayfed.simulation.placement import placed
 from rayfed.simulation.ray_setup import ship_by_value, smallest_object_store
+from rayfed.stages import PreFederationStage, declared, public_pass_count
 
 
 class RunActors:
@@ -98,15 +99,15 @@ class RunActors:
     def before_federation(self, method_index: int) -> None:
         """The method's pre-federation stage, if it declares one: once per architecture, on that architecture's
         first actor (its model, the public data, the round-0 parameters); then the server-side stage."""
-        first = self.first_of_each_architecture() if self.methods[method_index].pre_federation_stage else {}
+        first = self.first_of_each_architecture() if declared(self.methods[method_index], PreFederationStage) else {}
         prepared = [self.clients[first[name]].pre_federation.remote(method_index) for name in first]
         self.executor.get(self.driver.before_federation.remote(list(first), *prepared))
 
     def public_passes(self, method_index: int, round_idx: int) -> None:
-        """The method's server-side passes on public data after a round's aggregation (``Method.public_passes``):
+        """The method's server-side passes on public data after a round's aggregation (its ``PublicPassStage``):
         each on the first actor of every architecture, with the driver's request for it."""
         first = self.first_of_each_architecture()
-        for index in range(self.methods[method_index].public_passes):
+        for index in range(public_pass_count(self.methods[method_index])):
             results = [self.clients[actor_index].public_pass.remote(method_index, round_idx, index,
                                                                     self.driver.public_request.remote(index, name))
                        for name, actor_index in first.items()]

@@ -47,6 +47,7 @@ from rayfed.models import build_backbone
 from rayfed.run_methods import run_methods
 from rayfed.simulation.placement import fitted_slots
 from rayfed.simulation.ray_setup import import_plugin_modules, ship_by_value, unwrap_actor_error
+from rayfed.stages import PreFederationStage, declared
 from rayfed.types import TensorDict
 from rayfed.version import __version__
 
@@ -242,7 +243,7 @@ def peak_memory(config: RunConfig, name: str, slot: tuple[int, ...],
         stand_ins = [stand_in_start(config, federation, methods, index, other) for other in others]
         driver.start_method(index, [name, *others], initial, *(shared for shared, _ in stand_ins), actor.task_tags(),
                             *(tags for _, tags in stand_ins))
-        if method.pre_federation_stage:
+        if declared(method, PreFederationStage):
             prepared = actor.pre_federation(index)
             if not others:  # the server's side needs every architecture's result; the probe hosts one
                 driver.before_federation([name], prepared)

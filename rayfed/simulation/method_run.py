@@ -24,6 +24,7 @@ from rayfed.simulation.nonfinite import NonfiniteCheck
 from rayfed.simulation.ray_setup import ObjectStoreCheck
 from rayfed.simulation.results import MetricsLog, mean_std, method_results
 from rayfed.simulation.rounds import run_round
+from rayfed.stages import PreFederationStage, declared
 
 
 @dataclass
@@ -59,7 +60,7 @@ class MethodRun:
             self.log.restart_method(label, 0)
             counters = {"up_bytes": 0, "down_bytes": 0, "up_params": 0, "down_params": 0, "wall_time_s": 0.0}
             self.run_actors.before_federation(self.method_index)
-            if self.method.pre_federation_stage and self.config.federation.checkpoint_every:
+            if declared(self.method, PreFederationStage) and self.config.federation.checkpoint_every:
                 self.checkpoint(label, 0, counters)
             return 0, counters
         self.run_actors.set_states(checkpoint)

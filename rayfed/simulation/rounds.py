@@ -9,6 +9,7 @@ from typing import Any
 
 from rayfed.simulation.actors import RunActors
 from rayfed.simulation.placement import assign
+from rayfed.stages import public_pass_count
 from rayfed.system import RoundPlan, plan_round
 from rayfed.tasks import sample_round
 
@@ -101,7 +102,7 @@ def measured_costs(actors: RunActors, client_id: int, num_train: dict[int, int])
             actors.start_method(index)
             actors.before_federation(index)
             local[entry.label] = actors.local_update_flops(client_id)
-            if actors.methods[index].public_passes:
+            if public_pass_count(actors.methods[index]):
                 server[entry.label] = server_share_flops(actors, index, client_id, num_train)
     finally:
         actors.stop()

@@ -46,7 +46,7 @@ class PreFederation:
 @dataclass
 class PublicPass:
     """What a method's server-side pass on public data sees on an actor of one architecture (after a round's
-    aggregation, :attr:`~rayfed.method.Method.public_passes`): the architecture's model (any trainable values may be
+    aggregation, :class:`~rayfed.stages.PublicPassStage`): the architecture's model (any trainable values may be
     loaded into it; each client's update loads its own again), the run's public data (``data.public``, a
     text-generation task) encoded for this backbone, and seeded trainers. Outputs and losses are taken at the answer
     positions (label != ignore after the causal shift), teacher-forced on the reference answer, in eval mode."""
