@@ -52,7 +52,7 @@ PAPER_SIZE: dict[str, tuple[str, ...]] = {
 }
 # Each workload's expected seconds on one H200 (start-up, build, FLOP count, 2 rounds, 2 profiled updates), from
 # the rounds benchmarks/README.md records; the budget is shared in these proportions.
-WEIGHTS = {"feddat": 70.0, "fedyolo": 45.0, "pfedmma": 80.0, "fedmosaic": 120.0, "tap": 200.0}
+WEIGHTS = {"feddat": 130.0, "fedyolo": 45.0, "pfedmma": 80.0, "fedmosaic": 120.0, "tap": 200.0}
 ORDER = ("feddat", "fedyolo", "pfedmma", "fedmosaic", "tap")
 
 

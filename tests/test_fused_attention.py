@@ -55,3 +55,20 @@ def test_a_cpu_forward_keeps_the_eager_products_bitwise_and_probabilities_stay_a
     block = routed.encoder.layer[0].attention.attention
     hidden = torch.randn(2, 5, 32)
     assert len(block(hidden, None, True)) == 2  # (context, probabilities): the eager forward answers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused path runs on a GPU only")
+def test_on_a_gpu_the_routed_model_matches_the_eager_one_within_bf16_round_off():
+    model = _tiny_vilt().cuda()
+    routed = copy.deepcopy(model)
+    assert fuse_self_attention(routed) == 2
+    inputs = dict(input_ids=torch.tensor([[101, 7, 9, 102, 0]], device="cuda"),
+                  attention_mask=torch.tensor([[1, 1, 1, 1, 0]], device="cuda"),
+                  pixel_values=torch.randn(1, 3, 32, 32, device="cuda"),
+                  pixel_mask=torch.ones(1, 32, 32, dtype=torch.long, device="cuda"))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        torch.manual_seed(1)
+        eager = model(**inputs).last_hidden_state.float()
+        torch.manual_seed(1)
+        fused = routed(**inputs).last_hidden_state.float()
+    torch.testing.assert_close(fused, eager, rtol=2e-2, atol=2e-2)
