@@ -63,21 +63,21 @@ def test_ctrl_c_says_what_the_run_kept_and_the_command_that_resumes_it(tiny_run,
     command then finishes the run."""
     import yaml
 
-    from rayfed.simulation.run import Simulation
+    from rayfed.simulation.method_run import MethodRun
 
     tiny_run["federation"].update(rounds=2, eval_every=2, checkpoint_every=1)
     tiny_run["methods"] = ["local", "fedavg", "fedprox"]
     tiny_run["placement"]["executor"] = "local"
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_run))
-    checkpoint = Simulation._checkpoint
+    checkpoint = MethodRun.checkpoint
 
-    def stopped_at_fedavg_round_1(sim, label, rounds_done, counters):
-        checkpoint(sim, label, rounds_done, counters)
+    def stopped_at_fedavg_round_1(method_run, label, rounds_done, counters):
+        checkpoint(method_run, label, rounds_done, counters)
         if (label, rounds_done) == ("fedavg", 1):
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(Simulation, "_checkpoint", stopped_at_fedavg_round_1)
+    monkeypatch.setattr(MethodRun, "checkpoint", stopped_at_fedavg_round_1)
     run_dir = tmp_path / "run"
     assert main(["run", str(config), "--out", str(run_dir), "--quiet"]) == 130
     err = capsys.readouterr().err
@@ -86,7 +86,7 @@ def test_ctrl_c_says_what_the_run_kept_and_the_command_that_resumes_it(tiny_run,
     assert sentence == (f"rayfed: interrupted; {run_dir} keeps local's results, fedavg's checkpoint of round 1 of 2; "
                         "fedprox restarts at round 1. Resume it with:")
     assert command.strip() == f"rayfed run --resume {run_dir} --quiet"
-    monkeypatch.setattr(Simulation, "_checkpoint", checkpoint)
+    monkeypatch.setattr(MethodRun, "checkpoint", checkpoint)
     assert main(command.split()[1:]) == 0
     assert latest_round(run_dir / "checkpoints", "fedprox") == 2 and (run_dir / "summary.json").is_file()
 
