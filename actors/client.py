@@ -128,7 +128,8 @@ class ClientActor:
     def public_pass(self, method_index: int, round_idx: int, index: int, request: TensorDict) -> TensorDict:
         """The method's public pass ``index`` after round ``round_idx`` on this actor's architecture (see
         ``rayfed.PublicPassStage``); the public data is encoded once per actor."""
-        return self.public_passes.run(self.method, self.architecture, self.model, self.device, round_idx, index, request)
+        return self.public_passes.run(self.method, self.architecture, self.model, self.device, round_idx, index,
+                                      request)
 
     def count_public_flops(self, counting: bool) -> float:
         """:meth:`PublicPasses.count <rayfed.actors.public.PublicPasses.count>` (compute matching)."""
@@ -204,13 +205,12 @@ class ClientActor:
         self, round_idx: int, client_ids: list[int], payloads: Payloads, weight_scale: dict[int, float],
         guests: Sequence[int] = (), *guest_states: ClientState, send_ahead: bool = False,
     ) -> RoundUploads:
-        """:meth:`train`, with the uploads collected as :func:`round_collector` says (one partial sum when the
-        method allows it; with ``send_ahead``, a mixture's slot sent on ahead) and moved to the host once per round.
+        """:meth:`train`, with the uploads collected as :func:`round_collector` says (one partial sum when the method
+        allows it; with ``send_ahead``, a mixture's slot sent on ahead) and moved to the host once per round.
 
-        ``guests`` are clients another actor of this architecture hosts, trained here this round to balance
-        the round (their states given, their new states kept for :meth:`take_guest_states`); their data is
-        built here from the same federation, so they train exactly as on their host.
-        """
+        ``guests`` are clients another actor of this architecture hosts, trained here this round to balance the round
+        (their states given, their new states kept for :meth:`take_guest_states`); their data is built here from the
+        same federation, so they train exactly as on their host."""
         started, self._stats = time.time(), {}
         self.hosted.welcome(guests, guest_states, self.evaluation)
         collected = round_collector(self.method.aggregation, weight_scale, send_ahead)

@@ -71,7 +71,8 @@ class ClientContract:
             example = next(iter(self.specs), "")
             raise MethodOutputError(
                 f"{source}: upload tensor {unknown!r} in slot {PARAMETER_SLOT!r} is no trainable parameter of the "
-                f"client model, whose payloads the server builds from it: name it as the model does (e.g. {example!r}).")
+                f"client model, whose payloads the server builds from it: name it as the model does "
+                f"(e.g. {example!r}).")
         kept = result.state.get(Slot.PERSONAL, {}) if isinstance(result.state, Mapping) else {}
         both = sorted(self.personal(method).intersection(uploaded).intersection(kept))
         if both:

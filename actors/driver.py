@@ -22,8 +22,8 @@ from rayfed.architectures import architecture_of, prefixed, unprefixed
 from rayfed.config import RunConfig, build_config, model_configs
 from rayfed.data.clients import build_federation
 from rayfed.errors import raised_in
-from rayfed.method import (Method, MethodOutputError, ServerState, TensorDict, TensorSpecs, check_tensors, largest_magnitudes,
-                           nonfinite_names, tensor_bytes, tensor_params, tensor_specs)
+from rayfed.method import (Method, MethodOutputError, ServerState, TensorDict, TensorSpecs, check_tensors,
+                           largest_magnitudes, nonfinite_names, tensor_bytes, tensor_params, tensor_specs)
 from rayfed.tasks import client_tasks, task_view
 from rayfed.state_tree import flatten_tree, map_levels, tree_leaves
 from rayfed.transport import use_raw_tensor_transport
@@ -61,7 +61,8 @@ class DriverActor:
         self.method = self.methods[method_index]
         self.label = self.config.methods[method_index].label
         self.tags = {name: arch_tags for name, arch_tags in zip(architectures, tags)}
-        shared = {key: value for name, values in zip(architectures, initial) for key, value in prefixed(values, name).items()}
+        shared = {key: value for name, values in zip(architectures, initial)
+                  for key, value in prefixed(values, name).items()}
         self.server_specs: TensorSpecs = {}
         # The server side of the method's aggregation kind: a Mixture's rows and their index are the engine's.
         self.mixed_rows = None
@@ -137,8 +138,9 @@ class DriverActor:
         fetch_sent_slots([upload for part in parts for upload in part.uploads])
         times["fetch_s"] = time.time() - times["start"]
         store_bytes = self.store_bytes + sum(tensor_bytes(upload.tensors) for part in parts for upload in part.uploads)
-        uploads = sorted((u.under_server_names(self.architecture_of[u.client_id]) for part in parts for u in part.uploads),
-                         key=lambda u: u.client_id)
+        uploads = sorted(
+            (u.under_server_names(self.architecture_of[u.client_id]) for part in parts for u in part.uploads),
+            key=lambda u: u.client_id)
         nonfinite: dict[str, list[int]] = {}
         for part in parts:
             for what, clients in part.nonfinite.items():

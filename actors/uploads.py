@@ -29,7 +29,8 @@ class RoundUploads:
     train_losses: dict[int, float]
     stats: dict[str, float] = field(default_factory=dict)  # the methods' per-client statistics, summed
     busy_s: float = 0.0  # seconds from the actor's first local update to the end of its last one on the device
-    nonfinite: dict[str, list[int]] = field(default_factory=dict)  # what was NaN or infinite -> the clients it came from
+    # what was NaN or infinite -> the clients it came from
+    nonfinite: dict[str, list[int]] = field(default_factory=dict)
     round_idx: int | None = None
     slot_clients: dict[str, int] = field(default_factory=dict)  # each upload slot -> the first client that sent it
     gpu_peak_bytes: int = 0  # the actor's most GPU memory so far, after its updates (0 on a CPU)

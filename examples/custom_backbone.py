@@ -38,7 +38,8 @@ def small_convnet(request: rayfed.BackboneRequest) -> rayfed.Backbone:
 
 CONFIG = {
     "name": "custom_backbone",
-    "data": {"source": "sklearn:digits", "num_clients": 8, "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 20}},
+    "data": {"source": "sklearn:digits", "num_clients": 8,
+             "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 20}},
     "model": {"backbone": "small-convnet", "lora": {"rank": 4, "alpha": 8, "targets": ["project", "mix"]}},
     "federation": {"rounds": 10, "clients_per_round": 4, "eval_every": 5},
     "train": {"local_steps": 5, "batch_size": 16, "lr": 0.01, "optimizer": "adam"},

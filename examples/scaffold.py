@@ -110,7 +110,8 @@ class Scaffold(rayfed.Method):
 
 CONFIG = {
     "name": "scaffold",
-    "data": {"source": "sklearn:digits", "num_clients": 8, "partition": {"name": "dirichlet", "alpha": 0.3, "min_samples": 20}},
+    "data": {"source": "sklearn:digits", "num_clients": 8,
+             "partition": {"name": "dirichlet", "alpha": 0.3, "min_samples": 20}},
     "model": {"backbone": "tiny:vit", "image_size": 8, "lora": {"rank": 4, "targets": ["q_proj", "v_proj"]}},
     "federation": {"rounds": 10, "clients_per_round": 4, "eval_every": 5},
     "train": {"local_steps": 10, "batch_size": 16, "lr": 0.05, "optimizer": "sgd"},

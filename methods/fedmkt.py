@@ -70,7 +70,8 @@ def lowest_loss(losses: torch.Tensor, own: torch.Tensor, keep_self_best: bool) -
     return best, trains
 
 
-def soft_cross_entropy(student: torch.Tensor, target: torch.Tensor, answers: torch.Tensor, alpha: float) -> torch.Tensor:
+def soft_cross_entropy(student: torch.Tensor, target: torch.Tensor, answers: torch.Tensor,
+                       alpha: float) -> torch.Tensor:
     """``alpha * CE(answers) + (1 - alpha) * mean_tokens <softmax(target), -log softmax(student)>``."""
     soft = -(torch.softmax(target.float(), -1) * torch.log_softmax(student.float(), -1)).sum(-1).mean()
     if not alpha:

@@ -88,15 +88,16 @@ class PerAda(Method):
             logits = [stage.answer_logits(unprefixed(request, c), rows).double() for c in clients]
             total = torch.stack(logits).sum(0) if logits else torch.zeros(())
             answers, _ = stage.answers(rows)
-            return {"teacher_sum": total, "answers": answers, "vocabulary": torch.tensor(total.shape[-1] if logits else 0)}
+            return {"teacher_sum": total, "answers": answers,
+                    "vocabulary": torch.tensor(total.shape[-1] if logits else 0)}
         t = self.params.temperature
 
         def loss(student, target, _answers):
             return distillation_loss(student, target, t) / t**2
 
-        distilled = stage.train(unprefixed(request, AVERAGE), loss, rows, request[TEACHER], epochs=self.params.kd_epochs,
-                                batch_size=self.params.kd_batch_size, lr=self.params.kd_lr or stage.train_config.lr,
-                                purpose="perada")
+        distilled = stage.train(unprefixed(request, AVERAGE), loss, rows, request[TEACHER],
+                                epochs=self.params.kd_epochs, batch_size=self.params.kd_batch_size,
+                                lr=self.params.kd_lr or stage.train_config.lr, purpose="perada")
         return prefixed(distilled, "distilled")
 
     def after_public_pass(self, server: ServerState, index: int, results: dict[str, TensorDict]) -> ServerState:

@@ -108,9 +108,10 @@ class VocabularyMap:
             if self.student.role(token_id) is None:
                 self._exact.setdefault(_canonical(token), token_id)
                 by_length.setdefault(len(_canonical(token)), []).append(token_id)
-        self._buckets = {length: (np.asarray(ids), np.asarray([[ord(c) for c in _canonical(self.student.tokens[i])]
-                                                                for i in ids], dtype=np.int64).reshape(len(ids), length))
-                         for length, ids in by_length.items()}
+        self._buckets = {
+            length: (np.asarray(ids), np.asarray([[ord(c) for c in _canonical(self.student.tokens[i])] for i in ids],
+                                                 dtype=np.int64).reshape(len(ids), length))
+            for length, ids in by_length.items()}
 
     def __call__(self, token_id: int) -> int:
         if token_id not in self.known:

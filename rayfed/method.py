@@ -94,8 +94,8 @@ def check_tensors(tensors: Mapping[str, object], specs: TensorSpecs, source: str
         spec = specs.get(name)
         if spec is not None and (tuple(value.shape), value.dtype) != spec:
             raise MethodOutputError(
-                f"{source}: tensor {name!r} has shape {_described(tuple(value.shape), value.dtype)}, but {reference} of "
-                f"that name has shape {_described(*spec)}."
+                f"{source}: tensor {name!r} has shape {_described(tuple(value.shape), value.dtype)}, "
+                f"but {reference} of that name has shape {_described(*spec)}."
             )
 
 
@@ -301,7 +301,9 @@ def build_method(entry: Any, index: int, *, num_clients: int = 0, tasks: Sequenc
         if not (isinstance(cls, type) and issubclass(cls, Method)):
             missing = [hook for hook in ("local_update", "aggregate", "payload") if not hasattr(cls, hook)]
             lacks = f" (it lacks {', '.join(missing)})" if missing else ""
-            raise ConfigError(f"{field} = {resolved.name!r} is a {type(cls).__name__}, not a rayfed.Method subclass{lacks}.")
+            raise ConfigError(
+                f"{field} = {resolved.name!r} is a {type(cls).__name__}, not a rayfed.Method subclass{lacks}."
+            )
         params = _validated_params(cls.Params, entry.params, f"methods[{index}] ({resolved.name})")
         method = cls(params)
     method.num_clients, method.tasks, method.rounds = num_clients, tuple(tasks), rounds

@@ -3,8 +3,8 @@
 A model's parameter name is dotted (``encoder.model.layers.3.mlp.down_proj.local_A``): a decoder layer's parameters
 carry ``layers.<i>`` (0-based), a task's own parameters a ``task_<i>`` component (its index in the run's task list),
 and a named adapter's tensors end with ``<module>.<adapter>_<part>`` (:mod:`rayfed.models.peft.named_adapters`).
-The server sees each name behind a prefix (``<prefix>/<name>``): its architecture's (:func:`rayfed.architectures.prefixed`), a
-server slot's, or a checkpoint's client id.
+The server sees each name behind a prefix (``<prefix>/<name>``): its architecture's
+(:func:`rayfed.architectures.prefixed`), a server slot's, or a checkpoint's client id.
 """
 
 from __future__ import annotations

@@ -109,10 +109,10 @@ def states_to(states: dict[Any, ClientState], device: torch.device | str) -> dic
 
     Between the host and a GPU each dtype's tensors cross in one copy through pinned memory instead of one
     synchronising copy each into or from pageable memory (``benchmarks/state_copies.py``: 50 Ditto states of
-    5.6 MB, 0.24 -> 0.15 s both ways on one H100 host; no gain on another), and a tensor several states share (the initial parameters of
-    clients that have not trained yet) crosses once. On the host each client's tensors of a dtype are views of one
-    buffer of its own, so that thousands of clients' states are freed one by one as they are replaced, not held by
-    a buffer a round's clients share.
+    5.6 MB, 0.24 -> 0.15 s both ways on one H100 host; no gain on another), and a tensor several states share
+    (the initial parameters of clients that have not trained yet) crosses once. On the host each client's tensors
+    of a dtype are views of one buffer of its own, so that thousands of clients' states are freed one by one as they
+    are replaced, not held by a buffer a round's clients share.
     """
     device = torch.device(device)
     owner: dict[int, Any] = {}  # id of each tensor to move -> the first state holding it

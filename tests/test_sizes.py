@@ -1,6 +1,7 @@
 """The engine stays in small pieces: no file of rayfed/, actors/ or methods/ over 500 lines, no class over 250; and
 one above 90% of its limit names where it would split next, in a line of its docstring (the module's for a file, the
-class's for a class) that starts with ``Seam:``."""
+class's for a class) that starts with ``Seam:``. No line of those folders, benchmarks/ or examples/ is over 120
+characters, so that packing lines cannot buy room under the limits."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ MAX_FILE_LINES = 500
 MAX_CLASS_LINES = 250
 FULL = 0.9  # the share of its limit above which a file or class must name its seam
 SEAM = "Seam:"
+LINE_FOLDERS = (*FOLDERS, "benchmarks", "examples")
+MAX_LINE_CHARS = 120
 
 # Work left for issue 36: what is still over the limits. A split that brings one under fails the test until its entry
 # is removed here, so the lists only shrink.
@@ -52,6 +55,14 @@ def _unnamed_seams(root: Path = ROOT) -> dict[str, str]:
     its lines against its limit."""
     return {name: f"{lines} of {limit} lines" for name, lines, limit, doc in _pieces(root)
             if lines > FULL * limit and not any(line.strip().startswith(SEAM) for line in doc.splitlines())}
+
+
+def _long_lines(root: Path = ROOT) -> list[str]:
+    """``path:line (length)`` of every line over :data:`MAX_LINE_CHARS` characters in a ``.py`` file of
+    :data:`LINE_FOLDERS`."""
+    return [f"{file.relative_to(root).as_posix()}:{number} ({len(line)})"
+            for folder in LINE_FOLDERS for file in sorted((root / folder).rglob("*.py"))
+            for number, line in enumerate(file.read_text().splitlines(), 1) if len(line) > MAX_LINE_CHARS]
 
 
 def _largest(sizes: dict[str, int], count: int = 10) -> list[tuple[str, int]]:
@@ -101,3 +112,19 @@ def test_the_seam_rule_holds_a_full_file_or_class_to_a_seam_line_of_its_own_docs
     files, classes = _sizes(tmp_path)
     assert (files["rayfed/full.py"], classes["rayfed/full.py:Big"], files["rayfed/at_limit.py"]) == (451, 226, 450)
     assert _unnamed_seams(tmp_path) == {"rayfed/full.py": "451 of 500 lines", "rayfed/full.py:Big": "226 of 250 lines"}
+
+
+def test_no_line_is_over_the_line_length_limit():
+    long = _long_lines()
+    assert not long, f"over {MAX_LINE_CHARS} characters, wrap them: {long}"
+
+
+def test_the_line_rule_bites_at_121_characters_in_every_folder_it_covers(tmp_path):
+    """A line of 121 characters fails, wherever it is, and is reported by file and line; one of 120 passes."""
+    for folder in LINE_FOLDERS:
+        (tmp_path / folder / "sub").mkdir(parents=True)
+        (tmp_path / folder / "sub" / "m.py").write_text("x = 1\n" + "#" * 120 + "\n" + "#" * 121 + "\n")
+        (tmp_path / folder / "at_limit.py").write_text("#" * 120 + "\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("#" * 121 + "\n")
+    assert _long_lines(tmp_path) == [f"{folder}/sub/m.py:3 (121)" for folder in LINE_FOLDERS]

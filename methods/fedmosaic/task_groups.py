@@ -25,7 +25,8 @@ def answer_maps(groups: int, map_seed: int = 0) -> list[dict[str, str]]:
 
     categories = (multimodal.COLORS, multimodal.SHAPES, multimodal.NUMBERS[:multimodal.MAX_OBJECTS])
     if not 1 <= groups < min(len(c) for c in categories):
-        raise DataError(f"data.options.groups = {groups} is invalid: it must be in 1..{min(len(c) for c in categories) - 1} "
+        raise DataError(f"data.options.groups = {groups} is invalid: it must be in "
+                        f"1..{min(len(c) for c in categories) - 1} "
                         "so that every group's answer map differs from the others' on every answer.")
     rng = np.random.default_rng(np.random.SeedSequence([map_seed, 1005]))
     maps: list[dict[str, str]] = [{} for _ in range(groups)]
@@ -51,7 +52,9 @@ def task_group_source(request: SourceRequest) -> ArrayDataset:
         if isinstance(value, bool) or not isinstance(value, int):
             raise DataError(f"data.options.{key} = {value!r} is invalid: it must be an integer.")
     if not 0 <= group < groups:
-        raise DataError(f"data.options.group = {group} is invalid: it must be in 0..{groups - 1} (data.options.groups).")
+        raise DataError(
+            f"data.options.group = {group} is invalid: it must be in 0..{groups - 1} (data.options.groups)."
+        )
     inner = resolve("source", "multimodal:vqa")
     config = request.config.model_copy(update={"source": "multimodal:vqa", "options": options})
     dataset: ArrayDataset = inner.obj(SourceRequest(config, request.seed, inner.argument))

@@ -55,7 +55,8 @@ class FedYolo(Method):
     Params = FedYoloParams
 
     def build_model(self, backbone: Backbone, config: ModelConfig, tasks: Sequence[Task], seed: int) -> nn.Module:
-        return build_task_model(backbone, config, tasks, seed, dedicated_blocks(self.params.sharing, num_blocks(backbone)))
+        return build_task_model(backbone, config, tasks, seed,
+                                dedicated_blocks(self.params.sharing, num_blocks(backbone)))
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
         result = super().local_update(client, state, payload)

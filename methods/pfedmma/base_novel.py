@@ -47,9 +47,11 @@ class BaseNovelOptions:
         chosen = cls(**options)
         for key, allowed, valid in (("shots", "an integer >= 1", _is_int(chosen.shots) and chosen.shots >= 1),
                                     ("class_seed", "an integer", _is_int(chosen.class_seed)),
-                                    ("base_excludes_local", "true or false", isinstance(chosen.base_excludes_local, bool))):
+                                    ("base_excludes_local", "true or false",
+                                     isinstance(chosen.base_excludes_local, bool))):
             if not valid:
-                raise DataError(f"data.partition.options.{key} = {getattr(chosen, key)!r} is invalid: it must be {allowed}.")
+                raise DataError(f"data.partition.options.{key} = {getattr(chosen, key)!r} is invalid: "
+                                f"it must be {allowed}.")
         return chosen
 
 
@@ -57,8 +59,9 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-register_moved_field("data.base_novel", "data.base_novel is now a partitioner: write data.partition: {name: base_novel, "
-                     "options: {shots, class_seed, base_excludes_local}} instead (docs/pfedmma.md#data-and-metrics)")
+register_moved_field("data.base_novel", "data.base_novel is now a partitioner: write data.partition: "
+                     "{name: base_novel, options: {shots, class_seed, base_excludes_local}} instead "
+                     "(docs/pfedmma.md#data-and-metrics)")
 
 
 @register_partitioner("base_novel")
@@ -89,8 +92,8 @@ def base_novel_split(
     if chunk == 0 or chunk * (num_clients - 1) >= num_base:
         raise DataError(
             f"data.partition.name = 'base_novel': {num_base} base classes cannot be dealt in chunks of "
-            f"round({num_base}/{num_clients}) to data.num_clients = {num_clients} with the last client keeping at least "
-            "one; use fewer clients."
+            f"round({num_base}/{num_clients}) to data.num_clients = {num_clients} with the last client keeping "
+            "at least one; use fewer clients."
         )
     (train, test), = split_train_test([np.arange(len(labels))], labels, test_fraction, seed=seed)
     order = np.random.default_rng(options.class_seed).permutation(num_base)
@@ -103,8 +106,8 @@ def base_novel_split(
             members = train[labels[train] == label]
             if len(members) < options.shots:
                 raise DataError(
-                    f"data.partition.options.shots = {options.shots} but class {class_names[label]!r} (client {client}) "
-                    f"has only {len(members)} training samples; lower data.partition.options.shots."
+                    f"data.partition.options.shots = {options.shots} but class {class_names[label]!r} "
+                    f"(client {client}) has only {len(members)} training samples; lower data.partition.options.shots."
                 )
             shots.append(rng.choice(members, size=options.shots, replace=False))
         own_test = test[np.isin(labels[test], classes)]

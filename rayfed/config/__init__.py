@@ -19,11 +19,12 @@ from rayfed.config.sections import (ArchitectureConfig, ComputeMatch, Federation
 from rayfed.config.tracking import MlflowTracking, TensorBoardTracking, TrackingConfig, WandbTracking
 
 __all__ = [
-    "MODULES", "MODULE_FIELDS", "AdapterConfig", "ArchitectureConfig", "BackboneName", "ClientModelName", "ComputeMatch",
-    "DataConfig", "FederationConfig", "LoraConfig", "MethodEntry", "MethodName", "MlflowTracking", "ModelConfig",
-    "OnePerGroupConfig", "PartitionConfig", "PartitionerName", "PlacementConfig", "Positive", "Probability",
-    "PromptConfig", "RayConfig", "RunConfig", "Section", "SourceName", "StreamConfig", "SystemConfig", "TaskDataConfig",
-    "TaskKindName", "TensorBoardTracking", "TrackingConfig", "TrainConfig", "VptConfig", "WandbTracking",
-    "apply_overrides", "architecture_model_config", "build_config", "dump_config", "load_config",
-    "method_model_config", "model_configs", "parse_overrides", "plugins", "rerun_notes", "user_plugins", "with_full_params",
+    "MODULES", "MODULE_FIELDS", "AdapterConfig", "ArchitectureConfig", "BackboneName", "ClientModelName",
+    "ComputeMatch", "DataConfig", "FederationConfig", "LoraConfig", "MethodEntry", "MethodName", "MlflowTracking",
+    "ModelConfig", "OnePerGroupConfig", "PartitionConfig", "PartitionerName", "PlacementConfig", "Positive",
+    "Probability", "PromptConfig", "RayConfig", "RunConfig", "Section", "SourceName", "StreamConfig", "SystemConfig",
+    "TaskDataConfig", "TaskKindName", "TensorBoardTracking", "TrackingConfig", "TrainConfig", "VptConfig",
+    "WandbTracking",
+    "apply_overrides", "architecture_model_config", "build_config", "dump_config", "load_config", "method_model_config",
+    "model_configs", "parse_overrides", "plugins", "rerun_notes", "user_plugins", "with_full_params",
 ]

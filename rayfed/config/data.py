@@ -19,7 +19,9 @@ class PartitionConfig(Section):
     classes_per_client: int | None = Field(None, gt=0, description="classes each client holds (shards)")
     samples_per_client: int | None = Field(None, gt=0, description="exact samples per client (shards)")
     column: str | None = Field(None, description="the column whose values are the clients (natural) or domains")
-    clients_per_domain: int | None = Field(None, gt=0, description="clients each domain is split over (domain_dirichlet)")
+    clients_per_domain: int | None = Field(
+        None, gt=0, description="clients each domain is split over (domain_dirichlet)"
+    )
     min_samples: int = Field(2, ge=2, description="fewest samples a client may hold (train + test)")
     max_group_size: int | None = Field(
         None, gt=0, description="natural: keep only groups of min_samples..max_group_size samples (LEAF-style filter)"
@@ -30,7 +32,9 @@ class PartitionConfig(Section):
     global_test_samples: int | None = Field(
         None, gt=0, description="a shared test set of this many samples no client holds, over all classes: global_acc"
     )
-    options: dict[str, Any] | None = Field(None, description="options of a partitioner that takes them, which it checks")
+    options: dict[str, Any] | None = Field(
+        None, description="options of a partitioner that takes them, which it checks"
+    )
 
     @model_validator(mode="after")
     def _exact_test(self) -> PartitionConfig:
@@ -66,10 +70,15 @@ class StreamConfig(Section):
         ((5, 5, 5, 5), (3, 7, 3, 7), (7, 3, 7, 3)), min_length=1,
         description="asynchronous: rounds per task, one pattern drawn per client",
     )
-    gradual: bool = Field(True, description="a task's samples arrive in equal chunks over its window (else at its start)")
-    memory: int | None = Field(None, gt=0, description="episodic memory size; null: every arrived sample stays trainable")
+    gradual: bool = Field(
+        True, description="a task's samples arrive in equal chunks over its window (else at its start)"
+    )
+    memory: int | None = Field(
+        None, gt=0, description="episodic memory size; null: every arrived sample stays trainable"
+    )
     memory_policy: Literal["reservoir", "per_task"] = Field(
-        "reservoir", description="reservoir: a seeded uniform sample of the stream; per_task: equal quotas per seen task"
+        "reservoir",
+        description="reservoir: a seeded uniform sample of the stream; per_task: equal quotas per seen task",
     )
     evaluate_others: bool = Field(True, description="also score each client on other clients' seen tasks (others_*)")
     others_by_task: bool = Field(False, description="with evaluate_others: also each other task's own score, "
@@ -122,7 +131,9 @@ class DataConfig(Section):
     @field_validator("resize", mode="before")
     @classmethod
     def _a_size_or_the_backbone(cls, value: Any) -> Any:
-        if value is None or value == "backbone" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        if value is None or value == "backbone" or (
+            isinstance(value, int) and not isinstance(value, bool) and value > 0
+        ):
             return value
         raise ValueError("it must be a size > 0 (square images) or 'backbone' (the backbone's own resize and crop)")
 

@@ -48,7 +48,8 @@ class RunConfig(Section):
         if task_rounds and None not in task_rounds and self.federation.clients_per_round != sum(task_rounds):
             raise ValueError(
                 f"federation.clients_per_round = {self.federation.clients_per_round} differs from the sum "
-                f"{sum(task_rounds)} of data.tasks[*].clients_per_round (stratified sampling); set it to {sum(task_rounds)}"
+                f"{sum(task_rounds)} of data.tasks[*].clients_per_round (stratified sampling); set it to "
+                f"{sum(task_rounds)}"
             )
         if self.federation.clients_per_round > self.data.num_clients:
             raise ValueError(
@@ -129,9 +130,10 @@ def _importable(module: str, qualname: str) -> bool:
 def rerun_notes(config: RunConfig) -> list[str]:
     """One sentence per plug-in of ``config`` that a rerun of its dump elsewhere cannot import, saying what to do."""
     return [
-        f"{where}: {qualname} is defined in {'the driver script (__main__)' if module == '__main__' else 'a function'}, "
-        f"so this config reruns only in that process; to rerun it with `rayfed run`, move {qualname.rsplit('.', 1)[-1]} "
-        "into a module and list that module under imports."
+        f"{where}: {qualname} is defined in "
+        f"{'the driver script (__main__)' if module == '__main__' else 'a function'}, "
+        "so this config reruns only in that process; to rerun it with `rayfed run`, move "
+        f"{qualname.rsplit('.', 1)[-1]} into a module and list that module under imports."
         for where, module, qualname in user_plugins(config) if not _importable(module, qualname)
     ]
 

@@ -61,7 +61,9 @@ class TrainConfig(Section):
         "round_warmup: lr grows linearly from warmup_start_lr to lr over warmup_rounds rounds, then stays"
     )
     warmup_steps: int = Field(100, ge=0, description="warmup_cosine: steps of linear warm-up")
-    decay_steps: int | None = Field(None, gt=0, description="warmup_cosine: global steps until lr reaches 0 (rounds x local steps)")
+    decay_steps: int | None = Field(
+        None, gt=0, description="warmup_cosine: global steps until lr reaches 0 (rounds x local steps)"
+    )
     warmup_rounds: int = Field(20, gt=0, description="round_warmup: rounds until lr is reached")
     warmup_start_lr: float = Field(1e-4, gt=0, description="round_warmup: the lr of round 0")
     grad_clip: float | None = Field(None, gt=0, description="clip the L2 norm of the trained parameters' gradient")
@@ -107,7 +109,9 @@ class TrainConfig(Section):
         if self.local_epochs is not None:
             object.__setattr__(self, "local_steps", None)
         if self.schedule == "warmup_cosine" and self.decay_steps is None:
-            raise ValueError("train.schedule = 'warmup_cosine' needs train.decay_steps (the run's rounds x local steps)")
+            raise ValueError(
+                "train.schedule = 'warmup_cosine' needs train.decay_steps (the run's rounds x local steps)"
+            )
         return self
 
 
@@ -163,7 +167,8 @@ class PlacementConfig(Section):
     balance_by: Literal["clients", "cost"] = Field(
         "clients", description="how the ClientActors share out the clients: clients_per_actor each, or by cost (a "
         "client's: its architecture's parameter count x its local steps): as many actors, shared out over the "
-        "architectures in proportion to their clients' cost, each cut into runs of equal cost; the numbers do not change"
+        "architectures in proportion to their clients' cost, each cut into runs of equal cost; the numbers do not "
+        "change"
     )
     strategy: Literal["DEFAULT", "SPREAD"] = Field("DEFAULT", description="how Ray places ClientActors on nodes")
     cpus_per_actor: float | None = Field(
@@ -182,7 +187,8 @@ class PlacementConfig(Section):
     )
     driver_cpus: float = Field(0.0, ge=0)
     client_state: Literal["auto", "host", "device"] = Field(
-        "auto", description="where actors keep clients' data and state: host, device (the actor's GPU), or auto (the GPU when it fits)"
+        "auto", description="where actors keep clients' data and state: host, device (the actor's GPU), or auto "
+        "(the GPU when it fits)"
     )
 
 

@@ -110,7 +110,8 @@ class Federation:
         for holding in self.holdings:
             if client_id in holding.clients:
                 train, test = holding.split_of(client_id)
-                part = TaskData(holding.task, self._encode(holding, train, backbone), self._encode(holding, test, backbone))
+                part = TaskData(holding.task, self._encode(holding, train, backbone),
+                                self._encode(holding, test, backbone))
                 if self.stream is not None:
                     window = windows[holding.task]
                     part.arrival = arrival_rounds(self.stream, self.seed, client_id, holding.task, window, len(train))
@@ -136,7 +137,8 @@ def input_modalities(dataset: ArrayDataset) -> frozenset[str]:
 
 def task_kind(config: DataConfig, dataset: ArrayDataset, where: str) -> TaskKind:
     """The task kind ``config.kind`` names (an instance, a class or a name), else the one the data calls for."""
-    if config.kind is None and all(getattr(dataset, column) is None for column in ("labels", "target", "choices", "images")):
+    if config.kind is None and all(getattr(dataset, column) is None
+                                   for column in ("labels", "target", "choices", "images")):
         found = [column for column in ("text", "groups") if getattr(dataset, column) is not None]
         kinds = ", ".join(entry.name for entry in entries("task_kind"))
         raise DataError(
@@ -147,7 +149,9 @@ def task_kind(config: DataConfig, dataset: ArrayDataset, where: str) -> TaskKind
     resolved = resolve("task_kind", config.kind if config.kind is not None else infer_kind(dataset), f"{where}.kind")
     kind = resolved.obj() if isinstance(resolved.obj, type) else resolved.obj
     if not isinstance(kind, TaskKind):
-        raise ConfigError(f"{where}.kind = {resolved.name!r} is a {type(kind).__name__}, not a rayfed.tasks.kinds.TaskKind.")
+        raise ConfigError(
+            f"{where}.kind = {resolved.name!r} is a {type(kind).__name__}, not a rayfed.tasks.kinds.TaskKind."
+        )
     return kind
 
 

@@ -50,7 +50,8 @@ def build_task_model(
     if len(tasks) == 1 and dedicated is None:
         return build_client_model(backbone, config, tasks[0], seed)
     dedicated = dedicated or (lambda block: False)
-    if config.module in ("lora", "full", "bias", "prompt") and any(dedicated(block) for block in range(num_blocks(backbone))):
+    if config.module in ("lora", "full", "bias", "prompt") and any(
+            dedicated(block) for block in range(num_blocks(backbone))):
         raise ConfigError(
             f"model.module = {config.module!r} cannot have a copy per task; per-task modules are adapter, vpt or head."
         )

@@ -72,8 +72,8 @@ class TrainableModule(nn.Module):
         self.attachments = Attachments()
 
     def select_task(self, index: int) -> None:
-        """Make the model's own per-task parts serve task ``index``; :func:`rayfed.models.peft.modules.select_task` calls it
-        before switching the model's per-task modules and heads. Default: nothing of its own."""
+        """Make the model's own per-task parts serve task ``index``; :func:`rayfed.models.peft.modules.select_task`
+        calls it before switching the model's per-task modules and heads. Default: nothing of its own."""
 
     def trainable_names(self) -> list[str]:
         return [name for name, param in self.named_parameters() if param.requires_grad]
@@ -127,7 +127,8 @@ class TrainableModule(nn.Module):
         return outputs, outputs
 
     def task_tags(self) -> dict[str, frozenset[int]]:
-        """The tasks each parameter belongs to (:func:`rayfed.models.peft.modules.tag_tasks`); untagged ones are shared."""
+        """The tasks each parameter belongs to (:func:`rayfed.models.peft.modules.tag_tasks`); untagged ones are
+        shared."""
         tags: dict[str, frozenset[int]] = {}
         for prefix, module in self.named_modules():
             tasks = getattr(module, "rayfed_tasks", None)

@@ -37,8 +37,8 @@ _BUILT: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("clien
 @dataclass(frozen=True)
 class AdapterSets:
     """Named adapters a method trains at every adapter site of its model: ``shared`` among ``names`` (the one a
-    site's forward uses unless a mixture is set, :func:`rayfed.models.peft.modules.set_adapter_mix`), the ``frozen`` ones not
-    trainable. ``method`` names the asking method in error messages."""
+    site's forward uses unless a mixture is set, :func:`rayfed.models.peft.modules.set_adapter_mix`), the ``frozen``
+    ones not trainable. ``method`` names the asking method in error messages."""
 
     names: tuple[str, ...]
     frozen: tuple[str, ...] = ()

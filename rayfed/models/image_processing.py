@@ -124,8 +124,8 @@ def _size(size: Any, shown_as: str) -> int | tuple[int, int]:
 def _open_clip_builtin(arch: str, pretrained: str | None, shown_as: str) -> ImagePreprocessing:
     config = open_clip.get_model_config(arch)
     if config is None:
-        raise ConfigError(f"data.resize = 'backbone' found no open_clip model {arch!r} (model.backbone = {shown_as!r}); "
-                          "set data.resize to a size (e.g. 224).")
+        raise ConfigError(f"data.resize = 'backbone' found no open_clip model {arch!r} "
+                          f"(model.backbone = {shown_as!r}); set data.resize to a size (e.g. 224).")
     tag = open_clip.get_pretrained_cfg(arch, pretrained) if pretrained and not os.path.isfile(pretrained) else {}
     return _open_clip(config, {**config.get("preprocess_cfg", {}), **tag}, shown_as)
 
@@ -142,7 +142,8 @@ def _open_clip(model_cfg: dict[str, Any], preprocess: dict[str, Any], shown_as: 
     size = preprocess.get("size", model_cfg["vision_cfg"]["image_size"])
     height, width = size if isinstance(size, (tuple, list)) else (size, size)
     mode, interpolation = preprocess.get("resize_mode", "shortest"), preprocess.get("interpolation", "bicubic")
-    if mode not in ("shortest", "squash") or (mode == "shortest" and height != width) or interpolation not in _PIL_FILTERS:
+    if (mode not in ("shortest", "squash") or (mode == "shortest" and height != width)
+            or interpolation not in _PIL_FILTERS):
         raise ConfigError(
             f"model.backbone = {shown_as!r} preprocesses with resize_mode {mode!r} at {height}x{width} "
             f"({interpolation}), which data.resize = 'backbone' does not follow; set data.resize to a size (e.g. 224)."

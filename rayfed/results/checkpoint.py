@@ -74,7 +74,8 @@ numbers."""
 
 
 def config_fingerprint(config: dict[str, Any]) -> str:
-    """sha256 of the canonical JSON of a resolved config (``RunConfig.to_dict()``), but its :data:`UNCHECKED_SECTIONS`."""
+    """sha256 of the canonical JSON of a resolved config (``RunConfig.to_dict()``), but its
+    :data:`UNCHECKED_SECTIONS`."""
     checked = {key: value for key, value in config.items() if key not in UNCHECKED_SECTIONS}
     canonical = json.dumps(checked, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()

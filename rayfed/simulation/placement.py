@@ -124,7 +124,8 @@ def placed(options: dict[str, Any], bundle_index: int) -> dict[str, Any]:
     """Inside a Ray Tune trial, put the actor in the trial's placement group (bundle 0: the driver)."""
     group = ray.util.get_current_placement_group() if ray.is_initialized() else None
     if group is not None:
-        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index)
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=bundle_index)
     return options
 
 

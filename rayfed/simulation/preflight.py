@@ -54,7 +54,8 @@ def check_model(config: RunConfig, federation: Federation, methods: Sequence[Met
                 raise ConfigError(
                     f"methods[{index}] ({entry.label}) scores a task with heads trained on clients' data and "
                     f"cannot score task(s) {unheld} that no client holds (a label space of data.partition's); use "
-                    "a method that classifies by text, such as clip_zeroshot or promptfl (`rayfed list` shows the others)."
+                    "a method that classifies by text, such as clip_zeroshot or promptfl "
+                    "(`rayfed list` shows the others)."
                 )
             for holding in restricted.holdings:
                 federation.tasks[holding.task].kind.check_model(model, backbone, holding.where)

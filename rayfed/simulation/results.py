@@ -96,7 +96,8 @@ def run_summary(config: RunConfig, results_dir: Path, events: list[dict[str, Any
     for entry in config.methods:
         result = json.loads((results_dir / f"{entry.label}.json").read_text())
         methods[entry.label] = {"clients": result["clients"], "mean": result["mean"], "std": result["std"]}
-        for group in ("nonfinite", "tasks", "kinds", "architectures", "stream"):  # per task, kind (the papers' Avg.), ...
+        # per task, kind (the papers' Avg.), ...
+        for group in ("nonfinite", "tasks", "kinds", "architectures", "stream"):
             if group in result:
                 methods[entry.label][group] = result[group]
         comm[entry.label] = result["comm_bytes"]
@@ -159,7 +160,8 @@ def stream_summary(events: list[dict[str, Any]], label: str) -> dict[str, dict[s
                          key=lambda e: e["round"])
     names = dict.fromkeys(k for e in evaluations for k in e if k.startswith(("self_", "others_")))
     series = {name: [e[name] for e in evaluations if name in e] for name in names}
-    return {name: {"a_last": values[-1], "a_auc": area_under_curve(values)} for name, values in series.items() if values}
+    return {name: {"a_last": values[-1], "a_auc": area_under_curve(values)}
+            for name, values in series.items() if values}
 
 
 def _own_metrics(metrics: dict[str, float], tasks: tuple[int, ...], task: Task) -> dict[str, float]:

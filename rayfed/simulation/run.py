@@ -217,7 +217,8 @@ class Simulation:
                         f"method {entry.label!r}: {failures} actor failures, more than "
                         f"federation.max_failures = {self.config.federation.max_failures}; last: {err}"
                     ) from err
-                tqdm.write(f"[rayfed] {entry.label}: an actor died ({type(err).__name__}); restoring from the last checkpoint")
+                tqdm.write(f"[rayfed] {entry.label}: an actor died ({type(err).__name__}); "
+                           "restoring from the last checkpoint")
 
     def _after_round(self, label: str, rounds_done: int) -> None:
         """Every callback, after a round of the method ``label``."""

@@ -122,10 +122,11 @@ class PublicPass:
     def train_each(self, jobs: Sequence[PublicJob], loss: PublicLoss, *, epochs: int, batch_size: int,
                    lr: float) -> list[TensorDict]:
         """:meth:`train` of every job (its own values, rows, targets and seeds). When the values are LoRA factors
-        and the model has no active dropout (:func:`rayfed.models.peft.lora_groups.groupable`), the jobs still running take
-        each step together, one forward and backward over all their batches, each adapter on its own rows (a job's
-        last, smaller batch padded with copies of its first row that no loss sees), each with its own optimizer state:
-        the numbers of one job at a time up to the order of floating-point sums, in about one job's steps."""
+        and the model has no active dropout (:func:`rayfed.models.peft.lora_groups.groupable`), the jobs still
+        running take each step together, one forward and backward over all their batches, each adapter on its own
+        rows (a job's last, smaller batch padded with copies of its first row that no loss sees), each with its own
+        optimizer state: the numbers of one job at a time up to the order of floating-point sums, in about one job's
+        steps."""
         running = [job for job in jobs if len(job.rows)]
         if len(running) < 2 or not groupable(self.model, list(running[0].params)):
             return [self.train(job.params, loss, job.rows, job.targets, epochs=epochs, batch_size=batch_size, lr=lr,

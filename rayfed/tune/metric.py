@@ -34,7 +34,8 @@ def _check_metric_name(spec: TuneSpec, config: RunConfig) -> None:
     name = spec.metric_name.partition("@")[0]
     sections = (config.data, *(config.data.tasks or ()), config.data.public)
     named = [data.kind for data in sections if data is not None and data.kind is not None]
-    kinds = [entry.obj for entry in registry.entries("task_kind")] + [registry.resolve("task_kind", k).obj for k in named]
+    kinds = ([entry.obj for entry in registry.entries("task_kind")]
+             + [registry.resolve("task_kind", k).obj for k in named])
     tokens = {token for kind in kinds for token in (*kind.metrics, *kind.shared_metrics, kind.primary) if token}
     whole = {*DERIVED, "rep_shift"}
     if name in whole or any(name.endswith(f"_{token}") and len(name) > len(token) + 1 for token in tokens):

@@ -1,9 +1,9 @@
 """open_clip's ``CLIP``: built-in architectures with pretrained tags, files or ``local-dir:``/``hf-hub:`` folders.
 
-The tiny pretrained model stands in for ``open_clip`` ViT-B-16 (``pretrained="openai"``): the same contrastive objective (open_clip's ``ClipLoss``) on captions of the seen shape
-classes, with open_clip's own BPE tokenizer (its vocabulary ships in the wheel). It is saved like a hub
-model, ``open_clip_config.json`` + ``open_clip_model.safetensors``, and loaded through
-``open_clip.create_model_and_transforms("local-dir:<folder>")``.
+The tiny pretrained model stands in for ``open_clip`` ViT-B-16 (``pretrained="openai"``): the same contrastive
+objective (open_clip's ``ClipLoss``) on captions of the seen shape classes, with open_clip's own BPE tokenizer (its
+vocabulary ships in the wheel). It is saved like a hub model, ``open_clip_config.json`` +
+``open_clip_model.safetensors``, and loaded through ``open_clip.create_model_and_transforms("local-dir:<folder>")``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ def _rows_of_sized_groups(groups: np.ndarray, group_size: tuple[int, int | None]
 
 def one_row_per_group(groups: np.ndarray, order: np.ndarray | None, pick: str) -> np.ndarray:
     """Sorted indices of one row for each distinct value of ``groups``: of a group's n rows ordered by ``order``
-    (ties, and no order, in the rows' own order), the one at position n // 2 (``pick = "middle"``) or 0 (``"first"``)."""
+    (ties, and no order, in the rows' own order), the one at position n // 2 (``pick = "middle"``) or 0
+    (``"first"``)."""
     rows = np.arange(len(groups))
     if not len(rows):
         return rows
@@ -49,7 +50,8 @@ def require_no_split(source: str, split: str | None) -> None:
 def _require_group_column(source: str, group_column: str | None, only: str) -> None:
     if group_column not in (None, only):
         raise DataError(
-            f"data.partition.column = {group_column!r} is not a column of {source!r}; its only group column is {only!r}."
+            f"data.partition.column = {group_column!r} is not a column of {source!r}; "
+            f"its only group column is {only!r}."
         )
 
 

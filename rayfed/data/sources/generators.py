@@ -36,7 +36,8 @@ def _make_synthetic(request: SourceRequest) -> ArrayDataset:
     require_no_split(request.name, request.config.split)
     _require_group_column(request.name, request.config.partition.column, SYNTHETIC_GROUP_COLUMN)
     params = generator_options(
-        request.options, _SYNTHETIC_DEFAULTS, "", ("num_samples", "num_classes", "image_size", "channels", "num_writers")
+        request.options, _SYNTHETIC_DEFAULTS, "",
+        ("num_samples", "num_classes", "image_size", "channels", "num_writers"),
     )
     noise = non_negative(params, "noise")
 

@@ -96,8 +96,8 @@ def _from_hf(loaded: Any, request: SourceRequest, shown_as: str) -> ArrayDataset
     if "choices" in chosen:
         rows = [list(options) for options in loaded[chosen["choices"]]]
         if len({len(options) for options in rows}) > 1:
-            raise DataError(f"data.choices_column = {chosen['choices']!r} holds questions with different numbers of options; "
-                            "every question needs the same number.")
+            raise DataError(f"data.choices_column = {chosen['choices']!r} holds questions with different numbers "
+                            "of options; every question needs the same number.")
         choices = np.asarray([[str(option) for option in options] for options in rows], dtype=object)
     groups = np.asarray(loaded[group_column]) if group_column is not None else None
     return ArrayDataset(images, labels, class_names, groups, choices=choices, image_counts=image_counts,
@@ -113,7 +113,8 @@ def _split(loaded: Any, split: str | None, shown_as: str) -> Any:
     if split in loaded:
         return loaded[split]
     try:
-        parts = datasets.ReadInstruction.from_spec(split).to_absolute({name: len(rows) for name, rows in loaded.items()})
+        parts = datasets.ReadInstruction.from_spec(split).to_absolute(
+            {name: len(rows) for name, rows in loaded.items()})
     except (ValueError, AssertionError):
         raise DataError(f"data.split = {split!r} is not a split of {shown_as}{suggest(split, loaded)}; "
                         f"available: {', '.join(loaded)} (or an expression such as 'train[:10%]+test').") from None

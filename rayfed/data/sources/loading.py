@@ -22,15 +22,17 @@ if TYPE_CHECKING:
 _PURPOSE_SUBSET = 1002
 
 
-def load_source(config: DataConfig, seed: int = 0, decode: bool = True, image_processing: ImagePreprocessing | None = None,
-                where: str = "data") -> ArrayDataset:
+def load_source(config: DataConfig, seed: int = 0, decode: bool = True,
+                image_processing: ImagePreprocessing | None = None, where: str = "data") -> ArrayDataset:
     """Load ``config.source``: then keep only samples of groups whose size is within the partition's bounds, and a
     seeded subset of ``max_samples`` samples. An hf dataset's images are decoded after that, for the samples kept
     only (with ``decode``; else they are left to decode, :meth:`ArrayDataset.decoded`), once their host memory is
     stated and found to fit (:func:`~rayfed.data.sources.memory.decode_within_memory`; ``where``: the config
     section, for its messages). ``image_processing``: the backbone's, for ``data.resize = 'backbone'``."""
     if config.max_samples is not None and config.max_samples <= 0:
-        raise DataError(f"data.max_samples = {config.max_samples} is invalid: it must be > 0 (or unset for all samples).")
+        raise DataError(
+            f"data.max_samples = {config.max_samples} is invalid: it must be > 0 (or unset for all samples)."
+        )
     resolved = resolve("source", config.source)
     request = SourceRequest(config, seed, resolved.argument, image_processing)
     for field_name in ("resize", "one_per_group"):
@@ -86,7 +88,8 @@ def _from_columns(columns: dict[str, Any], request: SourceRequest) -> ArrayDatas
     aliases = {"images": "image", "labels": "label"}
     columns = {aliases.get(name, name): value for name, value in columns.items()}
     group_column = request.config.partition.column
-    known = {"image", "label", "text", "target", "choices", "class_names", "groups", *([group_column] if group_column else [])}
+    known = {"image", "label", "text", "target", "choices", "class_names", "groups",
+             *([group_column] if group_column else [])}
     unknown = sorted(set(columns) - known)
     if unknown:
         hint = "" if "label" in columns else f"; if it holds the labels, set data.label_column = {unknown[0]!r}"
@@ -119,11 +122,13 @@ def _from_columns(columns: dict[str, Any], request: SourceRequest) -> ArrayDatas
 
 
 def _image_array(pixels: np.ndarray, where: str) -> np.ndarray:
-    """(N, H, W) or (N, H, W, C) numbers -> (N, H, W, C): integers as uint8 pixels 0..255, floats as float32 in [0, 1]."""
+    """(N, H, W) or (N, H, W, C) numbers -> (N, H, W, C): integers as uint8 pixels 0..255, floats as float32 in
+    [0, 1]."""
     if pixels.ndim == 3:
         pixels = pixels[..., None]
     if pixels.ndim != 4 or not np.issubdtype(pixels.dtype, np.number):
-        raise DataError(f"{where} holds {pixels.dtype} values of shape {pixels.shape}; expected images (N, H, W, C) or (N, H, W).")
+        raise DataError(f"{where} holds {pixels.dtype} values of shape {pixels.shape}; "
+                        "expected images (N, H, W, C) or (N, H, W).")
     integers = np.issubdtype(pixels.dtype, np.integer)
     if pixels.size and (pixels.min() < 0 or pixels.max() > (255 if integers else 1)):
         raise DataError(f"{where} has pixel values outside [0, 1]; give floats in [0, 1] or integers in 0..255.")

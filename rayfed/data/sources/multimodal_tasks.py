@@ -45,7 +45,8 @@ def _make_multimodal(request: SourceRequest) -> ArrayDataset:
     group_column = request.config.partition.column
     if group_column is not None and group_column not in MULTIMODAL_GROUP_COLUMNS:
         raise DataError(f"data.partition.column = {group_column!r} is not a column of {request.name!r}"
-                        f"{suggest(group_column, MULTIMODAL_GROUP_COLUMNS)}; allowed: {', '.join(MULTIMODAL_GROUP_COLUMNS)}.")
+                        f"{suggest(group_column, MULTIMODAL_GROUP_COLUMNS)}; "
+                        f"allowed: {', '.join(MULTIMODAL_GROUP_COLUMNS)}.")
     params = generator_options(request.options, _MULTIMODAL_DEFAULTS, f" for {request.name!r}",
                                ("num_samples", "image_size", "scene_classes"))
     options = {key: tuple(params[key]) for key in ("question_types", "subjects") if params[key] is not None}
@@ -79,7 +80,9 @@ def _scenes(task: str, params: dict[str, Any], classes: tuple[str, ...], styles:
     from rayfed.data import multimodal
 
     if task not in ("shapes", "vqa"):
-        raise DataError(f"data.options.scenes applies to image tasks (multimodal:shapes, multimodal:vqa), not {task!r}.")
+        raise DataError(
+            f"data.options.scenes applies to image tasks (multimodal:shapes, multimodal:vqa), not {task!r}."
+        )
     scenes, per_scene = int(params["scenes"]), params["scene_classes"]
     if per_scene > len(classes):
         raise DataError(f"data.options.scene_classes = {per_scene} is more than the {len(classes)} classes.")

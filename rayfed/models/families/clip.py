@@ -47,7 +47,8 @@ def load_clip(backbone: str, pretrained: str | None) -> ZooModel:
     from rayfed import zoo
 
     family = backbone.removeprefix("tiny-pretrained:")
-    if not (backbone.startswith(("open_clip:", "hf:")) or (backbone.startswith("tiny-pretrained:") and family in TINY_CLIP_FAMILIES)):
+    if not (backbone.startswith(("open_clip:", "hf:"))
+            or (backbone.startswith("tiny-pretrained:") and family in TINY_CLIP_FAMILIES)):
         raise ConfigError(
             f"model.backbone = {backbone!r} is not a CLIP model, which text-classifying methods need; "
             f"allowed: {', '.join(CLIP_BACKBONES)}."
@@ -199,7 +200,8 @@ class ClipClassifier(TrainableModule):
         self._text_cache.clear()
 
 
-def build_classifier(config: ModelConfig, label_spaces: Sequence[Sequence[str]], template: str = PROMPT_TEMPLATE) -> ClipClassifier:
+def build_classifier(config: ModelConfig, label_spaces: Sequence[Sequence[str]],
+                     template: str = PROMPT_TEMPLATE) -> ClipClassifier:
     """A :class:`ClipClassifier` over a private copy of the config's CLIP; nothing trainable yet."""
     return ClipClassifier(load_clip(config.backbone, config.pretrained), label_spaces, template)
 

@@ -19,8 +19,8 @@ transformers = DeferredModule("transformers")
 
 def _paper_llava(language: str, layers: int | None) -> PaperModel:
     """LLaVA-1.5 on a Llama-3.2 (``llama-1B``, ``llama-3B``) or Qwen2.5 (``qwen-0.5B``, ``-1.5B``, ``-3B``) language
-    model (small and large clients mixed in one federation); the language model keeps its vocabulary size, LLaVA's image token
-    takes a special id it already has (rayfed.zoo.paper)."""
+    model (small and large clients mixed in one federation); the language model keeps its vocabulary size, LLaVA's
+    image token takes a special id it already has (rayfed.zoo.paper)."""
     from rayfed.zoo import paper
 
     family, _, size = language.partition("-")

@@ -43,8 +43,9 @@ def _vilt(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any]) 
     fuse_self_attention(encoder)
     return Backbone(
         encoder, config.hidden_size, config.image_size, config.num_channels, vilt_features,
-        frozenset({IMAGE, TEXT}), tokenizer=tokenizer, text_limit=_text_limit(tokenizer, config.max_position_embeddings),
-        lora_targets=("query", "value"), **normalization,
+        frozenset({IMAGE, TEXT}), tokenizer=tokenizer,
+        text_limit=_text_limit(tokenizer, config.max_position_embeddings), lora_targets=("query", "value"),
+        **normalization,
     )  # fmt: skip
 
 
@@ -63,8 +64,9 @@ def _note_padding(encoder: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     encoder.embeddings.unpadded = (args[4] if len(args) > 4 else kwargs.get("pixel_mask")) is None
 
 
-def _visual_embed(self: nn.Module, pixel_values: torch.Tensor, pixel_mask: torch.Tensor,
-                  max_image_length: int = 200) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, tuple[int, int]]]:
+def _visual_embed(
+    self: nn.Module, pixel_values: torch.Tensor, pixel_mask: torch.Tensor, max_image_length: int = 200
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, tuple[int, int]]]:
     patches = self.patch_embeddings(pixel_values)
     batch_size, channels, height, width = patches.shape
     count = height * width
@@ -85,6 +87,7 @@ def _visual_embed(self: nn.Module, pixel_values: torch.Tensor, pixel_mask: torch
     cells = torch.stack(torch.meshgrid(grid_rows, grid_columns, indexing="ij"), dim=-1)
     patch_index = cells.flatten(0, 1)[columns].view(batch_size, -1, 2)
     first = self.position_embeddings[:, 0, :][:, None, :].expand(batch_size, -1, -1)
-    tokens = torch.cat((self.cls_token.expand(batch_size, -1, -1), tokens), dim=1) + torch.cat((first, positions), dim=1)
+    tokens = (torch.cat((self.cls_token.expand(batch_size, -1, -1), tokens), dim=1)
+              + torch.cat((first, positions), dim=1))
     mask = torch.ones(batch_size, chosen + 1, dtype=torch.long, device=patches.device)
     return self.dropout(tokens), mask, (patch_index, (height, width))

@@ -45,7 +45,8 @@ def _attach_module(
     elif config.module == "full":
         model.encoder.requires_grad_(True)
     elif config.module == "adapter" and adapter.site == "output":
-        add_output_adapters(model.encoder, adapter.dim, tasks, dedicated, _seeds(seed), adapter.activation, adapter.init)
+        add_output_adapters(model.encoder, adapter.dim, tasks, dedicated, _seeds(seed), adapter.activation,
+                            adapter.init)
     elif config.module == "adapter":
         add_adapters(model.encoder, encoder_config.hidden_size, adapter.dim, tasks, dedicated, _seeds(seed),
                      adapter.activation, adapter.init)
@@ -85,8 +86,8 @@ def attach_adapter_set(
     model: ClientModel, config: ModelConfig, names: Sequence[str], seed: int, frozen: Collection[str] = (),
 ) -> None:
     """Add ``names`` adapters of ``model.adapter``'s form at every site of ``model.adapter.site`` (see
-    :func:`rayfed.models.peft.modules.add_adapter_set`), seeded from the model's ``seed`` as ``build_task_model`` seeds its
-    adapters; ``frozen`` ones are not trainable."""
+    :func:`rayfed.models.peft.modules.add_adapter_set`), seeded from the model's ``seed`` as ``build_task_model``
+    seeds its adapters; ``frozen`` ones are not trainable."""
     encoder_config = getattr(model.encoder, "config", None)
     if encoder_config is None:
         raise ConfigError("model.module = 'adapter' needs an HF transformer backbone; this one is not (use lora, "
@@ -111,8 +112,10 @@ def _inject_lora(model: ClientModel, lora: LoraConfig, backbone: Backbone) -> No
             f"its linear layers are: {', '.join(linear_names)}."
         )
     # Within a scope: a regex peft matches against whole module names (only the LLM of a LLaVA, not its vision tower).
-    target_modules = list(targets) if scope is None else rf"{re.escape(scope)}\..*\.(?:{'|'.join(map(re.escape, targets))})"
-    peft_config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules)
+    target_modules = (list(targets) if scope is None
+                      else rf"{re.escape(scope)}\..*\.(?:{'|'.join(map(re.escape, targets))})")
+    peft_config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                  target_modules=target_modules)
     model.encoder = peft.inject_adapter_in_model(peft_config, model.encoder)
     for name, param in model.encoder.named_parameters():
         param.requires_grad_("lora_" in name)

@@ -48,7 +48,9 @@ M = TypeVar("M", bound=nn.Module)
 SHARED = "shared"
 
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": nn.functional.gelu, "relu": nn.functional.relu}
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": nn.functional.gelu, "relu": nn.functional.relu
+}
 
 
 class Bottleneck(nn.Module):
@@ -289,7 +291,8 @@ def add_bias_tuning(encoder: nn.Module) -> int:
 
 
 class PromptGenerator(nn.Module):
-    """``tokens`` prompt vectors reparameterised as ``Linear(Tanh(Linear(Embedding(tokens, d))))`` (d -> hidden -> d)."""
+    """``tokens`` prompt vectors reparameterised as ``Linear(Tanh(Linear(Embedding(tokens, d))))``
+    (d -> hidden -> d)."""
 
     def __init__(self, tokens: int, width: int, hidden: int):
         super().__init__()
@@ -317,7 +320,8 @@ class PromptedViltEmbeddings(nn.Module):
         embedded, mask = self.embeddings(input_ids, attention_mask, *args, **kwargs)
         text_length = attention_mask.shape[1]
         size = embedded.shape[0]
-        text, image = (self.prompts[m]().to(embedded.dtype).unsqueeze(0).expand(size, -1, -1) for m in ("text", "image"))
+        text, image = (self.prompts[m]().to(embedded.dtype).unsqueeze(0).expand(size, -1, -1)
+                       for m in ("text", "image"))
         ones = mask.new_ones(size, text.shape[1])
         image_cls = text_length + 1
         embedded = torch.cat([embedded[:, :1], text, embedded[:, 1:image_cls], image, embedded[:, image_cls:]], dim=1)
