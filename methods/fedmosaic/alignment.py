@@ -23,7 +23,7 @@ from rayfed.param_names import adapter_part, adapter_tensor, parent
 from rayfed.training import PreFederation
 
 if TYPE_CHECKING:
-    from rayfed.methods.fedmosaic.method import FedMosaicParams
+    from rayfed.methods.fedmosaic.params import FedMosaicParams
 
 
 def public_features(stage: PreFederation, params: FedMosaicParams) -> dict[str, Any]:
