@@ -22,6 +22,7 @@ import importlib
 import importlib.metadata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from rayfed.errors import ConfigError, suggest
@@ -145,12 +146,24 @@ def plugin_modules() -> list[str]:
     before the methods' (so a kind's built-ins register in the same order however the list is sorted), then other
     installed distributions'."""
     listed = importlib.metadata.entry_points(group=PLUGIN_GROUP)
-    own = sorted((point.value for point in listed if _distribution(point) == "rayfed"),
-                 key=lambda module: module.startswith("rayfed.methods."))
+    own = [point.value for point in listed if _distribution(point) == "rayfed"] or checkout_plugin_modules()
+    own = sorted(own, key=lambda module: module.startswith("rayfed.methods."))
     if not own:
         raise ConfigError(f"rayfed's installed metadata lists no {PLUGIN_GROUP} entry points (pyproject.toml's "
                           f"[project.entry-points.\"{PLUGIN_GROUP}\"]): reinstall rayfed (pip install -e .).")
     return list(dict.fromkeys([*own, *(point.value for point in listed if _distribution(point) != "rayfed")]))
+
+
+def checkout_plugin_modules(pyproject: Path = Path(__file__).resolve().parents[1] / "pyproject.toml") -> list[str]:
+    """The list in a source checkout's pyproject.toml, for rayfed run from the checkout without being installed
+    (``PYTHONPATH``, as on a GPU host that cannot install); empty when there is none to read."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: installing is the way
+        return []
+    if not pyproject.is_file():
+        return []
+    return list(tomllib.loads(pyproject.read_text())["project"].get("entry-points", {}).get(PLUGIN_GROUP, {}).values())
 
 
 def _distribution(point: importlib.metadata.EntryPoint) -> str | None:

@@ -63,9 +63,20 @@ def test_a_listed_module_that_cannot_be_imported_is_one_sentence(tmp_path, monke
         registry.names("method")
 
 
+def test_a_checkout_run_without_installing_reads_the_list_in_its_pyproject(monkeypatch, tmp_path):
+    monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [])
+    installed = registry.plugin_modules()
+    assert installed[0] == "rayfed.data.sources" and "rayfed.methods.tap" in installed
+    assert set(installed) == set(registry.checkout_plugin_modules())
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "other"\n')
+    assert registry.checkout_plugin_modules(tmp_path / "pyproject.toml") == []
+    assert registry.checkout_plugin_modules(tmp_path / "missing.toml") == []
+
+
 def test_an_install_without_rayfed_s_list_says_to_reinstall(monkeypatch, fresh_registry):
     listed = registry.importlib.metadata.entry_points
     monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(registry, "checkout_plugin_modules", lambda: [])
     with pytest.raises(ConfigError, match=r"rayfed's installed metadata lists no rayfed\.plugins entry points .*: "
                                           r"reinstall rayfed \(pip install -e \.\)\.$"):
         registry.resolve("method", "fedavg")
