@@ -54,6 +54,9 @@ def _hosted(name: str) -> property:
 
 
 class ClientActor:
+    """The clients of one architecture that one actor hosts, over the backbone it builds once.
+
+    Seam: the method's model (its build and precision check, with its contract) would move out next."""
     states, data, initial, initial_params, eval_sets, state_device = map(_hosted, (
         "states", "data", "initial", "initial_params", "eval_sets", "state_device"))
 
