@@ -118,6 +118,8 @@ def moved_field(field: str) -> str | None:
 REMOVED_METHOD_ATTRIBUTES = {
     "presums_uploads": "declare aggregation = rayfed.WeightedMean() instead of True, or rayfed.EachUpload() instead "
                        "of False",
+    "batchable_updates": "a method whose hook changes the model's own settings before a plain train call runs with "
+                         "train.batch_clients: 1 instead of False",
 }
 
 

@@ -197,7 +197,6 @@ def test_fedmkt_transfers_between_model_sizes_both_ways_and_sends_each_client_it
             teacher = int(best[row_of[token]])
             source = outputs["small" if teacher < 2 else "large"][f"logits:{teacher}"]
             assert torch.equal(requests[1][arch]["target"][token], source[token])
-    server = driver.get_state()
     payloads = driver.payloads([0, 1, 2, 3])
     for cid in range(4):
         arch = "small" if cid < 2 else "large"

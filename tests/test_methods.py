@@ -139,6 +139,9 @@ def test_pre_summing_is_what_each_method_declares_and_the_old_flag_is_refused_in
                                         r"aggregation = rayfed\.WeightedMean\(\) instead of True, or "
                                         r"rayfed\.EachUpload\(\) instead of False\.$"):
         type("Legacy", (Method,), {"presums_uploads": False})
+    with pytest.raises(TypeError, match=r"^Unbatched sets batchable_updates, which rayfed no longer reads: a method "
+                                        r"whose hook .* runs with train\.batch_clients: 1 instead of False\.$"):
+        type("Unbatched", (Method,), {"batchable_updates": False})
     with pytest.raises(TypeError, match="Method.aggregation is a bool; it must be a rayfed.aggregation WeightedMean"):
         presums(True)
 
