@@ -75,7 +75,7 @@ class DriverActor:
             server = {Slot.ROWS: self.mixed_rows.initial_rows(shared), **server}
         self.server = server
         # A later server state's tensor of a (slot, name) init_server gave keeps its shape and dtype.
-        self.server_specs = tensor_specs(_by_path(self.server))
+        self.server_specs = tensor_specs(flatten_tree(self.server))
         self.down_bytes = self.down_params = self.store_bytes = 0
         self.server_watch = ServerWatch()
 
@@ -210,7 +210,7 @@ class DriverActor:
                 raise MethodOutputError(f"{source}: server slot {str(slot)!r} is a {type(values).__name__}, not a "
                                         "dict of named tensors.")
         try:
-            flat = _by_path(server)
+            flat = flatten_tree(server)
         except ValueError as err:  # two paths of a slot's tree flatten to one name
             raise MethodOutputError(f"{source}: {err}.") from None
         check_tensors(flat, self.server_specs, source, "init_server's tensor")
@@ -252,8 +252,3 @@ class KnownFinite:
         for slot, values in unknown.items():
             self.add({name: value for name, value in values.items() if f"{slot}/{name}" not in names}, slot)
         return names
-
-
-def _by_path(server: ServerState) -> dict[str, object]:
-    """A server state's values under ``slot/name`` (a tree's name its path joined by ``/``)."""
-    return flatten_tree(server)
