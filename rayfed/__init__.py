@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from rayfed.simulation import Simulation
     from rayfed.stages import AfterFederationStage, PreFederationStage, PublicPassStage
     from rayfed.tasks.kinds import TaskKind
-    from rayfed.training import (ClientContext, Phase, PreFederation, PublicPass, Step, distillation_loss,
-                                 proximal_penalty)
+    from rayfed.training import (CapturedLoss, ClientContext, Phase, PreFederation, PublicPass, Step,
+                                 distillation_loss, proximal_penalty)
     from rayfed.types import ClientState, ServerState, Slot, TensorDict
 
 # Imported on first use so that `import rayfed` does not start torch and Ray: name -> its module.
@@ -59,7 +59,7 @@ _METHOD = {
     "PreFederationStage": "rayfed.stages", "PublicPassStage": "rayfed.stages", "AfterFederationStage": "rayfed.stages",
     "ClientContext": "rayfed.training", "Phase": "rayfed.training", "Step": "rayfed.training",
     "PreFederation": "rayfed.training", "PublicPass": "rayfed.training", "proximal_penalty": "rayfed.training",
-    "distillation_loss": "rayfed.training",
+    "distillation_loss": "rayfed.training", "CapturedLoss": "rayfed.training",
 }
 _MODEL_AND_DATA = {
     "TrainableModule": "rayfed.models", "Backbone": "rayfed.models", "BackboneRequest": "rayfed.models",

@@ -95,6 +95,36 @@ def method_class(name: str) -> type:
 _EXIT_STATUS: list[int] = []
 
 
+@pytest.fixture
+def replayed_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
+    """``train.cuda_graphs``' whole-step plan on the CPU, chosen as on a GPU, with each "replay" running the captured
+    step's function again instead of a CUDA graph: what a capture can get wrong besides the graph itself (the phases,
+    their optimizers, trained sets and losses, the static inputs, the rate, the reset between calls) shows as a
+    difference from the eager update. A CPU optimizer reads a rate held in a tensor only as SGD (train.optimizer:
+    sgd). Gives the list of the steps captured."""
+    import torch
+
+    from rayfed.training import graph_capture, plans
+    from rayfed.training.plans import graphed_step
+
+    captured: list = []
+
+    def rerun(step, optimizers, device):
+        result = torch.zeros(())
+
+        class Replay:
+            def replay(self) -> None:
+                result.copy_(step())
+
+        captured.append(step)
+        return Replay(), result
+
+    monkeypatch.setattr(graph_capture, "warm_up_and_capture", rerun)
+    monkeypatch.setattr(plans, "captures_step",
+                        lambda config, device, phases: graphed_step.captures_step(config, torch.device("cuda"), phases))
+    return captured
+
+
 def made_instances(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list:
     """Every instance of the class ``owner.<name>`` made from now on: a subclass that keeps them, patched in."""
     made: list = []

@@ -24,7 +24,7 @@ from rayfed.models.peft.modules import Bottleneck, MlpHead, set_adapter_mix
 from rayfed.tasks import Task
 from rayfed.training import ClientContext
 
-from conftest import compiled_update_gap, load_data, method_class
+from conftest import compiled_update_gap, load_data, made_instances, method_class
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "feddat"
 FEDDAT_ADAPTER = {"dim": 4, "site": "output", "activation": "relu", "init": "normal"}
@@ -454,3 +454,28 @@ def test_a_compiled_feddat_update_uploads_the_eager_updates_numbers(monkeypatch)
     # float32 sums in another order: round-off of about 1e-7 relative per operation; a wrong path, batch or lr
     # moves the update by its own size
     assert compiled_update_gap(_run(), [0], monkeypatch) < 1e-4
+
+
+@pytest.mark.parametrize("variant", ["feddat", "no_local"])
+def test_a_replayed_feddat_step_trains_both_phases_as_the_eager_one(replayed_on_cpu, variant):
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+
+    run = _run({"name": "feddat", "variant": variant, "alpha": 1.0, "beta": 1.0}, optimizer="sgd", momentum=0.9,
+               weight_decay=0.0)
+    gap, moved = compiled_gap(run, [0, 1], mode="cuda_graphs")
+    assert len(replayed_on_cpu) == 1  # one step for both clients
+    assert moved > 1e-4 and gap < 1e-5  # a wrong phase, trained set, loss or rate moves the update by its size
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("variant", ["feddat", "no_local"])
+def test_a_captured_feddat_update_uploads_the_eager_updates_numbers(monkeypatch, variant):
+    # Both phases (the student's KD from the DAT mix, then the local adapter's) in one graph, each with its optimizer
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+    from rayfed.training.plans import graphed_step
+
+    captured = made_instances(monkeypatch, graphed_step, "GraphedStep")
+    run = _run({"name": "feddat", "variant": variant, "alpha": 1.0, "beta": 1.0})
+    gap, moved = compiled_gap(run, [0, 1], mode="cuda_graphs", overrides=["train.autocast=off"])
+    assert len(captured) == 1  # one graph for both clients' steps
+    assert moved > 1e-4 and gap < 1e-3  # float32: a wrong phase, loss or optimizer moves the update by its size

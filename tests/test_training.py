@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from rayfed.errors import ConfigError
 from rayfed.method import Upload, post_train_views
 from rayfed.models.peft.modules import select_task
 from rayfed.training.scoring import Scorer
+from rayfed.training.steps import CapturedLoss, Phase
 from rayfed.types import ReadOnlyTensors
 
 from conftest import CountedOps
@@ -488,9 +490,8 @@ def test_the_parts_of_a_task_read_their_rows_from_one_copy_of_its_inputs(monkeyp
     assert len({view["x"].data_ptr() for view in elsewhere} | {two["x"].data_ptr()}) == 4
 
 
-def test_a_step_is_captured_only_with_the_task_loss_and_no_term_or_a_declared_tensor_term():
+def test_a_step_is_captured_only_with_declared_losses_and_terms_at_the_calls_rate():
     from rayfed.training.plans.graphed_step import captures_step
-    from rayfed.training.steps import Phase
 
     config = WORKLOAD.config(clients_per_actor=3, gpus_per_actor=0).train.model_copy(update={"cuda_graphs": True})
     gpu, start = torch.device("cuda"), {"w": torch.ones(3)}
@@ -500,9 +501,16 @@ def test_a_step_is_captured_only_with_the_task_loss_and_no_term_or_a_declared_te
     assert not captures_step(config, torch.device("cpu"), [Phase()])
     assert not captures_step(config.model_copy(update={"cuda_graphs": False}), gpu, [Phase()])
     assert captures_step(config, gpu, [Phase(loss=_TaskLosses(), extra_loss=declared)])  # a declared recording loss
+    own = CapturedLoss(lambda step: step.task_loss(), key=("own", 1.0))
+    # Phases with their own trained sets and declared losses: each phase's optimizer over its own tensors.
+    for phases in ([Phase(trains=["w"])], [Phase(), Phase()], [Phase(loss=own)],
+                   [Phase(trains=["w"], loss=own), Phase(trains=lambda name: name != "w", loss=own)]):
+        assert captures_step(config, gpu, phases), phases
     for phases in ([Phase(extra_loss=lambda params: params["w"].sum())],  # undeclared: eager
-                   [Phase(loss=lambda step: step.task_loss())], [Phase(trains=["w"])], [Phase(lr=0.1)],
-                   [Phase(lr_of=lambda name: None)], [Phase(), Phase()]):
+                   [Phase(loss=lambda step: step.task_loss())], [Phase(lr=0.1)], [Phase(lr_of=lambda name: None)],
+                   [Phase(loss=own), Phase(loss=lambda step: step.task_loss())],
+                   [Phase(extra_loss=declared), Phase()],  # a penalty is captured with one phase only
+                   [Phase(loss=_TaskLosses()), Phase()]):
         assert not captures_step(config, gpu, phases), phases
 
 
@@ -570,15 +578,23 @@ def test_without_a_gpu_cuda_graphs_train_eagerly_to_the_same_numbers():
         assert torch.equal(result.params[name], value)
 
 
+PLAIN = [Phase()]
+
+
+def _as_client(model, config, data, task) -> SimpleNamespace:
+    """What a graph is looked up by: a client's model, training config, data and current task."""
+    return SimpleNamespace(model=model, train_config=config, data=data, tasks={task.index: task}, task=task.index)
+
+
 def test_an_actor_keeps_the_most_recently_used_graphs_one_per_trained_set_task_and_batch_shape(monkeypatch):
     captured = []
 
     class CountingStep:  # stands in for a captured graph: counts captures and optimizer resets
-        def __init__(self, model, named, config, batch, task, penalty=None):
+        def __init__(self, client, named, config, batch, task, phases, penalty=None):
             self.shape, self.resets = tuple(batch["pixel_values"].shape), 0
             captured.append(self)
 
-        def reset_optimizer(self):
+        def reset_optimizers(self):
             self.resets += 1
 
         def load_penalty(self, penalty):
@@ -592,31 +608,39 @@ def test_an_actor_keeps_the_most_recently_used_graphs_one_per_trained_set_task_a
     small = ClientData([TaskData(0, {name: column[:5] for name, column in part.train.items()}, part.test)])
     task0, task1 = host.tasks[0], dataclasses.replace(host.tasks[0], index=1)
     graph = step_plans(model).graphed_step.graph
-    first = graph(model, named, config, host.data[0], task0)
-    assert graph(model, named, config, host.data[1], task0) is first and first.resets == 2
+    first = graph(_as_client(model, config, host.data[0], task0), named, PLAIN)
+    assert graph(_as_client(model, config, host.data[1], task0), named, PLAIN) is first and first.resets == 2
     assert first.shape[0] == config.batch_size
-    assert graph(model, named, config, small, task0).shape[0] == 5  # a batch of all 5
-    graph(model, named, config, host.data[0], task1)
+    assert graph(_as_client(model, config, small, task0), named, PLAIN).shape[0] == 5  # a batch of all 5
+    graph(_as_client(model, config, host.data[0], task1), named, PLAIN)
     clipped = config.model_copy(update={"grad_clip": 1.0})  # clipping is captured with the step
-    graph(model, named, clipped, host.data[0], task0)
+    graph(_as_client(model, clipped, host.data[0], task0), named, PLAIN)
     assert len(captured) == 4 and len(step_plans(model).graphed_step.graphs) == graphed_step_plan.MAX_GRAPHS_PER_MODEL
-    graph(model, named, config, host.data[0], task0)  # used last: stays
+    graph(_as_client(model, config, host.data[0], task0), named, PLAIN)  # used last: stays
     decayed = config.model_copy(update={"weight_decay": 0.1})
-    graph(model, named, decayed, host.data[0], task0)  # a fifth: the batch-5 graph goes
+    graph(_as_client(model, decayed, host.data[0], task0), named, PLAIN)  # a fifth: the batch-5 graph goes
     assert len(captured) == 5 and first in step_plans(model).graphed_step.graphs.values()
     assert all(step.shape[0] != 5 for step in step_plans(model).graphed_step.graphs.values())
     other_rate = config.model_copy(update={"schedule": "round_warmup", "lr": 0.5})  # a step sets its rate
-    assert graph(model, named, other_rate, host.data[0], task0) is first and len(captured) == 5
+    assert graph(_as_client(model, other_rate, host.data[0], task0), named, PLAIN) is first and len(captured) == 5
+    # A method's captured loss: a graph per key, whatever closure carries it; a phase's own trained set too.
+    client = _as_client(model, config, host.data[0], task0)
+    own = graph(client, named, [Phase(loss=CapturedLoss(lambda step: step.task_loss(), key=("own", 0.5)))])
+    assert own is not first and len(captured) == 6
+    assert graph(client, named, [Phase(loss=CapturedLoss(lambda step: 2 * step.task_loss(), key=("own", 0.5)))]) is own
+    graph(client, named, [Phase(loss=CapturedLoss(lambda step: step.task_loss(), key=("own", 0.7)))])
+    graph(client, named, [Phase(trains=list(named)[:1])])
+    assert len(captured) == 8
 
 
 def test_a_step_captured_under_bf16_autocast_is_not_replayed_with_train_autocast_off(monkeypatch):
     captured = []
 
     class RecordedStep:  # stands in for a captured graph: records the autocast it was captured under
-        def __init__(self, model, named, config, batch, task, penalty=None):
+        def __init__(self, client, named, config, batch, task, phases, penalty=None):
             captured.append(config.autocast)
 
-        def reset_optimizer(self):
+        def reset_optimizers(self):
             pass
 
         def load_penalty(self, penalty):
@@ -627,7 +651,7 @@ def test_a_step_captured_under_bf16_autocast_is_not_replayed_with_train_autocast
     named, off = dict(host.model.named_parameters()), host.config.train.model_copy(update={"autocast": "off"})
     graph = step_plans(host.model).graphed_step.graph
     for config in (host.config.train, off, host.config.train, off):
-        graph(host.model, named, config, host.data[0], host.tasks[0])
+        graph(_as_client(host.model, config, host.data[0], host.tasks[0]), named, PLAIN)
     assert captured == ["bf16", "off"]
 
 
@@ -643,7 +667,7 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_with_one_warning(monkeypa
     named, graph = dict(host.model.named_parameters()), step_plans(host.model).graphed_step.graph
     with caplog.at_level("WARNING", logger="rayfed.training"):
         for cid in (0, 1):
-            assert graph(host.model, named, host.config.train, host.data[cid], host.tasks[0]) is None
+            assert graph(_as_client(host.model, host.config.train, host.data[cid], host.tasks[0]), named, PLAIN) is None
     assert len(attempts) == 1
     [record] = caplog.records
     assert "could not be captured" in record.getMessage() and "stream is capturing);" in record.getMessage()

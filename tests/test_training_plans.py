@@ -120,10 +120,10 @@ def test_each_plan_keeps_its_own_cache_per_model(monkeypatch):
     made = []
 
     class Captured:  # stands in for a captured graph
-        def __init__(self, model, named, config, batch, task, penalty=None):
-            made.append(model)
+        def __init__(self, client, named, config, batch, task, phases, penalty=None):
+            made.append(client.model)
 
-        def reset_optimizer(self):
+        def reset_optimizers(self):
             pass
 
         def load_penalty(self, penalty):
@@ -139,7 +139,7 @@ def test_each_plan_keeps_its_own_cache_per_model(monkeypatch):
     assert len({id(cache) for cache in caches}) == 4
     for host in hosts:
         named = dict(host.model.named_parameters())
-        step_plans(host.model).graphed_step.graph(host.model, named, host.config.train, host.data[0], host.tasks[0])
+        step_plans(host.model).graphed_step.graph(host._context(0, 0), named, [Phase()])
     assert made == [hosts[0].model, hosts[1].model]  # one capture each: the second model did not reuse the first's
     assert [len(plan.graphed_step.graphs) for plan in plans] == [1, 1]
     assert [len(plan.graphed_parts.families) for plan in plans] == [0, 0]

@@ -53,7 +53,7 @@ from rayfed.param_names import adapter_set_of, components, with_adapter_set
 from rayfed.params import AtLeastOne, NonNegative, NonNegativeInt, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
-from rayfed.training import ClientContext, ImageKD, Phase, Step, output_distillation
+from rayfed.training import CapturedLoss, ClientContext, ImageKD, Phase, Step, output_distillation
 from rayfed.types import Slot
 
 SHARED, FROZEN, LOCAL = "shared", "frozen", "local"
@@ -182,12 +182,16 @@ class FedDAT(Method):
                 losses.append(loss)
             return scale * step.task_loss(losses)
 
+        # Tensor work on the step alone, fixed by these settings: a CUDA graph may capture the step with them.
+        settings = (variant, scale, tau, alpha, beta, self.params.image_kd)
+        captured_student = CapturedLoss(student, ("feddat student", *settings))
         if variant == "no_local":  # no L^DAT: the only teacher is frozen
-            return [Phase(trains=lambda name: adapter_set_of(name) != LOCAL, loss=student)]
+            return [Phase(trains=lambda name: adapter_set_of(name) != LOCAL, loss=captured_student)]
         if self.params.update == "joint":
-            return [Phase(loss=lambda step: student(step) + teacher(step))]
-        return [Phase(trains=lambda name: adapter_set_of(name) != LOCAL, loss=student),
-                Phase(trains=lambda name: adapter_set_of(name) != SHARED, loss=teacher)]
+            return [Phase(loss=CapturedLoss(lambda step: student(step) + teacher(step), ("feddat joint", *settings)))]
+        return [Phase(trains=lambda name: adapter_set_of(name) != LOCAL, loss=captured_student),
+                Phase(trains=lambda name: adapter_set_of(name) != SHARED,
+                      loss=CapturedLoss(teacher, ("feddat teacher", *settings)))]
 
     def _outputs(self, step: Step, part: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What distillation compares and what the task's kind scores, on ``step.parts[part]``."""

@@ -5,6 +5,7 @@ nets. Which calls run them, and where the graphs are kept: :mod:`rayfed.training
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -21,6 +22,7 @@ from rayfed.training.lru import LeastRecentlyUsed
 from rayfed.training.optimizers import build_optimizer
 from rayfed.training.penalties import TensorPenalty
 from rayfed.training.precision import mixed_precision
+from rayfed.training.steps import CapturedLoss, Phase, Step, StepClient
 from rayfed.types import Batch
 
 log = logging.getLogger(__name__)
@@ -43,30 +45,50 @@ def eager_after_a_failed_capture(device: torch.device) -> Iterator[None]:
         raise
 
 
+def warm_up_and_capture(step: Callable[[], torch.Tensor], optimizers: Sequence[torch.optim.Optimizer],
+                        device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``step`` run three times off the default stream (what a first step sets up: the optimizers' state, cuBLAS's
+    workspace), then captured: its graph, and the tensor each replay leaves its result in."""
+    side = torch.cuda.Stream(device)  # warm-up off the default stream, as graph capture requires
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*capturable=True.*")  # uncaptured warm-up steps
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with eager_after_a_failed_capture(device), torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
 class GraphedStep:
-    """One training step (forward, loss, backward, optimizer step) of one model, trained set, task and batch
-    shape, captured once as a CUDA graph and replayed for every client that trains the same set.
+    """One training step (each phase's forward, loss, backward and optimizer step) of one model, trained set, task,
+    batch shape and phases, captured once as a CUDA graph and replayed for every client that trains the same set.
 
     The steps of a foundation model with small adapters are bound by kernel launches (about a thousand
     per step); a replay launches them all at once. Each train call loads the client's values into the
-    same parameter tensors and zeroes the optimizer's state in place, which is where a fresh optimizer
+    same parameter tensors and zeroes the optimizers' state in place, which is where a fresh optimizer
     starts; each batch is copied into the static inputs the graph reads, and each step's learning rate into the
-    tensor the optimizer reads (so a schedule, or another call's rate, replays the same graph). ``train.grad_clip``
-    is captured with the step. A :class:`TensorPenalty` is captured with it too (added to the task loss outside
-    autocast, as the eager step adds it), reading inputs of its own that :meth:`load_penalty` refills for each
-    train call.
+    tensor the optimizers read (so a schedule, or another call's rate, replays the same graph). Each phase has its
+    optimizer over the tensors it trains, as the eager step has, and ``train.grad_clip`` is captured with each. A
+    phase's loss is the task loss (or a :class:`RecordedTaskLoss`) or a method's :class:`CapturedLoss`, which sees a
+    :class:`Step` of the static batch and a memory its phases share. A :class:`TensorPenalty` is captured with a
+    one-phase step (added to the task loss outside autocast, as the eager step adds it), reading inputs of its own
+    that :meth:`load_penalty` refills for each train call.
     """
 
-    def __init__(self, model: TrainableModule, named: dict[str, torch.Tensor], config: TrainConfig,
-                 batch: Batch, task: Task, penalty: TensorPenalty | None = None):
+    def __init__(self, client: StepClient, named: dict[str, torch.Tensor], config: TrainConfig,
+                 batch: Batch, task: Task, phases: Sequence[Phase], penalty: TensorPenalty | None = None):
         device = next(iter(batch.values())).device
         # float32: what the fused kernel computes with when given a float rate, so the steps are the eager ones
         self.lr = torch.zeros((), dtype=torch.float32, device=device)
         self.lr_value = 0.0
-        self.optimizer = build_optimizer(config, list(named.values()), self.lr, capturable=True)
+        self.trained = [[param for name, param in named.items() if phase.selects(name)] for phase in phases]
+        self.optimizers = [build_optimizer(config, trained, self.lr, capturable=True) for trained in self.trained]
         self.grad_clip = config.grad_clip
-        # Only the capture runs the forward: a replay holds no reference to the model, which keeps this graph.
-        forward = trained_forward(model, config)
         self.autocast = config.autocast
         self.batch = {name: column.clone() for name, column in batch.items()}
         self.task = task
@@ -75,37 +97,40 @@ class GraphedStep:
         self.penalty_inputs = {} if penalty is None else {
             slot: {name: value.to(device, copy=True) for name, value in values.items()}
             for slot, values in penalty.inputs.items()}
+        # Only the capture runs the forward and the losses: a replay holds no reference to the model or the client,
+        # which keep this graph.
+        step = functools.partial(self._forward_backward_step, client, trained_forward(client.model, config), phases)
         start = {name: param.detach().clone() for name, param in named.items()}
         try:
-            side = torch.cuda.Stream(device)  # warm-up off the default stream, as graph capture requires
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*capturable=True.*")  # uncaptured warm-up steps
-                for _ in range(3):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self._forward_backward_step(forward)
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.optimizer.zero_grad(set_to_none=True)
-            self.graph = torch.cuda.CUDAGraph()
-            with eager_after_a_failed_capture(device), torch.cuda.graph(self.graph):
-                self.loss = self._forward_backward_step(forward)
+            self.graph, self.loss = warm_up_and_capture(step, self.optimizers, device)
         finally:
             with torch.no_grad():  # undo the warm-up's steps
                 for name, param in named.items():
                     param.copy_(start[name])
 
-    def _forward_backward_step(self, forward: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
+    def _forward_backward_step(self, client: StepClient, forward: Callable[[Batch], torch.Tensor],
+                               phases: Sequence[Phase]) -> torch.Tensor:
+        """The eager step's phases, in order (:func:`~rayfed.training.plans.eager.run_steps`); the first phase's
+        loss."""
         device = next(iter(self.batch.values())).device
-        with mixed_precision(device, self.autocast, cache_enabled=False):  # no cast cache under capture
-            loss = self.task.kind.loss(forward(self.batch), self.batch)
-        value = loss
-        if self.penalty is not None:
-            value = loss + self.penalty.term(self.named, self.penalty_inputs, *self.penalty.settings)
-        value.backward()
-        if self.grad_clip is not None:
-            nn.utils.clip_grad_norm_(list(self.named.values()), self.grad_clip)
-        self.optimizer.step()
-        return loss.detach().float()
+        memory: dict = {}
+        first = None
+        for index, (phase, optimizer, trained) in enumerate(zip(phases, self.optimizers, self.trained)):
+            optimizer.zero_grad(set_to_none=True)
+            with mixed_precision(device, self.autocast, cache_enabled=False):  # no cast cache under capture
+                if isinstance(phase.loss, CapturedLoss):
+                    loss = phase.loss(Step(client, [(self.task, self.batch)], self.named, index, 0, memory))
+                else:
+                    loss = self.task.kind.loss(forward(self.batch), self.batch)
+            value = loss
+            if self.penalty is not None:
+                value = loss + self.penalty.term(self.named, self.penalty_inputs, *self.penalty.settings)
+            value.backward()
+            if self.grad_clip is not None:
+                nn.utils.clip_grad_norm_(trained, self.grad_clip)
+            optimizer.step()
+            first = loss.detach().float() if first is None else first
+        return first
 
     def load_penalty(self, penalty: TensorPenalty | None) -> None:
         """Copy this train call's penalty inputs into the ones the graph reads."""
@@ -113,12 +138,13 @@ class GraphedStep:
             for name, value in values.items():
                 value.copy_(penalty.inputs[slot][name], non_blocking=True)
 
-    def reset_optimizer(self) -> None:
+    def reset_optimizers(self) -> None:
         # A fresh SGD's first step sets its momentum buffer to the gradient; the captured later step computes
         # momentum * buffer + gradient, which from a zeroed buffer is that gradient exactly (torch's dampening 0).
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                value.zero_()
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    value.zero_()
 
     def step(self, batch: Batch, lr: float) -> torch.Tensor:
         """One step on ``batch`` at learning rate ``lr``; returns its loss (a tensor on the GPU, valid until the next

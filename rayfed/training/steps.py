@@ -4,7 +4,7 @@ it (:mod:`rayfed.training.plans`), and a step's learning rate (:func:`step_lr`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -160,6 +160,22 @@ class RecordedTaskLoss(ABC):
     @abstractmethod
     def record(self, step: Step, losses: Sequence[torch.Tensor]) -> None:
         """Keep the losses of ``step``'s parts, in the order of ``step.parts``."""
+
+
+@dataclass(frozen=True)
+class CapturedLoss:
+    """A method's own loss that a CUDA graph may capture with its step (``train.cuda_graphs``), where a plain
+    function runs the step eagerly. The method vouches that ``loss`` is tensor work on the step's batch, the model's
+    live parameters and the step's memory alone, with no value read back to the host and no branch on one, and that
+    it does not read :attr:`Step.index`; everything else it reads (a weight, a temperature, which adapters mix) is
+    the same for every call with the same ``key``, which the graph's key holds: one graph serves every client and
+    round whose loss has the same key."""
+
+    loss: LossFn
+    key: Hashable
+
+    def __call__(self, step: Step) -> torch.Tensor:
+        return self.loss(step)
 
 
 def step_lr(config: TrainConfig, base_lr: float, round_idx: int, steps: int, step: int, purpose: str) -> float:

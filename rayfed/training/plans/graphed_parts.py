@@ -18,16 +18,18 @@ from rayfed.training.lru import LeastRecentlyUsed
 from rayfed.training.plans.call import PlanClient, TrainCall, TrainResult, trained_tensors
 from rayfed.training.plans.eager import add_task_losses, run_steps
 from rayfed.training.plans.graphed_step import MAX_GRAPHS_PER_MODEL, captures_step
-from rayfed.training.steps import Phase, Step
+from rayfed.training.steps import CapturedLoss, Phase, Step
 from rayfed.types import Batch
 
 
 def captures_parts(config: TrainConfig, device: torch.device, phases: Sequence[Phase], model: TrainableModule,
                    tasks: Sequence[int]) -> bool:
     """Whether a train call of ``phases`` that :func:`captures_step` would take but for its micro-batches or its kept
-    optimizer state may replay its parts' forwards and backwards as CUDA graphs: no extra term, and tasks that do not
+    optimizer state may replay its parts' forwards and backwards as CUDA graphs: one phase of the task loss (or a
+    :class:`~rayfed.training.steps.RecordedTaskLoss`) over every trained tensor, no extra term, and tasks that do not
     share one forward (stacked, they draw other dropout masks than one part at a time)."""
-    return (captures_step(config, device, phases) and phases[0].extra_loss is None
+    return (len(phases) == 1 and captures_step(config, device, phases) and phases[0].extra_loss is None
+            and phases[0].trains is None and not isinstance(phases[0].loss, CapturedLoss)
             and not (len(tasks) > 1 and model.shares_forward(list(tasks))))
 
 
