@@ -29,11 +29,12 @@ from rayfed.actors.hosted import HostedClients
 from rayfed.actors.uploads import RoundUploads, round_collector, slots_to, to_host
 from rayfed.method import ClientState, LocalResult, Method, TensorDict, TensorSpecs, Upload, check_tensors, method_model
 from rayfed.models import build_backbone
+from rayfed.models.frozen_weights import FrozenWeights
 from rayfed.models.peft.modules import select_task
 from rayfed.run_methods import run_methods
 from rayfed.seeding import SERVER, torch_seed
 from rayfed.stages import AfterFederationStage, declared
-from rayfed.training import ClientContext, check_precision
+from rayfed.training import ClientContext, check_precision, computes_in_bf16
 from rayfed.transport import use_raw_tensor_transport
 from rayfed.state_tree import flatten_tree, map_tree
 from rayfed.types import moved_together
@@ -56,7 +57,7 @@ def _hosted(name: str) -> property:
 class ClientActor:
     """The clients of one architecture that one actor hosts, over the backbone it builds once.
 
-    Seam: the method's model (its build and precision check, with its contract) would move out next."""
+    Seam: the method's model (its build, precision and frozen weights, with its contract) would move out next."""
     states, data, initial, initial_params, eval_sets, state_device = map(_hosted, (
         "states", "data", "initial", "initial_params", "eval_sets", "state_device"))
 
@@ -86,6 +87,7 @@ class ClientActor:
         self.backbone = build_backbone(self.model_config, torch_seed(self.config.seed, 0, SERVER, "backbone"),
                                        self.device)
         self.hosted = HostedClients(federation, client_ids, self.backbone, self.device, self.config.placement)
+        self.frozen_weights = FrozenWeights()  # a method's, in bf16 where its forwards run under bf16 autocast
         self.stream = self.config.data.stream
         self.evaluation = ClientEvaluation(self.config, federation, self.backbone, self.device, self.hosted.data_device)
         self.others = self.evaluation.others  # in a stream: each client's other tasks, as ClientEvaluation keeps them
@@ -105,9 +107,12 @@ class ClientActor:
         self.label = entry.label
         init_seed = torch_seed(self.config.seed, 0, SERVER, "client_model")
         model_config = method_model_config(self.model_config, entry, method_index)
+        self.frozen_weights.restore()
         self.model = method_model(self.method, f"methods[{method_index}] ({entry.label})", self.backbone, model_config,
                                   self.tasks, init_seed).to(self.device)
         check_precision(self.model, train, self.device, f"methods[{method_index}] ({entry.label})")
+        if computes_in_bf16(self.device, train.autocast):
+            self.frozen_weights.store_in_bf16(self.model, self.backbone.encoder)
         self.tags = self.model.task_tags()
         initial = {name: value.cpu() for name, value in self.model.trainable_params().items()}
         self.contract = ClientContract(self.label, initial)  # what payloads and uploads are checked against

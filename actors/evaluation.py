@@ -16,7 +16,7 @@ from rayfed.method import ClientState, Method, TensorDict
 from rayfed.models import Backbone
 from rayfed.models.peft.modules import feature_shift, head_features
 from rayfed.tasks import param_tasks
-from rayfed.training import ClientContext, OtherTask
+from rayfed.training import ClientContext, OtherTask, mixed_precision
 
 
 class StreamTests:
@@ -53,19 +53,23 @@ class EvaluationHook(Protocol):
 
 class RepresentationShift:
     """``rep_shift``: how far the head's input features on a client's test inputs moved from those of the
-    initial model (``initial``: each client's initial parameters), ``1 - mean cosine similarity``."""
+    initial model (``initial``: each client's initial parameters), ``1 - mean cosine similarity``; the features
+    computed as an evaluation computes (``train.autocast`` ``autocast``)."""
 
-    def __init__(self, model: torch.nn.Module, initial: dict[int, TensorDict], batch_size: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, initial: dict[int, TensorDict], batch_size: int, device: torch.device,
+                 autocast: str):
         self.model, self.initial, self.batch_size, self.device = model, initial, batch_size, device
+        self.autocast = autocast
         self.initial_features: dict[int, torch.Tensor] = {}  # the initial model's features never change
 
     def __call__(self, client: ClientContext, params: TensorDict) -> dict[str, float]:
         cid = client.client_id
         inputs = {name: column.to(self.device) for name, column in client.data.parts[0].test.items()}
-        if cid not in self.initial_features:
-            self.initial_features[cid] = head_features(self.model, self.initial[cid], inputs, self.batch_size)
-        return {"rep_shift": feature_shift(self.initial_features[cid],
-                                           head_features(self.model, params, inputs, self.batch_size))}
+        with mixed_precision(self.device, self.autocast):
+            if cid not in self.initial_features:
+                self.initial_features[cid] = head_features(self.model, self.initial[cid], inputs, self.batch_size)
+            features = head_features(self.model, params, inputs, self.batch_size)
+        return {"rep_shift": feature_shift(self.initial_features[cid], features)}
 
 
 def evaluation_hooks(config: RunConfig, model: torch.nn.Module, initial: dict[int, TensorDict],
@@ -73,7 +77,7 @@ def evaluation_hooks(config: RunConfig, model: torch.nn.Module, initial: dict[in
     """The evaluation hooks the config asks for, on a method's freshly built ``model``."""
     if not config.federation.representation_shift:
         return []
-    return [RepresentationShift(model, initial, config.train.eval_batch_size, device)]
+    return [RepresentationShift(model, initial, config.train.eval_batch_size, device, config.train.autocast)]
 
 
 def view_metrics(method: Method, model: torch.nn.Module, client: ClientContext, state: ClientState,

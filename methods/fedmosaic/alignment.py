@@ -20,7 +20,7 @@ from rayfed.method import TensorDict
 from rayfed.methods.fedmosaic import pqlora
 from rayfed.models.peft.named_adapters import adapted_modules, adapters_off
 from rayfed.param_names import adapter_part, adapter_tensor, parent
-from rayfed.training import PreFederation
+from rayfed.training import PreFederation, mixed_precision
 
 if TYPE_CHECKING:
     from rayfed.methods.fedmosaic.params import FedMosaicParams
@@ -47,8 +47,10 @@ def public_features(stage: PreFederation, params: FedMosaicParams) -> dict[str, 
     outputs = params.b_features == "base_output"
     task = stage.public_task
     # batches of eval_batch_size on the actor's device, pooled there (one copy to the host at the end), the forward
-    # stopped before the output head: only the PQ layers' inputs are needed (a paper-size LM's head is 128k wide)
-    with torch.no_grad(), adapters_off(model), pqlora.captured_inputs(pq_modules, outputs) as captured, \
+    # stopped before the output head: only the PQ layers' inputs are needed (a paper-size LM's head is 128k wide); in
+    # the steps' precision, which the frozen weights may be stored in (rayfed.models.frozen_weights)
+    precision = mixed_precision(stage.device, stage.train_config.autocast)
+    with torch.no_grad(), precision, adapters_off(model), pqlora.captured_inputs(pq_modules, outputs) as captured, \
             pqlora.output_head_skipped(model.encoder) as skipped:
         for first in range(0, rows, batch_size):
             batch = {name: column[first:first + batch_size].to(stage.device) for name, column in stage.public.items()}

@@ -82,8 +82,9 @@ class TrainConfig(Section):
         "compile trains eagerly after one warning"
     )
     autocast: Autocast = Field(
-        "bf16", description="what a GPU's training steps and evaluations compute in: bf16 (autocast to bfloat16 "
-        "around the float32 weights) or off (float32 throughout, to bound bf16 round-off; a backbone stored in "
+        "bf16", description="what a GPU's training steps and evaluations compute in: bf16 (autocast to bfloat16, "
+        "a method's frozen linear and convolution weights stored in bfloat16: the same products) "
+        "or off (float32 throughout, to bound bf16 round-off; a backbone stored in "
         "bfloat16 on a GPU, the llama: ones and the LLaVA models built on them, is refused rather than run in "
         "float32); a CPU always computes in float32"
     )

@@ -36,7 +36,7 @@ from rayfed.training.compiled_forward import trained_forward
 from rayfed.training.optimizers import build_optimizer, local_steps, scheduled_lr
 from rayfed.training.patch_matmul import PatchMatmul
 from rayfed.training.penalties import TensorPenalty
-from rayfed.training.precision import check_precision, mixed_precision
+from rayfed.training.precision import check_precision, computes_in_bf16, mixed_precision
 from rayfed.training.public_pass import (PreFederation, PublicJob, PublicLoss, PublicPass, answer_mask, same_answers,
                                          token_losses)
 from rayfed.training.steps import (CapturedLoss, LossFn, Penalty, Phase, RecordedTaskLoss, Step,
@@ -45,9 +45,9 @@ from rayfed.types import TensorDict
 
 __all__ = ["CapturedLoss", "ClientContext", "LossFn", "OtherTask", "PatchMatmul", "Penalty", "Phase", "PreFederation", "PublicJob",
            "PublicLoss", "PublicPass", "RecordedTaskLoss", "Step", "TensorPenalty", "TrainResult", "answer_mask",
-           "build_optimizer", "check_precision", "distillation_loss", "local_steps", "mixed_precision",
-           "proximal_penalty", "same_answers", "scheduled_lr", "stacked_forward_batch", "token_losses",
-           "trained_forward"]
+           "build_optimizer", "check_precision", "computes_in_bf16", "distillation_loss", "local_steps",
+           "mixed_precision", "proximal_penalty", "same_answers", "scheduled_lr", "stacked_forward_batch",
+           "token_losses", "trained_forward"]
 
 
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -10,10 +10,25 @@ from rayfed.config import TrainConfig
 from rayfed.errors import ConfigError
 
 
+AUTOCAST_DEVICES = frozenset({"cuda"})
+"""The device types on which ``train.autocast: bf16`` takes effect. A CPU computes in float32 (the offline numbers are
+float32's); tests add ``cpu`` to run a GPU's precision there, its bf16-stored frozen weights included."""
+
+
+def computes_in_bf16(device: torch.device, autocast: str) -> bool:
+    """Whether steps and evaluations on ``device`` run under bf16 autocast: ``train.autocast`` ``autocast`` = ``bf16``
+    on a GPU. Where they do, a method's frozen linear and convolution weights are stored in bf16
+    (:class:`rayfed.models.frozen_weights.FrozenWeights`), so every forward of its model must run under
+    :func:`mixed_precision`."""
+    return device.type in AUTOCAST_DEVICES and autocast == "bf16"
+
+
 def mixed_precision(device: torch.device, autocast: str, cache_enabled: bool = True) -> torch.autocast:
     """What a step or evaluation on ``device`` computes in: with ``train.autocast`` ``autocast`` = ``bf16``, bf16
-    autocast on a GPU; with ``off``, and on the CPU, nothing (float32)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and autocast == "bf16",
+    autocast on a GPU; with ``off``, and on the CPU, nothing (float32). Disabled, it is a CUDA autocast, which leaves
+    a CPU autocast entered around it as it is."""
+    enabled = computes_in_bf16(device, autocast)
+    return torch.autocast(device.type if enabled else "cuda", dtype=torch.bfloat16, enabled=enabled,
                           cache_enabled=cache_enabled)
 
 

@@ -391,7 +391,9 @@ def dedicated_blocks(sharing: str, num_blocks: int) -> Callable[[int], bool]:
 def head_features(
     model: nn.Module, params: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor] | torch.Tensor, batch_size: int,
 ) -> torch.Tensor:
-    """The head's input features of ``inputs`` (named columns, or images) with ``params`` loaded (left loaded)."""
+    """The head's input features of ``inputs`` (named columns, or images) with ``params`` loaded (left loaded), in
+    float32. Call it under the evaluation's precision (:func:`rayfed.training.mixed_precision`): on a GPU under bf16
+    autocast the model's frozen layers are stored in bf16 (:mod:`rayfed.models.frozen_weights`)."""
     model.eval()
     model.load_trainable(params)
     columns = {"pixel_values": inputs} if isinstance(inputs, torch.Tensor) else inputs
