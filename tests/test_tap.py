@@ -463,6 +463,20 @@ def test_the_two_distillations_of_stage_two_run_the_teachers_forward_once_and_tr
         assert _equal(alone, state[f"view:{view}"] if view else state["x"]), view
 
 
+def test_a_lone_distillation_keeps_one_micro_batchs_teacher_outputs_and_trains_as_a_sharing_one(actor, monkeypatch):
+    tap = __import__("rayfed.methods.tap.method", fromlist=["Distillation"])
+    method, driver = _start(actor, post_fl_microbatches=3, two_p=False, no_kd=False)  # no kdalt: nothing shares
+    _rounds(actor, driver, 1, [[1]])
+    payload = driver.payloads([1], False)[1]
+    made = made_instances(monkeypatch, tap, "Distillation")
+    state = method.after_federation(actor._context(1, 1), actor.states[1], payload)
+    (distillation,) = made
+    assert distillation.calls == 3 and sorted(distillation.targets) == [(2, 0), (2, 1)]  # the last call's two tasks
+    shared = actor._context(1, 1).train(state["view:stage1"], steps=3, lr=method.params.post_lr, purpose="post_train",
+                                        loss=method.distillation(state["view:pt"], targets={})).params
+    assert _equal(shared, state["x"])
+
+
 def test_distillation_is_tau_squared_kl_and_the_teacher_draws_no_dropout(actor):
     method, _ = _start(actor)
     tap = __import__("rayfed.methods.tap", fromlist=["Distillation"])

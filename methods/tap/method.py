@@ -152,11 +152,13 @@ class Distillation:
     """The post-FL student loss (Eq. 6): ``sum_o lambda_o l_o + sum_o beta_o tau^2 KL(p_T || p_S)`` with the
     teacher frozen in eval mode (it draws no dropout); a task whose beta is 0 skips the teacher, so beta = 0
     everywhere is exactly the task loss. ``targets``: the teacher's outputs by (call, part), shared by the
-    distillations of one teacher on the same batches, which then run its forward once."""
+    distillations of one teacher on the same batches, which then run its forward once; without it, a call's
+    outputs are dropped at the next call (no other distillation reads them)."""
 
     def __init__(self, teacher: TensorDict | None, weights: Sequence[float], temperature: float, image_kd: str,
                  targets: dict[tuple[int, int], torch.Tensor] | None = None):
         self.teacher, self.weights, self.temperature, self.image_kd = teacher, weights, temperature, image_kd
+        self.shared = targets is not None
         self.targets = {} if targets is None else targets
         self.calls = 0
 
@@ -179,6 +181,8 @@ class Distillation:
         if self.teacher is None:
             return {}
         parts = [part for part, (task, _) in enumerate(step.parts) if self.weights[TASK_KEYS.index(task_key(task))]]
+        if not self.shared:
+            self.targets.clear()
         missing = [part for part in parts if (self.calls, part) not in self.targets]
         if missing:
             model = step.model
@@ -284,8 +288,9 @@ class TAP(Method):
         state["view:stage1"] = x
         if self.params.no_kd:
             state["view:nokd"] = post_train(x, steps, self.distillation(None))
-        targets: dict[tuple[int, int], torch.Tensor] = {}  # the same batches: the teacher's outputs once
+        targets = None  # kept for a second distillation on the same batches: the teacher's outputs once
         if self.params.alt_kd_weights is not None:
+            targets = {}
             state["view:kdalt"] = post_train(x, steps, self.distillation(teacher, self.params.alt_kd_weights, targets))
         state["x"] = post_train(x, steps, self.distillation(teacher, targets=targets))
         return state

@@ -40,13 +40,15 @@ def flava_features(encoder: nn.Module, inputs: Batch) -> torch.Tensor:
 
 
 def causal_lm_logits(encoder: nn.Module, inputs: Batch) -> torch.Tensor:
-    """Next-token logits (batch, tokens, vocabulary) of a causal LM or LLaVA."""
-    return encoder(**_lm_inputs(inputs)).logits
+    """Next-token logits (batch, tokens, vocabulary) of a causal LM or LLaVA, from one pass over the whole texts
+    (training, a test batch's loss): no KV cache, which HF would otherwise fill (a copy of every layer's keys and
+    values) for no later step to read."""
+    return encoder(**_lm_inputs(inputs), use_cache=False).logits
 
 
 def causal_lm_features(encoder: nn.Module, inputs: Batch) -> torch.Tensor:
     """The last hidden state at each sequence's last real token (for a classification head)."""
-    hidden = encoder(**_lm_inputs(inputs), output_hidden_states=True).hidden_states[-1]
+    hidden = encoder(**_lm_inputs(inputs), output_hidden_states=True, use_cache=False).hidden_states[-1]
     last = inputs["attention_mask"].sum(dim=1) - 1
     return hidden[torch.arange(len(hidden), device=hidden.device), last]
 

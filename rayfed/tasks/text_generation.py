@@ -179,7 +179,9 @@ def causal_from_target_logits(target_logits: torch.Tensor, batch: Batch) -> torc
 @torch.no_grad()
 def generate(model: TaskModel, batch: Batch, max_new_tokens: int) -> torch.Tensor:
     """Greedy continuations (batch, new tokens) of the left-padded ``prompt_ids`` by the model's
-    ``encoder.generate``, stopping at end-of-text: :meth:`rayfed.TrainableModule.generate_text`'s default."""
+    ``encoder.generate``, stopping at end-of-text: :meth:`rayfed.TrainableModule.generate_text`'s default. The whole
+    batch decodes in one call with a KV cache (each step after the prompt's feeds the new token alone), whatever a
+    checkpoint's ``generation_config.use_cache`` says."""
     tokenizer = model.tokenizer
     inputs = {"input_ids": batch["prompt_ids"], "attention_mask": batch["prompt_mask"]}
     if "pixel_values" in batch:
@@ -187,7 +189,7 @@ def generate(model: TaskModel, batch: Batch, max_new_tokens: int) -> torch.Tenso
         pixels = pixels if pixels.ndim == 4 else valid_images(pixels, batch["image_counts"])
         inputs["pixel_values"] = model.pixels(pixels)
     output = model.encoder.generate(
-        **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+        **inputs, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=text_end_id(tokenizer, model.chat_template),
     )
     return output[:, batch["prompt_ids"].shape[1]:]
