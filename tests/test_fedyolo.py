@@ -464,6 +464,16 @@ def test_fedprox_with_mu_zero_is_fedavg(tiny_run):
     assert all(torch.equal(uploads[0][n], uploads[1][n]) for n in uploads[0])
 
 
+def test_a_replayed_fedyolo_step_trains_as_the_eager_one(tiny_run, replayed_on_cpu):
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+
+    run = _study_run(tiny_run, ["fedyolo"])
+    run["train"].update(momentum=0.9, grad_clip=1.0)
+    gap, moved = compiled_gap(run, [0, 1], mode="cuda_graphs")
+    assert len(replayed_on_cpu) == 1
+    assert moved > 1e-4 and gap < 1e-5
+
+
 def test_a_compiled_fedyolo_update_uploads_the_eager_updates_numbers(tiny_run, monkeypatch):
     # float32 sums in another order: round-off of about 1e-7 relative per operation; a wrong path, batch or lr
     # moves the update by its own size

@@ -437,12 +437,27 @@ def test_base_excludes_local_scores_base_accuracy_on_other_clients_classes_only(
 
 
 
-def test_a_compiled_pfedmma_update_uploads_the_eager_updates_numbers(monkeypatch):
-    # The shipped tiny CLIP on shape scenes, whose class names it reads (the synthetic source's prompts all tokenize
-    # alike, which leaves every logit equal and the update at round-off)
+def _shapes_run() -> dict:
+    """The shipped tiny CLIP on shape scenes, whose class names it reads (the synthetic source's prompts all tokenize
+    alike, which leaves every logit equal and the update at round-off)."""
     run = _clip_run("tiny-pretrained:clip", [{"name": "pfedmma", "rank": 4, "first_layer": 1}])
     run["data"] = {"source": "shapes", "synthetic": {"num_samples": 1280, "styles": ["noisy"]}, "num_clients": 2,
                    "test_fraction": 0.5, "partition": {"name": "base_novel", "options": {"shots": 2}}}
+    return run
+
+
+def test_a_replayed_pfedmma_step_trains_as_the_eager_one(replayed_on_cpu):
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+
+    run = _shapes_run()
+    run["train"].update(optimizer="sgd", momentum=0.9)
+    gap, moved = compiled_gap(run, [0, 1], mode="cuda_graphs")
+    assert len(replayed_on_cpu) == 1  # one step for both clients
+    assert moved > 1e-4 and gap < 1e-5
+
+
+def test_a_compiled_pfedmma_update_uploads_the_eager_updates_numbers(monkeypatch):
+    run = _shapes_run()
     # float32 sums in another order: round-off of about 1e-7 relative per operation; a wrong path, batch or lr
     # moves the update by its own size
     assert compiled_update_gap(run, [0], monkeypatch) < 1e-4

@@ -923,6 +923,17 @@ def test_a_compiled_tap_update_uploads_the_eager_updates_numbers(monkeypatch):
 FLOAT32 = ["train.autocast=off"]
 
 
+def test_a_replayed_tap_step_records_its_loss_history_and_trains_as_the_eager_one(replayed_on_cpu):
+    # clients 0, 2, 3: one task each, W's update and X's at their own rates through one step a task
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+
+    run = _run()
+    run["train"].update(optimizer="sgd", momentum=0.9)  # a CPU optimizer reads a rate held in a tensor as SGD only
+    gap, moved = compiled_gap(run, [0, 2, 3], mode="cuda_graphs")
+    assert len(replayed_on_cpu) == 3  # one step a task, shared by W's and X's updates
+    assert moved > 1e-4 and gap < 1e-5  # a wrong rate, clip, batch or loss history moves the update by its size
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_captured_tap_update_uploads_the_eager_updates_numbers(monkeypatch):
     # clients 0, 2, 3: one task each (image classification, VQA, text classification), W's update and X's

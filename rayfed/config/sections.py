@@ -68,12 +68,14 @@ class TrainConfig(Section):
     warmup_start_lr: float = Field(1e-4, gt=0, description="round_warmup: the lr of round 0")
     grad_clip: float | None = Field(None, gt=0, description="clip the L2 norm of the trained parameters' gradient")
     cuda_graphs: bool = Field(
-        False, description="on a GPU, capture a training step once as a CUDA graph and replay it (any optimizer, "
-        "schedule and grad_clip): a one-task client's whole step with one micro-batch a step; a client holding "
-        "several tasks, train.grad_accum > 1 or a kept optimizer state replays each part's forward and backward (a "
-        "graph per task and row count) and steps its optimizer eagerly; a step with a method's own loss, several "
-        "phases or an extra loss term runs eagerly, unless the loss is a rayfed.training.RecordedTaskLoss and the "
-        "term a rayfed.training.TensorPenalty (whole steps only), which are captured with it"
+        True, description="on a GPU, capture a training step once as a CUDA graph and replay it (any optimizer, "
+        "schedule and grad_clip; off: every step eager): a one-task client's whole step with one micro-batch a step, "
+        "its phases each with its optimizer; a client holding several tasks, train.grad_accum > 1 or a kept "
+        "optimizer state replays each part's forward and backward (a graph per task and row count) and steps its "
+        "optimizer eagerly; a step with a phase at its own learning rate, a method's own loss or an extra loss term "
+        "runs eagerly, unless the loss is a rayfed.CapturedLoss or rayfed.training.RecordedTaskLoss and the term a "
+        "rayfed.training.TensorPenalty (whole steps only), which are captured with it; a step that cannot be "
+        "captured trains eagerly after one warning"
     )
     compile: bool = Field(
         False, description="train through torch.compile of the model (inductor: fused kernels for the forward and "

@@ -43,11 +43,11 @@ from rayfed.training.steps import (CapturedLoss, LossFn, Penalty, Phase, Recorde
                                    stacked_forward_batch)
 from rayfed.types import TensorDict
 
-__all__ = ["CapturedLoss", "ClientContext", "LossFn", "OtherTask", "PatchMatmul", "Penalty", "Phase", "PreFederation", "PublicJob",
-           "PublicLoss", "PublicPass", "RecordedTaskLoss", "Step", "TensorPenalty", "TrainResult", "answer_mask",
-           "build_optimizer", "check_precision", "computes_in_bf16", "distillation_loss", "local_steps",
-           "mixed_precision", "proximal_penalty", "same_answers", "scheduled_lr", "stacked_forward_batch",
-           "token_losses", "trained_forward"]
+__all__ = ["CapturedLoss", "ClientContext", "LossFn", "OtherTask", "PatchMatmul", "Penalty", "Phase", "PreFederation",
+           "PublicJob", "PublicLoss", "PublicPass", "RecordedTaskLoss", "Step", "TensorPenalty", "TrainResult",
+           "answer_mask", "build_optimizer", "check_precision", "computes_in_bf16", "distillation_loss",
+           "local_steps", "mixed_precision", "proximal_penalty", "same_answers", "scheduled_lr",
+           "stacked_forward_batch", "token_losses", "trained_forward"]
 
 
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
