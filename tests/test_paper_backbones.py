@@ -229,6 +229,20 @@ def test_vilts_unpadded_patch_embedding_is_transformers_bitwise_without_reading_
     assert torch.equal(masked.pooler_output, ref_pooled)
 
 
+def test_vilts_patch_order_on_a_gpu_keeps_distinct_patches_drawn_afresh_for_each_image():
+    """On a GPU the patch order is drawn by the device's generator (which a CUDA graph replays afresh), here the
+    CPU's: each image keeps ``chosen`` distinct patches."""
+    from rayfed.models.families.vilt import device_patch_order
+
+    torch.manual_seed(3)
+    order = device_patch_order(4, 9, 5, torch.device("cpu"))
+    assert order.shape == (4, 5) and all(len(set(row.tolist())) == 5 for row in order)
+    assert order.min() >= 0 and order.max() < 9
+    assert not torch.equal(order[0], order[1])  # a fresh order per image
+    whole = device_patch_order(2, 9, 9, torch.device("cpu"))
+    assert all(sorted(row.tolist()) == list(range(9)) for row in whole)  # every patch kept: a permutation
+
+
 def test_a_paper_size_backbones_random_weights_are_drawn_on_the_requested_device():
     """An actor draws a paper-size model's random weights on its own device (its GPU, not its one CPU thread);
     ``meta`` gives the shapes without memory; without a device they are drawn as before, bitwise."""

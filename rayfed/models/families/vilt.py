@@ -54,7 +54,8 @@ def _embed_unpadded_images_without_host_syncs(encoder: nn.Module) -> None:
     back to the host (about 6 syncs an image on a GPU: 200 a batch of 32). A call without ``pixel_mask`` (rayfed's
     batches: every image has the processor's size) has no padding, so each image keeps all its patches and only the
     order of its tokens is drawn; this embeds such a batch with the same draws of the host's generator and the same
-    products, hence bitwise the same tokens, without reading anything back. A call with a mask runs transformers'."""
+    products, hence bitwise the same tokens, without reading anything back; on a GPU the order is drawn on the
+    device (:func:`device_patch_order`). A call with a mask runs transformers'."""
     encoder.register_forward_pre_hook(_note_padding, with_kwargs=True)
     encoder.embeddings.unpadded = False
     encoder.embeddings.visual_embed = types.MethodType(_visual_embed, encoder.embeddings)
@@ -62,6 +63,15 @@ def _embed_unpadded_images_without_host_syncs(encoder: nn.Module) -> None:
 
 def _note_padding(encoder: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     encoder.embeddings.unpadded = (args[4] if len(args) > 4 else kwargs.get("pixel_mask")) is None
+
+
+def device_patch_order(batch_size: int, count: int, chosen: int, device: torch.device) -> torch.Tensor:
+    """Which ``chosen`` of an image's ``count`` patches it keeps, in a random order, for each of ``batch_size``
+    images (batch_size, chosen): drawn on ``device``, a GPU's generator, where a CUDA graph captures the draw with
+    the step and replays a fresh one each time. transformers draws the order on the host and copies it to the
+    device, which a capture cannot hold; the tokens' order changes only the order of the attention's sums, and the
+    patches kept are as uniformly drawn."""
+    return torch.rand(batch_size, count, device=device).argsort(dim=1)[:, :chosen]
 
 
 def _visual_embed(
@@ -77,10 +87,12 @@ def _visual_embed(
     spatial = self.position_embeddings[:, 1:, :].transpose(1, 2).view(1, channels, grid, grid)
     positions = nn.functional.interpolate(spatial, size=(height, width), mode="bilinear", align_corners=True)
     positions = positions.flatten(2).transpose(1, 2).expand(batch_size, -1, -1)
-    # transformers' draw: one multinomial a row, in row order, on the host's generator
-    order = torch.stack([torch.multinomial(torch.ones(count).float(), chosen) for _ in range(batch_size)])
+    if patches.is_cuda:
+        columns = device_patch_order(batch_size, count, chosen, patches.device).flatten()
+    else:  # transformers' draw: one multinomial a row, in row order, on the host's generator
+        rows_order = [torch.multinomial(torch.ones(count).float(), chosen) for _ in range(batch_size)]
+        columns = torch.stack(rows_order).flatten()
     rows = torch.arange(batch_size, device=patches.device).repeat_interleave(chosen)
-    columns = order.flatten().to(patches.device)  # the one copy to the device: the order is drawn on the host
     tokens = patches.flatten(2).transpose(1, 2)[rows, columns].view(batch_size, -1, channels)
     positions = positions[rows, columns].view(batch_size, -1, channels)
     grid_rows, grid_columns = (torch.arange(size, device=patches.device) for size in (height, width))
