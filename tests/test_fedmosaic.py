@@ -523,6 +523,17 @@ def test_a_lora_baseline_sends_only_its_shared_adapter_averaged_within_an_archit
         assert torch.allclose(value, poisoned[name], atol=1e-6)
 
 
+def test_a_replayed_feddpa_step_trains_each_phases_own_adapter_as_the_eager_one(replayed_on_cpu):
+    # FedDPA's two updates: the global adapter's phase, then the local one's, each a phase with its own trained set
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+
+    run = copy.deepcopy({**HETERO, "methods": ["feddpa"]})
+    run["train"] = {**run["train"], "optimizer": "sgd", "momentum": 0.9}
+    gap, moved = compiled_gap(run, [0], mode="cuda_graphs")
+    assert len(replayed_on_cpu) == 2  # one step a phase's trained set
+    assert moved > 1e-4 and gap < 1e-5
+
+
 def test_the_task_groups_conflict_on_every_answer():
     maps = answer_maps(3)
     for answer in maps[0]:
