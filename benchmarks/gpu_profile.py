@@ -102,7 +102,8 @@ def workload_summary(name: str, out_dir: Path, status: str, seconds: float) -> d
         bench = json.loads(bench_file.read_text())
         method = bench.get("method", {})
         row.update(gpu=bench["machine"].get("gpu"), tflops_per_s=method.get("tflops_per_s"), mfu=method.get("mfu"),
-                   peak_note=bench["machine"].get("peak_note"), time_to_result=bench.get("time_to_result"))
+                   peak_note=bench["machine"].get("peak_note"), time_to_result=bench.get("time_to_result"),
+                   first_round_setup=method.get("first_round_setup"))
     if profile_file.is_file():
         profile = json.loads(profile_file.read_text())
         cuda = profile.get("cuda")
@@ -122,17 +123,20 @@ def summary_markdown(rows: list[dict[str, Any]], budget_s: float) -> str:
     for row in rows:
         shares = row.get("family_shares", {})
         estimate = row.get("time_to_result") or {}
+        setup = row.get("first_round_setup") or {}
         table.append([row["workload"], row["status"], f"{row['seconds']:.0f}", _number(row.get("tflops_per_s"), ".1f"),
                       _number(row.get("mfu"), ".1f", 100), _number(row.get("gpu_idle_fraction"), ".0f", 100),
                       *(_number(shares.get(family), ".0f", 100) for family in families),
                       _number(estimate.get("schedule_gpu_hours"), ".2f"),
-                      _number(estimate.get("trials_per_gpu_hour"), ".2f")])
+                      _number(estimate.get("trials_per_gpu_hour"), ".2f"), _number(setup.get("setup_s"), ".1f"),
+                      _number(setup.get("share_of_run"), ".1f", 100)])
     gpus = sorted({row["gpu"] for row in rows if row.get("gpu")}) or ["no GPU"]
     notes = sorted({row["peak_note"] for row in rows if row.get("peak_note")})
     return (f"Seed methods at paper size (`python -m rayfed.benchmarks.gpu_profile`, budget {budget_s:.0f} s) on "
             f"{', '.join(gpus)}; peaks: {'; '.join(notes) or '-'}.\n\n"
             + format_table(table, ["workload", "status", "s", "TFLOP/s", "MFU %", "GPU idle %",
-                                   *(f"{family} %" for family in families), "paper schedule GPU-h", "trials/GPU-h"])
+                                   *(f"{family} %" for family in families), "paper schedule GPU-h", "trials/GPU-h",
+                                   "first round's setup s", "of 20 rounds %"])
             + "\nFamilies: shares of a profiled update's CUDA time (CPU ops' self time without a GPU); each "
               "workload's bench.md and profile/profile.md have the rest.\n")
 

@@ -42,7 +42,8 @@ from rayfed.actors.driver import DriverActor
 from rayfed.architectures import actor_clients, architecture_of
 from rayfed.benchmarks.mfu import mfu, mfu_cell, mfu_footnote, this_gpu_peak
 from rayfed.benchmarks.overhead import synchronize
-from rayfed.benchmarks.time_to_result import paper_schedule, sweep_size, time_to_result, time_to_result_markdown
+from rayfed.benchmarks.time_to_result import (first_round_setup, first_round_setup_markdown, paper_schedule, sweep_size,
+                                             time_to_result, time_to_result_markdown)
 from rayfed.benchmarks.update_profile import profile_local_update
 from rayfed.compute import WITHOUT_MATCHING
 from rayfed.config import RunConfig, load_config
@@ -411,13 +412,15 @@ def measure_ideal(config: RunConfig, profile_request: ProfileRequest | None = No
     }
 
 
-def _ideal_means(ideal_rounds: list[dict[str, Any]]) -> dict[str, float]:
+def _ideal_means(ideal_rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """The ideal's mean seconds a round and clients a round, over its rounds after the first (a warm-up) when it
-    ran more than one: the timed rounds (a method may train other clients in its first, pFedMMA all of them)."""
+    ran more than one: the timed rounds (a method may train other clients in its first, pFedMMA all of them); and
+    what its first round spent setting up (:func:`first_round_setup`)."""
     timed = ideal_rounds[1:] if len(ideal_rounds) > 1 else ideal_rounds
     return {"clients_per_round": statistics.mean(len(r["clients"]) for r in timed),
             **{f"mean_ideal_{part}_s": statistics.mean(r[f"{part}_s"] for r in timed)
-               for part in ("round", "update", "server", "public_pass")}}
+               for part in ("round", "update", "server", "public_pass")},
+            "first_round_setup": first_round_setup(ideal_rounds)}
 
 
 def round_timeline(start: float, end: float, after: float, actor_times: list[list[dict[str, float]]],
@@ -572,6 +575,7 @@ def markdown(results: dict[str, Any]) -> str:
             + ("" if ratio is None else f"\nTFLOP/s of the method's local updates / a plain LoRA FedAvg step's: "
                f"{ratio:.2f}\n")
             + ("" if "time_to_result" not in results else time_to_result_markdown(results["time_to_result"]))
+            + first_round_setup_markdown(results["method"].get("first_round_setup"))
             + profiled_markdown(results["method"].get("profiled_update"))
             + timeline_markdown(results["method"]))
 

@@ -92,6 +92,30 @@ def time_to_result(schedule: PaperSchedule, round_s: float, update_s: float, ben
     return result
 
 
+def first_round_setup(ideal_rounds: list[dict[str, Any]], run_rounds: int = 20) -> dict[str, Any] | None:
+    """What the first of the ideal's measured rounds spends on setting up (compiling, capturing graphs, warm-ups):
+    its local updates' seconds beyond the later rounds' mean update time a client, for its clients; and that as a
+    share of a ``run_rounds``-round run whose other rounds take the later rounds' mean. None from one round. A
+    capture made after the first round (a new batch shape) is not in it."""
+    if len(ideal_rounds) < 2:
+        return None
+    first, later = ideal_rounds[0], ideal_rounds[1:]
+    per_client = sum(r["update_s"] for r in later) / sum(len(r["clients"]) for r in later)
+    setup_s = first["update_s"] - per_client * len(first["clients"])
+    round_s = sum(r["round_s"] for r in later) / len(later)
+    return {"setup_s": setup_s, "run_rounds": run_rounds,
+            "share_of_run": setup_s / (setup_s + run_rounds * round_s)}
+
+
+def first_round_setup_markdown(setup: dict[str, Any] | None) -> str:
+    """bench.md's line on :func:`first_round_setup`."""
+    if setup is None:
+        return ""
+    return (f"\nFirst round's setup (compilation, graph captures, warm-ups; the ideal's updates beyond the later "
+            f"rounds' rate): {setup['setup_s']:.1f} s, {100 * setup['share_of_run']:.1f}% of a "
+            f"{setup['run_rounds']}-round run.\n")
+
+
 def time_to_result_markdown(estimate: dict[str, Any]) -> str:
     """bench.md's lines on the estimate."""
     if estimate.get("schedule_s") is None:

@@ -125,6 +125,49 @@ def replayed_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
     return captured
 
 
+@pytest.fixture
+def parts_replayed_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
+    """``train.cuda_graphs``' graphed parts plan on the CPU, chosen as on a GPU, each part's "replay" running the
+    captured part's function again instead of a CUDA graph: what the parts can get wrong besides the graph itself
+    (the gradients each part adds and to what, the static rows, the losses, the eager optimizer steps between) shows
+    as a difference from the eager update. Each replay runs as under a capture (as transformers and rayfed's LLaVA
+    tell one) and counts the values it reads back to the host, which a capture cannot hold. Gives the parts
+    captured, each with ``host_reads``, a count per replay."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+
+    from rayfed.models.families import llava
+    from rayfed.training import graph_capture, plans
+    from rayfed.training.plans import graphed_parts
+
+    captured: list = []
+
+    class Rerun:
+        def __init__(self, body, pool, stream, device) -> None:
+            self.body, self.host_reads = body, []
+            captured.append(self)
+
+        def replay(self) -> None:
+            with (mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True),
+                  mock.patch.object(llava, "capturing", lambda: True), CountedOps() as reads):
+                self.body()
+            self.host_reads.append(reads.count)
+
+    class NoStream:  # a class: a module imported later may annotate with torch.cuda.Stream | None
+        def __init__(self, device=None) -> None:
+            pass
+
+    monkeypatch.setattr(graph_capture, "captured_part", Rerun)
+    monkeypatch.setattr(graph_capture, "on_stream", lambda stream, device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", NoStream)
+    monkeypatch.setattr(plans, "captures_parts", lambda config, device, *rest: graphed_parts.captures_parts(
+        config, torch.device("cuda"), *rest))
+    return captured
+
+
 def made_instances(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list:
     """Every instance of the class ``owner.<name>`` made from now on: a subclass that keeps them, patched in."""
     made: list = []

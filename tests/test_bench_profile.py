@@ -14,7 +14,8 @@ import yaml
 from rayfed.benchmarks import gpu_profile
 from rayfed.benchmarks.method_bench import METHOD_WORKLOADS, REPO
 from rayfed.benchmarks.mfu import bf16_peak, mfu, mfu_footnote
-from rayfed.benchmarks.time_to_result import paper_schedule, sweep_size, time_to_result, time_to_result_markdown
+from rayfed.benchmarks.time_to_result import (first_round_setup, first_round_setup_markdown, paper_schedule, sweep_size,
+                                             time_to_result, time_to_result_markdown)
 from rayfed.benchmarks.update_profile import (TraceEvent, breakdown, host_phase_ranges, kernel_family, phase_seconds,
                                               profile_local_update, union_us)
 from rayfed.config import load_config
@@ -201,6 +202,22 @@ def test_time_to_result_scales_the_updates_to_the_papers_steps_and_counts_the_ev
     assert half["paper_round_s"] == pytest.approx(19.0) and not half["evaluations_included"]
     unknown = time_to_result(tap, 10.0, 9.0, 20, None, 1)
     assert unknown["schedule_s"] is None and "no estimate" in time_to_result_markdown(unknown)
+
+
+def test_the_first_rounds_setup_is_its_updates_beyond_the_later_rounds_rate_a_client(tmp_path):
+    # a first round of 2 clients in 5 s, later rounds at 1 s a client (3 s for 3 clients): 3 s of setup; a 20-round
+    # run at the later rounds' 2.5 s: 3 / (3 + 50)
+    rounds = [{"clients": [0, 1], "update_s": 5.0, "round_s": 6.0}, {"clients": [0, 1], "update_s": 2.0, "round_s": 3.0},
+              {"clients": [2], "update_s": 1.0, "round_s": 2.0}]
+    setup = first_round_setup(rounds)
+    assert setup["setup_s"] == pytest.approx(3.0) and setup["share_of_run"] == pytest.approx(3 / 53)
+    assert "3.0 s, 5.7% of a 20-round run" in first_round_setup_markdown(setup)
+    assert first_round_setup(rounds[:1]) is None and first_round_setup_markdown(None) == ""
+    (tmp_path / "bench.json").write_text(json.dumps({"machine": {"gpu": "NVIDIA H100 80GB HBM3"},
+                                                     "method": {"first_round_setup": setup}}))
+    row = gpu_profile.workload_summary("tap", tmp_path, "done", 60.0)
+    assert "| tap | done | 60 |" in gpu_profile.summary_markdown([row], 600.0) and "| 3.0 | 5.7 |" in \
+        gpu_profile.summary_markdown([row], 600.0)
 
 
 def test_the_gpu_profile_shares_its_budget_stops_an_overrunning_workload_and_skips_the_rest(tmp_path, monkeypatch):

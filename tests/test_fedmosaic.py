@@ -23,13 +23,15 @@ from rayfed.compute import counted_flops
 from rayfed.config import ModelConfig, load_config
 from rayfed.data.clients import build_federation
 from rayfed.errors import ConfigError
-from rayfed.method import TensorDict, Upload, build_method
+from rayfed.method import TensorDict, build_method
 from rayfed.methods.fedmosaic import FedMosaic, FedMosaicParams, linear_weight_gradient, pqlora, rela, relevance_weights
 from rayfed.methods.fedmosaic.task_groups import answer_maps
 from rayfed.models import build_backbone
 from rayfed.run_methods import run_methods
 from rayfed.state_tree import flatten_tree, tree_at, tree_leaves
 from rayfed.tasks import Task
+
+from conftest import made_instances
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -534,6 +536,30 @@ def test_a_replayed_feddpa_step_trains_each_phases_own_adapter_as_the_eager_one(
     assert moved > 1e-4 and gap < 1e-5
 
 
+def test_a_replayed_fedmosaic_update_replays_its_step_and_uploads_the_eager_numbers(parts_replayed_on_cpu):
+    # Each step's forward and backward replayed (a part a step: one task a client), the AdamW step eager from the
+    # kept state at the PQ layers' own rate, W_s's gradient taken outside the step (ClientContext.train's observe);
+    # a relevance gradient taken in the loss, or the wrong batch, rate or trained set, moves the uploads by their size
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+
+    gap, moved = compiled_gap(copy.deepcopy(HETERO), [0, 1], mode="cuda_graphs")
+    assert len(parts_replayed_on_cpu) == 2  # a part a task: each client holds one
+    assert all(part.host_reads == [0, 0] for part in parts_replayed_on_cpu)  # LLaVA's forward, PQ-LoRA, the loss
+    assert moved > 1e-4 and gap == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_captured_fedmosaic_update_uploads_the_eager_updates_numbers(monkeypatch):
+    # each step's forward and backward a CUDA graph (LLaVA's image tokens placed without a read back to the host)
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+    from rayfed.training import graph_capture
+
+    captured = made_instances(monkeypatch, graph_capture, "_GraphedPart")
+    gap, moved = compiled_gap(copy.deepcopy(HETERO), [0, 1], mode="cuda_graphs", overrides=["train.autocast=off"])
+    assert len(captured) == 2
+    assert moved > 1e-4 and gap < 1e-3  # float32: a wrong part, rate or trained set moves the update by its size
+
+
 def test_the_task_groups_conflict_on_every_answer():
     maps = answer_maps(3)
     for answer in maps[0]:
@@ -586,7 +612,7 @@ def test_client_and_server_state_survive_a_checkpoint_and_replay_the_same_round(
             assert all(torch.equal(v, second.tensors[slot][n]) for n, v in first.tensors[slot].items())
     server_flat, replayed_flat = flatten_tree(server), flatten_tree(replayed_server)  # the alignment report is a tree
     assert server_flat.keys() == replayed_flat.keys()
-    assert all(torch.equal(v, replayed_flat[n]) for n, v in server_flat.items()), n
+    assert all(torch.equal(v, replayed_flat[n]) for n, v in server_flat.items())
     assert server["relevance"]["history"].shape == (2, 4, 4)
     path, value = next(tree_leaves(restored.server["alignment"]))  # read back as the tree it was: arch/block/module
     assert len(path) == 4 and torch.equal(value, tree_at(server["alignment"], path))

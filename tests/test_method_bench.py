@@ -139,9 +139,14 @@ def test_the_profile_mode_profiles_one_steady_update_and_the_table_gets_mfu_and_
     assert estimate["schedule_s"] == pytest.approx(
         15 * (method["mean_ideal_round_s"] + (scale - 1) * method["mean_ideal_update_s"]))
     assert not estimate["evaluations_included"] and "sweep" not in estimate
+    first, later = method["ideal_rounds"]  # the first round's updates beyond the second's rate a client
+    per_client = later["update_s"] / len(later["clients"])
+    setup = method["first_round_setup"]
+    assert setup["setup_s"] == pytest.approx(first["update_s"] - per_client * len(first["clients"]))
+    assert setup["share_of_run"] == pytest.approx(setup["setup_s"] / (setup["setup_s"] + 20 * later["round_s"]))
     table = (tmp_path / "bench.md").read_text()
     assert "| MFU |" in table and "MFU is blank: no GPU" in table and "Time to result" in table
-    assert "profile/profile.md" in table
+    assert "profile/profile.md" in table and "First round's setup" in table
 
 
 def test_the_update_flops_extrapolated_from_one_and_two_steps_are_those_counted_over_the_whole_update():

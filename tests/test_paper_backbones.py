@@ -229,6 +229,36 @@ def test_vilts_unpadded_patch_embedding_is_transformers_bitwise_without_reading_
     assert torch.equal(masked.pooler_output, ref_pooled)
 
 
+def test_llavas_forward_under_a_capture_reads_nothing_back_and_gives_the_uncaptured_logits(monkeypatch):
+    """Under a CUDA graph's capture (as transformers and rayfed tell one, stood in for on the CPU) LLaVA's training
+    forward over images and padded texts reads no value back to the host, which a capture cannot hold, and gives the
+    uncaptured logits bitwise; uncaptured, transformers' check of the image tokens' count runs as before."""
+    from rayfed.models.families import llava
+    from rayfed.models.features import causal_lm_logits
+
+    backbone = build_backbone(ModelConfig(backbone="tiny-pretrained:llava"), 0)
+    encoder, config = backbone.encoder, backbone.encoder.config
+    image = [config.image_token_id] * config.image_seq_length
+    ids = torch.tensor([[1, *image, 6, 7, 8, 9]] * 2)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    size = config.vision_config.image_size
+    batch = {"input_ids": ids, "attention_mask": mask,
+             "pixel_values": torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))}
+    with CountedOps() as uncaptured_reads:
+        uncaptured = causal_lm_logits(encoder, batch)
+    short = ids.clone()
+    short[:, 1] = 6  # a text of one image token too few
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+        causal_lm_logits(encoder, {**batch, "input_ids": short})
+    assert uncaptured_reads.count >= 1
+    monkeypatch.setattr(llava, "capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # transformers' own test
+    with CountedOps() as reads:
+        captured = causal_lm_logits(encoder, batch)
+    assert reads.count == 0 and torch.equal(captured, uncaptured)
+
+
 def test_vilts_patch_order_on_a_gpu_keeps_distinct_patches_drawn_afresh_for_each_image():
     """On a GPU the patch order is drawn by the device's generator (which a CUDA graph replays afresh), here the
     CPU's: each image keeps ``chosen`` distinct patches."""

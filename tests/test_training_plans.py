@@ -54,6 +54,11 @@ def test_a_call_gets_the_plan_its_config_and_device_allow(host):
     assert choose_plan(accumulated, _call(accumulated)) is plans.graphed_parts
     assert choose_plan(gpu, _call(gpu, keep=True)) is plans.graphed_parts
     assert choose_plan(accumulated, _call(accumulated, declared)) is plans.eager  # parts capture no extra term
+    # The parts' optimizer steps eagerly: rates and a trained set of the phase's own replay there, not a whole step.
+    own_rates = [Phase(trains=lambda name: "lora" in name, lr_of=lambda name: 0.5 if "lora_A" in name else None)]
+    assert choose_plan(gpu, _call(gpu, own_rates)) is plans.graphed_parts
+    assert choose_plan(gpu, _call(gpu, [Phase(lr=0.3)], keep=True)) is plans.graphed_parts
+    assert choose_plan(gpu, _call(gpu, [Phase(loss=lambda step: step.task_loss())], keep=True)) is plans.eager
     # Nothing arrived yet in a stream: nothing to capture.
     assert choose_plan(gpu, _call(gpu, pool=torch.zeros(0, dtype=torch.long))) is plans.eager
     assert choose_plan(gpu, _call(gpu, pool=torch.arange(4))) is plans.graphed_step
@@ -69,6 +74,8 @@ def test_only_a_plain_update_with_rows_and_a_lockstep_trains_stacked(host):
     assert choose_plan(client, _call(client, snapshots=(1,))) is plans.eager
     assert choose_plan(client, _call(client, keep=True)) is plans.eager
     assert choose_plan(client, _call(client, pool=torch.zeros(0, dtype=torch.long))) is plans.eager
+    observed = TrainCall({}, 2, "train", 0.1, [Phase()], True, None, False, (), None, lambda step: None)
+    assert choose_plan(client, observed) is plans.eager  # an observer sees one client's micro-batches
     gpu = _client(host)
     gpu.lockstep = Lockstep(3)
     assert choose_plan(gpu, _call(gpu)) is plans.stacked
@@ -87,6 +94,32 @@ def test_a_train_call_runs_its_one_plan(host, monkeypatch):
                             or run(client, call))
     result = client.train(start)
     assert ran == ["eager"] and float(result.loss) > 0
+
+
+@pytest.mark.parametrize("plan", ["eager", "graphed_step", "graphed_parts"])
+def test_an_observer_sees_each_micro_batch_once_its_step_is_taken_whichever_plan_runs_it(host, plan, request):
+    # the replays stand in for graphs on the CPU (conftest), so the graphed plans run here as on a GPU
+    replays = request.getfixturevalue({"graphed_step": "replayed_on_cpu", "graphed_parts": "parts_replayed_on_cpu",
+                                       "eager": "tmp_path"}[plan])
+    start = host.start_method(0)
+    client = host._context(1, 0)
+    client.train_config = client.train_config.model_copy(update={"cuda_graphs": plan != "eager", "optimizer": "sgd"})
+    seen: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]] = []
+
+    def observe(step) -> None:
+        [(task, batch)] = step.parts
+        seen.append((step.index, batch["labels"].clone(), {n: p.detach().clone() for n, p in step.params.items()}))
+
+    result = client.train(start, steps=3, snapshot_steps=(1, 2, 3), observe=observe,
+                          keep_optimizer_state=plan == "graphed_parts")
+    assert plan == "eager" or replays  # the plan named ran
+    assert [index for index, _, _ in seen] == [0, 1, 2]
+    orders = list(client.batch_order(3, "train", None))
+    labels = next(iter(client.data.parts)).train["labels"]
+    for (index, batch_labels, params), rows in zip(seen, orders):
+        assert torch.equal(batch_labels, labels[rows])  # the step's own micro-batch
+        after = result.snapshots[index + 1]  # the values once its step is taken
+        assert all(torch.equal(params[name], after[name]) for name in after)
 
 
 def test_the_lru_drops_the_least_recently_used_but_keeps_what_a_caller_still_needs():

@@ -145,22 +145,29 @@ class FedMosaic(Method):
             seeding.torch_seed(client.seed, client.round, client.client_id, "rela_noise"))
         tracking = self.params.relevance != "equal"
 
-        def loss(step: Step) -> torch.Tensor:
-            if tracking and (step.index + 1) % self.params.grad_interval == 0:
+        def take_gradient(step: Step) -> None:
+            if (step.index + 1) % self.params.grad_interval == 0:
                 gradient = relevance_gradient(step, self.params.relevance)
-                mask = self._mask(client.seed, gradient.numel())
-                kept = gradient.flatten()[mask]
+                kept = gradient.flatten()[self._mask(client.seed, gradient.numel())]
                 if self.params.noise_stage == "per_grad" and self.params.noise:
                     kept = kept + self.params.noise * torch.randn(kept.shape, generator=noise)
                 gradients.append(kept)
+
+        def loss(step: Step) -> torch.Tensor:
+            take_gradient(step)
             return step.task_loss()
 
+        # W_s's gradient reads the batch alone, not the values being trained: taken once the step is (observe), the
+        # step is the task loss, which train.cuda_graphs may replay. The trained model's own gradient
+        # (training_current) is taken before its step, in the loss.
+        in_loss = self.params.relevance == "training_current"
         steps = client.default_steps()
         if self.params.compute_matched_steps:
             steps = max(1, math.floor(steps / TRAINING_COMPUTE_FACTOR))
-        phase = Phase(trains=self._trains, loss=loss, lr_of=lambda name: pq_lr if pqlora.is_pq(name) else None)
+        phase = Phase(trains=self._trains, loss=loss if in_loss else None,
+                      lr_of=lambda name: pq_lr if pqlora.is_pq(name) else None)
         result = client.train(params, steps=steps, phases=[phase], optimizer_state=state["optimizer"] or None,
-                              keep_optimizer_state=True)
+                              keep_optimizer_state=True, observe=take_gradient if tracking and not in_loss else None)
         personal = {n: v for n, v in result.params.items() if not is_global(n)}
         shared = {n: v for n, v in personal.items() if self.is_shared(n)}
         upload: dict[str, TensorDict] = {"shared": shared}

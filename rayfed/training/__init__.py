@@ -39,13 +39,13 @@ from rayfed.training.penalties import TensorPenalty
 from rayfed.training.precision import check_precision, computes_in_bf16, mixed_precision
 from rayfed.training.public_pass import (PreFederation, PublicJob, PublicLoss, PublicPass, answer_mask, same_answers,
                                          token_losses)
-from rayfed.training.steps import (CapturedLoss, LossFn, Penalty, Phase, RecordedTaskLoss, Step,
+from rayfed.training.steps import (CapturedLoss, LossFn, Penalty, Phase, RecordedTaskLoss, Step, StepObserver,
                                    stacked_forward_batch)
 from rayfed.types import TensorDict
 
 __all__ = ["CapturedLoss", "ClientContext", "LossFn", "OtherTask", "PatchMatmul", "Penalty", "Phase", "PreFederation",
-           "PublicJob", "PublicLoss", "PublicPass", "RecordedTaskLoss", "Step", "TensorPenalty", "TrainResult",
-           "answer_mask", "build_optimizer", "check_precision", "computes_in_bf16", "distillation_loss",
+           "PublicJob", "PublicLoss", "PublicPass", "RecordedTaskLoss", "Step", "StepObserver", "TensorPenalty",
+           "TrainResult", "answer_mask", "build_optimizer", "check_precision", "computes_in_bf16", "distillation_loss",
            "local_steps", "mixed_precision", "proximal_penalty", "same_answers", "scheduled_lr",
            "stacked_forward_batch", "token_losses", "trained_forward"]
 

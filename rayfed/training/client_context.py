@@ -19,7 +19,7 @@ from rayfed.tasks import Task
 from rayfed.training.optimizers import local_steps
 from rayfed.training.plans import Lockstep, TrainCall, TrainResult, choose_plan
 from rayfed.training.scoring import Scorer
-from rayfed.training.steps import LossFn, Penalty, Phase
+from rayfed.training.steps import LossFn, Penalty, Phase, StepObserver
 from rayfed.types import Batch, TensorDict
 
 __all__ = ["ClientContext", "OtherTask", "TrainResult", "rows_on", "seeded_batches"]
@@ -62,7 +62,7 @@ class ClientContext:
         self, params: TensorDict, *, steps: int | None = None, purpose: str = "train",
         extra_loss: Penalty | None = None, lr: float | None = None, loss: LossFn | None = None,
         phases: Sequence[Phase] | None = None, optimizer_state: TensorDict | None = None,
-        keep_optimizer_state: bool = False, snapshot_steps: Sequence[int] = (),
+        keep_optimizer_state: bool = False, snapshot_steps: Sequence[int] = (), observe: StepObserver | None = None,
     ) -> TrainResult:
         """Run ``steps`` optimizer steps from ``params``; batches and dropout seeded by (round, client, purpose).
 
@@ -73,7 +73,12 @@ class ClientContext:
 
         ``snapshot_steps``: also the parameters after each of these steps (``TrainResult.snapshots``), bitwise
         what a call of that many steps gives: batches, dropout and (unscheduled) learning rates do not depend on
-        the number of steps, so one call of ``2k`` steps holds the call of ``k``."""
+        the number of steps, so one call of ``2k`` steps holds the call of ``k``.
+
+        ``observe``: called with each micro-batch's :class:`Step` once its step is taken (the trained values already
+        updated), eagerly and under the step's autocast, whichever plan runs the steps (a captured step's too): work a
+        method does on the batches it trains on (a statistic, another model's gradient) that the step itself does not
+        need, so that the step stays one a CUDA graph may capture. Nothing it computes reaches the trained values."""
         config = self.train_config
         steps = self.default_steps() if steps is None else steps
         if any(not 0 < k <= steps for k in snapshot_steps):
@@ -83,7 +88,7 @@ class ClientContext:
         plain = phases is None and loss is None
         call = TrainCall(params, steps, purpose, lr or config.lr,
                          list(phases) if phases is not None else [Phase(loss=loss, extra_loss=extra_loss)], plain,
-                         optimizer_state, keep_optimizer_state, tuple(snapshot_steps), self.arrived_rows())
+                         optimizer_state, keep_optimizer_state, tuple(snapshot_steps), self.arrived_rows(), observe)
         return choose_plan(self, call).run(self, call)
 
     def batch_order(self, batches: int, purpose: str, pool: torch.Tensor | None) -> Iterator[torch.Tensor]:

@@ -45,17 +45,25 @@ def eager_after_a_failed_capture(device: torch.device) -> Iterator[None]:
         raise
 
 
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream, device: torch.device) -> Iterator[None]:
+    """Work on ``stream``, ordered after what the device's current stream has queued, and before what it queues
+    next."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
 def warm_up_and_capture(step: Callable[[], torch.Tensor], optimizers: Sequence[torch.optim.Optimizer],
                         device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """``step`` run three times off the default stream (what a first step sets up: the optimizers' state, cuBLAS's
     workspace), then captured: its graph, and the tensor each replay leaves its result in."""
     side = torch.cuda.Stream(device)  # warm-up off the default stream, as graph capture requires
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side), warnings.catch_warnings():
+    with on_stream(side, device), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*capturable=True.*")  # uncaptured warm-up steps
         for _ in range(3):
             step()
-    torch.cuda.current_stream(device).wait_stream(side)
     for optimizer in optimizers:
         optimizer.zero_grad(set_to_none=True)
     graph = torch.cuda.CUDAGraph()
@@ -278,6 +286,16 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: tuple, stream: torch.cuda.Strea
     device_stream.wait_stream(stream)
 
 
+def captured_part(body: Callable[[], None], pool: tuple, stream: torch.cuda.Stream,
+                  device: torch.device) -> torch.cuda.CUDAGraph:
+    """``body`` captured as a CUDA graph in ``pool`` on ``stream`` (:func:`capturing`); a failed capture cleaned up
+    (:func:`eager_after_a_failed_capture`) and raised."""
+    graph = torch.cuda.CUDAGraph()
+    with eager_after_a_failed_capture(device), capturing(graph, pool, stream):
+        body()
+    return graph
+
+
 class _GraphedPart:
     """One part's graph (see :class:`GraphedParts`): the rows it reads, the loss it leaves, the parameters it
     reaches."""
@@ -301,21 +319,21 @@ class _GraphedPart:
             # A task's first part: one warm-up on the capture's stream (off the default one, as capture requires)
             # finds the parameters its path reaches and makes, outside the pool, what a first forward or backward
             # sets up (a per-device constant, the stream's cuBLAS workspace); its later parts reuse both.
-            owner.stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(owner.stream):
+            with on_stream(owner.stream, device):
                 loss, grads = gradients(params)
-            torch.cuda.current_stream(device).wait_stream(owner.stream)
             owner.warmed[task.index] = frozenset(n for n, grad in zip(names, grads) if grad is not None), loss.dtype
         self.reached, loss_dtype = owner.warmed[task.index]
         wrt = [param for name, param in zip(names, params) if name in self.reached]
         targets = [owner.gradients[name] for name in names if name in self.reached]
         self.loss = torch.zeros((), dtype=loss_dtype, device=device)  # outside the pool, as the gradients are
-        self.graph = torch.cuda.CUDAGraph()
-        with eager_after_a_failed_capture(device), capturing(self.graph, owner.pool, owner.stream):
+
+        def accumulate() -> None:
             loss, grads = gradients(wrt)
             for target, grad in zip(targets, grads):
                 target.add_(grad)
             self.loss.copy_(loss)
+
+        self.graph = captured_part(accumulate, owner.pool, owner.stream, device)
 
     def run(self, batch: Batch) -> torch.Tensor:
         """The part on ``batch``'s rows; its loss (a copy: the next replay overwrites the graph's)."""

@@ -37,6 +37,8 @@ class StepClient(Protocol):
 # CUDA graph may capture with the step.
 Penalty = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 LossFn = Callable[["Step"], torch.Tensor]
+# Sees each micro-batch once its step is taken (ClientContext.train's ``observe``): eager work outside the step.
+StepObserver = Callable[["Step"], None]
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,9 +57,27 @@ def _hf_llava(name_or_path: str, dtype: torch.dtype | str) -> Backbone:
     return _llava(encoder, tokenizer, _image_normalization(name_or_path))
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (False without a usable GPU)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _image_token_mask(model: nn.Module, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor,
+                      image_features: torch.Tensor) -> torch.Tensor:
+    """transformers' ``LlavaModel.get_placeholder_mask`` (where the image features go), whose check that the image
+    tokens and features agree in number reads the count back to the host (its message formats it): under a CUDA
+    graph's capture (``train.cuda_graphs``), which cannot hold a read, the same mask without the check (the warm-up
+    before a capture runs uncaptured, and checks); anywhere else transformers' own."""
+    if input_ids is None or not capturing():
+        return type(model).get_placeholder_mask(model, input_ids, inputs_embeds=inputs_embeds,
+                                                image_features=image_features)
+    return (input_ids == model.config.image_token_id).unsqueeze(-1)
+
+
 def _llava(encoder: nn.Module, tokenizer: Any, normalization: Mapping[str, Any]) -> Backbone:
     """LoRA in the language model only; a text reads its image tokens where it marks them with the image token,
     else before it; its limit is the language model's positions, which hold the image tokens too."""
+    encoder.model.get_placeholder_mask = types.MethodType(_image_token_mask, encoder.model)
     config, vision = encoder.config, encoder.config.vision_config
     image_tokens = (vision.image_size // vision.patch_size) ** 2
     image_token = tokenizer.convert_ids_to_tokens(config.image_token_id)

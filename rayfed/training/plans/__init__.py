@@ -5,7 +5,8 @@ config and device (:class:`~rayfed.training.plans.call.StepPlan`; a module each)
 - ``graphed_step``: the whole step replayed as a captured CUDA graph (``train.cuda_graphs``, one task, one
   micro-batch a step, a fresh optimizer);
 - ``graphed_parts``: the forward and backward of each part of a step replayed as captured graphs, the optimizer
-  stepped eagerly (``train.cuda_graphs``, several tasks, ``train.grad_accum`` or a kept optimizer state);
+  stepped eagerly (``train.cuda_graphs``, one phase of the task loss: several tasks, ``train.grad_accum``, a kept
+  optimizer state or learning rates of the phase's own);
 - ``eager``: everything else, and what a plan falls back to when its step cannot be captured or stacked.
 
 The plans of a model (:class:`StepPlans`) are kept with it; each owns what it keeps across calls (its graphs, its
@@ -51,10 +52,10 @@ def step_plans(model: TrainableModule) -> StepPlans:
 
 
 def choose_plan(client: StackedClient, call: TrainCall) -> StepPlan:
-    """The one plan that runs ``call``: stacked for a plain update of a one-task client that has rows to train on and
-    a lockstep to wait in (``train.batch_clients``), else :meth:`StepPlans.alone`."""
+    """The one plan that runs ``call``: stacked for a plain update of a one-task client, unobserved, that has rows to
+    train on and a lockstep to wait in (``train.batch_clients``), else :meth:`StepPlans.alone`."""
     plans = step_plans(client.model)
     if (client.lockstep is not None and call.plain and call.simple(client) and not call.snapshot_steps
-            and call.has_rows):
+            and call.observe is None and call.has_rows):
         return plans.stacked
     return plans.alone(client, call)

@@ -12,7 +12,7 @@ import torch
 from rayfed import seeding
 from rayfed.models.module_walks import named_parameter_table
 from rayfed.tasks import Task
-from rayfed.training.steps import Phase, StepClient
+from rayfed.training.steps import Phase, StepClient, StepObserver
 from rayfed.types import Batch, Loss, TensorDict
 
 
@@ -55,6 +55,7 @@ class TrainCall:
     keep_optimizer_state: bool
     snapshot_steps: Sequence[int]
     pool: torch.Tensor | None  # the rows it may draw from (ClientContext.arrived_rows; None: all)
+    observe: StepObserver | None = None  # each micro-batch, once its step is taken, eagerly
 
     def simple(self, client: PlanClient) -> bool:
         """One task, one micro-batch a step, a fresh optimizer: what a captured or a stacked step can run."""

@@ -1,7 +1,7 @@
-"""The graphed parts plan (``train.cuda_graphs``): a call that the graphed step plan would take but for its
-micro-batches (a client holding several tasks, ``train.grad_accum`` > 1) or its kept optimizer state replays the
-forward and backward of each part of its micro-batches as a CUDA graph (:class:`GraphedParts`), and steps its
-optimizers eagerly."""
+"""The graphed parts plan (``train.cuda_graphs``): a call of one phase of the task loss that the graphed step plan
+does not take (a client holding several tasks, ``train.grad_accum`` > 1, a kept optimizer state, learning rates of its
+own) replays the forward and backward of each part of its micro-batches as a CUDA graph (:class:`GraphedParts`), and
+steps its optimizer eagerly."""
 
 from __future__ import annotations
 
@@ -17,19 +17,21 @@ from rayfed.training.graph_capture import GraphedParts
 from rayfed.training.lru import LeastRecentlyUsed
 from rayfed.training.plans.call import PlanClient, TrainCall, TrainResult, trained_tensors
 from rayfed.training.plans.eager import add_task_losses, run_steps
-from rayfed.training.plans.graphed_step import MAX_GRAPHS_PER_MODEL, captures_step
-from rayfed.training.steps import CapturedLoss, Phase, Step
+from rayfed.training.plans.graphed_step import MAX_GRAPHS_PER_MODEL
+from rayfed.training.steps import Phase, RecordedTaskLoss, Step
 from rayfed.types import Batch
 
 
 def captures_parts(config: TrainConfig, device: torch.device, phases: Sequence[Phase], model: TrainableModule,
                    tasks: Sequence[int]) -> bool:
-    """Whether a train call of ``phases`` that :func:`captures_step` would take but for its micro-batches or its kept
-    optimizer state may replay its parts' forwards and backwards as CUDA graphs: one phase of the task loss (or a
-    :class:`~rayfed.training.steps.RecordedTaskLoss`) over every trained tensor, no extra term, and tasks that do not
-    share one forward (stacked, they draw other dropout masks than one part at a time)."""
-    return (len(phases) == 1 and captures_step(config, device, phases) and phases[0].extra_loss is None
-            and phases[0].trains is None and not isinstance(phases[0].loss, CapturedLoss)
+    """Whether a train call of ``phases`` may replay its parts' forwards and backwards as CUDA graphs, its optimizer
+    stepped eagerly (at any rates, from any kept state): ``train.cuda_graphs`` on a GPU, one phase of the task loss
+    (or a :class:`~rayfed.training.steps.RecordedTaskLoss`) over any trained set, no extra term, and tasks that do
+    not share one forward (stacked, they draw other dropout masks than one part at a time)."""
+    if not (config.cuda_graphs and device.type == "cuda" and len(phases) == 1):
+        return False
+    phase = phases[0]
+    return ((phase.loss is None or isinstance(phase.loss, RecordedTaskLoss)) and phase.extra_loss is None
             and not (len(tasks) > 1 and model.shares_forward(list(tasks))))
 
 
@@ -45,7 +47,9 @@ class GraphedPartsPlan:
         named = trained_tensors(client, call)
         # Before seeding: a first capture runs warm-up passes, which would draw dropout masks.
         orders = list(client.batch_order(call.batches(client), call.purpose, call.pool))
-        parted = self.family(named, client.train_config)
+        phase = call.phases[0]  # the graphs give gradients only to what it trains, as its optimizer steps only that
+        parted = self.family({name: param for name, param in named.items()
+                              if phase.selects(name) and param.requires_grad}, client.train_config)
         keys = captured_part_keys(client, parted, orders)
         passes = None if keys is None else functools.partial(replayed_pass, parted, keys)
         return run_steps(client, call, named, iter(orders), passes)

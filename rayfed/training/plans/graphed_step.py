@@ -15,7 +15,7 @@ from rayfed.training.graph_capture import GraphedStep
 from rayfed.training.lru import LeastRecentlyUsed
 from rayfed.training.penalties import TensorPenalty
 from rayfed.training.plans.call import PlanClient, TrainCall, TrainResult, copied, seed_dropout, trained_tensors
-from rayfed.training.plans.eager import run_steps
+from rayfed.training.plans.eager import observed, run_steps
 from rayfed.training.steps import CapturedLoss, Phase, RecordedTaskLoss, Step, step_lr
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,10 @@ class GraphedStepPlan:
             batch = {k: v[indices] for k, v in part.train.items()}
             loss = graphed.step(batch, step_lr(config, call.lr, client.round, steps, taken - 1, call.purpose))
             total_loss += loss
+            step_view = Step(client, [(client.tasks[part.task], batch)], named, 0, taken - 1, {})
             if recorder is not None:  # the graph's loss is overwritten by the next replay
-                recorder.record(Step(client, [(client.tasks[part.task], batch)], named, 0, taken - 1, {}),
-                                [loss.clone()])
+                recorder.record(step_view, [loss.clone()])
+            observed(client, call, step_view)
             if taken in call.snapshot_steps:
                 snapshots[taken] = copied(named)
         mean_loss = total_loss / max(steps, 1)
