@@ -31,7 +31,7 @@ from rayfed.models import Backbone
 from rayfed.params import NonNegative, NonNegativeInt, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
-from rayfed.training import ClientContext, Step
+from rayfed.training import CapturedLoss, ClientContext, Step
 from rayfed.types import Slot
 
 
@@ -90,7 +90,10 @@ class DisentAFL(Method):
         return loss + self.params.ortho_weight * ortho
 
     def local_update(self, client: ClientContext, state: ClientState, payload: TensorDict | None) -> LocalResult:
-        result = client.train({**state[Slot.PERSONAL], **(payload or {})}, loss=self.loss)
+        # Tensor work on the step alone (the latents' groups follow its task), fixed by the weight: a CUDA graph may
+        # capture the step with it.
+        loss = CapturedLoss(self.loss, ("disentafl", self.params.ortho_weight))
+        result = client.train({**state[Slot.PERSONAL], **(payload or {})}, loss=loss)
         shared, personal = self.split(result.params)
         return LocalResult({**state, Slot.PERSONAL: personal}, {Slot.SHARED: shared} if shared else {}, result.loss)
 

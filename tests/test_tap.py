@@ -934,6 +934,29 @@ def test_a_replayed_tap_step_records_its_loss_history_and_trains_as_the_eager_on
     assert moved > 1e-4 and gap < 1e-5  # a wrong rate, clip, batch or loss history moves the update by its size
 
 
+def test_a_multi_task_clients_replayed_parts_train_as_the_eager_update_without_reading_back(parts_replayed_on_cpu):
+    # client 1: text classification + image generation, each step's batch split between them in changing shares; the
+    # window count of a long text is read before a part's replay (host_choices), never inside it
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+
+    gap, moved = compiled_gap(_run(), [1], mode="cuda_graphs")
+    assert len(parts_replayed_on_cpu) >= 2  # a part per (task, rows): at least one for each task
+    assert all(reads == 0 for part in parts_replayed_on_cpu for reads in part.host_reads)
+    assert moved > 1e-4 and gap < 1e-6  # a wrong share, batch or gradient moves the update by its size
+
+
+def test_a_replayed_disentafl_step_trains_as_the_eager_one(replayed_on_cpu):
+    # clients 0, 2, 3: one task each; the orthogonality term of the step's latents captured with the task loss
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+
+    run = _run()
+    run["methods"] = [{"name": "disentafl", "ortho_weight": 0.5}]
+    run["train"].update(optimizer="sgd", momentum=0.9)
+    gap, moved = compiled_gap(run, [0, 2, 3], mode="cuda_graphs")
+    assert len(replayed_on_cpu) == 3  # a step a task
+    assert moved > 1e-4 and gap < 1e-5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_captured_tap_update_uploads_the_eager_updates_numbers(monkeypatch):
     # clients 0, 2, 3: one task each (image classification, VQA, text classification), W's update and X's

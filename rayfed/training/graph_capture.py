@@ -234,12 +234,9 @@ class GraphedParts:
         for key in dict.fromkeys(used):
             self.parts.use(key)
         for key, (task, batch, total) in wanted.items():
+            forward = functools.partial(_task_forward, model, config, task.index, key[-1])
             try:
-                select_task(model, task.index)
-                with model.making_choices(key[-1]):
-                    self.parts.get_or_make(
-                        key, lambda: _GraphedPart(trained_forward(model, config), task, batch, total, config, self),
-                        keep=used)
+                self.parts.get_or_make(key, lambda: _GraphedPart(forward, task, batch, total, config, self), keep=used)
             except RuntimeError as err:  # e.g. a forward that reads a value back to the host mid-step
                 log.warning("train.cuda_graphs: the training step of task %s of this %s could not be captured as a "
                             "CUDA graph (%s); its clients train eagerly.", task.name, type(model).__name__,
@@ -268,6 +265,15 @@ class GraphedParts:
         """Give the trained parameters the gradients of the step: those no part of it reached none."""
         for name, param in self.named.items():
             param.grad = self.gradients[name] if name in self.reached else None
+
+
+def _task_forward(model: TrainableModule, config: TrainConfig, task_index: int, choices: object,
+                  batch: Batch) -> torch.Tensor:
+    """The training forward of task ``task_index`` with the model's host ``choices`` taken as made: what a part's
+    graph captures, its task selected inside it (Python alone, no kernel)."""
+    select_task(model, task_index)
+    with model.making_choices(choices):
+        return trained_forward(model, config)(batch)
 
 
 @contextlib.contextmanager
