@@ -30,7 +30,7 @@ from rayfed.models.peft.modules import select_task
 from rayfed.params import NonNegativeInt, Positive, hyperparameters
 from rayfed.registry import register_method
 from rayfed.tasks import Task
-from rayfed.training import ClientContext, Step, scheduled_lr
+from rayfed.training import CapturedLoss, ClientContext, Step, scheduled_lr
 from rayfed.types import Batch, Slot
 
 
@@ -89,7 +89,8 @@ class PerFedAvg(Method):
             return _task_loss(step.model, inner_step(step, inner, alpha), outer)
 
         start = {**state[Slot.PERSONAL], **(payload or {})}
-        result = client.train(start, loss=maml_loss)
+        # Tensor work on the step alone (its inner step included), fixed by alpha: a CUDA graph may capture it.
+        result = client.train(start, loss=CapturedLoss(maml_loss, ("perfedavg", alpha)))
         shared, personal = self.split(result.params)
         return LocalResult({**state, Slot.PERSONAL: personal}, {Slot.SHARED: shared} if shared else {}, result.loss)
 

@@ -957,6 +957,19 @@ def test_a_replayed_disentafl_step_trains_as_the_eager_one(replayed_on_cpu):
     assert moved > 1e-4 and gap < 1e-5
 
 
+def test_a_replayed_perfedavg_step_takes_its_inner_step_as_the_eager_one(replayed_on_cpu):
+    # clients 0, 2, 3: one task each; the first-order MAML step (inner gradient on one half, outer loss on the
+    # other) captured whole
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+
+    run = _run()
+    run["methods"] = [{"name": "perfedavg", "inner_lr": 0.01}]
+    run["train"].update(optimizer="sgd", momentum=0.9)
+    gap, moved = compiled_gap(run, [0, 2, 3], mode="cuda_graphs")
+    assert len(replayed_on_cpu) == 3  # a step a task
+    assert moved > 1e-4 and gap < 1e-5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_captured_tap_update_uploads_the_eager_updates_numbers(monkeypatch):
     # clients 0, 2, 3: one task each (image classification, VQA, text classification), W's update and X's
