@@ -114,7 +114,28 @@ def replayed_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
 
         class Replay:
             def replay(self) -> None:
-                result.copy_(step())
+                from unittest import mock
+                import traceback
+                state = {"opt": False}
+                for opt in optimizers:
+                    if not hasattr(opt, "_orig_step"):
+                        opt._orig_step = opt.step
+                        def wrapped(*a, _o=opt, **k):
+                            state["opt"] = True
+                            try:
+                                return _o._orig_step(*a, **k)
+                            finally:
+                                state["opt"] = False
+                        opt.step = wrapped
+                seen = []
+                class Names(torch.utils._python_dispatch.TorchDispatchMode):
+                    def __torch_dispatch__(s, func, types, args=(), kwargs=None):
+                        if not state["opt"] and func._schema.name in CountedOps.HOST_READS | {"aten::lift_fresh"}:
+                            seen.append((func._schema.name, [f"{f.filename.split('/')[-1]}:{f.lineno}" for f in traceback.extract_stack()[-8:-2]]))
+                        return func(*args, **(kwargs or {}))
+                with mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True), Names():
+                    result.copy_(step())
+                print("WHOLE_STEP_READS", len(seen), seen[:3])
 
         captured.append(step)
         return Replay(), result

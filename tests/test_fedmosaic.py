@@ -560,6 +560,37 @@ def test_a_captured_fedmosaic_update_uploads_the_eager_updates_numbers(monkeypat
     assert moved > 1e-4 and gap < 1e-3  # float32: a wrong part, rate or trained set moves the update by its size
 
 
+def test_feddpas_profile_is_the_mean_first_layer_input_of_its_local_batches_recorded_after_each_step(monkeypatch):
+    # Recorded by a forward after each step (ClientContext.train's observe), not by the step's own forward, which a
+    # captured step replays without its Python: once per local step, and the mean of the first decoder layer's
+    # inputs, as a training forward of the local batches has them, over every local row.
+    from rayfed.methods.feddpa import InstanceWeights
+    from rayfed.models.peft.named_adapters import decoder_layers
+
+    recorded = []
+    original = InstanceWeights.recorded_profile
+    monkeypatch.setattr(InstanceWeights, "recorded_profile",
+                        lambda self: recorded.append(len(self.record)) or original(self))
+    run = copy.deepcopy({**HETERO, "methods": ["feddpa"]})
+    actors, _, _, _ = _first_round(load_config(run))
+    actor = actors["small"]  # clients 0 and 1
+    steps = run["train"]["local_steps"]
+    assert recorded == [2 * steps] * len(run["data"]["tasks"])  # a sum and a row count a step, no more
+    client = actor._context(0, 0)
+    inputs: list[torch.Tensor] = []
+    _, layers = decoder_layers(client.model.encoder, "model.language_model")
+    handle = layers[0].register_forward_pre_hook(lambda module, args, kwargs: inputs.append(
+        (args[0] if args else kwargs["hidden_states"]).detach()), with_kwargs=True)
+    try:
+        for indices in client.batch_order(steps, "local", None):
+            [(task, batch)] = client.micro_batch(indices)
+            client.model(batch)
+    finally:
+        handle.remove()
+    expected = torch.cat([hidden.float().mean(dim=1) for hidden in inputs]).mean(0)
+    assert len(inputs) == steps and torch.allclose(actor.states[0]["profile"]["mean"], expected, atol=1e-6)
+
+
 def test_the_task_groups_conflict_on_every_answer():
     maps = answer_maps(3)
     for answer in maps[0]:
