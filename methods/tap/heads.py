@@ -74,7 +74,7 @@ class TextGenerationHead(nn.Module):
         if self.conditioned:
             context = features.unsqueeze(1)
             queries = queries + self.cond_attention(queries, context, context, need_weights=False)[0]
-        hidden = self.gpt2(inputs_embeds=queries).last_hidden_state
+        hidden = self.gpt2(inputs_embeds=queries, use_cache=False).last_hidden_state  # one pass: no cache to fill
         return self.lm_head(hidden)
 
 
