@@ -15,7 +15,7 @@ for _var in ("DRAKE_ROOT", "HFLB_ROOT"):
 import contextlib  # noqa: E402
 import copy  # noqa: E402
 import sys  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
@@ -101,9 +101,14 @@ def replayed_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
     step's function again instead of a CUDA graph: what a capture can get wrong besides the graph itself (the phases,
     their optimizers, trained sets and losses, the static inputs, the rate, the reset between calls) shows as a
     difference from the eager update. A CPU optimizer reads a rate held in a tensor only as SGD (train.optimizer:
-    sgd). Gives the list of the steps captured."""
+    sgd). Each replay runs as under a capture and counts the values it reads back to the host and the tensors it
+    makes from the host's data (:func:`parts_replayed_on_cpu`). Gives the steps captured, each with ``host_reads``,
+    that count per replay."""
+    from unittest import mock
+
     import torch
 
+    from rayfed.models.families import llava
     from rayfed.training import graph_capture, plans
     from rayfed.training.plans import graphed_step
 
@@ -111,34 +116,25 @@ def replayed_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
 
     def rerun(step, optimizers, device):
         result = torch.zeros(())
+        reads = CountedOps(CountedOps.HOST_READS | {"aten::lift_fresh"})
+        for optimizer in optimizers:  # a CPU optimizer reads its rate back; a GPU's fused one reads nothing
+            optimizer.step = uncounted(reads, optimizer.step)
 
         class Replay:
-            def replay(self) -> None:
-                from unittest import mock
-                import traceback
-                state = {"opt": False}
-                for opt in optimizers:
-                    if not hasattr(opt, "_orig_step"):
-                        opt._orig_step = opt.step
-                        def wrapped(*a, _o=opt, **k):
-                            state["opt"] = True
-                            try:
-                                return _o._orig_step(*a, **k)
-                            finally:
-                                state["opt"] = False
-                        opt.step = wrapped
-                seen = []
-                class Names(torch.utils._python_dispatch.TorchDispatchMode):
-                    def __torch_dispatch__(s, func, types, args=(), kwargs=None):
-                        if not state["opt"] and func._schema.name in CountedOps.HOST_READS | {"aten::lift_fresh"}:
-                            seen.append((func._schema.name, [f"{f.filename.split('/')[-1]}:{f.lineno}" for f in traceback.extract_stack()[-8:-2]]))
-                        return func(*args, **(kwargs or {}))
-                with mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True), Names():
-                    result.copy_(step())
-                print("WHOLE_STEP_READS", len(seen), seen[:3])
+            def __init__(self) -> None:
+                self.host_reads: list[int] = []
 
-        captured.append(step)
-        return Replay(), result
+            def replay(self) -> None:
+                reads.count = 0
+                with mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True), \
+                        mock.patch.object(llava, "capturing", lambda: True), reads:
+                    result.copy_(step())
+                self.host_reads.append(reads.count)
+
+        step()  # the warm-up before a capture: what a first step sets up (GraphedStep restores the values after it)
+        replay = Replay()
+        captured.append(replay)
+        return replay, result
 
     monkeypatch.setattr(graph_capture, "warm_up_and_capture", rerun)
     monkeypatch.setattr(plans, "captures_step",
@@ -191,6 +187,19 @@ def parts_replayed_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
     return captured
 
 
+def uncounted(counter: CountedOps, function: Callable) -> Callable:
+    """``function``, whose ops ``counter`` does not count."""
+
+    def call(*args, **kwargs):
+        counter.paused += 1
+        try:
+            return function(*args, **kwargs)
+        finally:
+            counter.paused -= 1
+
+    return call
+
+
 def made_instances(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list:
     """Every instance of the class ``owner.<name>`` made from now on: a subclass that keeps them, patched in."""
     made: list = []
@@ -212,10 +221,10 @@ class CountedOps(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __init__(self, names: frozenset[str] = HOST_READS):
         super().__init__()
-        self.names, self.count = names, 0
+        self.names, self.count, self.paused = names, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func._schema.name in self.names
+        self.count += not self.paused and func._schema.name in self.names
         return func(*args, **(kwargs or {}))
 
 

@@ -464,6 +464,7 @@ def test_a_replayed_feddat_step_trains_both_phases_as_the_eager_one(replayed_on_
                weight_decay=0.0)
     gap, moved = compiled_gap(run, [0, 1], mode="cuda_graphs")
     assert len(replayed_on_cpu) == 1  # one step for both clients
+    assert all(reads == 0 for step in replayed_on_cpu for reads in step.host_reads)  # none in a step
     assert moved > 1e-4 and gap < 1e-5  # a wrong phase, trained set, loss or rate moves the update by its size
 
 

@@ -533,6 +533,7 @@ def test_a_replayed_feddpa_step_trains_each_phases_own_adapter_as_the_eager_one(
     run["train"] = {**run["train"], "optimizer": "sgd", "momentum": 0.9}
     gap, moved = compiled_gap(run, [0], mode="cuda_graphs")
     assert len(replayed_on_cpu) == 2  # one step a phase's trained set
+    assert all(reads == 0 for step in replayed_on_cpu for reads in step.host_reads)  # none in a step
     assert moved > 1e-4 and gap < 1e-5
 
 

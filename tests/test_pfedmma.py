@@ -453,6 +453,7 @@ def test_a_replayed_pfedmma_step_trains_as_the_eager_one(replayed_on_cpu):
     run["train"].update(optimizer="sgd", momentum=0.9)
     gap, moved = compiled_gap(run, [0, 1], mode="cuda_graphs")
     assert len(replayed_on_cpu) == 1  # one step for both clients
+    assert all(reads == 0 for step in replayed_on_cpu for reads in step.host_reads)  # none in a step
     assert moved > 1e-4 and gap < 1e-5
 
 

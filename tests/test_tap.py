@@ -931,6 +931,7 @@ def test_a_replayed_tap_step_records_its_loss_history_and_trains_as_the_eager_on
     run["train"].update(optimizer="sgd", momentum=0.9)  # a CPU optimizer reads a rate held in a tensor as SGD only
     gap, moved = compiled_gap(run, [0, 2, 3], mode="cuda_graphs")
     assert len(replayed_on_cpu) == 3  # one step a task, shared by W's and X's updates
+    assert all(reads == 0 for step in replayed_on_cpu for reads in step.host_reads)  # none in a step
     assert moved > 1e-4 and gap < 1e-5  # a wrong rate, clip, batch or loss history moves the update by its size
 
 
@@ -954,6 +955,7 @@ def test_a_replayed_disentafl_step_trains_as_the_eager_one(replayed_on_cpu):
     run["train"].update(optimizer="sgd", momentum=0.9)
     gap, moved = compiled_gap(run, [0, 2, 3], mode="cuda_graphs")
     assert len(replayed_on_cpu) == 3  # a step a task
+    assert all(reads == 0 for step in replayed_on_cpu for reads in step.host_reads)  # none in a step
     assert moved > 1e-4 and gap < 1e-5
 
 
@@ -967,6 +969,7 @@ def test_a_replayed_perfedavg_step_takes_its_inner_step_as_the_eager_one(replaye
     run["train"].update(optimizer="sgd", momentum=0.9)
     gap, moved = compiled_gap(run, [0, 2, 3], mode="cuda_graphs")
     assert len(replayed_on_cpu) == 3  # a step a task
+    assert all(reads == 0 for step in replayed_on_cpu for reads in step.host_reads)  # none in a step
     assert moved > 1e-4 and gap < 1e-5
 
 

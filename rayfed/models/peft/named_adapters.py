@@ -24,6 +24,7 @@ from torch import nn
 from rayfed.param_names import adapter_param, leaf, parent
 
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_BLOCK_SCALES = 8  # the mixes of numbers a layer keeps its block scales for (a method uses one or two)
 
 Mix = Mapping[str, float | torch.Tensor]
 
@@ -41,6 +42,7 @@ class AdaptedLinear(nn.Module):
         self.frozen = frozenset(frozen)
         self.enabled = True
         self.mix: Mix | None = None  # None: the layer's default weights (a plain sum)
+        self.block_scales: dict[tuple, torch.Tensor] = {}  # by mix of numbers, dtype and device (_block_scale)
         d_out, d_in = base.weight.shape
         device = base.weight.device
         generator = generator if generator is not None else torch.Generator().manual_seed(0)
@@ -100,6 +102,8 @@ class AdaptedLinear(nn.Module):
         a = torch.cat([self.adapter(name, "A") for name, _ in active])
         b = torch.cat([self.adapter(name, "B") for name, _ in active], dim=1)
         code = nn.functional.linear(x, a)
+        if all(isinstance(w, (int, float)) for _, w in active):
+            return self.scale * nn.functional.linear(code * self._block_scale(active, code), b)
         weights = [torch.as_tensor(w, dtype=code.dtype, device=code.device) for _, w in active]
         if scalar:
             scale = torch.stack(weights).repeat_interleave(self.rank)
@@ -107,6 +111,17 @@ class AdaptedLinear(nn.Module):
             shape = next(w.shape for w in weights if w.dim())
             scale = torch.cat([w.expand(*shape[:-1], self.rank) for w in weights], dim=-1)
         return self.scale * nn.functional.linear(code * scale, b)
+
+    def _block_scale(self, active: list[tuple[str, float | torch.Tensor]], code: torch.Tensor) -> torch.Tensor:
+        """Each adapter's number repeated over its rank's block, made once per mix, dtype and device: made at every
+        forward, it was a copy from the host to the device in every layer, which a captured step cannot hold."""
+        key = (tuple(w for _, w in active), code.dtype, code.device)
+        if key not in self.block_scales:
+            if len(self.block_scales) >= MAX_BLOCK_SCALES:
+                self.block_scales.clear()
+            self.block_scales[key] = torch.tensor([float(w) for _, w in active], dtype=code.dtype,
+                                                  device=code.device).repeat_interleave(self.rank)
+        return self.block_scales[key]
 
 
 # (decoder layer index, 1-based, and the layer) -> what turns each of its target linears into an adapted one
