@@ -549,6 +549,18 @@ def test_a_replayed_fedmosaic_update_replays_its_step_and_uploads_the_eager_numb
     assert moved > 1e-4 and gap == 0.0
 
 
+@pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedsim", "ditto", "perada"])
+def test_a_replayed_baseline_step_on_llava_trains_as_the_eager_one_and_reads_nothing_back(replayed_on_cpu, method):
+    # the baselines' steps on LLaVA with LoRA, captured whole under train.cuda_graphs (on by default)
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+
+    run = copy.deepcopy({**HETERO, "methods": [method]})
+    run["train"] = {**run["train"], "optimizer": "sgd", "momentum": 0.9}
+    gap, moved = compiled_gap(run, [0], mode="cuda_graphs")
+    assert replayed_on_cpu and all(reads == 0 for step in replayed_on_cpu for reads in step.host_reads)
+    assert moved > 1e-4 and gap < 1e-5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_captured_fedmosaic_update_uploads_the_eager_updates_numbers(monkeypatch):
     # each step's forward and backward a CUDA graph (LLaVA's image tokens placed without a read back to the host)
