@@ -562,6 +562,19 @@ def test_a_replayed_baseline_step_on_llava_trains_as_the_eager_one_and_reads_not
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_captured_feddpa_update_keeps_the_eager_updates_adapters_and_profile(monkeypatch):
+    # both updates captured; the kept profile (recorded after each local step) compared with the eager one's too
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+    from rayfed.training.plans import graphed_step
+
+    captured = made_instances(monkeypatch, graphed_step, "GraphedStep")
+    run = copy.deepcopy({**HETERO, "methods": ["feddpa"]})
+    gap, moved = compiled_gap(run, [0, 1], mode="cuda_graphs", overrides=["train.autocast=off"])
+    assert len(captured) == 2  # one graph an update's trained set
+    assert moved > 1e-4 and gap < 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_captured_fedmosaic_update_uploads_the_eager_updates_numbers(monkeypatch):
     # each step's forward and backward a CUDA graph (LLaVA's image tokens placed without a read back to the host)
     from rayfed.benchmarks.fast_steps_check import compiled_gap
