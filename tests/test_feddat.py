@@ -468,6 +468,18 @@ def test_a_replayed_feddat_step_trains_both_phases_as_the_eager_one(replayed_on_
     assert moved > 1e-4 and gap < 1e-5  # a wrong phase, trained set, loss or rate moves the update by its size
 
 
+def test_a_replayed_prompt_tuned_step_embeds_its_images_without_reading_back(replayed_on_cpu):
+    # prompt tuning wraps ViLT's embeddings (PromptedViltEmbeddings); its unpadded images still skip transformers'
+    # padded path, which reads each image's size back to the host (about 6 reads an image)
+    from rayfed.benchmarks.fast_steps_check import compiled_gap
+
+    run = _run({"name": "feddat", "variant": "peft", "model": {"module": "prompt"}}, optimizer="sgd", momentum=0.9)
+    gap, moved = compiled_gap(run, [0, 1], mode="cuda_graphs")
+    assert len(replayed_on_cpu) == 1
+    assert all(reads == 0 for step in replayed_on_cpu for reads in step.host_reads)
+    assert moved > 1e-4 and gap < 1e-5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("variant", ["feddat", "no_local"])
 def test_a_captured_feddat_update_uploads_the_eager_updates_numbers(monkeypatch, variant):

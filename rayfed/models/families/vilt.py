@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -56,13 +57,22 @@ def _embed_unpadded_images_without_host_syncs(encoder: nn.Module) -> None:
     order of its tokens is drawn; this embeds such a batch with the same draws of the host's generator and the same
     products, hence bitwise the same tokens, without reading anything back; on a GPU the order is drawn on the
     device (:func:`device_patch_order`). A call with a mask runs transformers'."""
-    encoder.register_forward_pre_hook(_note_padding, with_kwargs=True)
-    encoder.embeddings.unpadded = False
+    # One note the encoder's hook writes and its embeddings read: a method may wrap the embeddings (prompt tuning's
+    # PromptedViltEmbeddings), which then hold ViLT's as a submodule.
+    padding = _Padding()
+    encoder.register_forward_pre_hook(functools.partial(_note_padding, padding), with_kwargs=True)
+    encoder.embeddings.padding = padding
     encoder.embeddings.visual_embed = types.MethodType(_visual_embed, encoder.embeddings)
 
 
-def _note_padding(encoder: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    encoder.embeddings.unpadded = (args[4] if len(args) > 4 else kwargs.get("pixel_mask")) is None
+class _Padding:
+    """Whether the images of the encoder's current call are unpadded (no ``pixel_mask``)."""
+
+    unpadded = False
+
+
+def _note_padding(padding: _Padding, encoder: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    padding.unpadded = (args[4] if len(args) > 4 else kwargs.get("pixel_mask")) is None
 
 
 def device_patch_order(batch_size: int, count: int, chosen: int, device: torch.device) -> torch.Tensor:
@@ -81,7 +91,7 @@ def _visual_embed(
     batch_size, channels, height, width = patches.shape
     count = height * width
     chosen = count if max_image_length is None or max_image_length < 0 else max_image_length
-    if not self.unpadded or chosen > count:
+    if not self.padding.unpadded or chosen > count:
         return type(self).visual_embed(self, pixel_values, pixel_mask, max_image_length)
     grid = self.config.image_size // self.config.patch_size
     spatial = self.position_embeddings[:, 1:, :].transpose(1, 2).view(1, channels, grid, grid)
