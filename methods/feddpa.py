@@ -12,6 +12,7 @@ representation of the client's training samples, kept in its state.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -82,10 +83,8 @@ class InstanceWeights:
             with torch.no_grad():
                 for task, batch in forwards:
                     select_task(step.model, task.index)
-                    try:
+                    with contextlib.suppress(_Recorded):
                         step.model(batch)
-                    except _Recorded:
-                        pass
         finally:
             self.recording = False
 

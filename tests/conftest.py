@@ -176,7 +176,7 @@ def parts_replayed_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
 
     class NoStream:  # a class: a module imported later may annotate with torch.cuda.Stream | None
         def __init__(self, device=None) -> None:
-            pass
+            self.device = device
 
     monkeypatch.setattr(graph_capture, "captured_part", Rerun)
     monkeypatch.setattr(graph_capture, "on_stream", lambda stream, device: contextlib.nullcontext())

@@ -946,26 +946,14 @@ def test_a_multi_task_clients_replayed_parts_train_as_the_eager_update_without_r
     assert moved > 1e-4 and gap < 1e-6  # a wrong share, batch or gradient moves the update by its size
 
 
-def test_a_replayed_disentafl_step_trains_as_the_eager_one(replayed_on_cpu):
-    # clients 0, 2, 3: one task each; the orthogonality term of the step's latents captured with the task loss
+@pytest.mark.parametrize("entry", [{"name": "disentafl", "ortho_weight": 0.5}, {"name": "perfedavg", "inner_lr": 0.01}])
+def test_a_replayed_baseline_step_with_its_own_loss_trains_as_the_eager_one(replayed_on_cpu, entry):
+    # clients 0, 2, 3: one task each; DisentAFL's orthogonality term of the step's latents, Per-FedAvg's first-order
+    # MAML step (inner gradient on one half of the batch, outer loss on the other), each captured with its step
     from rayfed.benchmarks.fast_steps_check import compiled_gap
 
     run = _run()
-    run["methods"] = [{"name": "disentafl", "ortho_weight": 0.5}]
-    run["train"].update(optimizer="sgd", momentum=0.9)
-    gap, moved = compiled_gap(run, [0, 2, 3], mode="cuda_graphs")
-    assert len(replayed_on_cpu) == 3  # a step a task
-    assert all(reads == 0 for step in replayed_on_cpu for reads in step.host_reads)  # none in a step
-    assert moved > 1e-4 and gap < 1e-5
-
-
-def test_a_replayed_perfedavg_step_takes_its_inner_step_as_the_eager_one(replayed_on_cpu):
-    # clients 0, 2, 3: one task each; the first-order MAML step (inner gradient on one half, outer loss on the
-    # other) captured whole
-    from rayfed.benchmarks.fast_steps_check import compiled_gap
-
-    run = _run()
-    run["methods"] = [{"name": "perfedavg", "inner_lr": 0.01}]
+    run["methods"] = [entry]
     run["train"].update(optimizer="sgd", momentum=0.9)
     gap, moved = compiled_gap(run, [0, 2, 3], mode="cuda_graphs")
     assert len(replayed_on_cpu) == 3  # a step a task

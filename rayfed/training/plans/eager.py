@@ -69,8 +69,9 @@ def run_steps(client: PlanClient, call: TrainCall, named: dict[str, torch.Tensor
             if config.grad_clip is not None:
                 nn.utils.clip_grad_norm_(trained, config.grad_clip)
             optimizer.step()
-        for parts, memory in zip(micro_batches, memories):
-            observed(client, call, Step(client, parts, named, 0, step, memory))
+        if call.observe is not None:
+            for parts, memory in zip(micro_batches, memories):
+                observed(client, call, Step(client, parts, named, 0, step, memory))
         snapshot(step + 1)
     task_losses = {task: task_sums[task] / task_counts[task] for task in task_sums}
     state = saved_optimizer_state(optimizers, named) if call.keep_optimizer_state else None
