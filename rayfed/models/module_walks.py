@@ -24,15 +24,18 @@ _parameter_registrations = 0  # and buffer registrations
 _walked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+# Not while torch.compile traces a forward: what a forward registers goes into the modules it makes (a slice's
+# ModuleList), never a walked one, and a traced test of the weak set guards on its members by position, which the
+# garbage collector may remove before the guard is built (torch 2.14: "set index out of range").
 def _count_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
     global _registrations
-    if module in _walked:
+    if not torch.compiler.is_compiling() and module in _walked:
         _registrations += 1
 
 
 def _count_parameter_registration(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
     global _parameter_registrations
-    if module in _walked:
+    if not torch.compiler.is_compiling() and module in _walked:
         _parameter_registrations += 1
 
 
